@@ -1,0 +1,23 @@
+"""fnattn: attention variants as pure JAX functions.
+
+>>> import jax, jax.numpy as jnp, fnattn
+>>> q = k = v = jnp.ones((1, 4, 2, 8))
+>>> jax.jit(fnattn.attention)(fnattn.AttentionSpec(), q, k, v).out.shape
+(1, 4, 2, 8)
+"""
+
+from fnattn import dropout, masks
+from fnattn.attention import attention
+from fnattn.reference import reference
+from fnattn.spec import AttentionOutput, AttentionSpec
+
+__all__ = [
+    "AttentionOutput",
+    "AttentionSpec",
+    "attention",
+    "dropout",
+    "masks",
+    "reference",
+]
+
+__version__ = "0.1.0"

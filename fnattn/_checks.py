@@ -1,0 +1,121 @@
+"""Trace-time validation shared by every public entry point.
+
+Messages name the argument, what was expected and what was given.
+"""
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
+
+
+class Dims(NamedTuple):
+    """Problem sizes, always in "bthd" terms."""
+
+    batch: int
+    q_len: int
+    kv_len: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+
+def _shape(x):
+    return tuple(jnp.shape(x))
+
+
+def check_float(name, x):
+    if not hasattr(x, "dtype") or not hasattr(x, "shape"):
+        raise TypeError(f"{name} must be a JAX array; got {type(x).__name__}")
+    if x.dtype not in FLOAT_DTYPES:
+        raise TypeError(
+            f"{name} must be a floating-point array (float32, bfloat16 or float16); "
+            f"got {x.dtype} with shape {_shape(x)}")
+
+
+def check_qkv(q, k, v, layout: str, *, fn: str = "attention") -> Dims:
+    """Validates q, k, v and returns their sizes."""
+    if layout not in ("bthd", "bhtd"):
+        raise ValueError(f"{fn}: layout must be 'bthd' or 'bhtd'; got {layout!r}")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_float(f"{fn}: {name}", x)
+        if x.ndim != 4:
+            want = "(B, T, H, D)" if layout == "bthd" else "(B, H, T, D)"
+            raise ValueError(f"{fn}: {name} must have 4 axes {want} for layout {layout!r}; "
+                             f"got shape {_shape(x)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{fn}: q, k and v must share a dtype; got q {q.dtype}, "
+                        f"k {k.dtype}, v {v.dtype}")
+    if layout == "bthd":
+        (B, Tq, Hq, D), (Bk, Tk, Hkv, Dk), (Bv, Tv, Hv, Dv) = q.shape, k.shape, v.shape
+        names = "(B, Tk, Hkv, D)"
+        exp_k = lambda: (B, Tk, Hkv, D)  # noqa: E731
+    else:
+        (B, Hq, Tq, D), (Bk, Hkv, Tk, Dk), (Bv, Hv, Tv, Dv) = q.shape, k.shape, v.shape
+        names = "(B, Hkv, Tk, D)"
+        exp_k = lambda: (B, Hkv, Tk, D)  # noqa: E731
+    if Dk != D:
+        raise ValueError(f"{fn}: head-dim mismatch: k must have head dim D={D} like q "
+                         f"{_shape(q)}; got k {_shape(k)}")
+    if Bk != B:
+        raise ValueError(f"{fn}: batch mismatch: k must have batch B={B} like q "
+                         f"{_shape(q)}; got k {_shape(k)}")
+    if (Bv, Tv, Hv) != (Bk, Tk, Hkv):
+        vexp = (B, Tk, Hkv, "Dv") if layout == "bthd" else (B, Hkv, Tk, "Dv")
+        raise ValueError(f"{fn}: v must have shape {vexp} matching k {_shape(k)}; "
+                         f"got v {_shape(v)}")
+    if Hkv == 0 or Hq % Hkv:
+        raise ValueError(f"{fn}: the number of query heads Hq={Hq} must be a multiple "
+                         f"of the number of key/value heads Hkv={Hkv} (q {_shape(q)}, "
+                         f"k {_shape(k)} {names})")
+    del exp_k
+    return Dims(B, Tq, Tk, Hq, Hkv, D, Dv)
+
+
+def check_spec_arrays(spec, dims: Dims, *, fn: str = "attention") -> None:
+    """Validates the spec's arrays against the problem sizes."""
+    B, Tq, Tk, Hq = dims.batch, dims.q_len, dims.kv_len, dims.num_q_heads
+    if spec.bias is not None:
+        check_float(f"{fn}: bias", spec.bias)
+        bs = _shape(spec.bias)
+        want = (B, Hq, Tq, Tk)
+        padded = (1,) * (4 - len(bs)) + bs
+        if len(bs) > 4 or any(n not in (1, w) for n, w in zip(padded, want)):
+            raise ValueError(f"{fn}: bias must be broadcastable to (B, Hq, Tq, Tk)={want}; "
+                             f"got {bs}")
+    if spec.sinks is not None:
+        check_float(f"{fn}: sinks", spec.sinks)
+        if _shape(spec.sinks) != (Hq,):
+            raise ValueError(f"{fn}: sinks must have shape (Hq,)=({Hq},), one logit per "
+                             f"query head; got {_shape(spec.sinks)}")
+    if spec.dropout_rate > 0 and spec.dropout_key is None:
+        raise ValueError(f"{fn}: dropout_rate={spec.dropout_rate} needs a dropout_key "
+                         "(a PRNG key, e.g. jax.random.key(0))")
+    if spec.mask is not None:
+        try:
+            spec.mask.validate(B, Hq, Tq, Tk)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{fn}: {e}") from None
+
+
+def to_bthd(x, layout):
+    return x if layout == "bthd" else jnp.swapaxes(x, 1, 2)
+
+
+def from_bthd(x, layout):
+    return to_bthd(x, layout)
+
+
+def resolve_scale(spec, head_dim: int) -> float:
+    return float(spec.scale) if spec.scale is not None else float(head_dim) ** -0.5
+
+
+def is_array(x) -> bool:
+    return isinstance(x, jax.Array)

@@ -1,0 +1,93 @@
+"""One ``custom_vjp`` around the choice of lowering.
+
+A *lowering* is a pair of functions::
+
+    fwd(cfg, q, k, v, bias, sinks, mask, seed) -> (out, lse)
+    bwd(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse)
+        -> (dq, dk, dv, dbias, dsinks)
+
+on "bthd" inputs, with ``out`` in q's dtype and ``lse`` float32 (B, Hq, Tq), so
+that every branch has the same output types. A *table* maps platform names
+("default", "cuda", "rocm", "tpu", "cpu") to lowerings; at trace time
+``jax.lax.platform_dependent`` traces every branch and lowering for a platform
+keeps one. The forward and the backward are each one ``platform_dependent``,
+inside a single ``custom_vjp``, which is what makes ``jit``, ``grad``, ``vmap``,
+``checkpoint`` and ``scan`` compose with Pallas kernels.
+"""
+
+import dataclasses
+import functools
+from typing import Any, Callable, Optional
+
+import jax
+from jax import lax
+
+from fnattn._checks import Dims
+
+
+@dataclasses.dataclass(frozen=True)
+class Lowering:
+    """A forward and a backward implementation of one variant on one platform."""
+
+    name: str
+    fwd: Callable
+    bwd: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Static configuration handed to every lowering (hashable)."""
+
+    dims: Dims
+    scale: float
+    softcap: Optional[float]
+    dropout_rate: float
+    mask_treedef: Any
+    block_sizes: Any = None
+    q_offset: Optional[int] = None
+
+    def mask(self, leaves):
+        return jax.tree_util.tree_unflatten(self.mask_treedef, leaves)
+
+
+def _select(table, fn_name, cfg, *args):
+    branches = {plat: functools.partial(getattr(low, fn_name), cfg) for plat, low in table}
+    default = branches.pop("default")
+    if not branches:
+        return default(*args)
+    return lax.platform_dependent(*args, default=default, **branches)
+
+
+def _with_mask(fn):
+    @functools.wraps(fn)
+    def wrapped(cfg, q, k, v, bias, sinks, mask_leaves, seed, *rest):
+        return fn(cfg, q, k, v, bias, sinks, cfg.mask(mask_leaves), seed, *rest)
+    return wrapped
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
+    return _select(_wrap(table), "fwd", cfg, q, k, v, bias, sinks, mask_leaves, seed)
+
+
+def _attend_fwd(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
+    out, lse = _select(_wrap(table), "fwd", cfg, q, k, v, bias, sinks, mask_leaves, seed)
+    return (out, lse), (q, k, v, bias, sinks, mask_leaves, seed, out, lse)
+
+
+def _attend_bwd(table, cfg, res, cotangents):
+    q, k, v, bias, sinks, mask_leaves, seed, out, lse = res
+    d_out, d_lse = cotangents
+    dq, dk, dv, dbias, dsinks = _select(_wrap(table), "bwd", cfg, q, k, v, bias, sinks,
+                                        mask_leaves, seed, out, lse, d_out, d_lse)
+    none_like = jax.tree_util.tree_map(lambda _: None, mask_leaves)
+    return (dq, dk, dv, dbias, dsinks, none_like, None)
+
+
+attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+@functools.lru_cache(maxsize=None)
+def _wrap(table):
+    return tuple((plat, Lowering(low.name, _with_mask(low.fwd), _with_mask(low.bwd)))
+                 for plat, low in table)

@@ -1,0 +1,81 @@
+"""``fnattn.attention``: the one entry point for dense (training/prefill) attention."""
+
+import jax
+from beartype import beartype
+from jaxtyping import Array, Shaped, jaxtyped
+
+from fnattn import _checks, _dispatch, cudnn, xla
+from fnattn.reference import prepare, reference
+from fnattn.spec import AttentionOutput, AttentionSpec
+
+__all__ = ["attention", "lowering_table"]
+
+
+def lowering_table(impl: str):
+    """The (platform, lowering) table that ``impl`` selects."""
+    if impl == "xla":
+        return (("default", xla.DENSE),)
+    if impl == "auto":
+        from fnattn.flash import api as flash_api
+        return flash_api.lowering_table("auto")
+    if impl == "pallas":
+        from fnattn.flash import api as flash_api
+        return flash_api.lowering_table("pallas")
+    raise ValueError(f"no lowering table for impl={impl!r}")
+
+
+def run(spec: AttentionSpec, q, k, v, *, fn: str, table=None) -> AttentionOutput:
+    """Validates, dispatches through the custom_vjp, and restores the layout."""
+    dims, qb, kb, vb, scale, seed = prepare(spec, q, k, v, fn)
+    if spec.impl == "cudnn":
+        res = cudnn.attention(spec, dims, qb, kb, vb, scale=scale)
+        out = _checks.from_bthd(res.out, spec.layout)
+        return AttentionOutput(out, res.lse if spec.return_lse else None)
+    leaves, treedef = jax.tree_util.tree_flatten(spec.mask)
+    cfg = _dispatch.Config(dims=dims, scale=scale, softcap=spec.softcap,
+                           dropout_rate=float(spec.dropout_rate), mask_treedef=treedef,
+                           block_sizes=spec.block_sizes)
+    table = lowering_table(spec.impl) if table is None else table
+    out, lse = _dispatch.attend(table, cfg, qb, kb, vb, spec.bias, spec.sinks,
+                                tuple(leaves), seed)
+    return AttentionOutput(_checks.from_bthd(out, spec.layout),
+                           lse if spec.return_lse else None)
+
+
+@jaxtyped(typechecker=beartype)
+def attention(spec: AttentionSpec, q: Shaped[Array, "_ _ _ _"], k: Shaped[Array, "_ _ _ _"],
+              v: Shaped[Array, "_ _ _ _"]) -> AttentionOutput:
+    """Attention of ``q`` over ``k``/``v`` as described by ``spec``.
+
+    ``spec.impl`` picks the lowering: "auto" (flash: Pallas Triton kernels on
+    NVIDIA GPUs, Pallas Mosaic kernels on TPU, a blockwise XLA loop elsewhere,
+    chosen at trace time), "pallas" (the Pallas kernels; interpreted on CPU),
+    "xla" (dense XLA), "cudnn" (``jax.nn.dot_product_attention``) or
+    "reference".
+
+    Args:
+      spec: the :class:`AttentionSpec`.
+      q: (B, Tq, Hq, D) in "bthd" or (B, Hq, Tq, D) in "bhtd".
+      k: (B, Tk, Hkv, D) or (B, Hkv, Tk, D); Hq must be a multiple of Hkv.
+      v: (B, Tk, Hkv, Dv) or (B, Hkv, Tk, Dv).
+
+    Returns:
+      :class:`AttentionOutput` with ``out`` in q's dtype and layout and
+      ``lse`` (B, Hq, Tq) float32 (None if ``spec.return_lse`` is False).
+
+    >>> import jax, jax.numpy as jnp
+    >>> import fnattn
+    >>> from fnattn import AttentionSpec, masks
+    >>> q = jax.random.normal(jax.random.key(0), (2, 16, 4, 8))
+    >>> k = v = jax.random.normal(jax.random.key(1), (2, 16, 2, 8))
+    >>> spec = AttentionSpec(mask=masks.causal(), softcap=30.0)
+    >>> res = jax.jit(fnattn.attention)(spec, q, k, v)
+    >>> res.out.shape, res.lse.shape
+    ((2, 16, 4, 8), (2, 4, 16))
+    >>> g = jax.jit(jax.grad(lambda q: fnattn.attention(spec, q, k, v).out.sum()))(q)
+    >>> g.shape
+    (2, 16, 4, 8)
+    """
+    if spec.impl == "reference":
+        return reference(spec, q, k, v)
+    return run(spec, q, k, v, fn="attention")

@@ -1,0 +1,767 @@
+"""A composable, traceable mask algebra.
+
+A mask says which (query, key) pairs may attend. Masks are frozen pytrees: the
+arrays they hold (segment ids, lengths, prefix lengths, dense boolean masks) are
+leaves, so a mask can be built from traced values inside ``jax.jit`` and passed
+through ``jax.vmap``; everything else (window sizes, predicates) is static.
+
+Masks combine with ``&`` (both allow), ``|`` (either allows) and ``~`` (negation).
+
+Positions and alignment
+-----------------------
+Every mask is a predicate over ``(batch, head, q, k)``. Query rows are numbered
+``0 .. Tq-1`` and key columns ``0 .. Tk-1``. Positional masks (causal, sliding
+window, chunked, prefix-LM) compare the key index with the **aligned query
+position** ``q_pos = q + (Tk - Tq)``: when ``Tq != Tk`` the queries are the *last*
+``Tq`` positions of the key sequence (bottom-right alignment). This is what
+decoding and chunked prefill need: a single query against ``Tk`` cached keys
+sees all of them under ``causal()``. When ``Tq == Tk`` it is the usual
+``k <= q``. Masks that index arrays (segments, lengths, ``from_array``) use the
+raw row index ``q``.
+
+The protocol every mask implements
+----------------------------------
+Lowerings never look at mask classes. They use three methods:
+
+* ``operands()`` returns the mask's arrays in canonical 4-D form
+  ``(B|1, H|1, Tq|1, Tk|1)``: a size-1 axis means "does not vary along it".
+  A kernel slices each operand to its tile along the non-1 axes.
+* ``predicate(pos, ops)`` evaluates the mask elementwise, where ``pos`` holds
+  broadcastable index arrays and ``ops`` the operand tiles, in the same order.
+  Only elementwise ``jnp`` operations are used, so the same code runs in the
+  reference, in an XLA loop and inside a Pallas kernel.
+* ``tile_bounds(tiles, ops)`` says, per (q-block, kv-block) tile, whether some
+  pair in the tile *may* be allowed and whether *all* pairs certainly are; this
+  is what block-sparse lowerings use to skip empty tiles and to skip mask
+  evaluation on full ones. See :func:`block_classes`.
+
+Example:
+
+  >>> import jax.numpy as jnp
+  >>> from fnattn import masks
+  >>> m = masks.causal() & masks.sliding_window(left=2)
+  >>> print(masks.render(m, 5, 5))
+  x . . . .
+  x x . . .
+  x x x . .
+  . x x x .
+  . . x x x
+"""
+
+import dataclasses
+from typing import Any, Callable, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+__all__ = [
+    "Mask",
+    "Positions",
+    "TileBounds",
+    "causal",
+    "sliding_window",
+    "chunked",
+    "segments",
+    "lengths",
+    "prefix_lm",
+    "from_array",
+    "from_fn",
+    "full",
+    "materialize",
+    "block_classes",
+    "render",
+    "EMPTY",
+    "PARTIAL",
+    "FULL",
+]
+
+# Tile classes produced by `block_classes`.
+EMPTY = 0
+PARTIAL = 1
+FULL = 2
+
+
+class Positions(NamedTuple):
+    """Broadcastable integer index arrays at which a mask is evaluated.
+
+    Attributes:
+      b: batch index.
+      h: query-head index.
+      q: raw query row index (``0 .. Tq-1``), used to index operands.
+      q_pos: aligned query position, compared with ``k`` by positional masks.
+      k: key index (``0 .. Tk-1``).
+    """
+
+    b: Any
+    h: Any
+    q: Any
+    q_pos: Any
+    k: Any
+
+
+class TileBounds(NamedTuple):
+    """Inclusive index ranges of tiles, as broadcastable arrays.
+
+    ``q_lo``/``q_hi`` are raw query rows, ``pos_lo``/``pos_hi`` the aligned query
+    positions of those rows, ``k_lo``/``k_hi`` key indices. ``b`` and ``h`` are the
+    batch and head indices of each tile.
+    """
+
+    b: Any
+    h: Any
+    q_lo: Any
+    q_hi: Any
+    pos_lo: Any
+    pos_hi: Any
+    k_lo: Any
+    k_hi: Any
+
+
+class OperandStats(NamedTuple):
+    """Per-tile minimum and maximum of one operand (shapes broadcast with tiles)."""
+
+    lo: Any
+    hi: Any
+
+
+def _to4d(x: Array, axes: str) -> Array:
+    """Reshape an array whose axes are named by a subset of "bhqk" to 4-D."""
+    shape = []
+    it = iter(x.shape)
+    for ax in "bhqk":
+        shape.append(next(it) if ax in axes else 1)
+    return jnp.reshape(x, shape)
+
+
+class Mask:
+    """Base class of all masks. Build masks with the functions of this module."""
+
+    # -- protocol -----------------------------------------------------------------
+    def operands(self) -> tuple[Array, ...]:
+        return ()
+
+    def predicate(self, pos: Positions, ops: Sequence[Array]) -> Array:
+        raise NotImplementedError
+
+    def tile_bounds(self, t: TileBounds, ops: Sequence[OperandStats]) -> tuple[Any, Any]:
+        """Returns ``(may_any, all_true)`` per tile (conservative)."""
+        raise NotImplementedError
+
+    def validate(self, batch: int, num_heads: int, q_len: int, kv_len: int) -> None:
+        """Raises ``ValueError`` naming the argument if an operand does not fit."""
+
+    @property
+    def num_operands(self) -> int:
+        return len(self.operands())
+
+    # -- algebra ------------------------------------------------------------------
+    def __and__(self, other: "Mask") -> "Mask":
+        _check_mask(other, "&")
+        return And(self, other)
+
+    def __or__(self, other: "Mask") -> "Mask":
+        _check_mask(other, "|")
+        return Or(self, other)
+
+    def __invert__(self) -> "Mask":
+        return Not(self)
+
+    def __bool__(self):
+        raise TypeError(
+            "A mask has no truth value. To combine masks use `&` (both allow), "
+            "`|` (either allows) and `~` (negation), not the Python keywords "
+            "`and`, `or`, `not`, which call bool() on the mask; and test for "
+            "a missing mask with `mask is None`."
+        )
+
+
+def _check_mask(other, op):
+    if not isinstance(other, Mask):
+        raise TypeError(
+            f"cannot combine a mask with {type(other).__name__} using `{op}`; "
+            "both sides must be fnattn.masks objects")
+
+
+def _register(cls, data=(), meta=()):
+    cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
+    jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+    return cls
+
+
+def _bool_shape_check(name, arr, expected, batch, num_heads, q_len, kv_len):
+    shape = tuple(arr.shape)
+    want = dict(zip("bhqk", (batch, num_heads, q_len, kv_len)))
+    for ax, n in zip(expected, shape):
+        if n != want[ax] and not (n == 1 and ax in "bh"):
+            names = {"b": "batch", "h": "heads", "q": "Tq", "k": "Tk"}
+            exp = tuple(want[a] for a in expected)
+            raise ValueError(
+                f"{name} must have shape ({', '.join(names[a] for a in expected)})"
+                f"={exp}; got {shape}")
+
+
+# ---------------------------------------------------------------------------------
+# Combinators
+# ---------------------------------------------------------------------------------
+
+
+def _split(masks, ops):
+    out, i = [], 0
+    for m in masks:
+        n = m.num_operands
+        out.append(ops[i:i + n])
+        i += n
+    return out
+
+
+class And(Mask):
+    a: Mask
+    b: Mask
+
+    def operands(self):
+        return self.a.operands() + self.b.operands()
+
+    def predicate(self, pos, ops):
+        oa, ob = _split((self.a, self.b), ops)
+        return self.a.predicate(pos, oa) & self.b.predicate(pos, ob)
+
+    def tile_bounds(self, t, ops):
+        oa, ob = _split((self.a, self.b), ops)
+        any_a, all_a = self.a.tile_bounds(t, oa)
+        any_b, all_b = self.b.tile_bounds(t, ob)
+        return any_a & any_b, all_a & all_b
+
+    def validate(self, *dims):
+        self.a.validate(*dims)
+        self.b.validate(*dims)
+
+    def __repr__(self):
+        return f"({self.a!r} & {self.b!r})"
+
+
+class Or(Mask):
+    a: Mask
+    b: Mask
+
+    def operands(self):
+        return self.a.operands() + self.b.operands()
+
+    def predicate(self, pos, ops):
+        oa, ob = _split((self.a, self.b), ops)
+        return self.a.predicate(pos, oa) | self.b.predicate(pos, ob)
+
+    def tile_bounds(self, t, ops):
+        oa, ob = _split((self.a, self.b), ops)
+        any_a, all_a = self.a.tile_bounds(t, oa)
+        any_b, all_b = self.b.tile_bounds(t, ob)
+        return any_a | any_b, all_a | all_b
+
+    def validate(self, *dims):
+        self.a.validate(*dims)
+        self.b.validate(*dims)
+
+    def __repr__(self):
+        return f"({self.a!r} | {self.b!r})"
+
+
+class Not(Mask):
+    a: Mask
+
+    def operands(self):
+        return self.a.operands()
+
+    def predicate(self, pos, ops):
+        return ~self.a.predicate(pos, ops)
+
+    def tile_bounds(self, t, ops):
+        any_a, all_a = self.a.tile_bounds(t, ops)
+        return ~all_a, ~any_a
+
+    def validate(self, *dims):
+        self.a.validate(*dims)
+
+    def __repr__(self):
+        return f"~{self.a!r}"
+
+
+And = _register(And, data=("a", "b"))
+Or = _register(Or, data=("a", "b"))
+Not = _register(Not, data=("a",))
+
+
+# ---------------------------------------------------------------------------------
+# Positional masks (no arrays)
+# ---------------------------------------------------------------------------------
+
+
+class Full(Mask):
+    def predicate(self, pos, ops):
+        return jnp.ones(jnp.broadcast_shapes(jnp.shape(pos.q_pos), jnp.shape(pos.k)), bool)
+
+    def tile_bounds(self, t, ops):
+        x = jnp.ones(jnp.broadcast_shapes(jnp.shape(t.pos_lo), jnp.shape(t.k_lo)), bool)
+        return x, x
+
+    def __repr__(self):
+        return "full()"
+
+
+class Causal(Mask):
+    def predicate(self, pos, ops):
+        return pos.k <= pos.q_pos
+
+    def tile_bounds(self, t, ops):
+        return t.k_lo <= t.pos_hi, t.k_hi <= t.pos_lo
+
+    def __repr__(self):
+        return "causal()"
+
+
+class SlidingWindow(Mask):
+    left: int | None
+    right: int | None
+
+    def predicate(self, pos, ops):
+        ok = None
+        if self.left is not None:
+            ok = pos.k >= pos.q_pos - self.left
+        if self.right is not None:
+            r = pos.k <= pos.q_pos + self.right
+            ok = r if ok is None else ok & r
+        return ok
+
+    def tile_bounds(self, t, ops):
+        any_, all_ = True, True
+        if self.left is not None:
+            any_ = t.k_hi >= t.pos_lo - self.left
+            all_ = t.k_lo >= t.pos_hi - self.left
+        if self.right is not None:
+            any_ = any_ & (t.k_lo <= t.pos_hi + self.right)
+            all_ = all_ & (t.k_hi <= t.pos_lo + self.right)
+        return any_, all_
+
+    def __repr__(self):
+        return f"sliding_window(left={self.left}, right={self.right})"
+
+
+class Chunked(Mask):
+    size: int
+
+    def predicate(self, pos, ops):
+        return (pos.q_pos // self.size) == (pos.k // self.size)
+
+    def tile_bounds(self, t, ops):
+        s = self.size
+        q0, q1, k0, k1 = t.pos_lo // s, t.pos_hi // s, t.k_lo // s, t.k_hi // s
+        return (q0 <= k1) & (k0 <= q1), (q0 == q1) & (k0 == k1) & (q0 == k0)
+
+    def __repr__(self):
+        return f"chunked({self.size})"
+
+
+Full = _register(Full)
+Causal = _register(Causal)
+SlidingWindow = _register(SlidingWindow, meta=("left", "right"))
+Chunked = _register(Chunked, meta=("size",))
+
+
+def full() -> Mask:
+    """Every query attends to every key (the same as passing no mask)."""
+    return Full()
+
+
+def causal() -> Mask:
+    """Key ``k`` is visible to query ``q`` when ``k <= q + (Tk - Tq)``.
+
+    >>> print(render(causal(), 3, 5))
+    x x x . .
+    x x x x .
+    x x x x x
+    """
+    return Causal()
+
+
+def sliding_window(left: int | None, right: int | None = 0) -> Mask:
+    """Keys within ``[q_pos - left, q_pos + right]`` are visible.
+
+    ``left=None`` (or ``right=None``) leaves that side unbounded. The default
+    ``right=0`` makes the window causal; ``sliding_window(left=w)`` alone is
+    local causal attention over the ``w`` previous tokens and the current one.
+
+    >>> print(render(sliding_window(left=1, right=1), 4, 4))
+    x x . .
+    x x x .
+    . x x x
+    . . x x
+    """
+    for name, w in (("left", left), ("right", right)):
+        if w is not None and (not isinstance(w, (int, np.integer)) or w < 0):
+            raise ValueError(
+                f"sliding_window: {name} must be a non-negative int or None; got {w!r}")
+    if left is None and right is None:
+        raise ValueError("sliding_window: left and right cannot both be None; use full()")
+    return SlidingWindow(None if left is None else int(left),
+                         None if right is None else int(right))
+
+
+def chunked(size: int) -> Mask:
+    """Keys in the same chunk of ``size`` positions as the query are visible.
+
+    Usually combined with ``causal()``, as in chunked local attention.
+
+    >>> print(render(chunked(2) & causal(), 4, 4))
+    x . . .
+    x x . .
+    . . x .
+    . . x x
+    """
+    if not isinstance(size, (int, np.integer)) or size <= 0:
+        raise ValueError(f"chunked: size must be a positive int; got {size!r}")
+    return Chunked(int(size))
+
+
+# ---------------------------------------------------------------------------------
+# Masks that carry arrays
+# ---------------------------------------------------------------------------------
+
+
+def _minmax_bounds_equal(qs: OperandStats, ks: OperandStats):
+    may = (qs.lo <= ks.hi) & (ks.lo <= qs.hi)
+    all_ = (qs.lo == qs.hi) & (ks.lo == ks.hi) & (qs.lo == ks.lo)
+    return may, all_
+
+
+class Segments(Mask):
+    q_segment_ids: Array
+    kv_segment_ids: Array
+
+    def operands(self):
+        return (_to4d(jnp.asarray(self.q_segment_ids), "bq"),
+                _to4d(jnp.asarray(self.kv_segment_ids), "bk"))
+
+    def predicate(self, pos, ops):
+        qid, kid = ops
+        return qid == kid
+
+    def tile_bounds(self, t, ops):
+        # Exact when segment ids are sorted along the sequence (packed documents),
+        # conservative otherwise.
+        return _minmax_bounds_equal(*ops)
+
+    def validate(self, batch, num_heads, q_len, kv_len):
+        for name, arr, ax in (("q_segment_ids", self.q_segment_ids, "bq"),
+                              ("kv_segment_ids", self.kv_segment_ids, "bk")):
+            if jnp.ndim(arr) != 2:
+                raise ValueError(
+                    f"segments: {name} must have shape (batch, "
+                    f"{'Tq' if ax == 'bq' else 'Tk'})="
+                    f"{(batch, q_len if ax == 'bq' else kv_len)}; got {tuple(jnp.shape(arr))}")
+            if not jnp.issubdtype(jnp.result_type(arr), jnp.integer):
+                raise TypeError(f"segments: {name} must be integer; got {jnp.result_type(arr)}")
+            _bool_shape_check(f"segments: {name}", arr, ax, batch, num_heads, q_len, kv_len)
+
+    def __repr__(self):
+        return "segments(...)"
+
+
+class Lengths(Mask):
+    q_lengths: Array | None
+    kv_lengths: Array | None
+
+    def operands(self):
+        ops = []
+        if self.q_lengths is not None:
+            ops.append(_to4d(jnp.asarray(self.q_lengths), "b"))
+        if self.kv_lengths is not None:
+            ops.append(_to4d(jnp.asarray(self.kv_lengths), "b"))
+        return tuple(ops)
+
+    def predicate(self, pos, ops):
+        ops = list(ops)
+        ok = True
+        if self.q_lengths is not None:
+            ok = pos.q < ops.pop(0)
+        if self.kv_lengths is not None:
+            ok = ok & (pos.k < ops.pop(0))
+        return ok
+
+    def tile_bounds(self, t, ops):
+        ops = list(ops)
+        any_, all_ = True, True
+        if self.q_lengths is not None:
+            s = ops.pop(0)
+            any_, all_ = t.q_lo < s.lo, t.q_hi < s.lo
+        if self.kv_lengths is not None:
+            s = ops.pop(0)
+            any_, all_ = any_ & (t.k_lo < s.lo), all_ & (t.k_hi < s.lo)
+        return any_, all_
+
+    def validate(self, batch, num_heads, q_len, kv_len):
+        for name, arr in (("q_lengths", self.q_lengths), ("kv_lengths", self.kv_lengths)):
+            if arr is None:
+                continue
+            if tuple(jnp.shape(arr)) != (batch,):
+                raise ValueError(
+                    f"lengths: {name} must have shape (batch,)=({batch},); "
+                    f"got {tuple(jnp.shape(arr))}")
+            if not jnp.issubdtype(jnp.result_type(arr), jnp.integer):
+                raise TypeError(f"lengths: {name} must be integer; got {jnp.result_type(arr)}")
+
+    def __repr__(self):
+        return "lengths(...)"
+
+
+class PrefixLM(Mask):
+    prefix_lengths: Array
+
+    def operands(self):
+        return (_to4d(jnp.asarray(self.prefix_lengths), "b"),)
+
+    def predicate(self, pos, ops):
+        (p,) = ops
+        return (pos.k < p) | (pos.k <= pos.q_pos)
+
+    def tile_bounds(self, t, ops):
+        (p,) = ops
+        return (t.k_lo < p.lo) | (t.k_lo <= t.pos_hi), (t.k_hi < p.lo) | (t.k_hi <= t.pos_lo)
+
+    def validate(self, batch, num_heads, q_len, kv_len):
+        if tuple(jnp.shape(self.prefix_lengths)) != (batch,):
+            raise ValueError(
+                f"prefix_lm: prefix_lengths must have shape (batch,)=({batch},); "
+                f"got {tuple(jnp.shape(self.prefix_lengths))}")
+
+    def __repr__(self):
+        return "prefix_lm(...)"
+
+
+class FromArray(Mask):
+    mask: Array
+
+    def operands(self):
+        m = jnp.asarray(self.mask)
+        return (jnp.reshape(m, (1,) * (4 - m.ndim) + m.shape),)
+
+    def predicate(self, pos, ops):
+        return ops[0]
+
+    def tile_bounds(self, t, ops):
+        (s,) = ops
+        return s.hi, s.lo
+
+    def validate(self, batch, num_heads, q_len, kv_len):
+        shape = tuple(jnp.shape(self.mask))
+        want = (batch, num_heads, q_len, kv_len)
+        padded = (1,) * (4 - len(shape)) + shape
+        ok = len(shape) <= 4 and padded[2:] == (q_len, kv_len) and all(
+            n in (1, w) for n, w in zip(padded[:2], want[:2]))
+        if not ok:
+            raise ValueError(
+                "from_array: mask must be broadcastable to (batch, heads, Tq, Tk)="
+                f"{want} with full Tq and Tk axes; got {shape}")
+
+    def __repr__(self):
+        return "from_array(...)"
+
+
+class FromFn(Mask):
+    fn: Callable
+
+    def predicate(self, pos, ops):
+        out = self.fn(pos.b, pos.h, pos.q, pos.k)
+        return jnp.broadcast_to(out, jnp.broadcast_shapes(
+            jnp.shape(out), jnp.shape(pos.q), jnp.shape(pos.k))).astype(bool)
+
+    def tile_bounds(self, t, ops):
+        # An arbitrary predicate gives no tile information: every tile is partial.
+        shape = jnp.broadcast_shapes(jnp.shape(t.pos_lo), jnp.shape(t.k_lo))
+        return jnp.ones(shape, bool), jnp.zeros(shape, bool)
+
+    def __repr__(self):
+        return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
+
+
+Segments = _register(Segments, data=("q_segment_ids", "kv_segment_ids"))
+Lengths = _register(Lengths, data=("q_lengths", "kv_lengths"))
+PrefixLM = _register(PrefixLM, data=("prefix_lengths",))
+FromArray = _register(FromArray, data=("mask",))
+FromFn = _register(FromFn, meta=("fn",))
+
+
+def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
+    """Packed documents: query and key attend when their segment ids are equal.
+
+    Args:
+      q_segment_ids: int array (batch, Tq).
+      kv_segment_ids: int array (batch, Tk); defaults to ``q_segment_ids``.
+
+    >>> ids = jnp.array([[0, 0, 1, 1, 1]])
+    >>> print(render(segments(ids), 5, 5))
+    x x . . .
+    x x . . .
+    . . x x x
+    . . x x x
+    . . x x x
+    """
+    if kv_segment_ids is None:
+        kv_segment_ids = q_segment_ids
+    return Segments(q_segment_ids, kv_segment_ids)
+
+
+def lengths(q_lengths=None, kv_lengths=None) -> Mask:
+    """Padding: rows ``q >= q_lengths[b]`` and keys ``k >= kv_lengths[b]`` are masked.
+
+    Fully masked query rows produce zeros and ``lse = -inf``.
+
+    >>> print(render(lengths(kv_lengths=jnp.array([3])), 2, 5))
+    x x x . .
+    x x x . .
+    """
+    if q_lengths is None and kv_lengths is None:
+        raise ValueError("lengths: give q_lengths, kv_lengths or both")
+    return Lengths(q_lengths, kv_lengths)
+
+
+def prefix_lm(prefix_lengths) -> Mask:
+    """Prefix-LM: the first ``prefix_lengths[b]`` keys are visible to every query,
+    the rest causally.
+
+    >>> print(render(prefix_lm(jnp.array([2])), 4, 4))
+    x x . .
+    x x . .
+    x x x .
+    x x x x
+    """
+    return PrefixLM(prefix_lengths)
+
+
+def from_array(mask) -> Mask:
+    """A dense boolean mask broadcastable to (batch, heads, Tq, Tk); True attends.
+
+    >>> print(render(from_array(jnp.eye(3, dtype=bool)), 3, 3))
+    x . .
+    . x .
+    . . x
+    """
+    if not jnp.issubdtype(jnp.result_type(mask), jnp.bool_):
+        raise TypeError(f"from_array: mask must be boolean; got {jnp.result_type(mask)}")
+    return FromArray(mask)
+
+
+def from_fn(predicate: Callable) -> Mask:
+    """A mask from an index predicate ``predicate(b, h, q, k) -> bool``.
+
+    The predicate receives broadcastable int32 arrays (batch, query head, raw query
+    row, key index) and must use elementwise ``jnp`` operations only, so that every
+    lowering can evaluate it on a tile. It is static: it takes part in the jit cache
+    key by identity. It gives no block-sparsity information (every tile is treated
+    as partial); combine it with ``&`` and a structured mask to get skipping.
+
+    >>> print(render(from_fn(lambda b, h, q, k: (q + k) % 2 == 0), 3, 3))
+    x . x
+    . x .
+    x . x
+    """
+    if not callable(predicate):
+        raise TypeError(f"from_fn: predicate must be callable; got {type(predicate).__name__}")
+    return FromFn(predicate)
+
+
+# ---------------------------------------------------------------------------------
+# Materialisation and block description
+# ---------------------------------------------------------------------------------
+
+
+def materialize(mask: Mask | None, batch: int, num_heads: int, q_len: int, kv_len: int,
+                *, q_offset: int | None = None, validate: bool = True) -> Array:
+    """The mask as a dense boolean array broadcastable to (batch, heads, Tq, Tk).
+
+    ``q_offset`` overrides the alignment ``Tk - Tq`` between query rows and key
+    positions.
+    """
+    if mask is None:
+        return jnp.ones((1, 1, q_len, kv_len), bool)
+    if validate:
+        mask.validate(batch, num_heads, q_len, kv_len)
+    off = kv_len - q_len if q_offset is None else q_offset
+    b = jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]
+    h = jnp.arange(num_heads, dtype=jnp.int32)[None, :, None, None]
+    q = jnp.arange(q_len, dtype=jnp.int32)[None, None, :, None]
+    k = jnp.arange(kv_len, dtype=jnp.int32)[None, None, None, :]
+    pos = Positions(b=b, h=h, q=q, q_pos=q + off, k=k)
+    out = mask.predicate(pos, mask.operands())
+    return jnp.broadcast_to(out, jnp.broadcast_shapes(jnp.shape(out), (1, 1, q_len, kv_len)))
+
+
+def _reduce_blocks(x: Array, axis: int, blk: int, fn) -> Array:
+    n = x.shape[axis]
+    if n == 1:
+        return x
+    nb = -(-n // blk)
+    pad = nb * blk - n
+    if pad:
+        x = jnp.pad(x, [(0, pad) if a == axis else (0, 0) for a in range(x.ndim)], mode="edge")
+    x = x.reshape(x.shape[:axis] + (nb, blk) + x.shape[axis + 1:])
+    return fn(x, axis=axis + 1)
+
+
+def _tile_minmax(op: Array, block_q: int, block_k: int) -> OperandStats:
+    x = op.astype(jnp.int32) if op.dtype == jnp.bool_ else op
+    lo = _reduce_blocks(_reduce_blocks(x, 2, block_q, jnp.min), 3, block_k, jnp.min)
+    hi = _reduce_blocks(_reduce_blocks(x, 2, block_q, jnp.max), 3, block_k, jnp.max)
+    if op.dtype == jnp.bool_:
+        lo, hi = lo.astype(bool), hi.astype(bool)
+    return OperandStats(lo, hi)
+
+
+def block_classes(mask: Mask | None, batch: int, num_heads: int, q_len: int, kv_len: int,
+                  block_q: int, block_k: int, *, q_offset: int | None = None) -> Array:
+    """Classifies each (q-block, kv-block) tile as EMPTY, PARTIAL or FULL.
+
+    Computed from the mask's arrays with O(T) work per operand plus one value per
+    tile, so it runs inside ``jit`` in milliseconds even for very long sequences.
+    The classification is conservative: EMPTY and FULL are certain, PARTIAL may
+    still be empty or full. Tiles that run past ``q_len`` or ``kv_len`` are never
+    FULL, so a kernel that skips mask evaluation on FULL tiles needs no bounds
+    check there.
+
+    Returns:
+      int8 array of shape (B|1, H|1, ceil(Tq/block_q), ceil(Tk/block_k)).
+
+    >>> c = block_classes(causal(), 1, 1, 8, 8, 4, 4)
+    >>> c[0, 0].tolist()
+    [[1, 0], [2, 1]]
+    """
+    nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
+    off = kv_len - q_len if q_offset is None else q_offset
+    qb = jnp.arange(nq, dtype=jnp.int32)[None, None, :, None]
+    kb = jnp.arange(nk, dtype=jnp.int32)[None, None, None, :]
+    q_lo = qb * block_q
+    q_hi = jnp.minimum(q_lo + block_q, q_len) - 1
+    k_lo = kb * block_k
+    k_hi = jnp.minimum(k_lo + block_k, kv_len) - 1
+    in_range = ((qb + 1) * block_q <= q_len) & ((kb + 1) * block_k <= kv_len)
+    if mask is None:
+        return jnp.where(in_range, FULL, PARTIAL).astype(jnp.int8)
+    mask.validate(batch, num_heads, q_len, kv_len)
+    t = TileBounds(b=jnp.arange(batch, dtype=jnp.int32)[:, None, None, None],
+                   h=jnp.arange(num_heads, dtype=jnp.int32)[None, :, None, None],
+                   q_lo=q_lo, q_hi=q_hi, pos_lo=q_lo + off, pos_hi=q_hi + off,
+                   k_lo=k_lo, k_hi=k_hi)
+    stats = [_tile_minmax(op, block_q, block_k) for op in mask.operands()]
+    may, all_ = mask.tile_bounds(t, stats)
+    shape = jnp.broadcast_shapes(jnp.shape(may), jnp.shape(all_), (1, 1, nq, nk))
+    may = jnp.broadcast_to(may, shape)
+    all_ = jnp.broadcast_to(all_ & in_range, shape)
+    return jnp.where(all_, FULL, jnp.where(may, PARTIAL, EMPTY)).astype(jnp.int8)
+
+
+def render(mask: Mask | None, q_len: int, kv_len: int, *, batch: int = 0, head: int = 0) -> str:
+    """Draws the mask of one (batch, head) as a grid: ``x`` attends, ``.`` does not."""
+    nb, nh = batch + 1, head + 1
+    dense = np.asarray(materialize(mask, nb, nh, q_len, kv_len, validate=False))
+    dense = dense[min(batch, dense.shape[0] - 1), min(head, dense.shape[1] - 1)]
+    return "\n".join(" ".join("x" if v else "." for v in row) for row in dense)
