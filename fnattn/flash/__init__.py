@@ -1,0 +1,1 @@
+"""Flash attention: blockwise online softmax with O(T) memory, three lowerings."""

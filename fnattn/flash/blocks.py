@@ -1,0 +1,73 @@
+"""Block sizes and the block-sparse schedule shared by the flash lowerings.
+
+The schedule turns the tile classes of :func:`fnattn.masks.block_classes` into,
+for every q-block, the list of kv-blocks to visit (non-empty ones first, in
+increasing order) with their class, and the count of them. A kernel loops over
+``count`` entries only, so empty tiles cost nothing, and evaluates the mask only
+on PARTIAL tiles. The transposed schedule (for every kv-block, the q-blocks that
+see it) drives the dk/dv backward pass.
+
+>>> import jax.numpy as jnp
+>>> from fnattn import masks
+>>> c = masks.block_classes(masks.causal(), 1, 1, 12, 12, 4, 4)
+>>> s = schedule(c)
+>>> s.count[0, 0].tolist(), s.index[0, 0, 2].tolist(), s.kind[0, 0, 2].tolist()
+([1, 2, 3], [0, 1, 2], [2, 2, 1])
+"""
+
+from typing import Any, NamedTuple
+
+import jax.numpy as jnp
+
+from fnattn.masks import EMPTY
+
+
+class Schedule(NamedTuple):
+    """Per row-block lists of column blocks to visit.
+
+    Attributes:
+      index: int32 (B|1, H|1, n_rows, n_cols): column-block indices, non-empty first;
+        entries past ``count`` repeat the last visited index (or 0).
+      kind: int8, same shape: the class (PARTIAL or FULL) of each listed tile,
+        EMPTY past ``count``.
+      count: int32 (B|1, H|1, n_rows): how many entries to visit.
+    """
+
+    index: Any
+    kind: Any
+    count: Any
+
+
+def schedule(classes, *, transpose: bool = False) -> Schedule:
+    """Compresses tile classes (…, nq, nk) into a visiting schedule.
+
+    With ``transpose=True`` the rows are kv-blocks and the columns q-blocks.
+    """
+    c = jnp.swapaxes(classes, -1, -2) if transpose else classes
+    n = c.shape[-1]
+    cols = jnp.arange(n, dtype=jnp.int32)
+    nonempty = c != EMPTY
+    key = jnp.where(nonempty, cols, n + cols)
+    order = jnp.argsort(key, axis=-1).astype(jnp.int32)
+    count = nonempty.sum(-1).astype(jnp.int32)
+    kind = jnp.take_along_axis(c, order, axis=-1)
+    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+    listed = cols < count[..., None]
+    index = jnp.where(listed, order, jnp.where(count[..., None] > 0, last, 0))
+    kind = jnp.where(listed, kind, EMPTY).astype(jnp.int8)
+    return Schedule(index, kind, count)
+
+
+def pick(block_sizes, cls, default):
+    """The block sizes of type ``cls`` from a spec's ``block_sizes`` field.
+
+    ``block_sizes`` may be None, one block-size object, or a tuple of objects of
+    different lowerings' types; when none has type ``cls``, ``default`` is used.
+    """
+    if block_sizes is None:
+        return default
+    items = block_sizes if isinstance(block_sizes, tuple) else (block_sizes,)
+    for b in items:
+        if isinstance(b, cls):
+            return b
+    return default
