@@ -745,7 +745,7 @@ def block_classes(mask: Mask | None, batch: int, num_heads: int, q_len: int, kv_
     k_hi = jnp.minimum(k_lo + block_k, kv_len) - 1
     in_range = ((qb + 1) * block_q <= q_len) & ((kb + 1) * block_k <= kv_len)
     if mask is None:
-        return jnp.where(in_range, FULL, PARTIAL).astype(jnp.int8)
+        return jnp.broadcast_to(1 + in_range.astype(jnp.int8), (1, 1, nq, nk))
     mask.validate(batch, num_heads, q_len, kv_len)
     t = TileBounds(b=jnp.arange(batch, dtype=jnp.int32)[:, None, None, None],
                    h=jnp.arange(num_heads, dtype=jnp.int32)[None, :, None, None],
@@ -756,7 +756,9 @@ def block_classes(mask: Mask | None, batch: int, num_heads: int, q_len: int, kv_
     shape = jnp.broadcast_shapes(jnp.shape(may), jnp.shape(all_), (1, 1, nq, nk))
     may = jnp.broadcast_to(may, shape)
     all_ = jnp.broadcast_to(all_ & in_range, shape)
-    return jnp.where(all_, FULL, jnp.where(may, PARTIAL, EMPTY)).astype(jnp.int8)
+    # EMPTY=0, PARTIAL=1, FULL=2 as a sum of two predicates. (A nested jnp.where
+    # here was miscompiled by XLA:CPU in jax 0.10.2 for some shapes.)
+    return (may | all_).astype(jnp.int8) + all_.astype(jnp.int8)
 
 
 def render(mask: Mask | None, q_len: int, kv_len: int, *, batch: int = 0, head: int = 0) -> str:

@@ -1,0 +1,127 @@
+"""Feature cases shared by the tests of every lowering.
+
+A case builds (spec, q, k, v) with distinct prime sizes, plus the matching
+arguments of the float64 NumPy attention in ``np_attention``.
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fnattn import AttentionSpec, dropout, masks
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    B: int = 2
+    Tq: int = 7
+    Tk: int = 11
+    Hq: int = 6
+    Hkv: int = 2
+    D: int = 5
+    Dv: int = 5
+    mask: str = "none"
+    bias: bool = False
+    softcap: float | None = None
+    sinks: bool = False
+    dropout: float = 0.0
+    scale: float | None = None
+    dtype: str = "float32"
+
+
+CASES = [
+    Case("plain"),
+    Case("mha", Hq=3, Hkv=3),
+    Case("mqa", Hq=5, Hkv=1),
+    Case("dv", Dv=3),
+    Case("scale", scale=0.7),
+    Case("causal", mask="causal"),
+    Case("causal_square", Tq=11, mask="causal"),
+    Case("window", Tq=11, mask="window"),
+    Case("chunked", Tq=11, mask="chunked"),
+    Case("segments", Tq=11, mask="segments"),
+    Case("lengths", mask="lengths"),
+    Case("prefix", Tq=11, mask="prefix"),
+    Case("array", mask="array"),
+    Case("fn", mask="fn"),
+    Case("algebra", Tq=11, mask="algebra"),
+    Case("bias", bias=True),
+    Case("softcap", softcap=2.0),
+    Case("sinks", sinks=True),
+    Case("sinks_masked", sinks=True, mask="lengths"),
+    Case("dropout", dropout=0.3),
+    Case("everything", Tq=11, mask="causal_segments", bias=True, softcap=3.0, sinks=True,
+         dropout=0.2, Dv=3),
+    Case("bf16", mask="causal", dtype="bfloat16"),
+    Case("f16", mask="causal", dtype="float16"),
+]
+
+
+def build_mask(kind, B, Hq, Tq, Tk, rs):
+    seg_q = np.sort(rs.integers(0, 3, (B, Tq)), axis=1)
+    seg_k = np.sort(rs.integers(0, 3, (B, Tk)), axis=1)
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return masks.causal()
+    if kind == "window":
+        return masks.sliding_window(left=3)
+    if kind == "chunked":
+        return masks.chunked(4) & masks.causal()
+    if kind == "segments":
+        return masks.segments(jnp.asarray(seg_q), jnp.asarray(seg_k))
+    if kind == "lengths":
+        # the second batch row has q_length 0 -> fully masked rows
+        return masks.lengths(jnp.array([Tq - 2, 0][:B]), jnp.array([Tk - 3, Tk][:B]))
+    if kind == "prefix":
+        return masks.prefix_lm(jnp.array([3, 6][:B]))
+    if kind == "array":
+        return masks.from_array(jnp.asarray(rs.random((B, 1, Tq, Tk)) < 0.6))
+    if kind == "fn":
+        return masks.from_fn(lambda b, h, q, k: (q + k + h) % 3 != 0)
+    if kind == "algebra":
+        return (masks.causal() & ~masks.sliding_window(left=1)) | masks.chunked(5)
+    if kind == "causal_segments":
+        return masks.causal() & masks.segments(jnp.asarray(seg_q), jnp.asarray(seg_k))
+    raise ValueError(kind)
+
+
+def make(case: Case, *, layout="bthd", seed=0, impl="auto"):
+    """Returns spec, q, k, v (jax, in `layout`) and np_kwargs for np_attention."""
+    rs = np.random.default_rng(seed)
+    B, Tq, Tk, Hq, Hkv, D, Dv = (case.B, case.Tq, case.Tk, case.Hq, case.Hkv, case.D, case.Dv)
+    dt = jnp.dtype(case.dtype)
+    q = jnp.asarray(rs.standard_normal((B, Tq, Hq, D)), dt)
+    k = jnp.asarray(rs.standard_normal((B, Tk, Hkv, D)), dt)
+    v = jnp.asarray(rs.standard_normal((B, Tk, Hkv, Dv)), dt)
+    mask = build_mask(case.mask, B, Hq, Tq, Tk, rs)
+    bias = jnp.asarray(rs.standard_normal((1, Hq, Tq, Tk)), jnp.float32) if case.bias else None
+    sinks = jnp.asarray(rs.standard_normal((Hq,)), jnp.float32) if case.sinks else None
+    key = jax.random.key(seed) if case.dropout else None
+    spec = AttentionSpec(mask=mask, scale=case.scale, softcap=case.softcap, bias=bias,
+                         sinks=sinks, dropout_rate=case.dropout, dropout_key=key,
+                         layout=layout, impl=impl)
+    np_kwargs = dict(scale=case.scale, softcap=case.softcap,
+                     bias=None if bias is None else np.asarray(bias),
+                     sinks=None if sinks is None else np.asarray(sinks))
+    if mask is not None:
+        np_kwargs["mask"] = np.asarray(masks.materialize(mask, B, Hq, Tq, Tk))
+    if case.dropout:
+        bi, hi, qi, ki = np.ix_(np.arange(B), np.arange(Hq), np.arange(Tq), np.arange(Tk))
+        keep = np.asarray(dropout.keep_mask(dropout.seed_from_key(key), bi, hi, qi, ki,
+                                            case.dropout))
+        np_kwargs.update(keep=keep, rate=case.dropout)
+    if layout == "bhtd":
+        q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
+    return spec, q, k, v, np_kwargs
+
+
+def tolerance(dtype):
+    return {"float32": 2e-5, "bfloat16": 3e-2, "float16": 4e-3}[jnp.dtype(dtype).name]
+
+
+def to_bthd(x, layout):
+    return x if layout == "bthd" else jnp.swapaxes(x, 1, 2)

@@ -1,0 +1,21 @@
+"""Shared helpers: an independent float64 NumPy attention, forward and backward."""
+
+import os
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from np_attention import np_attention, np_attention_grads  # noqa: E402,F401
+
+
+@pytest.fixture
+def rng():
+    return np.random.default_rng(0)
+
+
+def pytest_report_header(config):
+    return f"jax {jax.__version__}, devices {jax.devices()}"
