@@ -7,7 +7,7 @@
 """
 
 from fnattn import dropout, masks
-from fnattn.attention import attention
+from fnattn.core import attention
 from fnattn.reference import reference
 from fnattn.spec import AttentionOutput, AttentionSpec
 
