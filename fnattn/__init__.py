@@ -8,12 +8,16 @@
 
 from fnattn import dropout, masks
 from fnattn.core import attention
+from fnattn.flash.api import flash
+from fnattn.flash.xla import XlaBlockSizes
 from fnattn.reference import reference
 from fnattn.spec import AttentionOutput, AttentionSpec
 
 __all__ = [
     "AttentionOutput",
     "AttentionSpec",
+    "XlaBlockSizes",
+    "flash",
     "attention",
     "dropout",
     "masks",

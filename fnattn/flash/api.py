@@ -1,0 +1,64 @@
+"""``fnattn.flash``: O(T)-memory attention with block-sparse skipping.
+
+Lowerings, chosen at trace time by ``jax.lax.platform_dependent``:
+
+========  ==========================================  =============================
+platform  impl="auto"                                 impl="pallas"
+========  ==========================================  =============================
+cuda      Pallas Triton kernels (fnattn/flash/triton)  the same
+tpu       Pallas Mosaic kernels (fnattn/flash/mosaic)  the same
+other     blockwise XLA loops (fnattn/flash/xla.py)    Triton kernels, interpreted
+========  ==========================================  =============================
+"""
+
+from beartype import beartype
+from jaxtyping import Array, Shaped, jaxtyped
+
+from fnattn import core
+from fnattn.flash import xla
+from fnattn.reference import reference
+from fnattn.spec import AttentionOutput, AttentionSpec
+
+__all__ = ["flash", "lowering_table"]
+
+
+def lowering_table(impl: str):
+    """The (platform, lowering) pairs for ``impl``."""
+    if impl in ("auto", "xla"):
+        return (("default", xla.LOWERING),)
+    if impl == "pallas":
+        raise NotImplementedError(
+            "flash: impl='pallas' needs the Pallas kernels, which this build does not have "
+            "yet; impl='auto' uses the blockwise XLA lowering, which supports every feature.")
+    if impl == "cudnn":
+        raise NotImplementedError(
+            "flash: impl='cudnn' is not a flash lowering; use "
+            "fnattn.attention(AttentionSpec(impl='cudnn'), ...).")
+    raise ValueError(f"flash: no lowering for impl={impl!r}")
+
+
+@jaxtyped(typechecker=beartype)
+def flash(spec: AttentionSpec, q: Shaped[Array, "_ _ _ _"], k: Shaped[Array, "_ _ _ _"],
+          v: Shaped[Array, "_ _ _ _"]) -> AttentionOutput:
+    """Flash attention: the whole spec in O(T) memory, skipping empty mask tiles.
+
+    Same arguments, shapes and results as :func:`fnattn.attention`. ``spec.impl``
+    selects the lowering: "auto" (per platform, see the module docstring), "xla"
+    (the blockwise XLA loops everywhere), "pallas" or "reference".
+    Block sizes come from ``spec.block_sizes`` (e.g. ``XlaBlockSizes``) or the
+    lowering's defaults.
+
+    >>> import jax, jax.numpy as jnp
+    >>> import fnattn
+    >>> from fnattn import AttentionSpec, masks
+    >>> q = jax.random.normal(jax.random.key(0), (1, 100, 4, 16))
+    >>> k = v = jax.random.normal(jax.random.key(1), (1, 100, 2, 16))
+    >>> spec = AttentionSpec(mask=masks.causal(), block_sizes=fnattn.XlaBlockSizes(32, 32))
+    >>> res = jax.jit(fnattn.flash)(spec, q, k, v)
+    >>> ref = fnattn.reference(spec, q, k, v)
+    >>> bool(jnp.allclose(res.out, ref.out, atol=1e-5))
+    True
+    """
+    if spec.impl == "reference":
+        return reference(spec, q, k, v)
+    return core.run(spec, q, k, v, fn="flash", table=lowering_table(spec.impl))
