@@ -35,16 +35,23 @@ class XlaBlockSizes:
     Large tiles make the matrix products efficient on CPUs; the tile's f32
     logits take ``4 * Hq * block_q * block_k`` bytes.
 
+    The backward pass has its own tile sizes (``block_q_bwd``, ``block_k_bwd``;
+    None means the forward's), since it keeps four tiles live instead of one.
+
     >>> XlaBlockSizes(block_q=256, block_k=512)
-    XlaBlockSizes(block_q=256, block_k=512)
+    XlaBlockSizes(block_q=256, block_k=512, block_q_bwd=None, block_k_bwd=None)
     """
 
-    block_q: int = 512
+    block_q: int = 256
     block_k: int = 512
+    block_q_bwd: Optional[int] = None
+    block_k_bwd: Optional[int] = None
 
     def __post_init__(self):
-        for name in ("block_q", "block_k"):
+        for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
             v = getattr(self, name)
+            if v is None and name.endswith("_bwd"):
+                continue
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"XlaBlockSizes: {name} must be a positive int; got {v!r}")
 
@@ -54,7 +61,7 @@ class XlaBlockSizes:
         # Keep one f32 logit tile of all heads around 8 MiB.
         budget = 2**21 // max(dims.num_q_heads, 1)
         bk = 512 if dims.head_dim <= 128 else 256
-        bq = max(64, min(512, budget // bk))
+        bq = max(64, min(256, budget // bk))
         return cls(block_q=bq, block_k=bk)
 
 
@@ -90,11 +97,15 @@ class _Plan:
     rate: float
 
 
-def _plan(cfg) -> _Plan:
+def _plan(cfg, backward=False) -> _Plan:
     d = cfg.dims
     bs = blocks.pick(cfg.block_sizes, XlaBlockSizes, XlaBlockSizes.default(d, None))
-    bq = min(bs.block_q, _round_up(d.q_len, 8))
-    bk = min(bs.block_k, _round_up(d.kv_len, 8))
+    bq, bk = bs.block_q, bs.block_k
+    if backward:
+        bq = bs.block_q_bwd or bq
+        bk = bs.block_k_bwd or bk
+    bq = min(bq, _round_up(d.q_len, 8))
+    bk = min(bk, _round_up(d.kv_len, 8))
     return _Plan(d.batch, d.q_len, d.kv_len, d.num_q_heads, d.num_kv_heads, d.group,
                  d.head_dim, d.v_head_dim, bq, bk, -(-d.q_len // bq), -(-d.kv_len // bk),
                  cfg.scale, cfg.softcap, cfg.dropout_rate)
@@ -132,34 +143,39 @@ def _tile(x, i, j, P: _Plan):
     return lax.dynamic_slice(x, start, size)
 
 
-def _to5(x, P: _Plan):
-    """(b, Hq|1, q, k) -> (b, Hkv|1, G|1, q, k), query head h = kv_head * G + g."""
-    if x.shape[1] == 1:
-        return x[:, :, None]
-    return x.reshape(x.shape[0], P.Hkv, P.G, *x.shape[2:])
+def _to5(x, P: _Plan, transposed=False):
+    """(b, Hq|1, q|1, k|1) -> (b, Hkv|1, G|1, q, k), or (b, Hkv|1, k, G|1, q) if transposed.
+
+    Query head h is kv head h // G and group member h % G.
+    """
+    x = x[:, :, None] if x.shape[1] == 1 else x.reshape(x.shape[0], P.Hkv, P.G, *x.shape[2:])
+    return x.transpose(0, 1, 4, 2, 3) if transposed else x
 
 
-def _positions(i, j, P: _Plan):
-    b = jnp.arange(P.B, dtype=jnp.int32)[:, None, None, None]
-    h = jnp.arange(P.Hq, dtype=jnp.int32)[None, :, None, None]
-    q = (i * P.bq + jnp.arange(P.bq, dtype=jnp.int32))[None, None, :, None]
-    k = (j * P.bk + jnp.arange(P.bk, dtype=jnp.int32))[None, None, None, :]
+def _positions(i, j, P: _Plan, transposed=False):
+    """Index arrays of tile (i, j), broadcastable in the 5-D tile layout."""
+    shape = (lambda *a: a) if not transposed else (lambda b, h, g, q, k: (b, h, k, g, q))
+    b = jnp.arange(P.B, dtype=jnp.int32).reshape(shape(P.B, 1, 1, 1, 1))
+    h = (jnp.arange(P.Hkv, dtype=jnp.int32)[:, None] * P.G
+         + jnp.arange(P.G, dtype=jnp.int32)[None, :]).reshape(shape(1, P.Hkv, P.G, 1, 1))
+    q = (i * P.bq + jnp.arange(P.bq, dtype=jnp.int32)).reshape(shape(1, 1, 1, P.bq, 1))
+    k = (j * P.bk + jnp.arange(P.bk, dtype=jnp.int32)).reshape(shape(1, 1, 1, 1, P.bk))
     return masks.Positions(b=b, h=h, q=q, q_pos=q + (P.Tk - P.Tq), k=k)
 
 
-def _allowed(mask, ops, i, j, P: _Plan):
-    """Boolean (b|1, Hkv|1, G|1, bq, bk) of a PARTIAL tile, including k < Tk."""
-    pos = _positions(i, j, P)
+def _allowed(mask, ops, i, j, P: _Plan, transposed=False):
+    """Boolean mask of a PARTIAL tile in the 5-D layout, including k < Tk."""
+    pos = _positions(i, j, P, transposed)
     ok = pos.k < P.Tk
     if mask is not None:
-        ok = mask.predicate(pos, tuple(_tile(op, i, j, P) for op in ops)) & ok
-    ok = jnp.broadcast_to(ok, jnp.broadcast_shapes(jnp.shape(ok), (1, 1, P.bq, P.bk)))
-    return _to5(ok, P)
+        tiles = tuple(_to5(_tile(op, i, j, P), P, transposed) for op in ops)
+        ok = mask.predicate(pos, tiles) & ok
+    return ok
 
 
-def _keep(seed, i, j, P: _Plan):
-    pos = _positions(i, j, P)
-    return _to5(dropout.keep_mask(seed, pos.b, pos.h, pos.q, pos.k, P.rate), P)
+def _keep(seed, i, j, P: _Plan, transposed=False):
+    pos = _positions(i, j, P, transposed)
+    return dropout.keep_mask(seed, pos.b, pos.h, pos.q, pos.k, P.rate)
 
 
 def _logits(qi, kj, bias_t, P: _Plan):
@@ -252,7 +268,7 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed):
 
 
 def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse):
-    P = _plan(cfg)
+    P = _plan(cfg, backward=True)
     qg, kt, vt = _layout(q, k, v, P)
     dog, _, _ = _layout(d_out, k[..., :1], k[..., :1], dataclasses.replace(P, D=P.Dv))
     ops = _prepare_operands(mask, P)
@@ -276,35 +292,43 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse):
         kj = lax.dynamic_slice_in_dim(kt, j * P.bk, P.bk, axis=2)
         vj = lax.dynamic_slice_in_dim(vt, j * P.bk, P.bk, axis=2)
 
+        # Tiles are laid out transposed, (b, h, k, g, q), so that the products
+        # for dk and dv contract the trailing axes without transposing.
         def step(t, inner):
             dq, dkj, dvj, dbias = inner
             i = sched.index[j, t]
             qi = lax.dynamic_slice_in_dim(qg, i * P.bq, P.bq, axis=3)
             doi = lax.dynamic_slice_in_dim(dog, i * P.bq, P.bq, axis=3)
-            lse_i = lax.dynamic_slice_in_dim(lse5, i * P.bq, P.bq, axis=3)
-            delta_i = lax.dynamic_slice_in_dim(delta5, i * P.bq, P.bq, axis=3)
-            s, th = _logits(qi, kj, None if bias4 is None else _tile(bias4, i, j, P), P)
+            lse_i = lax.dynamic_slice_in_dim(lse5, i * P.bq, P.bq, axis=3)[:, :, None]
+            delta_i = lax.dynamic_slice_in_dim(delta5, i * P.bq, P.bq, axis=3)[:, :, None]
+            s = jnp.einsum("bhkd,bhgqd->bhkgq", kj, qi, preferred_element_type=f32) * P.scale
+            if bias4 is not None:
+                s = s + _to5(_tile(bias4, i, j, P), P, True).astype(f32)
+            th = None
+            if P.softcap is not None:
+                th = jnp.tanh(s / P.softcap)
+                s = P.softcap * th
             s = lax.cond(sched.kind[j, t] == masks.FULL, lambda s: s,
-                         lambda s: jnp.where(_allowed(mask, ops, i, j, P), s, -jnp.inf), s)
-            p = jnp.exp(s - lse_i[..., None])
-            dp = jnp.einsum("bhgqd,bhkd->bhgqk", doi, vj, preferred_element_type=f32)
+                         lambda s: jnp.where(_allowed(mask, ops, i, j, P, True), s, -jnp.inf), s)
+            p = jnp.exp(s - lse_i)
+            dp = jnp.einsum("bhkd,bhgqd->bhkgq", vj, doi, preferred_element_type=f32)
             if P.rate > 0:
-                keep = _keep(seed, i, j, P)
+                keep = _keep(seed, i, j, P, True)
                 inv = 1.0 / (1.0 - P.rate)
                 pd = jnp.where(keep, p * inv, 0.0)
                 dp = jnp.where(keep, dp * inv, 0.0)
             else:
                 pd = p
-            dvj = dvj + jnp.einsum("bhgqk,bhgqd->bhkd", pd.astype(doi.dtype), doi,
+            dvj = dvj + jnp.einsum("bhkgq,bhgqd->bhkd", pd.astype(doi.dtype), doi,
                                    preferred_element_type=f32)
-            ds = p * (dp - delta_i[..., None])
+            ds = p * (dp - delta_i)
             if th is not None:
                 ds = ds * (1.0 - th * th)
             if dbias is not None:
                 dbias = _add_dbias(dbias, ds, i, j, P)
             dsq = ds.astype(qi.dtype)
-            dkj = dkj + jnp.einsum("bhgqk,bhgqd->bhkd", dsq, qi, preferred_element_type=f32)
-            dqi = jnp.einsum("bhgqk,bhkd->bhgqd", dsq, kj, preferred_element_type=f32)
+            dkj = dkj + jnp.einsum("bhkgq,bhgqd->bhkd", dsq, qi, preferred_element_type=f32)
+            dqi = jnp.einsum("bhkgq,bhkd->bhgqd", dsq, kj, preferred_element_type=f32)
             cur = lax.dynamic_slice_in_dim(dq, i * P.bq, P.bq, axis=3)
             dq = lax.dynamic_update_slice_in_dim(dq, cur + dqi, i * P.bq, axis=3)
             return dq, dkj, dvj, dbias
@@ -334,9 +358,9 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse):
 
 
 def _add_dbias(dbias, ds, i, j, P: _Plan):
-    """Adds a tile's d(logits) to the bias gradient, reduced to the bias's shape."""
+    """Adds a transposed tile's d(logits) to the bias gradient, reduced to its shape."""
     Bb, Hb, Tqb, Tkb = dbias.shape
-    g = ds.reshape(P.B, P.Hq, P.bq, P.bk)
+    g = ds.transpose(0, 1, 3, 4, 2).reshape(P.B, P.Hq, P.bq, P.bk)
     if Bb == 1:
         g = g.sum(0, keepdims=True)
     if Hb == 1:
