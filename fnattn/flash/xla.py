@@ -181,13 +181,20 @@ def _keep(seed, i, j, P: _Plan, transposed=False):
 def _logits(qi, kj, bias_t, P: _Plan):
     """f32 logits of a tile before masking; also returns tanh(s/c) for the backward."""
     s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32)
-    s = s * P.scale
+    if qi.dtype != jnp.float32:  # f32 queries arrive pre-scaled (see _scaled_queries)
+        s = s * P.scale
     if bias_t is not None:
         s = s + _to5(bias_t, P).astype(jnp.float32)
     if P.softcap is not None:
         th = jnp.tanh(s / P.softcap)
         return P.softcap * th, th
     return s, None
+
+
+def _scaled_queries(qg, P: _Plan):
+    # Scaling f32 queries once saves a pass over every logit tile; lower
+    # precisions keep the scale in f32 on the logits instead.
+    return qg * P.scale if qg.dtype == jnp.float32 else qg
 
 
 def _layout(q, k, v, P: _Plan):
@@ -218,6 +225,7 @@ def _schedule(mask, P: _Plan, transpose=False):
 def _forward(cfg, q, k, v, bias, sinks, mask, seed):
     P = _plan(cfg)
     qg, kt, vt = _layout(q, k, v, P)
+    qg = _scaled_queries(qg, P)
     ops = _prepare_operands(mask, P)
     bias4 = _bias4(bias, P)
     sched = _schedule(mask, P)
@@ -270,6 +278,7 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed):
 def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse):
     P = _plan(cfg, backward=True)
     qg, kt, vt = _layout(q, k, v, P)
+    qg = _scaled_queries(qg, P)
     dog, _, _ = _layout(d_out, k[..., :1], k[..., :1], dataclasses.replace(P, D=P.Dv))
     ops = _prepare_operands(mask, P)
     bias4 = _bias4(bias, P)
@@ -301,7 +310,9 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse):
             doi = lax.dynamic_slice_in_dim(dog, i * P.bq, P.bq, axis=3)
             lse_i = lax.dynamic_slice_in_dim(lse5, i * P.bq, P.bq, axis=3)[:, :, None]
             delta_i = lax.dynamic_slice_in_dim(delta5, i * P.bq, P.bq, axis=3)[:, :, None]
-            s = jnp.einsum("bhkd,bhgqd->bhkgq", kj, qi, preferred_element_type=f32) * P.scale
+            s = jnp.einsum("bhkd,bhgqd->bhkgq", kj, qi, preferred_element_type=f32)
+            if qi.dtype != f32:
+                s = s * P.scale
             if bias4 is not None:
                 s = s + _to5(_tile(bias4, i, j, P), P, True).astype(f32)
             th = None
@@ -345,7 +356,8 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse):
             None if dbias_shape is None else jnp.zeros(dbias_shape, f32))
     dq, dk, dv, dbias = lax.fori_loop(0, P.nk, kv_block, init)
     dq = (dq[:, :, :, :P.Tq] * P.scale).transpose(0, 3, 1, 2, 4).reshape(q.shape)
-    dk = (dk[:, :, :P.Tk] * P.scale).transpose(0, 2, 1, 3)
+    dk = dk[:, :, :P.Tk] * (P.scale if qg.dtype != f32 else 1.0)
+    dk = dk.transpose(0, 2, 1, 3)
     dv = dv[:, :, :P.Tk].transpose(0, 2, 1, 3)
     if dbias is not None:
         dbias = dbias[:, :, :P.Tq if dbias.shape[2] > 1 else 1, :P.Tk if dbias.shape[3] > 1 else 1]

@@ -1,0 +1,125 @@
+"""``python -m fnattn``: check and time every variant available on this machine.
+
+For each variant and lowering: whether it matches the reference on a small case
+(forward and gradient), then its median time and peak memory on a moderate case
+next to ``jax.nn.dot_product_attention`` measured in the same run. Peak memory
+is XLA's compiled temporary-buffer size for the call (inputs and outputs
+excluded), the same measure for every row. Exits with status 1 if any check
+fails.
+"""
+
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import fnattn
+from fnattn import AttentionSpec, masks
+
+
+def _jaxnn(spec, q, k, v):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=isinstance(spec.mask, masks.Causal))
+
+
+# (name, function(spec, q, k, v) -> out, spec changes). One line per variant.
+VARIANTS = (
+    ("attention impl=auto (flash)", lambda s, q, k, v: fnattn.attention(s, q, k, v).out, {}),
+    ("flash impl=xla", lambda s, q, k, v: fnattn.flash(s, q, k, v).out, {"impl": "xla"}),
+    ("attention impl=xla (dense)", lambda s, q, k, v: fnattn.attention(s, q, k, v).out,
+     {"impl": "xla"}),
+    ("attention impl=cudnn (jax.nn)", lambda s, q, k, v: fnattn.attention(s, q, k, v).out,
+     {"impl": "cudnn"}),
+    ("reference", lambda s, q, k, v: fnattn.reference(s, q, k, v).out, {}),
+)
+
+
+def _inputs(B, T, Hq, Hkv, D, dtype, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (B, T, Hq, D), dtype)
+    k = jax.random.normal(ks[1], (B, T, Hkv, D), dtype)
+    v = jax.random.normal(ks[2], (B, T, Hkv, D), dtype)
+    return q, k, v
+
+
+def check(fn, changes, dtype):
+    """Max abs error of output and dq against the reference on a small causal case."""
+    q, k, v = _inputs(2, 97, 4, 2, 32, dtype)
+    spec = AttentionSpec(mask=masks.causal()).replace(**changes)
+    ref_spec = spec.replace(impl="reference")
+
+    def loss(f, s):
+        return lambda q: jnp.sum(f(s, q, k, v).astype(jnp.float32) ** 2)
+
+    out = jax.jit(lambda q: fn(spec, q, k, v))(q)
+    ref = jax.jit(lambda q: fnattn.reference(ref_spec, q, k, v).out)(q)
+    g = jax.jit(jax.grad(loss(fn, spec)))(q)
+    gr = jax.jit(jax.grad(loss(lambda s, q, k, v: fnattn.reference(s, q, k, v).out, ref_spec)))(q)
+    err = max(float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32)))),
+              float(jnp.max(jnp.abs(g.astype(jnp.float32) - gr.astype(jnp.float32))))
+              / max(1.0, float(jnp.max(jnp.abs(gr.astype(jnp.float32))))))
+    return err
+
+
+def timeit(fn, spec, q, k, v, reps):
+    f = jax.jit(lambda q, k, v: fn(spec, q, k, v))
+    compiled = f.lower(q, k, v).compile()
+    mem = compiled.memory_analysis()
+    temp = getattr(mem, "temp_size_in_bytes", float("nan")) if mem is not None else float("nan")
+    jax.block_until_ready(compiled(q, k, v))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(compiled(q, k, v))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)), temp
+
+
+def main():
+    dev = jax.devices()[0]
+    gpu = dev.platform == "gpu"
+    dtype = jnp.bfloat16 if gpu else jnp.float32
+    B, T, H, D = (4, 4096, 16, 128) if gpu else (1, 2048, 8, 64)
+    tol = 2e-2 if gpu else 1e-4
+    print(f"fnattn {fnattn.__version__} | jax {jax.__version__} | {dev.platform}: "
+          f"{dev.device_kind} | {len(jax.devices())} device(s)")
+    print(f"check: B=2 T=97 Hq=4 Hkv=2 D=32 causal, {jnp.dtype(dtype).name}, output and dq vs "
+          f"reference (tolerance {tol})")
+    print(f"timing: B={B} T={T} H={H} D={D} {jnp.dtype(dtype).name}, causal and full; "
+          "memory = XLA temporary buffers\n")
+    q, k, v = _inputs(B, T, H, H, D, dtype, seed=1)
+    failed = False
+    rows = []
+    for causal in (False, True):
+        spec0 = AttentionSpec(mask=masks.causal() if causal else None)
+        base_t, base_m = timeit(_jaxnn, spec0, q, k, v, 5)
+        rows.append(("jax.nn.dot_product_attention", causal, "(baseline)", base_t, base_m, 1.0))
+        for name, fn, changes in VARIANTS:
+            if name == "reference" and not causal:
+                continue
+            if causal:
+                try:
+                    err = check(fn, changes, dtype)
+                    status = "PASS" if err <= tol else "FAIL"
+                except NotImplementedError as e:
+                    status, err = "n/a", str(e).split(".")[0]
+                failed |= status == "FAIL"
+                verdict = f"{status} ({err:.1e})" if isinstance(err, float) else f"{status}"
+            else:
+                verdict = ""
+            t, m = timeit(fn, spec0.replace(**changes), q, k, v, 5)
+            rows.append((name, causal, verdict, t, m, base_t / t))
+    print(f"{'variant / lowering':32s} {'mask':7s} {'check':18s} {'time':>10s} "
+          f"{'temp mem':>10s} {'vs jax.nn':>9s}")
+    for name, causal, verdict, t, m, speed in rows:
+        print(f"{name:32s} {'causal' if causal else 'full':7s} {verdict:18s} "
+              f"{t * 1e3:8.1f}ms {m / 2**20:8.1f}MB {speed:8.2f}x")
+    if failed:
+        print("\nSOME CHECKS FAILED")
+        sys.exit(1)
+    print("\nall checks passed")
+
+
+if __name__ == "__main__":
+    main()

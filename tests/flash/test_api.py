@@ -1,0 +1,38 @@
+"""fnattn.flash routing and fnattn.attention's use of it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fnattn
+from fnattn import AttentionSpec, masks
+from fnattn.flash import api
+
+Q = jax.random.normal(jax.random.key(0), (2, 13, 4, 8))
+K = jax.random.normal(jax.random.key(1), (2, 13, 2, 8))
+
+
+def test_auto_routes_to_flash_xla_lowering():
+    assert fnattn.core.lowering_table("auto") == api.lowering_table("auto")
+    assert dict(api.lowering_table("auto"))["default"].name == "flash-xla"
+
+
+@pytest.mark.parametrize("impl", ["auto", "xla", "reference"])
+def test_impls_agree(impl):
+    spec = AttentionSpec(mask=masks.causal(), impl=impl)
+    res = jax.jit(fnattn.flash)(spec, Q, K, K)
+    ref = jax.jit(fnattn.reference)(spec, Q, K, K)
+    np.testing.assert_allclose(np.asarray(res.out), np.asarray(ref.out), atol=2e-6)
+
+
+@pytest.mark.parametrize("impl,match", [("pallas", "impl='pallas' needs the Pallas kernels"),
+                                        ("cudnn", "not a flash lowering")])
+def test_unavailable_impls_raise(impl, match):
+    with pytest.raises(NotImplementedError, match=match):
+        jax.jit(fnattn.flash)(AttentionSpec(impl=impl), Q, K, K)
+
+
+def test_validation_names_flash():
+    with pytest.raises(ValueError, match="flash: head-dim mismatch"):
+        jax.jit(fnattn.flash)(AttentionSpec(), Q, K[..., :4], K)

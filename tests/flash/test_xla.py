@@ -1,0 +1,141 @@
+"""The XLA lowering of flash attention against float64 NumPy and the reference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fnattn
+from fnattn import AttentionSpec, XlaBlockSizes, masks
+from fnattn.flash import blocks, xla
+from cases import CASES, make, tolerance
+from np_attention import np_attention, np_attention_grads, reduce_to
+
+# Blocks that do not divide the test sizes (7, 11): ragged last tiles everywhere.
+SMALL = XlaBlockSizes(block_q=4, block_k=8, block_q_bwd=8, block_k_bwd=4)
+
+
+def f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_forward_matches_numpy(case):
+    spec, q, k, v, kw = make(case, impl="xla")
+    spec = spec.replace(block_sizes=SMALL)
+    res = jax.jit(fnattn.flash)(spec, q, k, v)
+    out, lse, _ = np_attention(f64(q), f64(k), f64(v), **kw)
+    tol = tolerance(case.dtype) * 10
+    assert res.out.dtype == q.dtype and res.lse.dtype == jnp.float32
+    np.testing.assert_allclose(f64(res.out), out, atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(res.lse), lse, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.dtype == "float32"], ids=lambda c: c.name)
+def test_gradients_match_numpy(case):
+    spec, q, k, v, kw = make(case, impl="xla")
+    spec = spec.replace(block_sizes=SMALL)
+    rs = np.random.default_rng(1)
+    d_out = jnp.asarray(rs.standard_normal((case.B, case.Tq, case.Hq, case.Dv)), jnp.float32)
+    d_lse = jnp.asarray(rs.standard_normal((case.B, case.Hq, case.Tq)), jnp.float32)
+
+    def loss(q, k, v, bias, sinks):
+        res = fnattn.flash(spec.replace(bias=bias, sinks=sinks), q, k, v)
+        lse = jnp.where(jnp.isfinite(res.lse), res.lse, 0.0)
+        return jnp.sum(res.out * d_out) + jnp.sum(lse * d_lse)
+
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, spec.bias, spec.sinks)
+    ref = np_attention_grads(f64(q), f64(k), f64(v), np.asarray(d_out), np.asarray(d_lse), **kw)
+    for name, x in zip(("dq", "dk", "dv"), g[:3]):
+        assert np.isfinite(np.asarray(x)).all(), name
+        np.testing.assert_allclose(np.asarray(x), ref[name], atol=1e-4, rtol=1e-4, err_msg=name)
+    if spec.bias is not None:
+        np.testing.assert_allclose(np.asarray(g[3]), reduce_to(ref["dbias"], spec.bias.shape),
+                                   atol=1e-4, rtol=1e-4)
+    if spec.sinks is not None:
+        np.testing.assert_allclose(np.asarray(g[4]), ref["dsinks"], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("bq,bk", [(1, 1), (3, 5), (16, 16), (7, 11)])
+def test_block_sizes_do_not_change_the_result(bq, bk):
+    spec, q, k, v, _ = make(CASES[20], impl="xla")  # "everything"
+    ref = jax.jit(fnattn.reference)(spec, q, k, v)
+    res = jax.jit(fnattn.flash)(spec.replace(block_sizes=XlaBlockSizes(bq, bk)), q, k, v)
+    np.testing.assert_allclose(np.asarray(res.out), np.asarray(ref.out), atol=2e-6)
+    np.testing.assert_allclose(np.asarray(res.lse), np.asarray(ref.lse), atol=2e-6)
+
+
+def test_layout_bhtd():
+    spec, q, k, v, kw = make(CASES[20], impl="xla", layout="bhtd")
+    res = jax.jit(fnattn.flash)(spec.replace(block_sizes=SMALL), q, k, v)
+    ref = jax.jit(fnattn.reference)(spec, q, k, v)
+    assert res.out.shape == (2, 6, 11, 3)
+    np.testing.assert_allclose(np.asarray(res.out), np.asarray(ref.out), atol=2e-6)
+
+
+def test_causal_visits_about_half_the_tiles_and_windows_fewer():
+    P = xla._plan(_cfg(1024, 1024))
+    full = int(xla._schedule(None, P).count.sum())
+    causal = int(xla._schedule(masks.causal(), P).count.sum())
+    window = int(xla._schedule(masks.sliding_window(left=128), P).count.sum())
+    assert full == P.nq * P.nk
+    assert causal <= full // 2 + P.nq
+    assert window <= 3 * P.nq
+
+
+def test_full_tiles_skip_the_mask():
+    c = masks.block_classes(masks.causal(), 1, 1, 64, 64, 16, 16)
+    s = blocks.schedule(c)
+    kinds = np.asarray(s.kind[0, 0])
+    # row 3 visits kv-blocks 0, 1, 2 as FULL and 3 as PARTIAL
+    np.testing.assert_array_equal(np.asarray(s.index[0, 0, 3]), [0, 1, 2, 3])
+    np.testing.assert_array_equal(kinds[3], [2, 2, 2, 1])
+    np.testing.assert_array_equal(np.asarray(s.count[0, 0]), [1, 2, 3, 4])
+
+
+def _cfg(tq, tk, hq=8, hkv=8, d=64):
+    from fnattn import _checks, _dispatch
+    dims = _checks.Dims(1, tq, tk, hq, hkv, d, d)
+    return _dispatch.Config(dims=dims, scale=d ** -0.5, softcap=None, dropout_rate=0.0,
+                            mask_treedef=None)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_memory_is_linear_in_sequence_length(causal):
+    T, H, D = 2048, 4, 32
+    q = jax.ShapeDtypeStruct((1, T, H, D), jnp.float32)
+    spec = AttentionSpec(mask=masks.causal() if causal else None)
+    fwd = jax.jit(lambda q, k, v: fnattn.flash(spec, q, k, v).out)
+    bwd = jax.jit(jax.grad(lambda q, k, v: fnattn.flash(spec, q, k, v).out.sum(), argnums=(0, 1, 2)))
+    dense_logits = T * T * H * 4
+    for f in (fwd, bwd):
+        temp = f.lower(q, q, q).compile().memory_analysis().temp_size_in_bytes
+        assert temp < dense_logits / 4, (temp, dense_logits)
+
+
+def test_vmap_grad_checkpoint_scan_compose():
+    rs = np.random.default_rng(0)
+    x = jnp.asarray(rs.standard_normal((2, 13, 3, 5)), jnp.float32)
+    ws = jnp.asarray(rs.standard_normal((3, 5, 5)) * 0.3, jnp.float32)
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.zeros(3), block_sizes=SMALL)
+
+    def run(f):
+        def layer(h, w):
+            y = jnp.einsum("bthd,de->bthe", h, w)
+            return h + f(spec, y, y, y).out, None
+        return lambda ws: jnp.sum(jax.lax.scan(jax.checkpoint(layer), x, ws)[0] ** 2)
+
+    g = jax.jit(jax.grad(run(fnattn.flash)))(ws)
+    gr = jax.jit(jax.grad(run(fnattn.reference)))(ws)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(gr), rtol=1e-4, atol=1e-4)
+    vg = jax.jit(jax.vmap(jax.grad(lambda x: fnattn.flash(spec, x, x, x).out.sum())))(x[:, None])
+    vgr = jax.jit(jax.vmap(jax.grad(lambda x: fnattn.reference(spec, x, x, x).out.sum())))(
+        x[:, None])
+    np.testing.assert_allclose(np.asarray(vg), np.asarray(vgr), rtol=1e-4, atol=1e-4)
+
+
+def test_block_size_validation():
+    with pytest.raises(ValueError, match="XlaBlockSizes: block_k must be a positive int; got 0"):
+        XlaBlockSizes(block_q=8, block_k=0)
+    d = XlaBlockSizes.default(_cfg(8192, 8192).dims, jnp.float32)
+    assert d.block_q * d.block_k * 8 * 4 <= 2**23
