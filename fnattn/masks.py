@@ -155,7 +155,8 @@ class Mask:
 
     @property
     def num_operands(self) -> int:
-        return len(self.operands())
+        # Every array leaf is exactly one operand, in the same order.
+        return len(jax.tree_util.tree_leaves(self))
 
     # -- algebra ------------------------------------------------------------------
     def __and__(self, other: "Mask") -> "Mask":

@@ -6,6 +6,7 @@ import sys
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.dirname(__file__))
 
 settings.register_profile(
     "ci", derandomize=True, max_examples=12, deadline=None, print_blob=True,
