@@ -108,6 +108,9 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--impls", default=None, help="comma-separated subset of the peers")
+    ap.add_argument("--ts", default=None, help="comma-separated sequence lengths")
+    ap.add_argument("--ds", default=None, help="comma-separated head dims (GPU sweep)")
     args = ap.parse_args()
 
     if args.gpu:
@@ -116,6 +119,8 @@ def main():
                    for D in (64, 128, 256) for T in (1024, 2048, 4096, 8192, 16384)]
         if args.quick:
             configs = [c for c in configs if c["D"] == 128 and c["T"] in (8192,)]
+        if args.ds:
+            configs = [c for c in configs if c["D"] in {int(x) for x in args.ds.split(",")}]
         limits = {}
         reps = 10
     else:
@@ -126,6 +131,10 @@ def main():
         # minutes per call beyond 16k on this CPU.
         limits = {"jax.nn:xla": 8192, "tokamax:xla_chunked": 16384}
         reps = 3
+    if args.impls:
+        impls = [i for i in impls if i in args.impls.split(",")]
+    if args.ts:
+        configs = [c for c in configs if c["T"] in {int(x) for x in args.ts.split(",")}]
     rows = []
     for base in configs:
         for causal in (False, True):

@@ -76,11 +76,12 @@ class TritonBlockSizes:
     @classmethod
     def default(cls, dims, dtype) -> "TritonBlockSizes":
         d = _pow2(max(dims.head_dim, dims.v_head_dim))
+        # Measured on an H100 (benchmarks/results/flash_gpu_*.md).
         if d <= 64:
             return cls(128, 64, 64, 64, 4, 3, 4, 2)
         if d <= 128:
-            return cls(128, 64, 64, 64, 8, 3, 8, 2)
-        return cls(64, 32, 32, 32, 8, 2, 8, 1)
+            return cls(128, 128, 64, 64, 8, 3, 4, 2)
+        return cls(64, 64, 32, 32, 8, 2, 4, 1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +112,13 @@ def _ds_tile(ref, varies_q, varies_k, i, j, bq, bk):
 
 
 def _logits(q, k, bias_t, K: _K):
-    """Natural-log-domain logits of a tile in f32, and tanh(s/c) when capped."""
+    """Logits of a tile in base 2 (``s * log2(e)``, f32), and tanh(s/c) when capped.
+
+    Without bias and soft-cap the log2(e) factor folds into the scale, saving a
+    pass over the tile.
+    """
+    if bias_t is None and K.softcap is None:
+        return jnp.dot(q, k.T, preferred_element_type=jnp.float32) * (K.scale * LOG2E), None
     s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * K.scale
     if bias_t is not None:
         s = s + bias_t.astype(jnp.float32)
@@ -119,7 +126,7 @@ def _logits(q, k, bias_t, K: _K):
     if K.softcap is not None:
         th = jnp.tanh(s / K.softcap)
         s = K.softcap * th
-    return s, th
+    return s * LOG2E, th
 
 
 def _allowed(op_refs, b, h, i, j, K: _K):
@@ -176,7 +183,7 @@ def _fwd_kernel(*refs, K: _K):
         if bias_ref is not None:
             bias_t = _ds_tile(bias_ref, K.bias_shape[2] > 1, K.bias_shape[3] > 1, i, j, K.bq, K.bk)
         s, _ = _logits(q, k, bias_t, K)
-        s = _masked(s, kind_ref[t], op_refs, b, h, i, j, K) * LOG2E
+        s = _masked(s, kind_ref[t], op_refs, b, h, i, j, K)
         m_new = jnp.maximum(m, s.max(axis=1))
         m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
         p = jnp.exp2(s - m_use[:, None])
@@ -210,7 +217,7 @@ def _recompute(q, k, do, v, lse2, delta, kind, bias_t, op_refs, seed_ref, b, h, 
     """p (undropped), the dropped p, and dS of one tile."""
     s, th = _logits(q, k, bias_t, K)
     s = _masked(s, kind, op_refs, b, h, i, j, K)
-    p = jnp.exp2(s * LOG2E - lse2[:, None])
+    p = jnp.exp2(s - lse2[:, None])
     dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
     pd = p
     if seed_ref is not None:
