@@ -1,21 +1,46 @@
 """The Pallas Triton lowering of flash attention (NVIDIA GPUs).
 
-Three kernels, each a plain function below:
+Three kernels, in this file's order:
 
-* ``_fwd_kernel``   grid (q-blocks, B*Hq): online softmax over the scheduled kv-blocks.
-* ``_dq_kernel``    grid (q-blocks, B*Hq): recomputes P from ``lse``; dq (and dbias).
-* ``_dkdv_kernel``  grid (kv-blocks, B*Hq): loops over the q-blocks that see the
-  kv-block (the transposed schedule); dk and dv per query head, summed over the
-  GQA group afterwards.
+* ``_fwd_kernel``  grid (q-blocks, B*Hq): online softmax over the kv-blocks a
+  q-block sees, in base 2 (``exp2`` with ``log2(e)`` folded into the scale).
+* ``_dq_kernel``   grid (q-blocks, B*Hq): recomputes P from ``lse``; dq (and the
+  full-size dbias when a bias is given).
+* ``_dkdv_kernel`` grid (kv-blocks, B*Hkv*S): for one kv-block, loops over the
+  q-blocks that see it *and* over the query heads of its GQA group, so K and V
+  are never repeated. It works on transposed tiles (``S^T = K Q^T``) so that no
+  (block, block) tile is transposed in registers.
 
-Every array is passed whole along the sequence axes (only batch and head are
-selected by the BlockSpec) and tiles are sliced with ``pl.ds`` inside the
-kernels; the wrapper pads sequence lengths to whole blocks and head dims to
-powers of two, so no load is out of bounds. The block-sparse schedule (which
-kv-blocks to visit, and which of them need the mask) is an ordinary int32 input:
-Triton has no scalar prefetch. Masks are evaluated through the mask protocol on
-tiles of their operands, only on PARTIAL tiles; dropout regenerates the keep
-mask from the seed with :func:`fnattn.dropout.keep_mask`.
+Then the wrappers ``_forward`` and ``_backward``, the two :class:`Lowering`
+objects and :class:`TritonBlockSizes`.
+
+How the kernels see the data. Arrays are passed whole along the sequence axes
+(the BlockSpecs select only batch and head) and tiles are sliced with ``pl.ds``
+inside the kernels. The wrapper pads sequence lengths to whole blocks and head
+dims to powers of two (a Triton rule), so no load is out of bounds.
+
+Block-sparse skipping. ``masks.block_classes`` and ``blocks.schedule`` run in
+the wrapper, inside ``jit``; each (batch, head, row-block) gets one int32 row
+``[n_full, n_partial, full kv-blocks..., partial kv-blocks...]`` that the kernel
+reads as an ordinary input (Triton has no scalar prefetch). A kernel runs two
+loops: the FULL tiles with no mask code at all, then the PARTIAL tiles, where
+the mask predicate (through the mask protocol, on tiles of the mask's operands)
+and the ragged-length bound are applied. Empty tiles cost nothing. Without a
+mask there is no schedule: the loop runs over every kv-block with ``j = t``.
+
+Everything else is specialised at trace time: without bias, soft-cap, dropout
+or sinks the kernels contain no code for them.
+
+>>> import jax, jax.numpy as jnp
+>>> from fnattn import AttentionSpec, core, masks, reference
+>>> from fnattn.flash.triton import INTERPRET_LOWERING
+>>> q = jax.random.normal(jax.random.key(0), (1, 20, 2, 16))
+>>> spec = AttentionSpec(mask=masks.causal())
+>>> run = lambda q: core.run(spec, q, q, q, fn="flash",
+...                          table=(("default", INTERPRET_LOWERING),))
+>>> res = jax.jit(run)(q)
+>>> bool(jnp.allclose(res.out, reference(spec, q, q, q).out, atol=1e-5))
+True
 """
 
 import dataclasses
@@ -37,262 +62,396 @@ __all__ = ["TritonBlockSizes", "LOWERING", "INTERPRET_LOWERING"]
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
+F32 = jnp.float32
+
+# The dk/dv pass handles a whole GQA group per program when that still leaves
+# this many programs to fill the GPU (an H100 has 132 SMs); otherwise it splits
+# the group over programs and sums per-head float32 results afterwards.
+MIN_DKDV_PROGRAMS = 264
 
 
-def _pow2(n):
+def _pow2(n: int) -> int:
     return 1 << max(0, int(n - 1).bit_length())
+
+
+def _is_pow2(n) -> bool:
+    return isinstance(n, int) and n > 0 and not n & (n - 1)
+
+
+# ----------------------------------------------------------------------------------
+# Block sizes
+# ----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class TritonBlockSizes:
-    """Tile sizes and launch parameters of the Triton flash kernels.
+    """Tile sizes and launch parameters of the three Triton flash kernels.
 
-    All block sizes must be powers of two (a Triton rule).
+    Block sizes must be powers of two (a Triton rule) and at least 16 (the
+    smallest tensor-core tile). They are clamped to the (padded) sequence length,
+    so small problems need no special block sizes.
 
-    >>> TritonBlockSizes(block_q=64, block_k=32).block_q_bwd
-    64
+    Attributes:
+      block_q, block_k: forward tile: q rows held by a program, kv rows per step.
+      block_q_dq, block_k_dq: dq pass: q rows held, kv rows per step.
+      block_q_dkdv, block_k_dkdv: dk/dv pass: q rows per step, kv rows held.
+      num_warps, num_stages: forward launch (``num_stages`` is the depth of
+        Triton's software pipeline over the kv loop).
+      num_warps_dq, num_stages_dq, num_warps_dkdv, num_stages_dkdv: the same for
+        the two backward kernels.
+
+    >>> TritonBlockSizes(block_q=64, block_k=32).block_k_dkdv
+    128
+    >>> TritonBlockSizes(block_q=48)
+    Traceback (most recent call last):
+    ...
+    ValueError: TritonBlockSizes: block_q must be a power of two >= 16; got 48
     """
 
     block_q: int = 128
     block_k: int = 64
-    block_q_bwd: int = 64
-    block_k_bwd: int = 64
+    block_q_dq: int = 128
+    block_k_dq: int = 64
+    block_q_dkdv: int = 64
+    block_k_dkdv: int = 128
     num_warps: int = 4
-    num_stages: int = 2
-    num_warps_bwd: int = 4
-    num_stages_bwd: int = 2
+    num_stages: int = 3
+    num_warps_dq: int = 8
+    num_stages_dq: int = 2
+    num_warps_dkdv: int = 8
+    num_stages_dkdv: int = 2
 
     def __post_init__(self):
-        for name in ("block_q", "block_k", "block_q_bwd", "block_k_bwd"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0 or v & (v - 1):
-                raise ValueError(f"TritonBlockSizes: {name} must be a positive power of two; "
-                                 f"got {v!r}")
-        for name in ("num_warps", "num_stages", "num_warps_bwd", "num_stages_bwd"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v <= 0:
-                raise ValueError(f"TritonBlockSizes: {name} must be a positive int; got {v!r}")
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if f.name.startswith("block"):
+                if not (_is_pow2(v) and v >= 16):
+                    raise ValueError(
+                        f"TritonBlockSizes: {f.name} must be a power of two >= 16; got {v!r}")
+            elif f.name.startswith("num_warps"):
+                if not (_is_pow2(v) and v <= 32):
+                    raise ValueError(
+                        f"TritonBlockSizes: {f.name} must be a power of two <= 32; got {v!r}")
+            elif not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"TritonBlockSizes: {f.name} must be an int >= 1; got {v!r}")
 
     @classmethod
     def default(cls, dims, dtype) -> "TritonBlockSizes":
-        d = _pow2(max(dims.head_dim, dims.v_head_dim))
-        # Measured on an H100 (benchmarks/results/flash_gpu_*.md).
+        """Block sizes for an H100 by head dim (the larger of D and Dv) and dtype.
+
+        Register use grows with the head dim (the accumulators are
+        block x head-dim float32) and with the element size, so larger head dims
+        and float32 get smaller tiles.
+
+        >>> from fnattn._checks import Dims
+        >>> TritonBlockSizes.default(Dims(1, 8192, 8192, 16, 16, 128, 128), "bfloat16")
+        ... # doctest: +ELLIPSIS
+        TritonBlockSizes(block_q=128, block_k=128, ...)
+        """
+        d = _pow2(max(dims.head_dim, dims.v_head_dim, 16))
+        wide = jnp.dtype(dtype).itemsize >= 4
+        if wide:
+            d *= 2  # float32 operands take twice the registers and shared memory
         if d <= 64:
-            return cls(128, 64, 64, 64, 4, 3, 4, 2)
+            return cls(block_q=128, block_k=64, block_q_dq=128, block_k_dq=64,
+                       block_q_dkdv=64, block_k_dkdv=128, num_warps=4, num_stages=3,
+                       num_warps_dq=4, num_stages_dq=3, num_warps_dkdv=4, num_stages_dkdv=3)
         if d <= 128:
-            return cls(128, 128, 64, 64, 8, 3, 4, 2)
-        return cls(64, 64, 32, 32, 8, 2, 4, 1)
+            return cls(block_q=128, block_k=128, block_q_dq=128, block_k_dq=64,
+                       block_q_dkdv=64, block_k_dkdv=128, num_warps=8, num_stages=3,
+                       num_warps_dq=8, num_stages_dq=2, num_warps_dkdv=8, num_stages_dkdv=2)
+        if d <= 256:
+            return cls(block_q=128, block_k=64, block_q_dq=64, block_k_dq=64,
+                       block_q_dkdv=64, block_k_dkdv=64, num_warps=8, num_stages=2,
+                       num_warps_dq=8, num_stages_dq=2, num_warps_dkdv=8, num_stages_dkdv=1)
+        return cls(block_q=64, block_k=32, block_q_dq=64, block_k_dq=32,
+                   block_q_dkdv=32, block_k_dkdv=64, num_warps=8, num_stages=1,
+                   num_warps_dq=8, num_stages_dq=1, num_warps_dkdv=8, num_stages_dkdv=1)
+
+
+# ----------------------------------------------------------------------------------
+# Static facts shared by the kernels
+# ----------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class _K:
-    """Static facts shared by the kernels."""
+    """Everything a kernel needs to know at trace time (hashable)."""
 
-    B: int
     Hq: int
-    G: int
+    G: int            # query heads per kv head
+    Gp: int           # query heads per dk/dv program (divides G)
     Tq: int
     Tk: int
+    offset: int       # aligned query position = q + offset
     bq: int
     bk: int
+    nk: int           # kv-blocks (or q-blocks in the dk/dv pass) per row, for the schedule
     scale: float
     softcap: Optional[float]
     rate: float
-    has_bias: bool
+    bias_varies: Optional[tuple]  # (b, h, q, k) flags, None without bias
     has_sinks: bool
-    mask_treedef: object
-    op_shapes: tuple  # per operand: (b varies, h varies, q varies, k varies)
-    bias_shape: tuple
+    mask_treedef: object          # None without a mask
+    op_varies: tuple              # per mask operand: (b, h, q, k) flags
+    ragged_k: bool                # Tk is not a multiple of bk
+
+    @property
+    def has_mask(self) -> bool:
+        return self.mask_treedef is not None
 
 
-def _ds_tile(ref, varies_q, varies_k, i, j, bq, bk):
-    qi = pl.ds(pl.multiple_of(i * bq, bq), bq) if varies_q else slice(None)
-    kj = pl.ds(pl.multiple_of(j * bk, bk), bk) if varies_k else slice(None)
-    return ref[qi, kj]
+def _q_rows(i, K: _K):
+    return pl.ds(pl.multiple_of(i * K.bq, K.bq), K.bq)
 
 
-def _logits(q, k, bias_t, K: _K):
-    """Logits of a tile in base 2 (``s * log2(e)``, f32), and tanh(s/c) when capped.
+def _k_rows(j, K: _K):
+    return pl.ds(pl.multiple_of(j * K.bk, K.bk), K.bk)
 
-    Without bias and soft-cap the log2(e) factor folds into the scale, saving a
-    pass over the tile.
+
+def _tile(ref, varies, head, i, j, K: _K, transposed: bool):
+    """The (bq|1, bk|1) tile (i, j) of a per-(b, h) 2-D ref, or (bk|1, bq|1) if transposed.
+
+    ``varies`` are the operand's (b, h, q, k) flags; ``head`` indexes a leading
+    head axis that the dk/dv pass keeps in the block (or is None).
     """
+    qs = _q_rows(i, K) if varies[2] else slice(None)
+    ks = _k_rows(j, K) if varies[3] else slice(None)
+    idx = (ks, qs) if transposed else (qs, ks)
+    if head is not None and varies[1]:
+        idx = (head,) + idx
+    return ref[idx]
+
+
+def _scores(a, b, bias_t, K: _K):
+    """Logits of a tile ``a @ b.T`` as ``(s, c, th)`` with ``exp(logit) = exp2(s * c)``.
+
+    Keeping the factor ``c`` apart lets the caller fold it into the
+    ``s * c - m`` of the softmax (one fused multiply-add per element). ``th`` is
+    ``tanh`` of the capped logit (for the soft-cap derivative) or None.
+    """
+    s = lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=F32)
     if bias_t is None and K.softcap is None:
-        return jnp.dot(q, k.T, preferred_element_type=jnp.float32) * (K.scale * LOG2E), None
-    s = jnp.dot(q, k.T, preferred_element_type=jnp.float32) * K.scale
+        return s, K.scale * LOG2E, None
+    s = s * K.scale
     if bias_t is not None:
-        s = s + bias_t.astype(jnp.float32)
-    th = None
-    if K.softcap is not None:
-        th = jnp.tanh(s / K.softcap)
-        s = K.softcap * th
-    return s * LOG2E, th
+        s = s + bias_t.astype(F32)
+    if K.softcap is None:
+        return s, LOG2E, None
+    th = jnp.tanh(s * (1.0 / K.softcap))
+    return th, K.softcap * LOG2E, th
 
 
-def _allowed(op_refs, b, h, i, j, K: _K):
-    qi = i * K.bq + lax.broadcasted_iota(jnp.int32, (K.bq, 1), 0)
-    kj = j * K.bk + lax.broadcasted_iota(jnp.int32, (1, K.bk), 1)
-    ok = kj < K.Tk
-    if K.mask_treedef is not None:
-        tiles = tuple(_ds_tile(r, s[2], s[3], i, j, K.bq, K.bk)
-                      for r, s in zip(op_refs, K.op_shapes))
-        # Predicates read only the tiles; the leaves are placeholders (not None,
-        # which would read as an absent optional array).
-        mask = jax.tree_util.tree_unflatten(K.mask_treedef, [0] * K.mask_treedef.num_leaves)
-        pos = masks.Positions(b=b, h=h, q=qi, q_pos=qi + (K.Tk - K.Tq), k=kj)
-        ok = mask.predicate(pos, tiles).astype(jnp.bool_) & ok
+def _positions(b, h, i, j, K: _K, transposed: bool):
+    """Broadcastable (raw q, aligned q, k) index arrays of tile (i, j)."""
+    if transposed:
+        qi = i * K.bq + lax.broadcasted_iota(jnp.int32, (1, K.bq), 1)
+        kj = j * K.bk + lax.broadcasted_iota(jnp.int32, (K.bk, 1), 0)
+    else:
+        qi = i * K.bq + lax.broadcasted_iota(jnp.int32, (K.bq, 1), 0)
+        kj = j * K.bk + lax.broadcasted_iota(jnp.int32, (1, K.bk), 1)
+    return masks.Positions(b=b, h=h, q=qi, q_pos=qi + K.offset, k=kj)
+
+
+def _allowed(op_refs, head, pos, i, j, K: _K, transposed: bool):
+    """The mask of a PARTIAL tile: the mask predicate and the ragged-length bound."""
+    ok = None
+    if K.has_mask:
+        tiles = [_tile(r, v, head, i, j, K, transposed) for r, v in zip(op_refs, K.op_varies)]
+        # The predicate reads only the tiles; the leaves are placeholders (not None,
+        # which would read as an absent optional array such as q_lengths).
+        mask = jax.tree_util.tree_unflatten(K.mask_treedef,
+                                            [0] * K.mask_treedef.num_leaves)
+        ok = mask.predicate(pos, tiles).astype(jnp.bool_)
+    if K.ragged_k:
+        inb = pos.k < K.Tk
+        ok = inb if ok is None else ok & inb
     return ok
 
 
-def _keep(seed_ref, b, h, i, j, K: _K):
-    qi = i * K.bq + lax.broadcasted_iota(jnp.int32, (K.bq, 1), 0)
-    kj = j * K.bk + lax.broadcasted_iota(jnp.int32, (1, K.bk), 1)
-    seed = (seed_ref[0], seed_ref[1])
-    return dropout.keep_mask(seed, b, h, qi, kj, K.rate)
+def _keep(seed_ref, pos, K: _K):
+    return dropout.keep_mask((seed_ref[0], seed_ref[1]), pos.b, pos.h, pos.q, pos.k, K.rate)
 
 
-def _masked(s, kind, op_refs, b, h, i, j, K: _K):
-    def partial_tile(s):
-        return jnp.where(_allowed(op_refs, b, h, i, j, K), s, -jnp.inf)
-    return lax.cond(kind == masks.FULL, lambda s: s, partial_tile, s)
+class _Refs:
+    """Names the kernel's refs; the optional ones are None when absent."""
+
+    def __init__(self, refs, K: _K, names, outs, *, sched: bool):
+        it = iter(refs)
+        for n in names:
+            setattr(self, n, next(it))
+        self.sched = next(it) if sched else None
+        self.bias = next(it) if K.bias_varies is not None else None
+        self.sinks = next(it) if K.has_sinks else None
+        self.seed = next(it) if K.rate > 0 else None
+        self.ops = [next(it) for _ in K.op_varies]
+        for n in outs:
+            setattr(self, n, next(it, None))
 
 
-def _split_refs(refs, K: _K, n_in_fixed):
-    it = iter(refs)
-    fixed = [next(it) for _ in range(n_in_fixed)]
-    bias_ref = next(it) if K.has_bias else None
-    sinks_ref = next(it) if K.has_sinks else None
-    seed_ref = next(it) if K.rate > 0 else None
-    op_refs = [next(it) for _ in K.op_shapes]
-    return fixed, bias_ref, sinks_ref, seed_ref, op_refs, list(it)
+def _loops(R: _Refs, K: _K, n_static: int, body, carry, repeat: int = 1):
+    """Runs ``body(j, g, carry, partial)`` over the scheduled blocks.
+
+    With a schedule: the FULL blocks, then the PARTIAL ones. Without: blocks
+    ``0 .. n_static-1`` with no mask, then (for a ragged last kv-block) one
+    partial step. ``repeat`` > 1 visits every block once per head ``g`` of a
+    GQA group (the dk/dv pass).
+    """
+    def step(index_of, partial):
+        def f(t, c):
+            slot, g = (t, 0) if repeat == 1 else (t // repeat, t % repeat)
+            return body(index_of(slot), g, c, partial)
+        return f
+
+    if R.sched is None:
+        carry = lax.fori_loop(0, n_static * repeat, step(lambda s: s, False), carry)
+        if K.ragged_k and n_static < K.nk:
+            carry = lax.fori_loop(0, repeat, step(lambda s: n_static + s, True), carry)
+        return carry
+    n_full, n_part = R.sched[0], R.sched[1]
+    carry = lax.fori_loop(0, n_full * repeat, step(lambda s: R.sched[2 + s], False), carry)
+    return lax.fori_loop(0, n_part * repeat, step(lambda s: R.sched[2 + K.nk + s], True), carry)
 
 
-def _fwd_kernel(*refs, K: _K):
-    (q_ref, k_ref, v_ref, idx_ref, kind_ref, cnt_ref), bias_ref, sinks_ref, seed_ref, op_refs, \
-        (o_ref, lse_ref) = _split_refs(refs, K, 6)
+# ----------------------------------------------------------------------------------
+# Forward kernel
+# ----------------------------------------------------------------------------------
+
+
+def _fwd_kernel(*refs, K: _K, sched: bool):
+    R = _Refs(refs, K, ("q", "k", "v"), ("o", "lse"), sched=sched)
     i, bh = pl.program_id(0), pl.program_id(1)
     b, h = bh // K.Hq, bh % K.Hq
-    q = q_ref[pl.ds(pl.multiple_of(i * K.bq, K.bq), K.bq), :]
+    rows = _q_rows(i, K)
+    q = R.q[rows, :]
+    guard = K.has_mask or K.ragged_k or K.bias_varies is not None
 
-    def body(t, carry):
+    def body(j, _, carry, partial):
         acc, m, l = carry
-        j = idx_ref[t]
-        kslice = pl.ds(pl.multiple_of(j * K.bk, K.bk), K.bk)
-        k = k_ref[kslice, :]
-        bias_t = None
-        if bias_ref is not None:
-            bias_t = _ds_tile(bias_ref, K.bias_shape[2] > 1, K.bias_shape[3] > 1, i, j, K.bq, K.bk)
-        s, _ = _logits(q, k, bias_t, K)
-        s = _masked(s, kind_ref[t], op_refs, b, h, i, j, K)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp2(s - m_use[:, None])
+        ks = _k_rows(j, K)
+        bias_t = None if R.bias is None else _tile(R.bias, K.bias_varies, None, i, j, K, False)
+        s, c, _ = _scores(q, R.k[ks, :], bias_t, K)
+        pos = _positions(b, h, i, j, K, False) if partial or R.seed is not None else None
+        if partial:
+            s = jnp.where(_allowed(R.ops, None, pos, i, j, K, False), s, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1) * c)
+        # A row with no visible key so far keeps m = -inf; shifting by 0 instead
+        # of -inf keeps exp2 at exp2(-inf) = 0 rather than NaN.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
+        p = jnp.exp2(s * c - m_use[:, None])
         alpha = jnp.exp2(m - m_use)
         l = l * alpha + p.sum(axis=1)
-        if seed_ref is not None:
-            p = jnp.where(_keep(seed_ref, b, h, i, j, K), p * (1.0 / (1.0 - K.rate)), 0.0)
-        v = v_ref[kslice, :]
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v,
-                                             preferred_element_type=jnp.float32)
+        if R.seed is not None:
+            p = jnp.where(_keep(R.seed, pos, K), p * (1.0 / (1.0 - K.rate)), 0.0)
+        v = R.v[ks, :]
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
         return acc, m_new, l
 
-    acc = jnp.zeros((K.bq, v_ref.shape[-1]), jnp.float32)
-    m = jnp.full((K.bq,), -jnp.inf, jnp.float32)
-    l = jnp.zeros((K.bq,), jnp.float32)
-    acc, m, l = lax.fori_loop(0, cnt_ref[0], body, (acc, m, l))
-    if sinks_ref is not None:
-        sink = sinks_ref[0] * LOG2E
+    acc = jnp.zeros((K.bq, R.v.shape[-1]), F32)
+    m = jnp.full((K.bq,), -jnp.inf, F32)
+    l = jnp.zeros((K.bq,), F32)
+    acc, m, l = _loops(R, K, K.Tk // K.bk, body, (acc, m, l))
+    if R.sinks is not None:
+        sink = R.sinks[0].astype(F32) * LOG2E
         m_fin = jnp.maximum(m, sink)
         a = jnp.exp2(m - m_fin)
         l = l * a + jnp.exp2(sink - m_fin)
         acc = acc * a[:, None]
         m = m_fin
     safe = jnp.where(l > 0, l, 1.0)
-    rows = pl.ds(pl.multiple_of(i * K.bq, K.bq), K.bq)
-    o_ref[rows, :] = (acc / safe[:, None]).astype(o_ref.dtype)
-    lse_ref[rows] = jnp.where(l > 0, (m + jnp.log2(safe)) * LN2, -jnp.inf)
+    R.o[rows, :] = (acc * (1.0 / safe)[:, None]).astype(R.o.dtype)
+    R.lse[rows] = jnp.where(l > 0, (m + jnp.log2(safe)) * LN2, -jnp.inf)
 
 
-def _recompute(q, k, do, v, lse2, delta, kind, bias_t, op_refs, seed_ref, b, h, i, j, K: _K):
-    """p (undropped), the dropped p, and dS of one tile."""
-    s, th = _logits(q, k, bias_t, K)
-    s = _masked(s, kind, op_refs, b, h, i, j, K)
-    p = jnp.exp2(s - lse2[:, None])
-    dp = jnp.dot(do, v.T, preferred_element_type=jnp.float32)
+# ----------------------------------------------------------------------------------
+# Backward kernels
+# ----------------------------------------------------------------------------------
+
+
+def _ds(p, dp, delta, th, keep, K: _K):
+    """(dropped p, dS) of a tile; dS is the gradient of the pre-cap scaled logit."""
     pd = p
-    if seed_ref is not None:
-        keep = _keep(seed_ref, b, h, i, j, K)
+    if keep is not None:
         inv = 1.0 / (1.0 - K.rate)
         pd = jnp.where(keep, p * inv, 0.0)
         dp = jnp.where(keep, dp * inv, 0.0)
-    ds = p * (dp - delta[:, None])
+    ds = p * (dp - delta)
     if th is not None:
         ds = ds * (1.0 - th * th)
     return pd, ds
 
 
-def _dq_kernel(*refs, K: _K):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, idx_ref, kind_ref, cnt_ref), bias_ref, \
-        _, seed_ref, op_refs, outs = _split_refs(refs, K, 9)
-    dq_ref = outs[0]
-    dbias_ref = outs[1] if len(outs) > 1 else None
+def _dq_kernel(*refs, K: _K, sched: bool):
+    R = _Refs(refs, K, ("q", "k", "v", "do", "lse2", "delta"), ("dq", "dbias"), sched=sched)
     i, bh = pl.program_id(0), pl.program_id(1)
     b, h = bh // K.Hq, bh % K.Hq
-    rows = pl.ds(pl.multiple_of(i * K.bq, K.bq), K.bq)
-    q, do = q_ref[rows, :], do_ref[rows, :]
-    lse2, delta = lse_ref[rows] * LOG2E, delta_ref[rows]
-    if dbias_ref is not None:
-        zeros = jnp.zeros((K.bq, K.bk), dbias_ref.dtype)
+    rows = _q_rows(i, K)
+    q, do = R.q[rows, :], R.do[rows, :]
+    lse2, delta = R.lse2[rows], R.delta[rows]
+    if R.dbias is not None and sched:
+        # Tiles the schedule skips get no store: clear the row stripe first.
+        zeros = jnp.zeros((K.bq, K.bk), R.dbias.dtype)
 
         def clear(j, c):
-            dbias_ref[rows, pl.ds(pl.multiple_of(j * K.bk, K.bk), K.bk)] = zeros
+            R.dbias[rows, _k_rows(j, K)] = zeros
             return c
-        lax.fori_loop(0, dbias_ref.shape[1] // K.bk, clear, 0)
+        lax.fori_loop(0, K.nk, clear, 0)
 
-    def body(t, dq):
-        j = idx_ref[t]
-        kslice = pl.ds(pl.multiple_of(j * K.bk, K.bk), K.bk)
-        k, v = k_ref[kslice, :], v_ref[kslice, :]
-        bias_t = None
-        if bias_ref is not None:
-            bias_t = _ds_tile(bias_ref, K.bias_shape[2] > 1, K.bias_shape[3] > 1, i, j, K.bq, K.bk)
-        _, ds = _recompute(q, k, do, v, lse2, delta, kind_ref[t], bias_t, op_refs, seed_ref,
-                           b, h, i, j, K)
-        if dbias_ref is not None:
-            dbias_ref[rows, kslice] = ds.astype(dbias_ref.dtype)
-        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
+    def body(j, _, dq, partial):
+        ks = _k_rows(j, K)
+        k = R.k[ks, :]
+        bias_t = None if R.bias is None else _tile(R.bias, K.bias_varies, None, i, j, K, False)
+        s, c, th = _scores(q, k, bias_t, K)
+        pos = _positions(b, h, i, j, K, False) if partial or R.seed is not None else None
+        if partial:
+            s = jnp.where(_allowed(R.ops, None, pos, i, j, K, False), s, -jnp.inf)
+        p = jnp.exp2(s * c - lse2[:, None])
+        dp = lax.dot_general(do, R.v[ks, :], (((1,), (1,)), ((), ())), preferred_element_type=F32)
+        keep = None if R.seed is None else _keep(R.seed, pos, K)
+        _, ds = _ds(p, dp, delta[:, None], th, keep, K)
+        if R.dbias is not None:
+            R.dbias[rows, ks] = ds.astype(R.dbias.dtype)
+        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=F32)
 
-    dq = lax.fori_loop(0, cnt_ref[0], body, jnp.zeros((K.bq, q_ref.shape[-1]), jnp.float32))
-    dq_ref[rows, :] = (dq * K.scale).astype(dq_ref.dtype)
+    dq = _loops(R, K, K.Tk // K.bk, body, jnp.zeros((K.bq, R.q.shape[-1]), F32))
+    R.dq[rows, :] = (dq * K.scale).astype(R.dq.dtype)
 
 
-def _dkdv_kernel(*refs, K: _K):
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, idx_ref, kind_ref, cnt_ref), bias_ref, \
-        _, seed_ref, op_refs, (dk_ref, dv_ref) = _split_refs(refs, K, 9)
-    j, bh = pl.program_id(0), pl.program_id(1)
-    b, h = bh // K.Hq, bh % K.Hq
-    kslice = pl.ds(pl.multiple_of(j * K.bk, K.bk), K.bk)
-    k, v = k_ref[kslice, :], v_ref[kslice, :]
+def _dkdv_kernel(*refs, K: _K, sched: bool):
+    # Blocks hold Gp query heads: q, do (Tq, Gp, D); lse2, delta (Gp, Tq).
+    R = _Refs(refs, K, ("q", "k", "v", "do", "lse2", "delta"), ("dk", "dv"), sched=sched)
+    j, bp = pl.program_id(0), pl.program_id(1)
+    nprog = K.Hq // K.Gp
+    b, p_head = bp // nprog, bp % nprog
+    ks = _k_rows(j, K)
+    k, v = R.k[ks, :], R.v[ks, :]
 
-    def body(t, carry):
+    def body(i, g, carry, partial):
         dk, dv = carry
-        i = idx_ref[t]
-        rows = pl.ds(pl.multiple_of(i * K.bq, K.bq), K.bq)
-        q, do = q_ref[rows, :], do_ref[rows, :]
-        bias_t = None
-        if bias_ref is not None:
-            bias_t = _ds_tile(bias_ref, K.bias_shape[2] > 1, K.bias_shape[3] > 1, i, j, K.bq, K.bk)
-        pd, ds = _recompute(q, k, do, v, lse_ref[rows] * LOG2E, delta_ref[rows], kind_ref[t],
-                            bias_t, op_refs, seed_ref, b, h, i, j, K)
-        dv = dv + jnp.dot(pd.astype(do.dtype).T, do, preferred_element_type=jnp.float32)
-        dk = dk + jnp.dot(ds.astype(q.dtype).T, q, preferred_element_type=jnp.float32)
+        rows = _q_rows(i, K)
+        q, do = R.q[rows, g, :], R.do[rows, g, :]
+        lse2, delta = R.lse2[g, rows], R.delta[g, rows]
+        bias_t = None if R.bias is None else _tile(R.bias, K.bias_varies, g, i, j, K, True)
+        st, c, th = _scores(k, q, bias_t, K)                      # (bk, bq) = S^T
+        pos = None
+        if partial or R.seed is not None:
+            pos = _positions(b, p_head * K.Gp + g, i, j, K, True)
+        if partial:
+            st = jnp.where(_allowed(R.ops, g, pos, i, j, K, True), st, -jnp.inf)
+        pt = jnp.exp2(st * c - lse2[None, :])
+        dpt = lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+        keep = None if R.seed is None else _keep(R.seed, pos, K)
+        pdt, dst = _ds(pt, dpt, delta[None, :], th, keep, K)
+        dv = dv + jnp.dot(pdt.astype(do.dtype), do, preferred_element_type=F32)
+        dk = dk + jnp.dot(dst.astype(q.dtype), q, preferred_element_type=F32)
         return dk, dv
 
-    dk, dv = lax.fori_loop(0, cnt_ref[0], body,
-                           (jnp.zeros((K.bk, k_ref.shape[-1]), jnp.float32),
-                            jnp.zeros((K.bk, v_ref.shape[-1]), jnp.float32)))
-    dk_ref[kslice, :] = (dk * K.scale).astype(dk_ref.dtype)
-    dv_ref[kslice, :] = dv.astype(dv_ref.dtype)
+    carry = (jnp.zeros((K.bk, R.k.shape[-1]), F32), jnp.zeros((K.bk, R.v.shape[-1]), F32))
+    # Without a mask every q-block is visited and needs no bound: padded query
+    # rows have lse2 = +inf, so their P is 0.
+    dk, dv = _loops(R, K, K.nk, body, carry, repeat=K.Gp)
+    R.dk[ks, :] = (dk * K.scale).astype(R.dk.dtype)
+    R.dv[ks, :] = dv.astype(R.dv.dtype)
 
 
 # ----------------------------------------------------------------------------------
@@ -300,211 +459,271 @@ def _dkdv_kernel(*refs, K: _K):
 # ----------------------------------------------------------------------------------
 
 
-def _pad(x, axis, size):
+def _pad(x, axis, size, value=0):
     if x.shape[axis] == size:
         return x
     w = [(0, 0)] * x.ndim
     w[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, w)
+    return jnp.pad(x, w, constant_values=value)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Setup:
-    K: _K
-    Tqp: int
-    Tkp: int
-    Dp: int
-    Dvp: int
-    nq: int
-    nk: int
-    bs: TritonBlockSizes
+def _pad_seq(x, sizes):
+    """Pads axes 2 and 3 of a (B|1, H|1, Tq|1, Tk|1) array to ``sizes`` where not 1."""
+    for axis, n in zip((2, 3), sizes):
+        if x.shape[axis] > 1:
+            x = _pad(x, axis, n)
+    return x
 
 
-def _setup(cfg, mask, bias, sinks, dtype, backward):
+def _varies(shape4):
+    return tuple(n > 1 for n in shape4)
+
+
+def _blocks_for(cfg, dtype, which):
     d = cfg.dims
     bs = blocks.pick(cfg.block_sizes, TritonBlockSizes, TritonBlockSizes.default(d, dtype))
-    bq, bk = (bs.block_q_bwd, bs.block_k_bwd) if backward else (bs.block_q, bs.block_k)
+    bq, bk, warps, stages = {
+        "fwd": (bs.block_q, bs.block_k, bs.num_warps, bs.num_stages),
+        "dq": (bs.block_q_dq, bs.block_k_dq, bs.num_warps_dq, bs.num_stages_dq),
+        "dkdv": (bs.block_q_dkdv, bs.block_k_dkdv, bs.num_warps_dkdv, bs.num_stages_dkdv),
+    }[which]
+    # Tiles never larger than the padded sequence: small problems need no tuning.
     bq, bk = min(bq, max(16, _pow2(d.q_len))), min(bk, max(16, _pow2(d.kv_len)))
+    return bq, bk, plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def _make_k(cfg, mask, bias, sinks, bq, bk, *, dkdv=False, Gp=1):
+    d = cfg.dims
     nq, nk = -(-d.q_len // bq), -(-d.kv_len // bk)
     ops = () if mask is None else mask.operands()
-    leaves, treedef = jax.tree_util.tree_flatten(mask)
-    K = _K(B=d.batch, Hq=d.num_q_heads, G=d.group, Tq=d.q_len, Tk=d.kv_len, bq=bq, bk=bk,
-           scale=cfg.scale, softcap=cfg.softcap, rate=cfg.dropout_rate,
-           has_bias=bias is not None, has_sinks=sinks is not None,
-           mask_treedef=None if mask is None else treedef,
-           op_shapes=tuple(tuple(n > 1 for n in op.shape) for op in ops),
-           bias_shape=() if bias is None else
-           tuple((1,) * (4 - bias.ndim) + tuple(bias.shape)))
-    return _Setup(K, nq * bq, nk * bk, _pow2(max(d.head_dim, 16)), _pow2(max(d.v_head_dim, 16)),
-                  nq, nk, bs)
+    treedef = None if mask is None else jax.tree_util.tree_structure(mask)
+    return _K(Hq=d.num_q_heads, G=d.group, Gp=Gp, Tq=d.q_len, Tk=d.kv_len,
+              offset=d.kv_len - d.q_len if cfg.q_offset is None else cfg.q_offset,
+              bq=bq, bk=bk, nk=nq if dkdv else nk, scale=cfg.scale, softcap=cfg.softcap,
+              rate=cfg.dropout_rate,
+              bias_varies=None if bias is None else _varies(_bias4(bias).shape),
+              has_sinks=sinks is not None, mask_treedef=treedef,
+              op_varies=tuple(_varies(op.shape) for op in ops),
+              ragged_k=d.kv_len % bk != 0)
 
 
-def _bh_spec(shape4, S: _Setup, kind):
-    """BlockSpec selecting (b, h) of a 4-D (B|1, H|1, Tq|1, Tk|1) array, whole along T."""
-    K = S.K
+def _bias4(bias):
+    return jnp.reshape(bias, (1,) * (4 - bias.ndim) + tuple(bias.shape))
+
+
+def _schedule(mask, cfg, K: _K, *, transpose=False, heads_per_row=1):
+    """One int32 row [n_full, n_partial, full blocks (nk), partial blocks (nk)]
+    per (b|1, h|1, row-block); None without a mask.
+
+    With ``heads_per_row`` > 1 the rows of consecutive query heads are merged
+    (a tile is FULL only if FULL for every head, visited if any head sees it).
+    """
+    if mask is None:
+        return None
+    d = cfg.dims
+    off = cfg.q_offset
+    cls = masks.block_classes(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len, K.bq, K.bk,
+                              q_offset=off)
+    if transpose:
+        cls = jnp.swapaxes(cls, -1, -2)
+    if heads_per_row > 1 and cls.shape[1] > 1:
+        c = cls.reshape(cls.shape[0], -1, heads_per_row, *cls.shape[2:])
+        full = jnp.all(c == masks.FULL, axis=2)
+        seen = jnp.any(c != masks.EMPTY, axis=2)
+        cls = full.astype(jnp.int8) + seen.astype(jnp.int8)
+    full = blocks.schedule(jnp.where(cls == masks.FULL, cls, masks.EMPTY).astype(jnp.int8))
+    part = blocks.schedule(jnp.where(cls == masks.PARTIAL, cls, masks.EMPTY).astype(jnp.int8))
+    return jnp.concatenate([full.count[..., None], part.count[..., None],
+                            full.index, part.index], axis=-1).astype(jnp.int32)
+
+
+def _sched_spec(table, n_heads_total):
+    """BlockSpec of a schedule table, for grid (row-block, b * n_heads + head)."""
+    vb, vh = table.shape[0] > 1, table.shape[1] > 1
+
+    def index(r, bh):
+        return (bh // n_heads_total if vb else 0, bh % n_heads_total if vh else 0, r, 0)
+    return pl.BlockSpec((None, None, None, table.shape[-1]), index)
+
+
+def _bh_spec(shape4, n_heads, heads_per_prog):
+    """BlockSpec of a (B|1, H|1, X, Y) array, whole along X and Y.
+
+    The grid's second axis is ``b * n_heads + head``; with ``heads_per_prog``
+    (the dk/dv pass) the block keeps that many consecutive heads.
+    """
     vb, vh = shape4[0] > 1, shape4[1] > 1
-    block = (None, None, shape4[2], shape4[3])
+    hblock = heads_per_prog if (vh and heads_per_prog) else None
 
-    def index(a, bh):
-        return (bh // K.Hq if vb else 0, bh % K.Hq if vh else 0, 0, 0)
-    return pl.BlockSpec(block, index)
+    def index(r, bh):
+        return (bh // n_heads if vb else 0, bh % n_heads if vh else 0, 0, 0)
+    return pl.BlockSpec((None, hblock, shape4[2], shape4[3]), index)
 
 
-def _extra_inputs(S: _Setup, mask, bias, sinks, seed):
-    """Inputs and BlockSpecs for bias, sinks, seed and mask operands (in kernel order)."""
-    K = S.K
+def _extras(K: _K, mask, bias, sinks, seed, pads, *, transpose=False, n_heads,
+            heads_per_prog=None):
+    """Inputs and BlockSpecs for bias, sinks, seed and the mask operands (kernel order)."""
     arrays, specs = [], []
+
+    def add4(x):
+        x = _pad_seq(x, pads)
+        if transpose:
+            x = jnp.swapaxes(x, 2, 3)
+        arrays.append(x)
+        specs.append(_bh_spec(x.shape, n_heads, heads_per_prog))
+
     if bias is not None:
-        b4 = jnp.reshape(bias, K.bias_shape).astype(jnp.float32)
-        b4 = _pad(b4, 2, S.Tqp) if b4.shape[2] > 1 else b4
-        b4 = _pad(b4, 3, S.Tkp) if b4.shape[3] > 1 else b4
-        arrays.append(b4)
-        specs.append(_bh_spec(b4.shape, S, "bias"))
+        add4(_bias4(bias))
     if sinks is not None:
-        arrays.append(sinks.astype(jnp.float32).reshape(K.Hq, 1))
-        specs.append(pl.BlockSpec((None, 1), lambda a, bh: (bh % K.Hq, 0)))
+        arrays.append(sinks.reshape(K.Hq, 1))
+        specs.append(pl.BlockSpec((None, 1), lambda r, bh: (bh % K.Hq, 0)))
     if K.rate > 0:
         arrays.append(seed.astype(jnp.uint32))
-        specs.append(pl.BlockSpec((2,), lambda a, bh: (0,)))
+        specs.append(pl.BlockSpec((2,), lambda r, bh: (0,)))
     if mask is not None:
         for op in mask.operands():
-            if op.dtype == jnp.bool_:
-                op = op.astype(jnp.int8)
-            op = _pad(op, 2, S.Tqp) if op.shape[2] > 1 else op
-            op = _pad(op, 3, S.Tkp) if op.shape[3] > 1 else op
-            arrays.append(op)
-            specs.append(_bh_spec(op.shape, S, "op"))
+            add4(op.astype(jnp.int8) if op.dtype == jnp.bool_ else op)
     return arrays, specs
 
 
-def _sched_inputs(mask, S: _Setup, transpose):
-    K = S.K
-    cls = masks.block_classes(mask, K.B, K.Hq, K.Tq, K.Tk, K.bq, K.bk)
-    nonempty = jnp.any(cls != masks.EMPTY, axis=(0, 1))
-    full = jnp.all(cls == masks.FULL, axis=(0, 1))
-    union = (nonempty | full).astype(jnp.int8) + full.astype(jnp.int8)
-    sched = blocks.schedule(union, transpose=transpose)
-    n = sched.index.shape[-1]
-    width = _pow2(n)
-    idx = _pad(sched.index, 1, width)
-    kind = _pad(sched.kind.astype(jnp.int32), 1, width)
-    cnt = sched.count.reshape(-1, 1)
-    specs = [pl.BlockSpec((None, width), lambda a, bh: (a, 0)),
-             pl.BlockSpec((None, width), lambda a, bh: (a, 0)),
-             pl.BlockSpec((None, 1), lambda a, bh: (a, 0))]
-    return [idx, kind, cnt], specs
+def _seq_spec(T, D, n_heads, head_of, heads_per_prog=None):
+    """BlockSpec of a (B, T, H, D) array: whole along T and D for one program's head,
+    or its ``heads_per_prog`` consecutive heads (kept as an axis of the block)."""
+    hblock = heads_per_prog
+    return pl.BlockSpec((None, T, hblock, D),
+                        lambda r, bh: (bh // n_heads, 0, head_of(bh % n_heads), 0))
 
 
-def _seq_spec(T, D, K: _K, kv=False):
-    """BlockSpec of a (B, T, H, D) array: whole along T for one batch row and head."""
-    if kv:
-        return pl.BlockSpec((None, T, None, D), lambda a, bh: (bh // K.Hq, 0, (bh % K.Hq) // K.G, 0))
-    return pl.BlockSpec((None, T, None, D), lambda a, bh: (bh // K.Hq, 0, bh % K.Hq, 0))
+def _rows_spec(T, n_heads, heads_per_prog=None):
+    hblock = heads_per_prog
+    return pl.BlockSpec((None, hblock, T), lambda r, bh: (bh // n_heads, bh % n_heads, 0))
 
 
-def _rows_spec(T, K: _K):
-    return pl.BlockSpec((None, None, T), lambda a, bh: (bh // K.Hq, bh % K.Hq, 0))
+def _dims_padded(cfg, bq, bk):
+    d = cfg.dims
+    Tqp, Tkp = -(-d.q_len // bq) * bq, -(-d.kv_len // bk) * bk
+    return Tqp, Tkp, _pow2(max(d.head_dim, 16)), _pow2(max(d.v_head_dim, 16))
 
 
-def _pad_qkv(q, k, v, S: _Setup):
-    q = _pad(_pad(q, 1, S.Tqp), 3, S.Dp)
-    k = _pad(_pad(k, 1, S.Tkp), 3, S.Dp)
-    v = _pad(_pad(v, 1, S.Tkp), 3, S.Dvp)
-    return q, k, v
-
-
-def _params(S: _Setup, backward):
-    bs = S.bs
-    return plgpu.CompilerParams(
-        num_warps=bs.num_warps_bwd if backward else bs.num_warps,
-        num_stages=bs.num_stages_bwd if backward else bs.num_stages)
+def _pad_bthd(x, T, D):
+    return _pad(_pad(x, 1, T), 3, D)
 
 
 def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
-    S = _setup(cfg, mask, bias, sinks, q.dtype, backward=False)
-    K = S.K
     d = cfg.dims
-    qp, kp, vp = _pad_qkv(q, k, v, S)
-    sched, sched_specs = _sched_inputs(mask, S, transpose=False)
-    extra, extra_specs = _extra_inputs(S, mask, bias, sinks, seed)
+    bq, bk, params = _blocks_for(cfg, q.dtype, "fwd")
+    Tqp, Tkp, Dp, Dvp = _dims_padded(cfg, bq, bk)
+    K = _make_k(cfg, mask, bias, sinks, bq, bk)
+    Hq, G = d.num_q_heads, d.group
+    table = _schedule(mask, cfg, K)
+    extra, extra_specs = _extras(K, mask, bias, sinks, seed, (Tqp, Tkp), n_heads=Hq)
+    sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, Hq)])
     out, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, K=K),
-        grid=(S.nq, K.B * K.Hq),
-        in_specs=[_seq_spec(S.Tqp, S.Dp, K), _seq_spec(S.Tkp, S.Dp, K, kv=True),
-                  _seq_spec(S.Tkp, S.Dvp, K, kv=True)] + sched_specs + extra_specs,
-        out_specs=[_seq_spec(S.Tqp, S.Dvp, K), _rows_spec(S.Tqp, K)],
-        out_shape=[jax.ShapeDtypeStruct((K.B, S.Tqp, K.Hq, S.Dvp), q.dtype),
-                   jax.ShapeDtypeStruct((K.B, K.Hq, S.Tqp), jnp.float32)],
-        compiler_params=_params(S, False),
-        interpret=interpret,
-        name="fnattn_flash_fwd",
-    )(qp, kp, vp, *sched, *extra)
+        functools.partial(_fwd_kernel, K=K, sched=table is not None),
+        grid=(Tqp // bq, d.batch * Hq),
+        in_specs=[_seq_spec(Tqp, Dp, Hq, lambda h: h), _seq_spec(Tkp, Dp, Hq, lambda h: h // G),
+                  _seq_spec(Tkp, Dvp, Hq, lambda h: h // G)] + sched_specs + extra_specs,
+        out_specs=[_seq_spec(Tqp, Dvp, Hq, lambda h: h), _rows_spec(Tqp, Hq)],
+        out_shape=[jax.ShapeDtypeStruct((d.batch, Tqp, Hq, Dvp), q.dtype),
+                   jax.ShapeDtypeStruct((d.batch, Hq, Tqp), F32)],
+        compiler_params=params, interpret=interpret, name="fnattn_flash_fwd",
+    )(_pad_bthd(q, Tqp, Dp), _pad_bthd(k, Tkp, Dp), _pad_bthd(v, Tkp, Dvp), *sched, *extra)
     return out[:, :d.q_len, :, :d.v_head_dim], lse[:, :, :d.q_len]
 
 
-def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, interpret):
-    S = _setup(cfg, mask, bias, sinks, q.dtype, backward=True)
-    K = S.K
-    d = cfg.dims
-    f32 = jnp.float32
-    delta = jnp.einsum("bthd,bthd->bht", out.astype(f32), d_out.astype(f32)) - d_lse.astype(f32)
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
-    qp, kp, vp = _pad_qkv(q, k, v, S)
-    dop = _pad(_pad(d_out, 1, S.Tqp), 3, S.Dvp)
-    lse_p = _pad(lse_safe, 2, S.Tqp)
-    delta_p = _pad(delta, 2, S.Tqp)
-    extra, extra_specs = _extra_inputs(S, mask, bias, sinks, seed)
-    common = [qp, kp, vp, dop, lse_p, delta_p]
-    common_specs = [_seq_spec(S.Tqp, S.Dp, K), _seq_spec(S.Tkp, S.Dp, K, kv=True),
-                    _seq_spec(S.Tkp, S.Dvp, K, kv=True), _seq_spec(S.Tqp, S.Dvp, K),
-                    _rows_spec(S.Tqp, K), _rows_spec(S.Tqp, K)]
+def _heads_per_dkdv_program(d, n_kv_blocks):
+    """The largest divisor Gp of the GQA group that leaves enough programs."""
+    for Gp in sorted((g for g in range(1, d.group + 1) if d.group % g == 0), reverse=True):
+        if d.batch * d.num_kv_heads * (d.group // Gp) * n_kv_blocks >= MIN_DKDV_PROGRAMS:
+            return Gp
+    return 1
 
-    sched, sched_specs = _sched_inputs(mask, S, transpose=False)
-    out_specs = [_seq_spec(S.Tqp, S.Dp, K)]
-    out_shape = [jax.ShapeDtypeStruct((K.B, S.Tqp, K.Hq, S.Dp), q.dtype)]
+
+def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, interpret):
+    d = cfg.dims
+    B, Hq, Hkv, G = d.batch, d.num_q_heads, d.num_kv_heads, d.group
+    # delta folds in the lse cotangent: dS = P * (dP - (rowsum(dO * O) - d_lse)).
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(F32), d_out.astype(F32)) - d_lse.astype(F32)
+    # lse in base 2; +inf for fully masked rows (and padding) so that P = 0 there.
+    lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
+
+    # dq (and the full-size dbias).
+    bq, bk, params = _blocks_for(cfg, q.dtype, "dq")
+    Tqp, Tkp, Dp, Dvp = _dims_padded(cfg, bq, bk)
+    K = _make_k(cfg, mask, bias, None, bq, bk)
+    table = _schedule(mask, cfg, K)
+    extra, extra_specs = _extras(K, mask, bias, None, seed, (Tqp, Tkp), n_heads=Hq)
+    sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, Hq)])
+    out_specs = [_seq_spec(Tqp, Dp, Hq, lambda h: h)]
+    out_shape = [jax.ShapeDtypeStruct((B, Tqp, Hq, Dp), q.dtype)]
     if bias is not None:
-        out_specs.append(pl.BlockSpec((None, None, S.Tqp, S.Tkp), lambda a, bh: (
-            bh // K.Hq, bh % K.Hq, 0, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((K.B, K.Hq, S.Tqp, S.Tkp), f32))
+        out_specs.append(pl.BlockSpec((None, None, Tqp, Tkp),
+                                      lambda r, bh: (bh // Hq, bh % Hq, 0, 0)))
+        out_shape.append(jax.ShapeDtypeStruct((B, Hq, Tqp, Tkp), F32))
     res = pl.pallas_call(
-        functools.partial(_dq_kernel, K=K), grid=(S.nq, K.B * K.Hq),
-        in_specs=common_specs + sched_specs + extra_specs, out_specs=out_specs,
-        out_shape=out_shape, compiler_params=_params(S, True), interpret=interpret,
-        name="fnattn_flash_dq",
-    )(*common, *sched, *extra)
+        functools.partial(_dq_kernel, K=K, sched=table is not None),
+        grid=(Tqp // bq, B * Hq),
+        in_specs=[_seq_spec(Tqp, Dp, Hq, lambda h: h), _seq_spec(Tkp, Dp, Hq, lambda h: h // G),
+                  _seq_spec(Tkp, Dvp, Hq, lambda h: h // G), _seq_spec(Tqp, Dvp, Hq, lambda h: h),
+                  _rows_spec(Tqp, Hq), _rows_spec(Tqp, Hq)] + sched_specs + extra_specs,
+        out_specs=out_specs, out_shape=out_shape, compiler_params=params,
+        interpret=interpret, name="fnattn_flash_dq",
+    )(_pad_bthd(q, Tqp, Dp), _pad_bthd(k, Tkp, Dp), _pad_bthd(v, Tkp, Dvp),
+      _pad_bthd(d_out, Tqp, Dvp), _pad(lse2, 2, Tqp, jnp.inf), _pad(delta, 2, Tqp),
+      *sched, *extra)
     dq = res[0][:, :d.q_len, :, :d.head_dim]
     dbias = None
     if bias is not None:
         full = res[1][:, :, :d.q_len, :d.kv_len]
-        shape4 = K.bias_shape
-        axes = tuple(a for a in range(4) if shape4[a] == 1 and full.shape[a] != 1)
+        b4 = _bias4(bias).shape
+        axes = tuple(a for a in range(4) if b4[a] == 1 and full.shape[a] != 1)
         dbias = full.sum(axes, keepdims=True).reshape(bias.shape).astype(bias.dtype)
 
-    sched_t, sched_t_specs = _sched_inputs(mask, S, transpose=True)
+    # dk, dv: programs over (kv-block, batch x group of Gp query heads).
+    bq, bk, params = _blocks_for(cfg, q.dtype, "dkdv")
+    Tqp, Tkp, Dp, Dvp = _dims_padded(cfg, bq, bk)
+    Gp = _heads_per_dkdv_program(d, Tkp // bk)
+    P = Hq // Gp  # programs per batch row
+    K = _make_k(cfg, mask, bias, None, bq, bk, dkdv=True, Gp=Gp)
+    table = _schedule(mask, cfg, K, transpose=True, heads_per_row=Gp)
+    extra, extra_specs = _extras(K, mask, bias, None, seed, (Tqp, Tkp), transpose=True,
+                                 n_heads=P, heads_per_prog=Gp)
+    sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, P)])
+    direct = Gp == G  # one program per kv head: write dk, dv directly
+    out_dtype = (k.dtype, v.dtype) if direct else (F32, F32)
     dk, dv = pl.pallas_call(
-        functools.partial(_dkdv_kernel, K=K), grid=(S.nk, K.B * K.Hq),
-        in_specs=common_specs + sched_t_specs + extra_specs,
-        out_specs=[_seq_spec(S.Tkp, S.Dp, K), _seq_spec(S.Tkp, S.Dvp, K)],
-        out_shape=[jax.ShapeDtypeStruct((K.B, S.Tkp, K.Hq, S.Dp), f32),
-                   jax.ShapeDtypeStruct((K.B, S.Tkp, K.Hq, S.Dvp), f32)],
-        compiler_params=_params(S, True), interpret=interpret, name="fnattn_flash_dkdv",
-    )(*common, *sched_t, *extra)
-    Hkv = d.num_kv_heads
+        functools.partial(_dkdv_kernel, K=K, sched=table is not None),
+        grid=(Tkp // bk, B * P),
+        in_specs=[_seq_spec(Tqp, Dp, P, lambda p: p, Gp),
+                  _seq_spec(Tkp, Dp, P, lambda p: p // (P // Hkv)),
+                  _seq_spec(Tkp, Dvp, P, lambda p: p // (P // Hkv)),
+                  _seq_spec(Tqp, Dvp, P, lambda p: p, Gp),
+                  _rows_spec(Tqp, P, Gp), _rows_spec(Tqp, P, Gp)] + sched_specs + extra_specs,
+        out_specs=[_seq_spec(Tkp, Dp, P, lambda p: p), _seq_spec(Tkp, Dvp, P, lambda p: p)],
+        out_shape=[jax.ShapeDtypeStruct((B, Tkp, P, Dp), out_dtype[0]),
+                   jax.ShapeDtypeStruct((B, Tkp, P, Dvp), out_dtype[1])],
+        compiler_params=params, interpret=interpret, name="fnattn_flash_dkdv",
+    )(_pad_bthd(q, Tqp, Dp), _pad_bthd(k, Tkp, Dp), _pad_bthd(v, Tkp, Dvp),
+      _pad_bthd(d_out, Tqp, Dvp), _pad(lse2, 2, Tqp, jnp.inf), _pad(delta, 2, Tqp),
+      *sched, *extra)
 
-    def group_sum(x, D):
-        x = x[:, :d.kv_len, :, :D].reshape(K.B, d.kv_len, Hkv, K.G, D)
-        return x.sum(3)
+    def finish(x, D, dtype):
+        x = x[:, :d.kv_len, :, :D]
+        if not direct:
+            x = x.reshape(B, d.kv_len, Hkv, P // Hkv, D).sum(3)
+        return x.astype(dtype)
 
-    dk = group_sum(dk, d.head_dim).astype(k.dtype)
-    dv = group_sum(dv, d.v_head_dim).astype(v.dtype)
     dsinks = None
     if sinks is not None:
-        p_sink = jnp.exp(sinks.astype(f32)[None, :, None] - lse_safe)
+        # With sinks every row has a finite lse (at least the sink's logit).
+        p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - lse)
         dsinks = -(p_sink * delta).sum((0, 2)).astype(sinks.dtype)
-    return dq.astype(q.dtype), dk, dv, dbias, dsinks
+    return (dq.astype(q.dtype), finish(dk, d.head_dim, k.dtype), finish(dv, d.v_head_dim, v.dtype),
+            dbias, dsinks)
 
 
 LOWERING = Lowering("flash-triton", functools.partial(_forward, interpret=False),
                     functools.partial(_backward, interpret=False))
-INTERPRET_LOWERING = Lowering("flash-triton-interpret", functools.partial(_forward, interpret=True),
+INTERPRET_LOWERING = Lowering("flash-triton-interpret",
+                              functools.partial(_forward, interpret=True),
                               functools.partial(_backward, interpret=True))
