@@ -1,0 +1,798 @@
+"""The Pallas Mosaic lowering of flash attention (TPU).
+
+Three kernels, each a plain function below, in the style of splash attention:
+
+* ``_fwd_kernel``  grid (B, Hq, q-blocks, kv-steps): online softmax with the
+  running max ``m`` and sum ``l`` kept lane-replicated in (block_q, 128) VMEM
+  scratch and the output accumulated in a (block_q, Dv) f32 scratch; initialised
+  at the first kv-step and normalised at the last.
+* ``_dq_kernel``   grid (B, Hq, q-blocks, kv-steps): recomputes P from ``lse``;
+  dq, and dbias when the bias varies along the queries.
+* ``_dkv_kernel``  grid (B, Hkv, kv-blocks, G * q-steps): works on transposed
+  tiles (keys on sublanes, queries on lanes) so that every product is a plain
+  or an RHS-transposed matmul; the G query heads of a GQA group run one after
+  the other in the "arbitrary" grid axis and accumulate into one dk/dv, so K and
+  V are never repeated and dk/dv need no group sum.
+
+Block sparsity comes from scalar prefetch: the wrapper computes
+:func:`fnattn.masks.block_classes` and :func:`fnattn.flash.blocks.schedule`
+inside ``jit`` and hands the kernels, through ``PrefetchScalarGridSpec``, one
+int32 word per (row-block, step) packing the column block to visit and its
+class, plus the number of steps to take. The index maps read the schedule, so a
+step past the count points at the block visited last: the pipeline issues no
+DMA for it, and ``pl.when`` skips its compute. The mask is evaluated only on
+PARTIAL tiles. When the mask holds no arrays, the classes are computed at trace
+time and the grid is only as wide as the longest row of the schedule (a sliding
+window visits a few kv-blocks per q-block, not all of them).
+
+Layout. q, k, v stay in "bthd" order, viewed as (B, T, H * D) with D padded to a
+multiple of 128 so that a (block, D) tile of one head is a legal TPU block; no
+transpose is needed when D is already a multiple of 128. Sequence lengths are
+padded to whole blocks (padded keys are masked, padded query rows dropped).
+Per-row statistics (``lse``, ``delta``) travel as (8, T) rows, queries on
+lanes. Mask operands and the bias become kernel inputs whose BlockSpec slices
+them to the tile along their non-1 axes: an operand varying along both axes is a
+(block, block) tile, one varying along the tile's rows only is stored
+lane-replicated as (T, 128), one varying along the columns only as (8, T), and
+one varying along neither (per batch row or head, e.g. lengths) is read from SMEM.
+
+float16 inputs run in float32 (TPUs have no float16 arithmetic).
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from fnattn import dropout, masks
+from fnattn._dispatch import Lowering
+from fnattn.flash import blocks
+
+__all__ = ["MosaicBlockSizes", "LOWERING", "INTERPRET_LOWERING"]
+
+LANES = 128
+SUBLANES = 8
+NT = (((1,), (1,)), ((), ()))  # a @ b.T
+NN = (((1,), (0,)), ((), ()))  # a @ b
+F32 = jnp.float32
+
+
+def _round_up(x, m):
+    return -(-x // m) * m
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicBlockSizes:
+    """Tile sizes of the Mosaic (TPU) flash kernels.
+
+    ``block_q``/``block_k`` tile the forward, ``block_q_dq``/``block_k_dq`` the dq
+    kernel and ``block_q_dkv``/``block_k_dkv`` the dk/dv kernel. Every size must
+    be a positive multiple of 128: tiles of logits put keys (or, in the dk/dv
+    kernel, queries) on the 128 lanes of a vector register, and TPU blocks must
+    have their last dimension divisible by 128. Sequences shorter than a block
+    use one block of the sequence length rounded up to 128.
+
+    >>> MosaicBlockSizes(block_q=256, block_k=512).block_k_dkv
+    512
+    >>> MosaicBlockSizes(block_q=100)
+    Traceback (most recent call last):
+    ...
+    ValueError: MosaicBlockSizes: block_q must be a positive multiple of 128; got 100
+    """
+
+    block_q: int = 512
+    block_k: int = 512
+    block_q_dq: int = 512
+    block_k_dq: int = 512
+    block_q_dkv: int = 512
+    block_k_dkv: int = 512
+
+    def __post_init__(self):
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0 or v % LANES:
+                raise ValueError(f"MosaicBlockSizes: {f.name} must be a positive multiple of "
+                                 f"{LANES}; got {v!r}")
+
+    @classmethod
+    def default(cls, dims, dtype) -> "MosaicBlockSizes":
+        """Sizes that keep every kernel's VMEM working set well under 16 MiB."""
+        d = max(dims.head_dim, dims.v_head_dim)
+        wide = d > 128 or jnp.dtype(dtype).itemsize > 2
+        if wide:
+            return cls(block_q=256, block_k=512, block_q_dq=256, block_k_dq=256,
+                       block_q_dkv=256, block_k_dkv=256)
+        return cls()
+
+
+# ----------------------------------------------------------------------------------
+# Static description of one kernel launch
+# ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Operand:
+    """Where one mask operand (or the bias) lives, in a kernel's tile orientation.
+
+    ``form`` is "tile" (varies along rows and columns), "row" (rows only,
+    stored lane-replicated), "col" (columns only, stored on 8 sublanes) or
+    "scalar" (neither; read from SMEM). ``vb``/``vh``: varies along batch/head.
+    """
+
+    form: str
+    vb: bool
+    vh: bool
+    is_bool: bool
+    h_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class _K:
+    """Static facts shared by a kernel and its index maps."""
+
+    B: int
+    Hq: int
+    G: int
+    Tq: int
+    Tk: int
+    off: int            # aligned query position = row + off
+    br: int             # block along the kernel's rows (q, or k in the dk/dv kernel)
+    bc: int             # block along the kernel's columns
+    n_rows: int         # row blocks
+    W: int              # steps per row (grid width of the schedule)
+    sb: bool            # schedule varies along batch
+    sh: bool            # schedule varies along head
+    transposed: bool    # rows are keys (the dk/dv kernel)
+    scale: float
+    softcap: Optional[float]
+    rate: float
+    has_sinks: bool
+    bias: Optional[_Operand]
+    dbias: Optional[str]   # the dbias form this kernel produces, if any
+    ops: tuple
+    mask_treedef: object
+
+    def sched_row(self, b, h, r):
+        bb = b if self.sb else 0
+        hh = h if self.sh else 0
+        return (bb * (self.Hq if self.sh else 1) + hh) * self.n_rows + r
+
+
+def _operand(x4, transposed) -> _Operand:
+    vq, vk = x4.shape[2] > 1, x4.shape[3] > 1
+    vr, vc = (vk, vq) if transposed else (vq, vk)
+    form = {(True, True): "tile", (True, False): "row", (False, True): "col",
+            (False, False): "scalar"}[(vr, vc)]
+    return _Operand(form, x4.shape[0] > 1, x4.shape[1] > 1, x4.dtype == jnp.bool_, x4.shape[1])
+
+
+def _bias4(bias):
+    return jnp.reshape(bias, (1,) * (4 - bias.ndim) + tuple(bias.shape))
+
+
+# ----------------------------------------------------------------------------------
+# Kernel helpers
+# ----------------------------------------------------------------------------------
+
+
+def _lanes(x, n):
+    """(rows, 128) lane-replicated -> (rows, n), n a multiple of 128."""
+    return x if n == LANES else jnp.concatenate([x] * (n // LANES), axis=1)
+
+
+def _load(ref, op: _Operand, K: _K, b, h):
+    """An operand's tile as an array broadcastable to (br, bc), or a scalar."""
+    if op.form == "scalar":
+        bb = b if op.vb else 0
+        hh = h if op.vh else 0
+        x = ref[bb * op.h_size + hh]
+    else:
+        x = ref[...]
+        if op.form == "row":
+            x = _lanes(x, K.bc)
+        elif op.form == "col":
+            x = jnp.broadcast_to(x[0:1, :], (K.br, K.bc))
+    if op.is_bool:
+        x = x.astype(jnp.int32) != 0
+    return x
+
+
+def _positions(K: _K, r_blk, c_blk):
+    shape = (K.br, K.bc)
+    rows = r_blk * K.br + lax.broadcasted_iota(jnp.int32, shape, 0)
+    cols = c_blk * K.bc + lax.broadcasted_iota(jnp.int32, shape, 1)
+    return (cols, rows) if K.transposed else (rows, cols)  # (q, k)
+
+
+def _allowed(K: _K, op_refs, b, h, r_blk, c_blk):
+    q, k = _positions(K, r_blk, c_blk)
+    ok = k < K.Tk
+    if K.mask_treedef is not None:
+        tiles = [_load(r, op, K, b, h) for r, op in zip(op_refs, K.ops)]
+        # Predicates read only the tiles; the leaves are placeholders.
+        mask = jax.tree_util.tree_unflatten(K.mask_treedef, [0] * K.mask_treedef.num_leaves)
+        pos = masks.Positions(b=b, h=h, q=q, q_pos=q + K.off, k=k)
+        ok = ok & jnp.broadcast_to(mask.predicate(pos, tiles), ok.shape)
+    return ok
+
+
+def _keep(K: _K, seed_ref, b, h, r_blk, c_blk):
+    q, k = _positions(K, r_blk, c_blk)
+    return dropout.keep_mask((seed_ref[0], seed_ref[1]), b, h, q, k, K.rate)
+
+
+def _logits(K: _K, a, bmat, dims, bias_ref, b, h):
+    """Scaled, biased, capped logits of a tile in f32, and tanh(s / cap) if capped."""
+    s = lax.dot_general(a, bmat, dims, preferred_element_type=F32) * K.scale
+    if K.bias is not None:
+        s = s + _load(bias_ref, K.bias, K, b, h).astype(F32)
+    th = None
+    if K.softcap is not None:
+        th = jnp.tanh(s / K.softcap)
+        s = K.softcap * th
+    return s, th
+
+
+def _split(refs, K: _K, n_fixed, n_out, n_scratch):
+    it = iter(refs)
+    fixed = [next(it) for _ in range(n_fixed)]
+    bias_ref = next(it) if K.bias is not None else None
+    sinks_ref = next(it) if K.has_sinks else None
+    seed_ref = next(it) if K.rate > 0 else None
+    op_refs = [next(it) for _ in K.ops]
+    rest = list(it)
+    assert len(rest) == n_out + n_scratch, (len(rest), n_out, n_scratch)
+    return fixed, bias_ref, sinks_ref, seed_ref, op_refs, rest[:n_out], rest[n_out:]
+
+
+def _when_visited(count, t, kind, step):
+    """Runs ``step(masked)`` on scheduled steps: without the mask on FULL tiles."""
+    run = t < count
+    pl.when(run & (kind == masks.FULL))(lambda: step(False))
+    pl.when(run & (kind != masks.FULL))(lambda: step(True))
+
+
+def _row_out(x):
+    """(rows, 128) lane-replicated column -> (8, rows): rows on lanes."""
+    return jnp.transpose(x)[:SUBLANES, :]
+
+
+# ----------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------
+
+
+def _fwd_kernel(code_ref, cnt_ref, *refs, K: _K):
+    (q_ref, k_ref, v_ref), bias_ref, sinks_ref, seed_ref, op_refs, (o_ref, lse_ref), \
+        (m_sc, l_sc, acc_sc) = _split(refs, K, 3, 2, 3)
+    b, h, i, t = (pl.program_id(a) for a in range(4))
+    row = K.sched_row(b, h, i)
+    code = code_ref[row * K.W + t]
+    j, kind = code >> 2, code & 3
+
+    @pl.when(t == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, -jnp.inf, F32)
+        l_sc[...] = jnp.zeros(l_sc.shape, F32)
+        acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
+
+    def step(masked):
+        s, _ = _logits(K, q_ref[...], k_ref[...], NT, bias_ref, b, h)
+        if masked:
+            s = jnp.where(_allowed(K, op_refs, b, h, i, j), s, -jnp.inf)
+        m_prev = m_sc[...]
+        m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+        # A row that has seen no visible key keeps m = -inf; subtract 0 instead
+        # so that exp gives 0, not NaN.
+        m_use = jnp.where(m_next == -jnp.inf, 0.0, m_next)
+        p = jnp.exp(s - _lanes(m_use, K.bc))
+        alpha = jnp.exp(m_prev - m_use)
+        l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1, keepdims=True)
+        m_sc[...] = m_next
+        if K.rate > 0:
+            keep = _keep(K, seed_ref, b, h, i, j)
+            p = jnp.where(keep, p * (1.0 / (1.0 - K.rate)), 0.0)
+        v = v_ref[...]
+        pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=F32)
+        acc_sc[...] = acc_sc[...] * _lanes(alpha, acc_sc.shape[1]) + pv
+
+    _when_visited(cnt_ref[row], t, kind, step)
+
+    @pl.when(t == K.W - 1)
+    def _finish():
+        m, l, acc = m_sc[...], l_sc[...], acc_sc[...]
+        if sinks_ref is not None:
+            # Vector ops only: the scalar unit has no exp.
+            sink = jnp.full(m.shape, sinks_ref[h], F32)
+            m_fin = jnp.maximum(m, sink)
+            a = jnp.exp(m - m_fin)
+            l = l * a + jnp.exp(sink - m_fin)
+            acc = acc * _lanes(a, acc.shape[1])
+            m = m_fin
+        ok = l > 0
+        safe = jnp.where(ok, l, 1.0)
+        o_ref[...] = (acc / _lanes(safe, acc.shape[1])).astype(o_ref.dtype)
+        lse_ref[...] = _row_out(jnp.where(ok, m + jnp.log(safe), -jnp.inf))
+
+
+def _dq_kernel(code_ref, cnt_ref, *refs, K: _K):
+    n_out = 1 + (K.dbias is not None)
+    n_scratch = 1 + (K.dbias == "row")
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), bias_ref, _, seed_ref, op_refs, outs, \
+        scratch = _split(refs, K, 6, n_out, n_scratch)
+    dq_ref, dq_sc = outs[0], scratch[0]
+    b, h, i, t = (pl.program_id(a) for a in range(4))
+    row = K.sched_row(b, h, i)
+    code = code_ref[row * K.W + t]
+    j, kind = code >> 2, code & 3
+
+    @pl.when(t == 0)
+    def _init():
+        dq_sc[...] = jnp.zeros(dq_sc.shape, F32)
+        if K.dbias == "row":
+            scratch[1][...] = jnp.zeros(scratch[1].shape, F32)
+
+    def step(masked):
+        k = k_ref[...]
+        s, th = _logits(K, q_ref[...], k, NT, bias_ref, b, h)
+        if masked:
+            s = jnp.where(_allowed(K, op_refs, b, h, i, j), s, -jnp.inf)
+        lse = jnp.expand_dims(lse_ref[0], -1)
+        delta = jnp.expand_dims(delta_ref[0], -1)
+        p = jnp.exp(s - lse)
+        dp = lax.dot_general(do_ref[...], v_ref[...], NT, preferred_element_type=F32)
+        if K.rate > 0:
+            keep = _keep(K, seed_ref, b, h, i, j)
+            dp = jnp.where(keep, dp * (1.0 / (1.0 - K.rate)), 0.0)
+        ds = p * (dp - delta)
+        if th is not None:
+            ds = ds * (1.0 - th * th)
+        dq_sc[...] += lax.dot_general(ds.astype(k.dtype), k, NN, preferred_element_type=F32)
+        if K.dbias == "tile":
+            outs[1][...] = ds
+        elif K.dbias == "row":
+            scratch[1][...] += jnp.sum(ds, axis=1, keepdims=True)
+
+    _when_visited(cnt_ref[row], t, kind, step)
+
+    @pl.when(t == K.W - 1)
+    def _finish():
+        dq_ref[...] = (dq_sc[...] * K.scale).astype(dq_ref.dtype)
+        if K.dbias == "row":
+            outs[1][...] = _row_out(scratch[1][...])
+
+
+def _dkv_kernel(code_ref, cnt_ref, *refs, K: _K):
+    n_out = 2 + (K.dbias is not None)
+    n_scratch = 2 + (K.dbias is not None)
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), bias_ref, _, seed_ref, op_refs, outs, \
+        scratch = _split(refs, K, 6, n_out, n_scratch)
+    dk_ref, dv_ref = outs[:2]
+    dk_sc, dv_sc = scratch[:2]
+    b, hk, j, s_ = (pl.program_id(a) for a in range(4))
+    # lax.div/rem: jnp's floor division lowers through sign, which needs a TPU.
+    g, t = lax.div(s_, K.W), lax.rem(s_, K.W)
+    h = hk * K.G + g
+    row = K.sched_row(b, h, j)
+    code = code_ref[row * K.W + t]
+    i, kind = code >> 2, code & 3
+
+    @pl.when(s_ == 0)
+    def _init():
+        dk_sc[...] = jnp.zeros(dk_sc.shape, F32)
+        dv_sc[...] = jnp.zeros(dv_sc.shape, F32)
+
+    if K.dbias is not None:
+        @pl.when(t == 0)
+        def _init_head():
+            scratch[2][...] = jnp.zeros(scratch[2].shape, F32)
+
+    def step(masked):
+        q, do = q_ref[...], do_ref[...]
+        st, th = _logits(K, k_ref[...], q, NT, bias_ref, b, h)
+        if masked:
+            st = jnp.where(_allowed(K, op_refs, b, h, j, i), st, -jnp.inf)
+        pt = jnp.exp(st - lse_ref[0:1, :])
+        dpt = lax.dot_general(v_ref[...], do, NT, preferred_element_type=F32)
+        pdt = pt
+        if K.rate > 0:
+            keep = _keep(K, seed_ref, b, h, j, i)
+            inv = 1.0 / (1.0 - K.rate)
+            pdt = jnp.where(keep, pt * inv, 0.0)
+            dpt = jnp.where(keep, dpt * inv, 0.0)
+        dst = pt * (dpt - delta_ref[0:1, :])
+        if th is not None:
+            dst = dst * (1.0 - th * th)
+        dv_sc[...] += lax.dot_general(pdt.astype(do.dtype), do, NN, preferred_element_type=F32)
+        dk_sc[...] += lax.dot_general(dst.astype(q.dtype), q, NN, preferred_element_type=F32)
+        if K.dbias is not None:
+            scratch[2][...] += jnp.sum(dst, axis=1, keepdims=True)
+
+    _when_visited(cnt_ref[row], t, kind, step)
+
+    if K.dbias is not None:
+        @pl.when(t == K.W - 1)
+        def _finish_head():
+            outs[2][...] = _row_out(scratch[2][...])
+
+    @pl.when(s_ == K.G * K.W - 1)
+    def _finish():
+        dk_ref[...] = (dk_sc[...] * K.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_sc[...].astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------
+# Wrappers
+# ----------------------------------------------------------------------------------
+
+
+def _pad_to(x, axis, size):
+    if x.shape[axis] == size:
+        return x
+    w = [(0, 0)] * x.ndim
+    w[axis] = (0, size - x.shape[axis])
+    return jnp.pad(x, w)
+
+
+def _compute_dtype(dtype):
+    # TPUs have no float16 arithmetic; run float16 problems in float32.
+    return F32 if dtype == jnp.float16 else dtype
+
+
+def _schedule(cfg, mask, bq, bk, *, transpose):
+    """Tile classes, and the packed schedule flattened for SMEM.
+
+    Returns ``(classes, code, count, width, sb, sh)``: ``code`` holds
+    ``index << 2 | kind`` per (row-block, step), ``count`` the steps per row,
+    ``width`` the grid's step count and ``sb``/``sh`` whether the schedule varies
+    along batch/head.
+    """
+    d = cfg.dims
+
+    def run():
+        classes = masks.block_classes(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len, bq, bk,
+                                      q_offset=cfg.q_offset)
+        return classes, blocks.schedule(classes, transpose=transpose)
+
+    static = mask is None or mask.num_operands == 0
+    if static:
+        # The classes of an array-free mask are known at trace time, so the grid
+        # can be as narrow as the longest row of the schedule.
+        with jax.ensure_compile_time_eval():
+            classes, sched = run()
+            width = max(1, int(np.asarray(sched.count).max()))
+    else:
+        classes, sched = run()
+        width = sched.index.shape[-1]
+    code = sched.index[..., :width] * 4 + sched.kind[..., :width].astype(jnp.int32)
+    code = code.astype(jnp.int32).reshape(-1)
+    count = sched.count.astype(jnp.int32).reshape(-1)
+    return classes, code, count, width, classes.shape[0] > 1, classes.shape[1] > 1
+
+
+def _operand_array(x4, op: _Operand, transposed, R, C):
+    """The array handed to the kernel for one operand (or the bias)."""
+    if op.form == "scalar":
+        x = x4.reshape(-1)
+        return x.astype(jnp.int32) if not jnp.issubdtype(x.dtype, jnp.floating) else x.astype(F32)
+    x = jnp.swapaxes(x4, 2, 3) if transposed else x4
+    if op.is_bool:
+        x = x.astype(jnp.int8 if op.form == "tile" else jnp.int32)
+    elif jnp.issubdtype(x.dtype, jnp.integer):
+        x = x.astype(jnp.int32)
+    elif x.dtype not in (F32, jnp.bfloat16) or op.form != "tile":
+        x = x.astype(F32)
+    if op.form == "tile":
+        return _pad_to(_pad_to(x, 2, R), 3, C)
+    if op.form == "row":
+        x = _pad_to(x, 2, R)
+        return jnp.broadcast_to(x, x.shape[:3] + (LANES,))
+    x = _pad_to(x, 3, C)
+    return jnp.broadcast_to(x, x.shape[:2] + (SUBLANES, C))
+
+
+def _operand_spec(op: _Operand, K: _K, coords):
+    """BlockSpec of an operand: ``coords(*grid, *prefetch) -> (b, h, row blk, col blk)``."""
+    if op.form == "scalar":
+        return pl.BlockSpec(memory_space=pltpu.SMEM)
+    block = {"tile": (K.br, K.bc), "row": (K.br, LANES), "col": (SUBLANES, K.bc)}[op.form]
+
+    def index(*args):
+        b, h, r, c = coords(*args)
+        return (b if op.vb else 0, h if op.vh else 0,
+                r if op.form in ("tile", "row") else 0, c if op.form in ("tile", "col") else 0)
+    return pl.BlockSpec((None, None) + block, index)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Padded sizes of one forward or backward call."""
+
+    bq: int
+    bk: int
+    Tqp: int
+    Tkp: int
+    Dp: int
+    Dvp: int
+
+
+def _block(b, T):
+    return min(b, _round_up(T, LANES))
+
+
+def _plan(cfg, bq, bk, bq2=None, bk2=None) -> _Plan:
+    d = cfg.dims
+    bq, bk = _block(bq, d.q_len), _block(bk, d.kv_len)
+    mq, mk = bq, bk
+    if bq2 is not None:
+        bq2, bk2 = _block(bq2, d.q_len), _block(bk2, d.kv_len)
+        mq, mk = math.lcm(bq, bq2), math.lcm(bk, bk2)
+    return _Plan(bq, bk, _round_up(d.q_len, mq), _round_up(d.kv_len, mk),
+                 _round_up(d.head_dim, LANES), _round_up(d.v_head_dim, LANES))
+
+
+def _flat(x, T, D, dtype):
+    """(B, T', H, D') -> (B, T, H * D) zero-padded, in the compute dtype."""
+    x = _pad_to(_pad_to(x.astype(dtype), 1, T), 3, D)
+    return x.reshape(x.shape[0], T, x.shape[2] * D)
+
+
+def _kernel_facts(cfg, mask, bias, sinks, *, br, bc, n_rows, W, sb, sh, transposed, dbias):
+    d = cfg.dims
+    ops = () if mask is None else tuple(_operand(o, transposed) for o in mask.operands())
+    treedef = None if mask is None else jax.tree_util.tree_structure(mask)
+    off = d.kv_len - d.q_len if cfg.q_offset is None else cfg.q_offset
+    return _K(B=d.batch, Hq=d.num_q_heads, G=d.group, Tq=d.q_len, Tk=d.kv_len, off=off,
+              br=br, bc=bc, n_rows=n_rows, W=W, sb=sb, sh=sh, transposed=transposed,
+              scale=cfg.scale, softcap=cfg.softcap, rate=cfg.dropout_rate,
+              has_sinks=sinks is not None,
+              bias=None if bias is None else _operand(_bias4(bias), transposed),
+              dbias=dbias, ops=ops, mask_treedef=treedef)
+
+
+def _extras(K: _K, mask, bias, sinks, seed, coords, R, C, *, with_sinks):
+    """Kernel inputs after the fixed ones: bias, sinks, seed, mask operands."""
+    arrays, specs = [], []
+    if bias is not None:
+        arrays.append(_operand_array(_bias4(bias), K.bias, K.transposed, R, C))
+        specs.append(_operand_spec(K.bias, K, coords))
+    if with_sinks and sinks is not None:
+        arrays.append(sinks.astype(F32))
+        specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+    if K.rate > 0:
+        arrays.append(lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32))
+        specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+    if mask is not None:
+        for x4, op in zip(mask.operands(), K.ops):
+            arrays.append(_operand_array(jnp.asarray(x4), op, K.transposed, R, C))
+            specs.append(_operand_spec(op, K, coords))
+    return arrays, specs
+
+
+def _params(interpret):
+    return dict(
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret)
+
+
+def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
+    d = cfg.dims
+    bs = blocks.pick(cfg.block_sizes, MosaicBlockSizes, MosaicBlockSizes.default(d, q.dtype))
+    P = _plan(cfg, bs.block_q, bs.block_k)
+    classes, code, count, W, sb, sh = _schedule(cfg, mask, P.bq, P.bk, transpose=False)
+    nq = classes.shape[2]
+    K = _kernel_facts(cfg, mask, bias, sinks, br=P.bq, bc=P.bk, n_rows=nq, W=W, sb=sb, sh=sh,
+                      transposed=False, dbias=None)
+    G = K.G
+    cd = _compute_dtype(q.dtype)
+
+    def col(b, h, i, t, code_ref, cnt_ref):
+        return code_ref[K.sched_row(b, h, i) * W + t] >> 2
+
+    def coords(b, h, i, t, code_ref, cnt_ref):
+        return b, h, i, col(b, h, i, t, code_ref, cnt_ref)
+
+    def kv_index(b, h, i, t, *refs):
+        # lax.div: jnp's floor division lowers through sign, which needs a TPU.
+        return b, col(b, h, i, t, *refs), lax.div(h, G)
+
+    extra, extra_specs = _extras(K, mask, bias, sinks, seed, coords, P.Tqp, P.Tkp,
+                                 with_sinks=True)
+    in_specs = [
+        pl.BlockSpec((None, P.bq, P.Dp), lambda b, h, i, t, *_: (b, i, h)),
+        pl.BlockSpec((None, P.bk, P.Dp), kv_index),
+        pl.BlockSpec((None, P.bk, P.Dvp), kv_index),
+    ] + extra_specs
+    out_specs = [
+        pl.BlockSpec((None, P.bq, P.Dvp), lambda b, h, i, t, *_: (b, i, h)),
+        pl.BlockSpec((None, None, SUBLANES, P.bq), lambda b, h, i, t, *_: (b, h, 0, i)),
+    ]
+    out, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, K=K),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(d.batch, d.num_q_heads, nq, W),
+            in_specs=in_specs, out_specs=out_specs,
+            scratch_shapes=[pltpu.VMEM((P.bq, LANES), F32), pltpu.VMEM((P.bq, LANES), F32),
+                            pltpu.VMEM((P.bq, P.Dvp), F32)]),
+        out_shape=[jax.ShapeDtypeStruct((d.batch, P.Tqp, d.num_q_heads * P.Dvp), cd),
+                   jax.ShapeDtypeStruct((d.batch, d.num_q_heads, SUBLANES, P.Tqp), F32)],
+        name="fnattn_flash_mosaic_fwd",
+        **_params(interpret),
+    )(code, count, _flat(q, P.Tqp, P.Dp, cd), _flat(k, P.Tkp, P.Dp, cd),
+      _flat(v, P.Tkp, P.Dvp, cd), *extra)
+    out = out.reshape(d.batch, P.Tqp, d.num_q_heads, P.Dvp)[:, :d.q_len, :, :d.v_head_dim]
+    return out.astype(q.dtype), lse[:, :, 0, :d.q_len]
+
+
+def _dbias_forms(bias):
+    """Which kernel produces dbias: the dq kernel for a bias that varies along the
+    queries (or along neither axis), the dk/dv kernel for one that varies only
+    along the keys."""
+    if bias is None:
+        return None, None
+    b4 = _bias4(bias)
+    vq, vk = b4.shape[2] > 1, b4.shape[3] > 1
+    if vq and vk:
+        return "tile", None
+    if vk:
+        return None, "row"
+    return "row", None
+
+
+def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, interpret):
+    d = cfg.dims
+    B, Hq, Hkv, G = d.batch, d.num_q_heads, d.num_kv_heads, d.group
+    bs = blocks.pick(cfg.block_sizes, MosaicBlockSizes, MosaicBlockSizes.default(d, q.dtype))
+    P = _plan(cfg, bs.block_q_dq, bs.block_k_dq, bs.block_q_dkv, bs.block_k_dkv)
+    Pt = _plan(cfg, bs.block_q_dkv, bs.block_k_dkv)
+    cd = _compute_dtype(q.dtype)
+
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(F32), d_out.astype(F32)) - d_lse.astype(F32)
+    # Rows without any visible key (lse = -inf) and padded rows get lse = +inf,
+    # so that exp(s - lse) = 0 there: no NaN, no contribution.
+    lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
+
+    def rows8(x, fill):
+        x = jnp.pad(x, ((0, 0), (0, 0), (0, P.Tqp - d.q_len)), constant_values=fill)
+        return jnp.broadcast_to(x[:, :, None, :], (B, Hq, SUBLANES, P.Tqp))
+
+    lse8, delta8 = rows8(lse_safe, jnp.inf), rows8(delta, 0.0)
+    qf, dof = _flat(q, P.Tqp, P.Dp, cd), _flat(d_out, P.Tqp, P.Dvp, cd)
+    kf, vf = _flat(k, P.Tkp, P.Dp, cd), _flat(v, P.Tkp, P.Dvp, cd)
+    dbias_dq, dbias_dkv = _dbias_forms(bias)
+
+    # dq (and dbias along the queries)
+    bq, bk = P.bq, P.bk
+    classes, code, count, W, sb, sh = _schedule(cfg, mask, bq, bk, transpose=False)
+    # Grids cover the blocks that hold data; blocks that are all padding (when
+    # the dq and dk/dv kernels' blocks differ) are neither read nor written.
+    nq, nk = classes.shape[2], classes.shape[3]
+    K = _kernel_facts(cfg, mask, bias, None, br=bq, bc=bk, n_rows=nq, W=W, sb=sb, sh=sh,
+                      transposed=False, dbias=dbias_dq)
+
+    def col(b, h, i, t, code_ref, cnt_ref):
+        return code_ref[K.sched_row(b, h, i) * W + t] >> 2
+
+    def coords(b, h, i, t, code_ref, cnt_ref):
+        return b, h, i, col(b, h, i, t, code_ref, cnt_ref)
+
+    def kv_index(b, h, i, t, *refs):
+        # lax.div: jnp's floor division lowers through sign, which needs a TPU.
+        return b, col(b, h, i, t, *refs), lax.div(h, G)
+
+    extra, extra_specs = _extras(K, mask, bias, None, seed, coords, P.Tqp, P.Tkp,
+                                 with_sinks=False)
+    q_spec = pl.BlockSpec((None, bq, P.Dp), lambda b, h, i, t, *_: (b, i, h))
+    do_spec = pl.BlockSpec((None, bq, P.Dvp), lambda b, h, i, t, *_: (b, i, h))
+    row_spec = pl.BlockSpec((None, None, SUBLANES, bq), lambda b, h, i, t, *_: (b, h, 0, i))
+    in_specs = [
+        q_spec,
+        pl.BlockSpec((None, bk, P.Dp), kv_index),
+        pl.BlockSpec((None, bk, P.Dvp), kv_index),
+        do_spec, row_spec, row_spec,
+    ] + extra_specs
+    out_specs = [q_spec]
+    out_shape = [jax.ShapeDtypeStruct((B, P.Tqp, Hq * P.Dp), cd)]
+    scratch = [pltpu.VMEM((bq, P.Dp), F32)]
+    if dbias_dq == "tile":
+        out_specs.append(pl.BlockSpec((None, None, bq, bk), lambda b, h, i, t, *r: (
+            b, h, i, col(b, h, i, t, *r))))
+        out_shape.append(jax.ShapeDtypeStruct((B, Hq, nq * bq, nk * bk), F32))
+    elif dbias_dq == "row":
+        out_specs.append(row_spec)
+        out_shape.append(jax.ShapeDtypeStruct((B, Hq, SUBLANES, P.Tqp), F32))
+        scratch.append(pltpu.VMEM((bq, LANES), F32))
+    res = pl.pallas_call(
+        functools.partial(_dq_kernel, K=K),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(B, Hq, nq, W), in_specs=in_specs,
+            out_specs=out_specs, scratch_shapes=scratch),
+        out_shape=out_shape, name="fnattn_flash_mosaic_dq", **_params(interpret),
+    )(code, count, qf, kf, vf, dof, lse8, delta8, *extra)
+    dq = res[0].reshape(B, P.Tqp, Hq, P.Dp)[:, :d.q_len, :, :d.head_dim].astype(q.dtype)
+    dbias_full = None
+    if dbias_dq == "tile":
+        x = res[1].reshape(B, Hq, nq, bq, nk, bk)
+        # Tiles the schedule never visits were never written: they hold garbage.
+        seen = (classes != masks.EMPTY)[:, :, :, None, :, None]
+        x = jnp.where(seen, x, 0.0).reshape(B, Hq, nq * bq, nk * bk)
+        dbias_full = x[:, :, :d.q_len, :d.kv_len]
+    elif dbias_dq == "row":
+        dbias_full = res[1][:, :, 0, :d.q_len, None]
+
+    # dk, dv (and dbias along the keys only), on transposed tiles
+    bqt, bkt = Pt.bq, Pt.bk
+    classes_t, code_t, count_t, Wt, sbt, sht = _schedule(cfg, mask, bqt, bkt, transpose=True)
+    nkt = classes_t.shape[3]
+    Kt = _kernel_facts(cfg, mask, bias, None, br=bkt, bc=bqt, n_rows=nkt, W=Wt, sb=sbt, sh=sht,
+                       transposed=True, dbias=dbias_dkv)
+
+    def head(hk, s):
+        return hk * G + lax.div(s, Wt)
+
+    def qcol(b, hk, j, s, code_ref, cnt_ref):
+        return code_ref[Kt.sched_row(b, head(hk, s), j) * Wt + lax.rem(s, Wt)] >> 2
+
+    def coords_t(b, hk, j, s, code_ref, cnt_ref):
+        return b, head(hk, s), j, qcol(b, hk, j, s, code_ref, cnt_ref)
+
+    extra_t, extra_specs_t = _extras(Kt, mask, bias, None, seed, coords_t, P.Tkp, P.Tqp,
+                                     with_sinks=False)
+    row_spec_t = pl.BlockSpec((None, None, SUBLANES, bqt), lambda b, hk, j, s, *r: (
+        b, head(hk, s), 0, qcol(b, hk, j, s, *r)))
+    k_spec = pl.BlockSpec((None, bkt, P.Dp), lambda b, hk, j, s, *_: (b, j, hk))
+    v_spec = pl.BlockSpec((None, bkt, P.Dvp), lambda b, hk, j, s, *_: (b, j, hk))
+    in_specs_t = [
+        pl.BlockSpec((None, bqt, P.Dp), lambda b, hk, j, s, *r: (
+            b, qcol(b, hk, j, s, *r), head(hk, s))),
+        k_spec, v_spec,
+        pl.BlockSpec((None, bqt, P.Dvp), lambda b, hk, j, s, *r: (
+            b, qcol(b, hk, j, s, *r), head(hk, s))),
+        row_spec_t, row_spec_t,
+    ] + extra_specs_t
+    out_specs_t = [k_spec, v_spec]
+    out_shape_t = [jax.ShapeDtypeStruct((B, P.Tkp, Hkv * P.Dp), cd),
+                   jax.ShapeDtypeStruct((B, P.Tkp, Hkv * P.Dvp), cd)]
+    scratch_t = [pltpu.VMEM((bkt, P.Dp), F32), pltpu.VMEM((bkt, P.Dvp), F32)]
+    if dbias_dkv is not None:
+        out_specs_t.append(pl.BlockSpec((None, None, SUBLANES, bkt), lambda b, hk, j, s, *_: (
+            b, head(hk, s), 0, j)))
+        out_shape_t.append(jax.ShapeDtypeStruct((B, Hq, SUBLANES, P.Tkp), F32))
+        scratch_t.append(pltpu.VMEM((bkt, LANES), F32))
+    res_t = pl.pallas_call(
+        functools.partial(_dkv_kernel, K=Kt),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(B, Hkv, nkt, G * Wt), in_specs=in_specs_t,
+            out_specs=out_specs_t, scratch_shapes=scratch_t),
+        out_shape=out_shape_t, name="fnattn_flash_mosaic_dkv", **_params(interpret),
+    )(code_t, count_t, qf, kf, vf, dof, lse8, delta8, *extra_t)
+    dk = res_t[0].reshape(B, P.Tkp, Hkv, P.Dp)[:, :d.kv_len, :, :d.head_dim].astype(k.dtype)
+    dv = res_t[1].reshape(B, P.Tkp, Hkv, P.Dvp)[:, :d.kv_len, :, :d.v_head_dim].astype(v.dtype)
+    if dbias_dkv is not None:
+        dbias_full = res_t[2][:, :, 0, None, :d.kv_len]
+
+    dbias = None
+    if bias is not None:
+        shape4 = _bias4(bias).shape
+        axes = tuple(a for a in range(4) if shape4[a] == 1 and dbias_full.shape[a] != 1)
+        dbias = dbias_full.sum(axes, keepdims=True).reshape(bias.shape).astype(bias.dtype)
+    dsinks = None
+    if sinks is not None:
+        p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - lse_safe)
+        dsinks = -(p_sink * delta).sum((0, 2)).astype(sinks.dtype)
+    return dq, dk, dv, dbias, dsinks
+
+
+LOWERING = Lowering("flash-mosaic", functools.partial(_forward, interpret=False),
+                    functools.partial(_backward, interpret=False))
+INTERPRET_LOWERING = Lowering("flash-mosaic-interpret",
+                              functools.partial(_forward, interpret=True),
+                              functools.partial(_backward, interpret=True))
