@@ -62,6 +62,9 @@ SUBLANES = 8
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 NN = (((1,), (0,)), ((), ()))  # a @ b
 F32 = jnp.float32
+# Scalar memory holds the prefetched schedule; 1 MiB on recent TPUs. A larger
+# schedule could not be prefetched at all.
+SMEM_WORDS = 2**18
 
 
 def _round_up(x, m):
@@ -474,6 +477,13 @@ def _schedule(cfg, mask, bq, bk, *, transpose):
     code = sched.index[..., :width] * 4 + sched.kind[..., :width].astype(jnp.int32)
     code = code.astype(jnp.int32).reshape(-1)
     count = sched.count.astype(jnp.int32).reshape(-1)
+    if code.size + count.size > SMEM_WORDS:
+        raise NotImplementedError(
+            f"flash-mosaic: the block-sparse schedule needs {code.size + count.size} int32 "
+            f"words of SMEM (more than {SMEM_WORDS}): {classes.shape[0]} x {classes.shape[1]} "
+            f"(batch x head variants) x {sched.index.shape[-2]} rows x {width} steps with "
+            f"blocks ({bq}, {bk}). Use larger MosaicBlockSizes, or impl='xla' (the flash-xla "
+            "lowering has no such limit).")
     return classes, code, count, width, classes.shape[0] > 1, classes.shape[1] > 1
 
 

@@ -1,0 +1,310 @@
+"""The Pallas Mosaic (TPU) lowering of flash attention.
+
+On CPU the kernels run in Pallas interpret mode (``INTERPRET_LOWERING``) and are
+compared with :func:`fnattn.reference`, forward and gradients; and the real
+``LOWERING`` is lowered for TPU, which checks the TPU block-shape rules and that
+every primitive has a Mosaic lowering. TPU block rules put 128 on the lane axis,
+so the sequences here are 128 to 300 long with 128-blocks and ragged ends.
+"""
+
+import contextlib
+import dataclasses
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fnattn
+from fnattn import AttentionSpec, XlaBlockSizes, core, masks, xla
+from fnattn._checks import Dims
+from fnattn._dispatch import Config
+from fnattn.flash import blocks, mosaic
+from fnattn.flash.mosaic import MosaicBlockSizes
+
+INTERPRET = (("default", mosaic.INTERPRET_LOWERING),)
+ON_TPU = (("default", xla.DENSE), ("tpu", mosaic.LOWERING))
+B128 = MosaicBlockSizes(*(128,) * 6)
+F32 = jnp.float32
+
+
+def flash(spec, q, k, v, table=INTERPRET):
+    return core.run(spec, q, k, v, fn="flash", table=table)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    B: int = 2
+    Tq: int = 200
+    Tk: int = 300
+    Hq: int = 4
+    Hkv: int = 2
+    D: int = 16
+    Dv: int = 8
+    mask: str = "none"
+    bias: tuple | None = None   # bias shape, with "B", "H", "Q", "K" standing for the sizes
+    softcap: float | None = None
+    sinks: bool = False
+    dropout: float = 0.0
+    dtype: str = "float32"
+    blocks: MosaicBlockSizes | None = B128
+
+
+def _mask(kind, B, Tq, Tk, rs):
+    seg_q = jnp.asarray(np.sort(rs.integers(0, 3, (B, Tq)), axis=1))
+    seg_k = jnp.asarray(np.sort(rs.integers(0, 3, (B, Tk)), axis=1))
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return masks.causal()
+    if kind == "window":
+        return masks.sliding_window(left=100)
+    if kind == "causal_segments":
+        return masks.causal() & masks.segments(seg_q, seg_k)
+    if kind == "lengths":
+        # batch row 1 has q_length 0: every one of its rows is fully masked
+        return masks.lengths(jnp.array([Tq - 70, 0][:B]), jnp.array([Tk - 100, Tk - 7][:B]))
+    if kind == "prefix_not_array":
+        dense = jnp.asarray(rs.random((B, 1, Tq, Tk)) < 0.3)
+        return masks.prefix_lm(jnp.array([50, 200][:B])) & ~masks.from_array(dense)
+    if kind == "fn_algebra":
+        fn = masks.from_fn(lambda b, h, q, k: (q + 2 * k + h + b) % 5 != 0)
+        return ((masks.causal() & ~masks.sliding_window(left=1)) | masks.chunked(50)) & fn
+    raise ValueError(kind)
+
+
+def make(case: Case, seed=0):
+    rs = np.random.default_rng(seed)
+    dt = jnp.dtype(case.dtype)
+    q = jnp.asarray(rs.standard_normal((case.B, case.Tq, case.Hq, case.D)), dt)
+    k = jnp.asarray(rs.standard_normal((case.B, case.Tk, case.Hkv, case.D)), dt)
+    v = jnp.asarray(rs.standard_normal((case.B, case.Tk, case.Hkv, case.Dv)), dt)
+    bias = None
+    if case.bias is not None:
+        sizes = dict(B=case.B, H=case.Hq, Q=case.Tq, K=case.Tk)
+        shape = tuple(sizes.get(a, a) for a in case.bias)
+        bias = jnp.asarray(rs.standard_normal(shape), F32)
+    sinks = jnp.asarray(rs.standard_normal((case.Hq,)) + 1.0, F32) if case.sinks else None
+    spec = AttentionSpec(mask=_mask(case.mask, case.B, case.Tq, case.Tk, rs), bias=bias,
+                         sinks=sinks, softcap=case.softcap, dropout_rate=case.dropout,
+                         dropout_key=jax.random.key(seed) if case.dropout else None,
+                         block_sizes=case.blocks)
+    d_out = jnp.asarray(rs.standard_normal((case.B, case.Tq, case.Hq, case.Dv)), F32)
+    d_lse = jnp.asarray(rs.standard_normal((case.B, case.Hq, case.Tq)), F32)
+    return spec, q, k, v, d_out, d_lse
+
+
+def outputs_and_grads(attn, spec, q, k, v, d_out, d_lse):
+    """(out, lse) and the gradients w.r.t. q, k, v, bias, sinks of a loss that
+    also goes through lse."""
+    def loss(q, k, v, bias, sinks):
+        res = attn(spec.replace(bias=bias, sinks=sinks), q, k, v)
+        lse = jnp.where(jnp.isfinite(res.lse), res.lse, 0.0)
+        return jnp.sum(res.out.astype(F32) * d_out) + jnp.sum(lse * d_lse), res
+
+    grad = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)
+    (_, res), grads = grad(q, k, v, spec.bias, spec.sinks)
+    return res.out, res.lse, grads
+
+
+CASES = [
+    Case("causal_gqa_ragged", mask="causal"),
+    Case("mqa_window_sinks", B=1, Tq=300, Tk=300, Hq=3, Hkv=1, D=8, Dv=8, mask="window",
+         sinks=True),
+    Case("segments_tile_bias_softcap", Tq=260, Tk=260, Hq=2, Hkv=2, D=32, Dv=16,
+         mask="causal_segments", bias=(1, "H", "Q", "K"), softcap=5.0),
+    Case("lengths_fully_masked_rows", Tq=130, Tk=250, Hq=2, Hkv=1, mask="lengths",
+         bias=("B", 1, 1, "K")),
+    Case("lengths_sinks_row_bias", Tq=130, Tk=250, Hq=2, Hkv=1, mask="lengths", sinks=True,
+         bias=(1, "H", "Q", 1)),
+    Case("prefix_not_array_scalar_bias", B=2, Tq=140, Tk=260, Hq=2, Hkv=2,
+         mask="prefix_not_array", bias=("B", "H", 1, 1)),
+    Case("fn_algebra_2d_bias", B=1, Tq=270, Tk=270, Hq=2, Hkv=1, mask="fn_algebra",
+         bias=("Q", "K")),
+    Case("dropout_softcap", B=2, Tq=140, Tk=140, Hq=2, Hkv=1, mask="causal", dropout=0.3,
+         softcap=4.0),
+    Case("everything_dv_blocks", Tq=300, Tk=270, Hq=4, Hkv=2, D=24, Dv=40,
+         mask="causal_segments", bias=(1, "H", "Q", "K"), softcap=6.0, sinks=True, dropout=0.2,
+         blocks=MosaicBlockSizes(128, 256, 256, 128, 128, 256)),
+    Case("default_blocks", B=1, Tq=150, Tk=150, Hq=2, Hkv=1, mask="causal", blocks=None),
+]
+
+DTYPE_CASES = [
+    Case("bf16", B=1, Tq=150, Tk=260, mask="causal", bias=(1, "H", "Q", "K"), sinks=True,
+         dtype="bfloat16"),
+    Case("f16", B=1, Tq=150, Tk=260, mask="causal", sinks=True, dtype="float16"),
+]
+
+
+def _close(name, x, ref, tol):
+    x, ref = np.asarray(jnp.asarray(x, F32)), np.asarray(jnp.asarray(ref, F32))
+    assert x.shape == ref.shape, (name, x.shape, ref.shape)
+    assert not np.isnan(x).any(), f"{name} has NaN"
+    scale = max(1.0, float(np.abs(ref[np.isfinite(ref)]).max(initial=0.0)))
+    np.testing.assert_allclose(x, ref, atol=tol * scale, rtol=tol, err_msg=name)
+
+
+@pytest.mark.parametrize("case", CASES + DTYPE_CASES, ids=lambda c: c.name)
+def test_interpret_matches_reference(case):
+    spec, q, k, v, d_out, d_lse = make(case)
+    out, lse, grads = jax.jit(outputs_and_grads, static_argnums=0)(
+        flash, spec, q, k, v, d_out, d_lse)
+    # The reference in float32 on the same (rounded) inputs.
+    up = lambda x: x.astype(F32)  # noqa: E731
+    r_out, r_lse, r_grads = jax.jit(outputs_and_grads, static_argnums=0)(
+        fnattn.reference, spec, up(q), up(k), up(v), d_out, d_lse)
+    assert out.dtype == q.dtype and out.shape == (case.B, case.Tq, case.Hq, case.Dv)
+    assert lse.dtype == F32 and lse.shape == (case.B, case.Hq, case.Tq)
+    tol = {"float32": 2e-5, "bfloat16": 4e-2, "float16": 4e-3}[case.dtype]
+    _close("out", out, r_out, tol)
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(r_lse))
+    _close("lse", jnp.where(jnp.isfinite(lse), lse, 0), jnp.where(jnp.isfinite(r_lse), r_lse, 0),
+           tol)
+    gtol = {"float32": 1e-4, "bfloat16": 6e-2, "float16": 1e-2}[case.dtype]
+    for name, g, r in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads, r_grads):
+        if r is None:
+            assert g is None, name
+            continue
+        assert g.dtype == r.dtype or name in ("dq", "dk", "dv"), name
+        _close(name, g, r, gtol)
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf():
+    case = CASES[3]  # lengths: batch row 1 has no visible row at all
+    spec, q, k, v, d_out, d_lse = make(case)
+    out, lse, grads = jax.jit(outputs_and_grads, static_argnums=0)(
+        flash, spec, q, k, v, d_out, d_lse)
+    assert np.all(np.asarray(out[1]) == 0.0)
+    assert np.all(np.asarray(lse[1]) == -np.inf)
+    assert np.all(np.asarray(out[0, case.Tq - 70:]) == 0.0)
+    for g in grads[:4]:
+        assert np.isfinite(np.asarray(g)).all()
+
+
+def test_dropout_keep_mask_is_bit_exact():
+    # With v the identity over keys, out[b, q, h, :] is the row of dropped weights.
+    B, T, H = 2, 128, 2
+    rs = np.random.default_rng(3)
+    q = jnp.asarray(rs.standard_normal((B, T, H, 8)), F32)
+    k = jnp.asarray(rs.standard_normal((B, T, 1, 8)), F32)
+    v = jnp.broadcast_to(jnp.eye(T, dtype=F32)[None, :, None, :], (B, T, 1, T))
+    spec = AttentionSpec(mask=masks.causal(), dropout_rate=0.4, dropout_key=jax.random.key(7),
+                         block_sizes=B128)
+    out = jax.jit(flash)(spec, q, k, v).out
+    _, weights = jax.jit(lambda s, q, k, v: fnattn.reference(s, q, k, v, return_weights=True))(
+        spec, q, k, v)
+    weights = np.asarray(jnp.swapaxes(weights, 1, 2))  # (B, Tq, H, Tk)
+    np.testing.assert_array_equal(np.asarray(out) == 0, weights == 0)
+    np.testing.assert_allclose(np.asarray(out), weights, atol=1e-6)
+    dropped = (weights == 0) & np.tril(np.ones((T, T), bool))[None, :, None, :]
+    assert 0.3 < dropped.sum() / (B * H * T * (T + 1) / 2) < 0.5
+
+
+def test_vmap_of_grad():
+    rs = np.random.default_rng(0)
+    x = jnp.asarray(rs.standard_normal((3, 1, 130, 2, 8)), F32)
+    ids = jnp.asarray(np.sort(rs.integers(0, 3, (3, 1, 130)), axis=-1))
+
+    def loss(attn, x, ids):
+        spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), block_sizes=B128)
+        return attn(spec, x, x, x).out.sum()
+
+    g = jax.jit(jax.vmap(jax.grad(lambda x, i: loss(flash, x, i))))(x, ids)
+    r = jax.jit(jax.vmap(jax.grad(lambda x, i: loss(fnattn.reference, x, i))))(x, ids)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-5)
+
+
+def _cfg(T, mask=None, B=1, H=1):
+    dims = Dims(B, T, T, H, H, 64, 64)
+    return Config(dims=dims, scale=0.125, softcap=None, dropout_rate=0.0,
+                  mask_treedef=jax.tree_util.tree_structure(mask))
+
+
+def test_array_free_masks_get_a_narrow_grid():
+    window = masks.sliding_window(left=100)
+    _, code, count, width, sb, sh = mosaic._schedule(_cfg(1024, window), window, 128, 128,
+                                                     transpose=False)
+    assert width == 2 and not sb and not sh
+    np.testing.assert_array_equal(np.asarray(count), [1] + [2] * 7)
+    # codes pack (kv-block << 2 | class); row 3 visits blocks 2 (PARTIAL) and 3 (PARTIAL)
+    np.testing.assert_array_equal(np.asarray(code).reshape(8, 2)[3], [2 * 4 + 1, 3 * 4 + 1])
+    causal = masks.causal()
+    _, code, count, width, *_ = mosaic._schedule(_cfg(1024, causal), causal, 128, 128,
+                                                 transpose=True)
+    assert width == 8
+    np.testing.assert_array_equal(np.asarray(count), [8, 7, 6, 5, 4, 3, 2, 1])
+    # kv-block 0 is seen by q-blocks 0 (PARTIAL), 1.. (FULL)
+    np.testing.assert_array_equal(np.asarray(code).reshape(8, 8)[0, :3], [1, 1 * 4 + 2, 2 * 4 + 2])
+
+
+def test_block_sizes_validation_and_defaults():
+    with pytest.raises(ValueError, match="MosaicBlockSizes: block_k_dq must be a positive "
+                                         "multiple of 128; got 64"):
+        MosaicBlockSizes(block_k_dq=64)
+    with pytest.raises(ValueError, match="block_q must be a positive multiple of 128; got 0"):
+        MosaicBlockSizes(block_q=0)
+    d = Dims(1, 4096, 4096, 8, 8, 128, 128)
+    assert MosaicBlockSizes.default(d, jnp.bfloat16) == MosaicBlockSizes()
+    wide = MosaicBlockSizes.default(d._replace(head_dim=256, v_head_dim=256), jnp.bfloat16)
+    assert wide.block_q == 256 and wide.block_k_dkv == 256
+    picked = blocks.pick((XlaBlockSizes(32, 32), B128), MosaicBlockSizes, None)
+    assert picked is B128
+
+
+def test_schedule_too_large_for_smem_is_refused():
+    T, B = 65536, 16
+    q = jax.ShapeDtypeStruct((B, T, 1, 128), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
+    f = jax.jit(lambda q, ids: flash(AttentionSpec(mask=masks.segments(ids), block_sizes=B128),
+                                     q, q, q, table=ON_TPU).out)
+    with pytest.raises(NotImplementedError, match="flash-mosaic: .* SMEM .*flash-xla"):
+        f.trace(q, ids).lower(lowering_platforms=("tpu",))
+
+
+# ----------------------------------------------------------------------------------
+# Lowering for TPU (Mosaic) on CPU: block-shape rules and primitive coverage
+# ----------------------------------------------------------------------------------
+
+LOWER_CASES = [
+    # (dtype, D, Dv, Hq, Hkv, mask, bias shape, softcap, sinks, dropout, T)
+    ("bfloat16", 128, 128, 8, 2, "causal", None, None, False, 0.0, 1024),
+    ("bfloat16", 64, 64, 4, 4, "causal_segments", (1, "H", "Q", "K"), 30.0, True, 0.1, 1000),
+    ("float32", 256, 256, 4, 1, "window", ("B", 1, 1, "K"), None, True, 0.0, 777),
+    ("float16", 64, 128, 4, 2, "lengths", (1, "H", "Q", 1), None, False, 0.0, 640),
+    ("bfloat16", 128, 64, 2, 1, "prefix_not_array", ("B", "H", 1, 1), None, False, 0.2, 384),
+    ("float32", 128, 128, 2, 2, "fn_algebra", ("Q", "K"), 50.0, False, 0.0, 512),
+    ("bfloat16", 80, 80, 2, 2, "none", None, None, False, 0.0, 200),
+]
+
+
+def tpu_target(device_kind="TPU v5 lite"):
+    """Lowering some primitives (e.g. the sign inside integer floor division, as
+    in chunked masks) asks for the TPU generation; on CPU an abstract mesh with an
+    abstract TPU device answers."""
+    try:
+        dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
+        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
+        return jax.sharding.use_abstract_mesh(mesh)
+    except (AttributeError, TypeError):  # another JAX version: lower without a target
+        return contextlib.nullcontext()
+
+
+@pytest.mark.parametrize("params", LOWER_CASES, ids=lambda p: f"{p[0]}-D{p[1]}-{p[5]}")
+def test_lowers_for_tpu(params):
+    dtype, D, Dv, Hq, Hkv, mask, bias, softcap, sinks, rate, T = params
+    case = Case("lower", B=2, Tq=T, Tk=T, Hq=Hq, Hkv=Hkv, D=D, Dv=Dv, mask=mask, bias=bias,
+                softcap=softcap, sinks=sinks, dropout=rate, dtype=dtype, blocks=None)
+    spec, q, k, v, d_out, d_lse = make(case)
+    attn = lambda s, q, k, v: flash(s, q, k, v, table=ON_TPU)  # noqa: E731
+    fwd = jax.jit(lambda s, q, k, v: attn(s, q, k, v).out)
+    both = jax.jit(outputs_and_grads, static_argnums=0)
+    with tpu_target():
+        text = fwd.trace(spec, q, k, v).lower(lowering_platforms=("tpu",)).as_text()
+        assert re.findall(r'kernel_name = "(\w+)"', text) == ["fnattn_flash_mosaic_fwd"]
+        text = both.trace(attn, spec, q, k, v, d_out, d_lse).lower(
+            lowering_platforms=("tpu",)).as_text()
+    names = set(re.findall(r'kernel_name = "(\w+)"', text))
+    assert names == {"fnattn_flash_mosaic_fwd", "fnattn_flash_mosaic_dq",
+                     "fnattn_flash_mosaic_dkv"}
