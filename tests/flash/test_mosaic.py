@@ -9,17 +9,19 @@ so the sequences here are 128 to 300 long with 128-blocks and ragged ends.
 
 import contextlib
 import dataclasses
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 import fnattn
 from fnattn import AttentionSpec, XlaBlockSizes, core, masks, xla
 from fnattn._checks import Dims
-from fnattn._dispatch import Config
+from fnattn._dispatch import Config, Lowering
 from fnattn.flash import blocks, mosaic
 from fnattn.flash.mosaic import MosaicBlockSizes
 
@@ -171,6 +173,29 @@ def test_interpret_matches_reference(case):
         _close(name, g, r, gtol)
 
 
+def test_tpu_interpreter_with_poisoned_memory():
+    """The TPU interpreter raises on out-of-bounds reads and races, and here fills
+    uninitialised memory with NaN: a tile the kernels never write (the dbias of
+    an EMPTY tile) or a stale accumulator would show up as NaN."""
+    ip = pltpu.InterpretParams(uninitialized_memory="nan", detect_races=True)
+    table = (("default", Lowering("flash-mosaic-tpu-interpret",
+                                  functools.partial(mosaic._forward, interpret=ip),
+                                  functools.partial(mosaic._backward, interpret=ip))),)
+    case = Case("poisoned", B=1, Tq=256, Tk=256, Hq=2, Hkv=1, D=8, Dv=8, mask="causal",
+                bias=(1, "H", "Q", "K"), sinks=True, dropout=0.2)
+    spec, q, k, v, d_out, d_lse = make(case)
+    spec = spec.replace(mask=masks.causal() & masks.lengths(kv_lengths=jnp.array([230])))
+    attn = lambda s, q, k, v: flash(s, q, k, v, table=table)  # noqa: E731
+    out, lse, grads = jax.jit(outputs_and_grads, static_argnums=0)(
+        attn, spec, q, k, v, d_out, d_lse)
+    r_out, r_lse, r_grads = jax.jit(outputs_and_grads, static_argnums=0)(
+        fnattn.reference, spec, q, k, v, d_out, d_lse)
+    _close("out", out, r_out, 2e-5)
+    _close("lse", lse, r_lse, 2e-5)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads, r_grads):
+        _close(name, g, r, 1e-4)
+
+
 def test_fully_masked_rows_give_zero_and_minus_inf():
     case = CASES[3]  # lengths: batch row 1 has no visible row at all
     spec, q, k, v, d_out, d_lse = make(case)
@@ -203,13 +228,16 @@ def test_dropout_keep_mask_is_bit_exact():
 
 
 def test_vmap_of_grad():
+    # vmap adds a grid axis to every kernel and batches the prefetched schedule.
     rs = np.random.default_rng(0)
     x = jnp.asarray(rs.standard_normal((3, 1, 130, 2, 8)), F32)
     ids = jnp.asarray(np.sort(rs.integers(0, 3, (3, 1, 130)), axis=-1))
 
     def loss(attn, x, ids):
-        spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), block_sizes=B128)
-        return attn(spec, x, x, x).out.sum()
+        spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), block_sizes=B128,
+                             sinks=jnp.array([0.5, -0.5]), dropout_rate=0.25,
+                             dropout_key=jax.random.key(1))
+        return jnp.sum(attn(spec, x, x, x).out * x)
 
     g = jax.jit(jax.vmap(jax.grad(lambda x, i: loss(flash, x, i))))(x, ids)
     r = jax.jit(jax.vmap(jax.grad(lambda x, i: loss(fnattn.reference, x, i))))(x, ids)
