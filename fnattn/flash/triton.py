@@ -299,7 +299,9 @@ def _loops(R: _Refs, K: _K, n_static: int, body, carry, repeat: int = 1):
     """
     def step(index_of, partial):
         def f(t, c):
-            slot, g = (t, 0) if repeat == 1 else (t // repeat, t % repeat)
+            # t >= 0: plain truncating division (jnp's floor-division rules are
+            # more code, and their lowering trips over Triton's integer types).
+            slot, g = (t, 0) if repeat == 1 else (lax.div(t, repeat), lax.rem(t, repeat))
             return body(index_of(slot), g, c, partial)
         return f
 

@@ -1,0 +1,356 @@
+"""The Pallas Triton lowering of flash attention (fnattn/flash/triton.py).
+
+Three groups:
+
+* interpret mode on CPU: the kernels against ``fnattn.reference``, forward and
+  gradients (q, k, v, bias, sinks, and through lse), on every feature case with
+  several blocks per axis (ragged last blocks, FULL, PARTIAL and EMPTY tiles);
+* lowering to Triton IR for "cuda" on CPU: every kernel variant over head dims,
+  dtypes and features (catches non-power-of-two blocks and unlowerable ops);
+* the real kernels on an NVIDIA GPU (skipped without one).
+"""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fnattn
+from fnattn import AttentionSpec, core, masks, xla
+from fnattn._checks import Dims
+from fnattn.flash import triton
+from fnattn.flash.triton import INTERPRET_LOWERING, LOWERING, TritonBlockSizes
+from cases import CASES, Case, make
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+INTERPRET = (("default", INTERPRET_LOWERING),)
+CUDA = (("default", xla.DENSE), ("cuda", LOWERING))
+SMALL = TritonBlockSizes(*(16,) * 6)
+
+
+def scaled(case: Case) -> Case:
+    """The case with 2-3 blocks of 16 along each sequence axis, both ragged."""
+    return dataclasses.replace(case, Tq=case.Tq * 3 + 4, Tk=case.Tk * 3 + 7)
+
+
+def run(table):
+    return lambda spec, q, k, v: core.run(spec, q, k, v, fn="flash", table=table)
+
+
+def fwd_and_grads(f, spec, q, k, v):
+    """out, lse and the gradients of a loss that weighs out and (finite) lse."""
+    def loss(q, k, v, bias, sinks):
+        res = f(spec.replace(bias=bias, sinks=sinks), q, k, v)
+        lse = jnp.where(jnp.isfinite(res.lse), res.lse, 0.0)
+        w_out = jnp.cos(jnp.arange(res.out.size, dtype=jnp.float32)).reshape(res.out.shape)
+        w_lse = jnp.sin(jnp.arange(lse.size, dtype=jnp.float32)).reshape(lse.shape)
+        return jnp.sum(res.out.astype(jnp.float32) * w_out) + jnp.sum(lse * w_lse), res
+
+    (_, res), grads = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
+        q, k, v, spec.bias, spec.sinks)
+    return res, grads
+
+
+def assert_matches_reference(spec, q, k, v, *, tol, table=INTERPRET):
+    res, grads = jax.jit(lambda *a: fwd_and_grads(run(table), *a))(spec, q, k, v)
+    ref, ref_grads = jax.jit(lambda *a: fwd_and_grads(fnattn.reference, *a))(spec, q, k, v)
+    f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))  # noqa: E731
+    assert res.out.dtype == q.dtype and res.lse.dtype == jnp.float32
+    assert res.out.shape == ref.out.shape and res.lse.shape == ref.lse.shape
+    assert np.isfinite(f32(res.out)).all()
+    np.testing.assert_allclose(f32(res.out), f32(ref.out), atol=tol, rtol=tol)
+    # -inf exactly where the reference has it (fully masked rows), close elsewhere.
+    np.testing.assert_array_equal(np.isfinite(res.lse), np.isfinite(ref.lse))
+    np.testing.assert_allclose(f32(res.lse), f32(ref.lse), atol=tol, rtol=tol)
+    for name, g, gr in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads, ref_grads):
+        if gr is None:
+            assert g is None, name
+            continue
+        g, gr = f32(g), f32(gr)
+        assert g.shape == gr.shape, name
+        assert np.isfinite(g).all(), name
+        scale = max(1.0, float(np.abs(gr).max()))
+        np.testing.assert_allclose(g, gr, atol=tol * scale, rtol=tol, err_msg=name)
+    return res
+
+
+# ----------------------------------------------------------------------------------
+# Interpret mode against the reference
+# ----------------------------------------------------------------------------------
+
+TOL = {"float32": 2e-5, "bfloat16": 4e-2, "float16": 5e-3}
+
+
+# Every feature once (CASES minus those another case here covers: "scale",
+# "causal", "chunked", "sinks", "dropout" are inside "everything", "algebra",
+# "causal_square" and "sinks_masked"), to keep interpret-mode compiles few.
+INTERPRET_CASES = [c for c in CASES
+                   if c.name not in ("scale", "causal", "chunked", "sinks", "dropout")]
+
+
+@pytest.mark.parametrize("case", INTERPRET_CASES, ids=lambda c: c.name)
+def test_interpret_matches_reference(case):
+    case = scaled(case)
+    spec, q, k, v, _ = make(case, impl="xla")
+    res = assert_matches_reference(spec.replace(block_sizes=SMALL), q, k, v,
+                                   tol=TOL[case.dtype])
+    if case.name == "lengths":  # batch row 1 has q_length 0: fully masked rows
+        assert (np.asarray(res.out[1]) == 0).all()
+        assert np.isneginf(np.asarray(res.lse[1])).all()
+
+
+@pytest.mark.parametrize("name", ["mqa", "everything"])
+def test_dkdv_over_whole_gqa_groups(monkeypatch, name):
+    # Small problems split GQA groups over dk/dv programs; force whole groups.
+    monkeypatch.setattr(triton, "MIN_DKDV_PROGRAMS", 1)
+    case = scaled(next(c for c in CASES if c.name == name))
+    spec, q, k, v, _ = make(case, impl="xla")
+    assert triton._heads_per_dkdv_program(Dims(2, 1, 1, case.Hq, case.Hkv, 1, 1), 1) == \
+        case.Hq // case.Hkv
+    assert_matches_reference(spec.replace(block_sizes=SMALL), q, k, v, tol=2e-5)
+
+
+@pytest.mark.parametrize("whole_groups", [False, True])
+def test_per_head_mask_and_bias(monkeypatch, whole_groups):
+    # A mask operand and a bias that vary along the query heads, with dropout.
+    if whole_groups:
+        monkeypatch.setattr(triton, "MIN_DKDV_PROGRAMS", 1)
+    rs = np.random.default_rng(3)
+    B, Tq, Tk, Hq, Hkv, D = 2, 29, 37, 6, 2, 7
+    q = jnp.asarray(rs.standard_normal((B, Tq, Hq, D)), jnp.float32)
+    k = jnp.asarray(rs.standard_normal((B, Tk, Hkv, D)), jnp.float32)
+    v = jnp.asarray(rs.standard_normal((B, Tk, Hkv, D)), jnp.float32)
+    keep = jnp.asarray(rs.random((B, Hq, Tq, Tk)) < 0.7) | (jnp.arange(Tk) < 3)
+    mask = masks.from_array(keep) & masks.causal()
+    bias = jnp.asarray(rs.standard_normal((B, Hq, 1, Tk)), jnp.float32)
+    spec = AttentionSpec(mask=mask, bias=bias, dropout_rate=0.25,
+                         dropout_key=jax.random.key(5), block_sizes=SMALL)
+    assert_matches_reference(spec, q, k, v, tol=2e-5)
+
+
+def test_fully_masked_rows_with_sinks_give_zero_and_lse_sink():
+    case = Case("masked", B=2, Tq=21, Tk=37, mask="lengths", bias=True, softcap=5.0,
+                sinks=True)
+    spec, q, k, v, _ = make(case, impl="xla")  # batch row 1 has q_length 0
+    res = assert_matches_reference(spec.replace(block_sizes=SMALL), q, k, v, tol=2e-5)
+    assert (np.asarray(res.out[1]) == 0).all()
+    np.testing.assert_allclose(np.asarray(res.lse[1]),
+                               np.broadcast_to(np.asarray(spec.sinks)[:, None],
+                                               res.lse[1].shape), rtol=1e-6)
+
+
+def test_dropout_keep_mask_is_bit_exact():
+    # With rate 0.5 a single differing keep bit changes the output by O(1).
+    case = Case("drop", Tq=29, Tk=37, dropout=0.5, mask="causal")
+    spec, q, k, v, _ = make(case, impl="xla")
+    res = jax.jit(run(INTERPRET))(spec.replace(block_sizes=SMALL), q, k, v)
+    ref = jax.jit(fnattn.reference)(spec, q, k, v)
+    np.testing.assert_allclose(np.asarray(res.out), np.asarray(ref.out), atol=2e-6)
+    other = jax.jit(run(INTERPRET))(spec.replace(dropout_key=jax.random.key(1),
+                                                 block_sizes=SMALL), q, k, v)
+    assert np.abs(np.asarray(other.out) - np.asarray(ref.out)).max() > 0.1
+
+
+def test_layout_bhtd_and_default_block_sizes():
+    spec, q, k, v, _ = make(scaled(CASES[20]), impl="xla", layout="bhtd")  # "everything"
+    res = jax.jit(run(INTERPRET))(spec, q, k, v)
+    ref = jax.jit(fnattn.reference)(spec, q, k, v)
+    assert res.out.shape == ref.out.shape == (2, 6, 37, 3)
+    np.testing.assert_allclose(np.asarray(res.out), np.asarray(ref.out), atol=2e-5)
+
+
+def test_vmap_of_grad():
+    rs = np.random.default_rng(0)
+    x = jnp.asarray(rs.standard_normal((3, 1, 19, 2, 8)), jnp.float32)
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.zeros(2), block_sizes=SMALL)
+
+    def g(f):
+        return jax.jit(jax.vmap(jax.grad(lambda x: jnp.sum(f(spec, x, x, x).out ** 2))))
+
+    np.testing.assert_allclose(np.asarray(g(run(INTERPRET))(x)),
+                               np.asarray(g(fnattn.reference)(x)), rtol=2e-5, atol=2e-5)
+
+
+def test_impl_pallas_runs_the_interpreted_kernels_off_gpu():
+    spec, q, k, v, _ = make(scaled(CASES[5]), impl="pallas")  # causal
+    res = jax.jit(fnattn.flash)(spec.replace(block_sizes=SMALL), q, k, v)
+    ref = jax.jit(fnattn.reference)(spec, q, k, v)
+    np.testing.assert_allclose(np.asarray(res.out), np.asarray(ref.out), atol=2e-5)
+
+
+# ----------------------------------------------------------------------------------
+# Schedules, block sizes
+# ----------------------------------------------------------------------------------
+
+
+def _cfg(mask, tq, tk, hq=2, hkv=1, d=16):
+    from fnattn import _dispatch
+    dims = Dims(1, tq, tk, hq, hkv, d, d)
+    return _dispatch.Config(dims=dims, scale=d ** -0.5, softcap=None, dropout_rate=0.0,
+                            mask_treedef=jax.tree_util.tree_structure(mask))
+
+
+def test_schedule_lists_full_tiles_first_then_partial():
+    mask = masks.causal()
+    cfg = _cfg(mask, 64, 64)
+    K = triton._make_k(cfg, mask, None, None, 16, 16)
+    table = np.asarray(jax.jit(lambda: triton._schedule(mask, cfg, K))())
+    assert table.shape == (1, 1, 4, 2 + 2 * 4)
+    row = table[0, 0, 3]  # q-block 3: kv-blocks 0-2 FULL, 3 PARTIAL (the diagonal)
+    assert row[0] == 3 and row[1] == 1
+    np.testing.assert_array_equal(row[2:5], [0, 1, 2])
+    assert row[2 + 4] == 3
+    # Transposed (dk/dv): kv-block 0 is seen fully by q-blocks 1-3, partially by 0.
+    t = np.asarray(jax.jit(lambda: triton._schedule(mask, cfg, K, transpose=True))())
+    assert t[0, 0, 0, 0] == 3 and t[0, 0, 0, 1] == 1
+    np.testing.assert_array_equal(t[0, 0, 0, 2:5], [1, 2, 3])
+
+
+def test_sliding_window_visits_few_tiles():
+    mask = masks.sliding_window(left=16)
+    cfg = _cfg(mask, 256, 256)
+    K = triton._make_k(cfg, mask, None, None, 16, 16)
+    table = np.asarray(jax.jit(lambda: triton._schedule(mask, cfg, K))())
+    visited = table[..., 0] + table[..., 1]
+    assert visited.max() <= 3 and visited.sum() <= 3 * 16
+
+
+def test_no_mask_needs_no_schedule():
+    jaxpr = jax.make_jaxpr(lambda q: run(INTERPRET)(AttentionSpec(), q, q, q).out)(
+        jnp.ones((1, 64, 2, 16)))
+    calls = [e for e in jaxpr.eqns if e.primitive.name == "custom_vjp_call"]
+    assert calls
+    text = str(jaxpr)
+    assert "argsort" not in text and "sort" not in text
+
+
+def test_block_size_validation():
+    with pytest.raises(ValueError, match="TritonBlockSizes: block_k must be a power of two "
+                                         ">= 16; got 48"):
+        TritonBlockSizes(block_k=48)
+    with pytest.raises(ValueError, match="TritonBlockSizes: num_warps must be a power of two "
+                                         "<= 32; got 6"):
+        TritonBlockSizes(num_warps=6)
+    with pytest.raises(ValueError, match="num_stages_dq must be an int >= 1; got 0"):
+        TritonBlockSizes(num_stages_dq=0)
+
+
+@pytest.mark.parametrize("d,dtype", [(64, "bfloat16"), (80, "bfloat16"), (128, "bfloat16"),
+                                     (128, "float32"), (256, "bfloat16"), (256, "float32")])
+def test_default_block_sizes_fit_an_h100(d, dtype):
+    bs = TritonBlockSizes.default(Dims(1, 8192, 8192, 8, 8, d, d), dtype)
+    dp, item = triton._pow2(d), jnp.dtype(dtype).itemsize
+    # Shared memory: the held tile plus num_stages copies of the streamed tiles
+    # must stay under the H100's 227 KiB per block.
+    fwd = (bs.block_q + bs.num_stages * 2 * bs.block_k) * dp * item
+    dq = (2 * bs.block_q_dq + bs.num_stages_dq * 2 * bs.block_k_dq) * dp * item
+    dkdv = (2 * bs.block_k_dkdv + bs.num_stages_dkdv * 2 * bs.block_q_dkdv) * dp * item
+    assert max(fwd, dq, dkdv) <= 227 * 1024, (fwd, dq, dkdv)
+    # Registers: float32 accumulators per thread well under 255.
+    assert bs.block_q * dp // (32 * bs.num_warps) <= 128
+    assert 2 * bs.block_k_dkdv * dp // (32 * bs.num_warps_dkdv) <= 128
+
+
+def test_spec_block_sizes_are_used():
+    spec, q, k, v, _ = make(scaled(CASES[5]), impl="xla")
+    bs = TritonBlockSizes(block_q=32, block_k=16, block_q_dq=16, block_k_dq=32,
+                          block_q_dkdv=32, block_k_dkdv=16)
+    assert_matches_reference(spec.replace(block_sizes=(fnattn.XlaBlockSizes(8, 8), bs)),
+                             q, k, v, tol=2e-5)
+
+
+# ----------------------------------------------------------------------------------
+# Lowering to Triton for "cuda" (runs on CPU)
+# ----------------------------------------------------------------------------------
+
+LOWER_CASES = [
+    # (case name from CASES, D, Dv, dtype)
+    ("plain", 64, 64, "bfloat16"),
+    ("mqa", 80, 80, "bfloat16"),
+    ("dv", 128, 96, "bfloat16"),
+    ("causal", 128, 128, "float16"),
+    ("causal_square", 256, 256, "bfloat16"),
+    ("segments", 64, 64, "float32"),
+    ("lengths", 96, 96, "bfloat16"),
+    ("array", 128, 128, "bfloat16"),
+    ("fn", 64, 64, "bfloat16"),
+    ("algebra", 80, 80, "float16"),
+    ("bias", 128, 128, "float32"),
+    ("softcap", 256, 256, "float32"),
+    ("sinks_masked", 64, 64, "bfloat16"),
+    ("dropout", 128, 128, "bfloat16"),
+    ("everything", 80, 48, "bfloat16"),
+    ("everything", 128, 128, "float16"),
+]
+
+
+@pytest.mark.parametrize("name,D,Dv,dtype", LOWER_CASES,
+                         ids=[f"{n}-{d}-{dv}-{t}" for n, d, dv, t in LOWER_CASES])
+def test_lowers_for_cuda(name, D, Dv, dtype):
+    base = next(c for c in CASES if c.name == name)
+    case = dataclasses.replace(base, D=D, Dv=Dv if base.Dv != base.D else D, dtype=dtype,
+                               Tq=base.Tq * 37, Tk=base.Tk * 37)
+    spec, q, k, v, _ = make(case, impl="xla")
+    f = run(CUDA)
+
+    def loss(q, k, v, bias, sinks):
+        res = f(spec.replace(bias=bias, sinks=sinks), q, k, v)
+        return jnp.sum(res.out.astype(jnp.float32)) + jnp.sum(jnp.where(
+            jnp.isfinite(res.lse), res.lse, 0.0))
+
+    fwd = jax.jit(f).trace(spec, q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    assert fwd.count("fnattn_flash_fwd") >= 1
+    bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(
+        q, k, v, spec.bias, spec.sinks).lower(lowering_platforms=("cuda",)).as_text()
+    assert "fnattn_flash_dq" in bwd and "fnattn_flash_dkdv" in bwd
+
+
+def test_lowers_for_cuda_with_whole_gqa_groups_and_long_sequences(monkeypatch):
+    monkeypatch.setattr(triton, "MIN_DKDV_PROGRAMS", 1)
+    B, T, Hq, Hkv, D = 1, 8192, 8, 2, 128
+    q = jax.ShapeDtypeStruct((B, T, Hq, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, T, Hkv, D), jnp.bfloat16)
+    for mask in (None, masks.causal()):
+        spec = AttentionSpec(mask=mask)
+        g = jax.jit(jax.grad(lambda q, k, v: run(CUDA)(spec, q, k, v).out.astype(
+            jnp.float32).sum(), argnums=(0, 1, 2)))
+        assert "fnattn_flash_dkdv" in g.trace(q, kv, kv).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+
+# ----------------------------------------------------------------------------------
+# The real kernels on an NVIDIA GPU
+# ----------------------------------------------------------------------------------
+
+GPU_CASES = ["plain", "mqa", "dv", "causal", "causal_square", "window", "segments", "lengths",
+             "prefix", "array", "fn", "bias", "softcap", "sinks_masked", "dropout",
+             "everything", "bf16", "f16"]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("name", GPU_CASES)
+@pytest.mark.parametrize("D", [64, 80, 128])
+def test_gpu_kernels_match_reference(name, D):
+    base = next(c for c in CASES if c.name == name)
+    dtype = "bfloat16" if base.dtype == "float32" else base.dtype
+    case = dataclasses.replace(base, D=D, Dv=D if base.Dv == base.D else 48, dtype=dtype,
+                               Tq=base.Tq * 37, Tk=base.Tk * 37)
+    spec, q, k, v, _ = make(case, impl="xla")
+    assert_matches_reference(spec, q, k, v, tol={"bfloat16": 3e-2, "float16": 5e-3}[dtype],
+                             table=CUDA)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_long_sequence_bf16(causal):
+    rs = np.random.default_rng(0)
+    B, T, H, D = 1, 4096, 4, 128
+    q, k, v = (jnp.asarray(rs.standard_normal((B, T, H, D)), jnp.bfloat16) for _ in range(3))
+    spec = AttentionSpec(mask=masks.causal() if causal else None)
+    res = jax.jit(run(CUDA))(spec, q, k, v)
+    ref = jax.jit(fnattn.reference)(spec, q, k, v)
+    np.testing.assert_allclose(np.asarray(res.out, np.float32), np.asarray(ref.out, np.float32),
+                               atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(np.asarray(res.lse), np.asarray(ref.lse), atol=1e-3, rtol=1e-3)
