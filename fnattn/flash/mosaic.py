@@ -586,10 +586,26 @@ def _extras(K: _K, mask, bias, sinks, seed, coords, R, C, *, with_sinks):
     return arrays, specs
 
 
+def _vmem_limit():
+    """A scoped-VMEM limit above the default where the chip has room for it.
+
+    512-blocks with a bias, a dense mask and dropout keep several (512, 512) f32
+    temporaries live; chips with 64 MiB or more of VMEM get 3/4 of it. Elsewhere
+    (and when not tracing for a TPU, where there is no TPU to ask) the compiler's
+    default stands.
+    """
+    try:
+        capacity = pltpu.get_tpu_info().vmem_capacity_bytes
+    except Exception:  # not a TPU, or a JAX without this query
+        return None
+    return capacity * 3 // 4 if capacity >= 64 * 2**20 else None
+
+
 def _params(interpret):
     return dict(
         compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"),
+            vmem_limit_bytes=None if interpret else _vmem_limit()),
         interpret=interpret)
 
 
