@@ -4,8 +4,9 @@ Three kernels, in this file's order:
 
 * ``_fwd_kernel``  grid (q-blocks, B*Hq): online softmax over the kv-blocks a
   q-block sees, in base 2 (``exp2`` with ``log2(e)`` folded into the scale).
-* ``_dq_kernel``   grid (q-blocks, B*Hq): recomputes P from ``lse``; dq (and the
-  full-size dbias when a bias is given).
+* ``_dq_kernel``   grid (q-blocks, B*Hq): recomputes P from ``lse``; dq, and
+  dbias when a bias is given (accumulated straight into the bias's own
+  broadcast shape, with atomic adds where several programs share an element).
 * ``_dkdv_kernel`` grid (kv-blocks, B*Hkv*S): for one kv-block, loops over the
   q-blocks that see it *and* over the query heads of its GQA group, so K and V
   are never repeated. It works on transposed tiles (``S^T = K Q^T``) so that no
@@ -276,7 +277,7 @@ def _keep(seed_ref, pos, K: _K):
 class _Refs:
     """Names the kernel's refs; the optional ones are None when absent."""
 
-    def __init__(self, refs, K: _K, names, outs, *, sched: bool):
+    def __init__(self, refs, K: _K, names, outs, *, sched: bool, aliased: int = 0):
         it = iter(refs)
         for n in names:
             setattr(self, n, next(it))
@@ -285,6 +286,8 @@ class _Refs:
         self.sinks = next(it) if K.has_sinks else None
         self.seed = next(it) if K.rate > 0 else None
         self.ops = [next(it) for _ in K.op_varies]
+        for _ in range(aliased):  # inputs aliased to outputs: used through the outputs
+            next(it)
         for n in outs:
             setattr(self, n, next(it, None))
 
@@ -384,21 +387,13 @@ def _ds(p, dp, delta, th, keep, K: _K):
 
 
 def _dq_kernel(*refs, K: _K, sched: bool):
-    R = _Refs(refs, K, ("q", "k", "v", "do", "lse2", "delta"), ("dq", "dbias"), sched=sched)
+    R = _Refs(refs, K, ("q", "k", "v", "do", "lse2", "delta"), ("dq", "dbias"), sched=sched,
+              aliased=K.bias_varies is not None)
     i, bh = pl.program_id(0), pl.program_id(1)
     b, h = bh // K.Hq, bh % K.Hq
     rows = _q_rows(i, K)
     q, do = R.q[rows, :], R.do[rows, :]
     lse2, delta = R.lse2[rows], R.delta[rows]
-    if R.dbias is not None and sched:
-        # Tiles the schedule skips get no store: clear the row stripe first.
-        zeros = jnp.zeros((K.bq, K.bk), R.dbias.dtype)
-
-        def clear(j, c):
-            R.dbias[rows, _k_rows(j, K)] = zeros
-            return c
-        lax.fori_loop(0, K.nk, clear, 0)
-
     def body(j, _, dq, partial):
         ks = _k_rows(j, K)
         k = R.k[ks, :]
@@ -412,11 +407,30 @@ def _dq_kernel(*refs, K: _K, sched: bool):
         keep = None if R.seed is None else _keep(R.seed, pos, K)
         _, ds = _ds(p, dp, delta[:, None], th, keep, K)
         if R.dbias is not None:
-            R.dbias[rows, ks] = ds.astype(R.dbias.dtype)
+            _add_dbias(R.dbias, ds, rows, ks, K)
         return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=F32)
 
     dq = _loops(R, K, K.Tk // K.bk, body, jnp.zeros((K.bq, R.q.shape[-1]), F32))
     R.dq[rows, :] = (dq * K.scale).astype(R.dq.dtype)
+
+
+def _add_dbias(dbias_ref, ds, rows, ks, K: _K):
+    """Adds a dS tile into dbias, which has the bias's broadcast shape (zeros at start).
+
+    The tile is first summed over the axes along which the bias is broadcast.
+    Only when the bias varies along every axis does each element belong to one
+    program and one step: then a plain store; otherwise an atomic add.
+    """
+    _, _, vq, vk = K.bias_varies
+    if not vq:
+        ds = ds.sum(axis=0, keepdims=True)
+    if not vk:
+        ds = ds.sum(axis=1, keepdims=True)
+    idx = (rows if vq else slice(None), ks if vk else slice(None))
+    if all(K.bias_varies):
+        dbias_ref[idx] = ds
+    else:
+        plgpu.atomic_add(dbias_ref, idx, ds)
 
 
 def _dkdv_kernel(*refs, K: _K, sched: bool):
@@ -649,7 +663,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
     # lse in base 2; +inf for fully masked rows (and padding) so that P = 0 there.
     lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
 
-    # dq (and the full-size dbias).
+    # dq and dbias.
     bq, bk, params = _blocks_for(cfg, q.dtype, "dq")
     Tqp, Tkp, Dp, Dvp = _dims_padded(cfg, bq, bk)
     K = _make_k(cfg, mask, bias, None, bq, bk)
@@ -658,10 +672,14 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
     sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, Hq)])
     out_specs = [_seq_spec(Tqp, Dp, Hq, lambda h: h)]
     out_shape = [jax.ShapeDtypeStruct((B, Tqp, Hq, Dp), q.dtype)]
+    aliases = {}
     if bias is not None:
-        out_specs.append(pl.BlockSpec((None, None, Tqp, Tkp),
-                                      lambda r, bh: (bh // Hq, bh % Hq, 0, 0)))
-        out_shape.append(jax.ShapeDtypeStruct((B, Hq, Tqp, Tkp), F32))
+        # dbias in the bias's broadcast shape, float32, starting from zeros.
+        b4 = _pad_seq(_bias4(bias), (Tqp, Tkp)).shape
+        aliases = {6 + len(sched) + len(extra): 1}
+        extra, extra_specs = extra + [jnp.zeros(b4, F32)], extra_specs + [_bh_spec(b4, Hq, None)]
+        out_specs.append(_bh_spec(b4, Hq, None))
+        out_shape.append(jax.ShapeDtypeStruct(b4, F32))
     res = pl.pallas_call(
         functools.partial(_dq_kernel, K=K, sched=table is not None),
         grid=(Tqp // bq, B * Hq),
@@ -669,17 +687,15 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
                   _seq_spec(Tkp, Dvp, Hq, lambda h: h // G), _seq_spec(Tqp, Dvp, Hq, lambda h: h),
                   _rows_spec(Tqp, Hq), _rows_spec(Tqp, Hq)] + sched_specs + extra_specs,
         out_specs=out_specs, out_shape=out_shape, compiler_params=params,
-        interpret=interpret, name="fnattn_flash_dq",
+        input_output_aliases=aliases, interpret=interpret, name="fnattn_flash_dq",
     )(_pad_bthd(q, Tqp, Dp), _pad_bthd(k, Tkp, Dp), _pad_bthd(v, Tkp, Dvp),
       _pad_bthd(d_out, Tqp, Dvp), _pad(lse2, 2, Tqp, jnp.inf), _pad(delta, 2, Tqp),
       *sched, *extra)
     dq = res[0][:, :d.q_len, :, :d.head_dim]
     dbias = None
     if bias is not None:
-        full = res[1][:, :, :d.q_len, :d.kv_len]
-        b4 = _bias4(bias).shape
-        axes = tuple(a for a in range(4) if b4[a] == 1 and full.shape[a] != 1)
-        dbias = full.sum(axes, keepdims=True).reshape(bias.shape).astype(bias.dtype)
+        dbias = res[1][:, :, :min(res[1].shape[2], d.q_len), :min(res[1].shape[3], d.kv_len)]
+        dbias = dbias.reshape(bias.shape).astype(bias.dtype)
 
     # dk, dv: programs over (kv-block, batch x group of Gp query heads).
     bq, bk, params = _blocks_for(cfg, q.dtype, "dkdv")

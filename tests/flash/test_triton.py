@@ -130,6 +130,19 @@ def test_per_head_mask_and_bias(monkeypatch, whole_groups):
     assert_matches_reference(spec, q, k, v, tol=2e-5)
 
 
+@pytest.mark.parametrize("shape", [(2, 4, 21, 37), (37,), (2, 1, 21, 1), (4, 1, 1)],
+                         ids=["full", "keys", "rows", "heads"])
+def test_dbias_in_the_bias_shape(shape):
+    # (B, H, Tq, Tk) is stored tile by tile; broadcast shapes are summed in-kernel
+    # (atomic adds where programs share an element).
+    rs = np.random.default_rng(4)
+    q = jnp.asarray(rs.standard_normal((2, 21, 4, 8)), jnp.float32)
+    k = jnp.asarray(rs.standard_normal((2, 37, 2, 8)), jnp.float32)
+    bias = jnp.asarray(rs.standard_normal(shape), jnp.float32)
+    spec = AttentionSpec(mask=masks.causal(), bias=bias, block_sizes=SMALL)
+    assert_matches_reference(spec, q, k, k, tol=2e-5)
+
+
 def test_fully_masked_rows_with_sinks_give_zero_and_lse_sink():
     case = Case("masked", B=2, Tq=21, Tk=37, mask="lengths", bias=True, softcap=5.0,
                 sinks=True)
