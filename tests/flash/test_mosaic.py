@@ -242,7 +242,7 @@ def test_vmap_of_grad():
 
     g = jax.jit(jax.vmap(jax.grad(lambda x, i: loss(flash, x, i))))(x, ids)
     r = jax.jit(jax.vmap(jax.grad(lambda x, i: loss(fnattn.reference, x, i))))(x, ids)
-    np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), atol=1e-5, rtol=1e-5)
 
 
 def _cfg(T, mask=None, B=1, H=1):
