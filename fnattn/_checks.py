@@ -50,6 +50,13 @@ def check_qkv(q, k, v, layout: str, *, fn: str = "attention") -> Dims:
             want = "(B, T, H, D)" if layout == "bthd" else "(B, H, T, D)"
             raise ValueError(f"{fn}: {name} must have 4 axes {want} for layout {layout!r}; "
                              f"got shape {_shape(x)}")
+        if 0 in x.shape:
+            # Every lowering assumes at least one row, key, head and feature; an empty
+            # key axis would otherwise fail deep inside a reduction or a grid.
+            want = "(B, T, H, D)" if layout == "bthd" else "(B, H, T, D)"
+            raise ValueError(f"{fn}: {name} must have no empty axis {want}; got shape "
+                             f"{_shape(x)}. To attend to no key, mask the keys instead "
+                             "(e.g. masks.lengths(kv_lengths=...) with a length of 0).")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{fn}: q, k and v must share a dtype; got q {q.dtype}, "
                         f"k {k.dtype}, v {v.dtype}")

@@ -42,9 +42,11 @@ def run(spec: AttentionSpec, q, k, v, *, fn: str, table=None) -> AttentionOutput
                            lse if spec.return_lse else None)
 
 
+# q, k, v are annotated "...": rank and shape errors come from _checks.check_qkv,
+# which names the axes expected for the layout.
 @jaxtyped(typechecker=beartype)
-def attention(spec: AttentionSpec, q: Shaped[Array, "_ _ _ _"], k: Shaped[Array, "_ _ _ _"],
-              v: Shaped[Array, "_ _ _ _"]) -> AttentionOutput:
+def attention(spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..."],
+              v: Shaped[Array, "..."]) -> AttentionOutput:
     """Attention of ``q`` over ``k``/``v`` as described by ``spec``.
 
     ``spec.impl`` picks the lowering: "auto" (flash: Pallas Triton kernels on

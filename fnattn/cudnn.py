@@ -7,14 +7,21 @@ understands natively (``is_causal``, ``local_window_size``, sequence lengths);
 any other mask is materialised as a dense boolean array, which is what
 ``jax.nn`` accepts. Features ``jax.nn`` cannot express raise
 ``NotImplementedError`` naming the feature and a lowering that has it.
+
+Two gaps of ``jax.nn`` are closed here so that the delegate keeps fnattn's
+contract: rows that see no key give ``out = 0`` and ``lse = -inf`` (jax.nn gives
+the mean of ``v``), and gradients flow through ``lse`` (jax.nn stops them).
 """
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from fnattn import masks
 from fnattn.spec import AttentionOutput
+
+_DEAD_ROW_LSE = -1e30
 
 
 def unsupported_features(spec, dims, dtype) -> list[str]:
@@ -90,13 +97,97 @@ def attention(spec, dims, q, k, v, *, scale: float):
         f = call(implementation)
         return lambda q, k, v, bias, akw: f(q, k, v, bias, {**akw, **static_kw})
 
-    try:
-        out, lse = lax.platform_dependent(q, k, v, spec.bias, array_kw,
+    def nn(q, k, v, bias, akw):
+        try:
+            return lax.platform_dependent(q, k, v, bias, akw,
                                           default=branch("xla"), cuda=branch("cudnn"))
-    except RuntimeError as e:
-        # jax.nn refuses to trace its cuDNN path where no cuDNN is installed; then no
-        # CUDA executable can be produced from this process anyway.
-        if "cuDNN" not in str(e):
-            raise
-        out, lse = branch("xla")(q, k, v, spec.bias, array_kw)
+        except RuntimeError as e:
+            # jax.nn refuses to trace its cuDNN path where no cuDNN is installed; then
+            # no CUDA executable can be produced from this process anyway.
+            if "cuDNN" not in str(e):
+                raise
+            return branch("xla")(q, k, v, bias, akw)
+
+    mask_leaves, mask_treedef = jax.tree_util.tree_flatten(spec.mask)
+
+    def allowed(leaves):
+        mask = jax.tree_util.tree_unflatten(mask_treedef, leaves)
+        return masks.materialize(mask, dims.batch, dims.num_q_heads, dims.q_len, dims.kv_len,
+                                 validate=False)
+
+    out, lse = _with_lse_gradient(nn, allowed, scale)(q, k, v, spec.bias, array_kw,
+                                                       tuple(mask_leaves))
+    # jax.nn fills masked logits with a large finite negative number, so a row that
+    # sees no key comes back as the mean of v with lse near -2.4e38 (and cuDNN
+    # leaves padded rows unspecified). fnattn's contract is out = 0, lse = -inf
+    # there. No row with a visible key has lse that low: every logit would have
+    # to be below _DEAD_ROW_LSE.
+    dead = ~(lse > _DEAD_ROW_LSE)
+    out = jnp.where(jnp.swapaxes(dead, 1, 2)[..., None], jnp.zeros((), out.dtype), out)
+    lse = jnp.where(dead, -jnp.inf, lse)
     return AttentionOutput(out, lse)
+
+
+def _with_lse_gradient(nn, allowed, scale):
+    """``nn`` (jax.nn's call) with a gradient through ``lse`` as well as ``out``.
+
+    jax.nn returns its logsumexp under ``stop_gradient``; fnattn's contract is that
+    gradients flow through ``lse`` (merging partial results needs them). The
+    ``out`` cotangent goes to jax.nn's own backward (cuDNN's on NVIDIA GPUs); a
+    non-zero ``lse`` cotangent adds ``d lse / d s = p``, computed densely, so only
+    code that differentiates through ``lse`` pays O(Tq * Tk) memory for it.
+    """
+
+    @jax.custom_vjp
+    def f(q, k, v, bias, akw, mask_leaves):
+        return nn(q, k, v, bias, akw)
+
+    def fwd(q, k, v, bias, akw, mask_leaves):
+        q, k, v, bias, akw, mask_leaves = jax.tree_util.tree_map(
+            lambda p: p.value, (q, k, v, bias, akw, mask_leaves))
+        (out, lse), vjp = jax.vjp(lambda q, k, v, bias: nn(q, k, v, bias, akw), q, k, v, bias)
+        return (out, lse), (vjp, q, k, bias, mask_leaves, jnp.zeros_like(lse))
+
+    def bwd(res, cotangents):
+        vjp, q, k, bias, mask_leaves, zero_lse = res
+        d_out, d_lse = cotangents
+        if isinstance(d_out, SymbolicZero):
+            d_out = jnp.zeros(d_out.shape, d_out.dtype)
+        dq, dk, dv, dbias = vjp((d_out, zero_lse))
+        if not isinstance(d_lse, SymbolicZero):
+            dq_l, dk_l, dbias_l = _lse_vjp(q, k, bias, allowed(mask_leaves), scale, d_lse)
+            dq = (dq + dq_l).astype(dq.dtype)
+            dk = (dk + dk_l).astype(dk.dtype)
+            if bias is not None:
+                dbias = (dbias + dbias_l).astype(dbias.dtype)
+        # akw and the mask leaves are integer or boolean: no cotangent.
+        return dq, dk, dv, dbias, None, tuple(None for _ in mask_leaves)
+
+    f.defvjp(fwd, bwd, symbolic_zeros=True)
+    return f
+
+
+def _lse_vjp(q, k, bias, allowed, scale, d_lse):
+    """Cotangents of q, k, bias from ``d_lse`` (B, Hq, Tq): ``d lse / d s = p``."""
+    B, Tq, Hq, D = q.shape
+    Hkv = k.shape[2]
+    G = Hq // Hkv
+    qg = q.astype(jnp.float32).reshape(B, Tq, Hkv, G, D)
+    k32 = k.astype(jnp.float32)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k32).reshape(B, Hq, Tq, -1) * scale
+    if bias is not None:
+        s = s + bias.astype(jnp.float32)
+    s = jnp.where(allowed, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m)
+    denom = jnp.sum(e, axis=-1, keepdims=True)
+    w = e / jnp.where(denom > 0, denom, 1.0) * d_lse.astype(jnp.float32)[..., None]
+    wg = w.reshape(B, Hkv, G, Tq, -1)
+    dq = jnp.einsum("bhgqk,bkhd->bqhgd", wg, k32).reshape(q.shape) * scale
+    dk = jnp.einsum("bhgqk,bqhgd->bkhd", wg, qg) * scale
+    dbias = None
+    if bias is not None:
+        axes = tuple(i for i, n in enumerate((1,) * (4 - bias.ndim) + bias.shape) if n == 1)
+        dbias = jnp.sum(w, axis=axes, keepdims=True).reshape(bias.shape)
+    return dq, dk, dbias

@@ -534,6 +534,9 @@ class PrefixLM(Mask):
             raise ValueError(
                 f"prefix_lm: prefix_lengths must have shape (batch,)=({batch},); "
                 f"got {tuple(jnp.shape(self.prefix_lengths))}")
+        if not jnp.issubdtype(jnp.result_type(self.prefix_lengths), jnp.integer):
+            raise TypeError(f"prefix_lm: prefix_lengths must be integer; got "
+                            f"{jnp.result_type(self.prefix_lengths)}")
 
     def __repr__(self):
         return "prefix_lm(...)"

@@ -77,9 +77,11 @@ def prepare(spec: AttentionSpec, q, k, v, fn: str):
     return dims, q, k, v, _checks.resolve_scale(spec, dims.head_dim), seed
 
 
+# q, k, v are annotated "...": rank and shape errors come from _checks.check_qkv,
+# which names the axes expected for the layout.
 @jaxtyped(typechecker=beartype)
-def reference(spec: AttentionSpec, q: Shaped[Array, "_ _ _ _"], k: Shaped[Array, "_ _ _ _"],
-              v: Shaped[Array, "_ _ _ _"], *, return_weights: bool = False):
+def reference(spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..."],
+              v: Shaped[Array, "..."], *, return_weights: bool = False):
     """Reference attention: every spec feature, computed densely in float32.
 
     Args:

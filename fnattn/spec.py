@@ -34,6 +34,8 @@ pre-dropout value. The keep mask is a pure function of
 """
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Literal, Optional
 
 import jax
@@ -44,6 +46,12 @@ __all__ = ["AttentionSpec", "AttentionOutput", "LAYOUTS", "IMPLS"]
 
 LAYOUTS = ("bthd", "bhtd")
 IMPLS = ("auto", "xla", "pallas", "cudnn", "reference")
+
+_STATIC_HINTS = {
+    "scale": ": to learn a scale, multiply q by it before the call.",
+    "softcap": ".",
+    "dropout_rate": ".",
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +99,26 @@ class AttentionSpec:
             raise ValueError(f"AttentionSpec: layout must be one of {LAYOUTS}; got {self.layout!r}")
         if self.impl not in IMPLS:
             raise ValueError(f"AttentionSpec: impl must be one of {IMPLS}; got {self.impl!r}")
-        if self.scale is not None and not (isinstance(self.scale, (int, float)) and self.scale > 0):
-            raise ValueError(f"AttentionSpec: scale must be a positive float or None; got {self.scale!r}")
-        if self.softcap is not None and not (
-                isinstance(self.softcap, (int, float)) and self.softcap > 0):
-            raise ValueError(
-                f"AttentionSpec: softcap must be a positive float or None; got {self.softcap!r}")
-        if not (isinstance(self.dropout_rate, (int, float)) and 0.0 <= self.dropout_rate < 1.0):
+        for name in ("scale", "softcap", "dropout_rate"):
+            value = getattr(self, name)
+            if value is None and name != "dropout_rate":
+                continue
+            # Static fields are part of the jit cache key: accept any real number
+            # (NumPy scalars included) and store it as a Python float, so that equal
+            # values give one cache entry.
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                raise TypeError(
+                    f"AttentionSpec: {name} is static configuration and must be a Python "
+                    f"float{'' if name == 'dropout_rate' else ' or None'}; got "
+                    f"{type(value).__name__} {value!r}. A traced or array value cannot be "
+                    "static" + _STATIC_HINTS[name])
+            object.__setattr__(self, name, float(value))
+        for name in ("scale", "softcap"):
+            value = getattr(self, name)
+            if value is not None and not (value > 0 and math.isfinite(value)):
+                raise ValueError(
+                    f"AttentionSpec: {name} must be a positive finite float or None; got {value!r}")
+        if not 0.0 <= self.dropout_rate < 1.0:
             raise ValueError(
                 f"AttentionSpec: dropout_rate must be in [0, 1); got {self.dropout_rate!r}")
         if self.mask is not None and not isinstance(self.mask, Mask):
@@ -106,6 +127,13 @@ class AttentionSpec:
                 f"{type(self.mask).__name__}. Wrap a boolean array with masks.from_array.")
         if not isinstance(self.return_lse, bool):
             raise TypeError(f"AttentionSpec: return_lse must be a bool; got {self.return_lse!r}")
+        try:
+            hash(self.block_sizes)
+        except TypeError:
+            raise TypeError(
+                "AttentionSpec: block_sizes is static configuration and must be hashable "
+                "(a frozen dataclass such as fnattn.XlaBlockSizes, or None); got "
+                f"{type(self.block_sizes).__name__} {self.block_sizes!r}") from None
 
     def replace(self, **changes) -> "AttentionSpec":
         """A copy with some fields changed."""

@@ -65,8 +65,8 @@ def test_grad_with_respect_to_spec_arrays():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(layout="tbhd"), "layout must be one of"),
     (dict(impl="flash"), "impl must be one of"),
-    (dict(scale=-1.0), "scale must be a positive float"),
-    (dict(softcap=0.0), "softcap must be a positive float"),
+    (dict(scale=-1.0), "scale must be a positive finite float"),
+    (dict(softcap=0.0), "softcap must be a positive finite float"),
     (dict(dropout_rate=1.0), r"dropout_rate must be in \[0, 1\)"),
     (dict(mask=np.ones((3, 3), bool)), "Wrap a boolean array with masks.from_array"),
     (dict(return_lse=1), "return_lse must be a bool"),
