@@ -1,20 +1,39 @@
 """The XLA lowering of flash attention: blockwise online softmax in ``lax`` loops.
 
 Memory is O(T) in the forward *and* the backward: no (Tq, Tk) array is ever
-formed. The forward visits, for each q-block, only the kv-blocks that the mask
-leaves non-empty (the schedule of :mod:`fnattn.flash.blocks`), so causal
-attention costs about half of full attention, and it evaluates the mask only on
-PARTIAL tiles. The backward is one pass over kv-blocks (FlashAttention-2 style,
-recomputing the probabilities from ``lse``) that accumulates dk and dv for the
-kv-block and adds each tile's contribution to dq, so it costs about 2.5 forward
-passes.
+formed (only a full-size ``bias``, which is itself O(T^2), gets a full-size
+gradient).
 
-All query heads of a GQA group are processed with their kv head in one batched
-matrix product, so K and V are never repeated.
+**Block-sparse schedule.** ``masks.block_classes`` classifies every
+(q-block, kv-block) tile as EMPTY, PARTIAL or FULL inside ``jit``;
+``blocks.schedule`` compresses that into, per q-block, the FULL kv-blocks and,
+separately, the PARTIAL ones. Each q-block then runs two ``lax.fori_loop``s
+whose trip counts are those counts: the FULL tiles with no mask code at all,
+then the PARTIAL tiles, where the mask is evaluated through the mask protocol
+on the tile (with the ragged-length bound). Empty tiles cost nothing, so causal
+attention does about half the work of full attention and a sliding window a
+fraction of it. When the mask varies along the batch (segment ids, lengths)
+each batch row gets its own schedule; heads share one (a tile is visited if
+any head sees it, and is FULL only if FULL for every head).
+
+**Forward.** For each q-block, all query heads are processed together: the
+heads of a GQA group are stacked along the rows of one batched matrix product
+with their kv head, so K and V are never repeated. K is laid out once as
+transposed blocks ``(n_k, B, Hkv, D, block_k)`` and V as blocks, so every
+product in the loop is a plain (rows x D) @ (D x cols) with no per-tile copy
+or transpose. Logits and softmax statistics are float32.
+
+**Backward.** One pass over kv-blocks (FlashAttention-2 style, recomputing the
+probabilities from ``lse``): for each kv-block it visits the q-blocks that see
+it (the transposed schedule, FULL then PARTIAL), accumulates dk and dv for the
+block, and adds each tile's dq contribution into a dq buffer, so nothing is
+recomputed twice and the backward costs about 2.5 forward passes. Tiles are
+transposed, ``(k, q)``, and q, dO, K are also kept transposed, so all five
+products are plain matrix products. The cotangent of ``lse`` is honoured
+(``dS += P * d_lse``) and dbias / dsinks come out of the same pass.
 """
 
 import dataclasses
-import functools
 from typing import Optional
 
 import jax
@@ -27,23 +46,24 @@ from fnattn.flash import blocks
 
 __all__ = ["XlaBlockSizes", "LOWERING"]
 
+F32 = jnp.float32
+
 
 @dataclasses.dataclass(frozen=True)
 class XlaBlockSizes:
     """Tile sizes of the XLA flash lowering.
 
-    Large tiles make the matrix products efficient on CPUs; the tile's f32
-    logits take ``4 * Hq * block_q * block_k`` bytes.
+    Large tiles keep the matrix products efficient on CPUs; one tile of logits
+    of all heads takes ``4 * B * Hq * block_q * block_k`` bytes. The backward
+    pass has its own sizes (``block_q_bwd``, ``block_k_bwd``; None means the
+    forward's), since it keeps several tiles live instead of one.
 
-    The backward pass has its own tile sizes (``block_q_bwd``, ``block_k_bwd``;
-    None means the forward's), since it keeps four tiles live instead of one.
-
-    >>> XlaBlockSizes(block_q=256, block_k=512)
-    XlaBlockSizes(block_q=256, block_k=512, block_q_bwd=None, block_k_bwd=None)
+    >>> XlaBlockSizes(block_q=128, block_k=512)
+    XlaBlockSizes(block_q=128, block_k=512, block_q_bwd=None, block_k_bwd=None)
     """
 
     block_q: int = 256
-    block_k: int = 512
+    block_k: int = 256
     block_q_bwd: Optional[int] = None
     block_k_bwd: Optional[int] = None
 
@@ -52,30 +72,40 @@ class XlaBlockSizes:
             v = getattr(self, name)
             if v is None and name.endswith("_bwd"):
                 continue
-            if not isinstance(v, int) or v <= 0:
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"XlaBlockSizes: {name} must be a positive int; got {v!r}")
 
     @classmethod
-    def default(cls, dims, dtype) -> "XlaBlockSizes":
-        del dtype
-        # Keep one f32 logit tile of all heads around 8 MiB.
-        budget = 2**21 // max(dims.num_q_heads, 1)
-        bk = 512 if dims.head_dim <= 128 else 256
-        bq = max(64, min(256, budget // bk))
+    def default(cls, dims, dtype=None) -> "XlaBlockSizes":
+        """Defaults for the problem ``dims`` (a :class:`fnattn._checks.Dims`).
+
+        block_k is 256 and block_q keeps one float32 logit tile of all heads
+        near 2 MiB (256 x 256 for 8 heads at batch 1): large enough for
+        efficient products, small enough to stay in a CPU core's caches, and
+        small enough that causal diagonal tiles waste little.
+        """
+        del dtype  # logits are float32 whatever the input dtype
+        rows = max(dims.batch * dims.num_q_heads, 1)
+        bk = 256
+        bq = _pow2_floor(max(64, min(512, 2**19 // (rows * bk))))
         return cls(block_q=bq, block_k=bk)
+
+
+def _pow2_floor(n):
+    return 1 << (int(n).bit_length() - 1)
 
 
 def _round_up(x, m):
     return -(-x // m) * m
 
 
-def _pad_axis(x, axis, size):
+def _pad_axis(x, axis, size, value=0):
     pad = size - x.shape[axis]
     if pad <= 0:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
-    return jnp.pad(x, widths)
+    return jnp.pad(x, widths, constant_values=value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +134,7 @@ def _plan(cfg, backward=False) -> _Plan:
     if backward:
         bq = bs.block_q_bwd or bq
         bk = bs.block_k_bwd or bk
+    # Short sequences: one block, rounded up to a multiple of 8 rows.
     bq = min(bq, _round_up(d.q_len, 8))
     bk = min(bk, _round_up(d.kv_len, 8))
     return _Plan(d.batch, d.q_len, d.kv_len, d.num_q_heads, d.num_kv_heads, d.group,
@@ -111,25 +142,45 @@ def _plan(cfg, backward=False) -> _Plan:
                  cfg.scale, cfg.softcap, cfg.dropout_rate)
 
 
-def _union_classes(cls):
-    """One class per tile, shared by every batch row and head (conservative)."""
-    nonempty = jnp.any(cls != masks.EMPTY, axis=(0, 1))
-    full = jnp.all(cls == masks.FULL, axis=(0, 1))
+# ----------------------------------------------------------------------------------
+# Schedules
+# ----------------------------------------------------------------------------------
+
+
+def _classes(mask, P: _Plan):
+    """Tile classes (B|1, nq, nk), shared by the heads (conservative union)."""
+    cls = masks.block_classes(mask, P.B, P.Hq, P.Tq, P.Tk, P.bq, P.bk)
+    nonempty = jnp.any(cls != masks.EMPTY, axis=1)
+    full = jnp.all(cls == masks.FULL, axis=1)
     return (nonempty | full).astype(jnp.int8) + full.astype(jnp.int8)
 
 
-def _prepare_operands(mask, P: _Plan):
-    """The mask's 4-D operands, padded along q and k to whole blocks."""
-    if mask is None:
-        return ()
-    ops = []
-    for op in mask.operands():
-        if op.shape[2] > 1:
-            op = _pad_axis(op, 2, P.nq * P.bq)
-        if op.shape[3] > 1:
-            op = _pad_axis(op, 3, P.nk * P.bk)
-        ops.append(op)
-    return tuple(ops)
+def _split_schedule(classes, transpose=False):
+    """(index, count) of the FULL tiles and of the PARTIAL tiles, per row-block."""
+    full = blocks.schedule(jnp.where(classes == masks.FULL, classes, masks.EMPTY)
+                           .astype(jnp.int8), transpose=transpose)
+    part = blocks.schedule(jnp.where(classes == masks.PARTIAL, classes, masks.EMPTY)
+                           .astype(jnp.int8), transpose=transpose)
+    return full.index, full.count, part.index, part.count
+
+
+def _batch_rows(P: _Plan, classes):
+    """Whether each batch row runs with its own schedule (mask varies along B)."""
+    return P.B > 1 and classes.shape[0] > 1
+
+
+# ----------------------------------------------------------------------------------
+# Tiles of the mask, bias and dropout
+# ----------------------------------------------------------------------------------
+
+
+def _pad4(x, P: _Plan):
+    """A 4-D (b, h, q|1, k|1) array padded along q and k to whole blocks."""
+    if x.shape[2] > 1:
+        x = _pad_axis(x, 2, P.nq * P.bq)
+    if x.shape[3] > 1:
+        x = _pad_axis(x, 3, P.nk * P.bk)
+    return x
 
 
 def _tile(x, i, j, P: _Plan):
@@ -143,7 +194,7 @@ def _tile(x, i, j, P: _Plan):
     return lax.dynamic_slice(x, start, size)
 
 
-def _to5(x, P: _Plan, transposed=False):
+def _to5(x, P: _Plan, transposed):
     """(b, Hq|1, q|1, k|1) -> (b, Hkv|1, G|1, q, k), or (b, Hkv|1, k, G|1, q) if transposed.
 
     Query head h is kv head h // G and group member h % G.
@@ -152,10 +203,13 @@ def _to5(x, P: _Plan, transposed=False):
     return x.transpose(0, 1, 4, 2, 3) if transposed else x
 
 
-def _positions(i, j, P: _Plan, transposed=False):
+def _positions(bidx, i, j, P: _Plan, transposed):
     """Index arrays of tile (i, j), broadcastable in the 5-D tile layout."""
-    shape = (lambda *a: a) if not transposed else (lambda b, h, g, q, k: (b, h, k, g, q))
-    b = jnp.arange(P.B, dtype=jnp.int32).reshape(shape(P.B, 1, 1, 1, 1))
+    if transposed:
+        shape = lambda b, h, g, q, k: (b, h, k, g, q)  # noqa: E731
+    else:
+        shape = lambda *a: a  # noqa: E731
+    b = bidx.reshape(shape(bidx.shape[0], 1, 1, 1, 1))
     h = (jnp.arange(P.Hkv, dtype=jnp.int32)[:, None] * P.G
          + jnp.arange(P.G, dtype=jnp.int32)[None, :]).reshape(shape(1, P.Hkv, P.G, 1, 1))
     q = (i * P.bq + jnp.arange(P.bq, dtype=jnp.int32)).reshape(shape(1, 1, 1, P.bq, 1))
@@ -163,9 +217,9 @@ def _positions(i, j, P: _Plan, transposed=False):
     return masks.Positions(b=b, h=h, q=q, q_pos=q + (P.Tk - P.Tq), k=k)
 
 
-def _allowed(mask, ops, i, j, P: _Plan, transposed=False):
+def _allowed(mask, ops, bidx, i, j, P: _Plan, transposed):
     """Boolean mask of a PARTIAL tile in the 5-D layout, including k < Tk."""
-    pos = _positions(i, j, P, transposed)
+    pos = _positions(bidx, i, j, P, transposed)
     ok = pos.k < P.Tk
     if mask is not None:
         tiles = tuple(_to5(_tile(op, i, j, P), P, transposed) for op in ops)
@@ -173,214 +227,309 @@ def _allowed(mask, ops, i, j, P: _Plan, transposed=False):
     return ok
 
 
-def _keep(seed, i, j, P: _Plan, transposed=False):
-    pos = _positions(i, j, P, transposed)
+def _keep(seed, bidx, i, j, P: _Plan, transposed):
+    pos = _positions(bidx, i, j, P, transposed)
     return dropout.keep_mask(seed, pos.b, pos.h, pos.q, pos.k, P.rate)
 
 
-def _logits(qi, kj, bias_t, P: _Plan):
-    """f32 logits of a tile before masking; also returns tanh(s/c) for the backward."""
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", qi, kj, preferred_element_type=jnp.float32)
-    if qi.dtype != jnp.float32:  # f32 queries arrive pre-scaled (see _scaled_queries)
-        s = s * P.scale
-    if bias_t is not None:
-        s = s + _to5(bias_t, P).astype(jnp.float32)
-    if P.softcap is not None:
-        th = jnp.tanh(s / P.softcap)
-        return P.softcap * th, th
-    return s, None
+# ----------------------------------------------------------------------------------
+# Layouts
+# ----------------------------------------------------------------------------------
 
 
-def _scaled_queries(qg, P: _Plan):
+# Tiles are 3-D, (B*Hkv, G*bq, bk) in the forward and (B*Hkv, bk, G*bq) in the
+# backward: the query heads of a GQA group are stacked along the rows of their
+# kv head's product. (5-D tiles would make XLA:CPU copy every logit tile once
+# more, to reshape it for the row reductions.)
+
+
+def _q_blocks(x, P: _Plan, transposed=False):
+    """bthd (B, Tq, Hq, E) -> (nq, B*Hkv, G*bq, E), or (nq, B*Hkv, E, G*bq)."""
+    B, E = x.shape[0], x.shape[-1]
+    x = _pad_axis(x, 1, P.nq * P.bq).reshape(B, P.nq, P.bq, P.Hkv, P.G, E)
+    x = x.transpose((1, 0, 3, 5, 4, 2) if transposed else (1, 0, 3, 4, 2, 5))
+    return x.reshape((P.nq, B * P.Hkv) + ((E, P.G * P.bq) if transposed else (P.G * P.bq, E)))
+
+
+def _k_blocks(x, P: _Plan, transposed=False):
+    """bthd (B, Tk, Hkv, E) -> (nk, B*Hkv, bk, E), or (nk, B*Hkv, E, bk)."""
+    B, E = x.shape[0], x.shape[-1]
+    x = _pad_axis(x, 1, P.nk * P.bk).reshape(B, P.nk, P.bk, P.Hkv, E)
+    x = x.transpose((1, 0, 3, 4, 2) if transposed else (1, 0, 3, 2, 4))
+    return x.reshape((P.nk, B * P.Hkv) + x.shape[3:])
+
+
+def _rows_blocks(x, P: _Plan, value=0.0):
+    """(B, Hq, Tq) -> (nq, B*Hkv, G*bq)."""
+    B = x.shape[0]
+    x = _pad_axis(x, 2, P.nq * P.bq, value).reshape(B, P.Hkv, P.G, P.nq, P.bq)
+    return x.transpose(3, 0, 1, 2, 4).reshape(P.nq, B * P.Hkv, P.G * P.bq)
+
+
+def _flat(x5, B, P: _Plan, transposed):
+    """A broadcastable 5-D tile array -> the 3-D tile layout."""
+    if transposed:
+        x5 = jnp.broadcast_to(x5, (B, P.Hkv, P.bk, P.G, P.bq))
+        return x5.reshape(B * P.Hkv, P.bk, P.G * P.bq)
+    x5 = jnp.broadcast_to(x5, (B, P.Hkv, P.G, P.bq, P.bk))
+    return x5.reshape(B * P.Hkv, P.G * P.bq, P.bk)
+
+
+def _bias4(bias):
+    return None if bias is None else jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
+
+
+def _scaled(qb, P: _Plan):
     # Scaling f32 queries once saves a pass over every logit tile; lower
     # precisions keep the scale in f32 on the logits instead.
-    return qg * P.scale if qg.dtype == jnp.float32 else qg
+    return qb * jnp.asarray(P.scale, qb.dtype) if qb.dtype == F32 else qb
 
 
-def _layout(q, k, v, P: _Plan):
-    """bthd -> padded (B, Hkv, G, Tq', D), (B, Hkv, Tk', D), (B, Hkv, Tk', Dv)."""
-    qg = q.reshape(P.B, P.Tq, P.Hkv, P.G, P.D).transpose(0, 2, 3, 1, 4)
-    qg = _pad_axis(qg, 3, P.nq * P.bq)
-    kt = _pad_axis(k.transpose(0, 2, 1, 3), 2, P.nk * P.bk)
-    vt = _pad_axis(v.transpose(0, 2, 1, 3), 2, P.nk * P.bk)
-    return qg, kt, vt
+def _by_batch(P: _Plan, per_row: bool, fn, batched, shared, carry=None):
+    """Runs ``fn(P', bidx, batched, shared, carry)`` on all rows, or row by row.
+
+    ``batched`` holds arrays whose leading axis is the batch (or None, or arrays
+    with a size-1 batch axis, which are shared by every row).
+    """
+    bidx = jnp.arange(P.B, dtype=jnp.int32)
+    if not per_row:
+        return fn(P, bidx, batched, shared, carry)
+    P1 = dataclasses.replace(P, B=1)
+    leaves, treedef = jax.tree_util.tree_flatten(batched)
+    sliced = [x.shape[0] > 1 for x in leaves]
+
+    def one(c, xs):
+        b, row = xs
+        it = iter(row)
+        parts = [next(it)[None] if s else x for s, x in zip(sliced, leaves)]
+        out, c = fn(P1, b[None], jax.tree_util.tree_unflatten(treedef, parts), shared, c)
+        return c, out
+
+    carry, outs = lax.scan(one, carry, (bidx, [x for s, x in zip(sliced, leaves) if s]))
+    return jax.tree_util.tree_map(lambda x: x.reshape((P.B,) + x.shape[2:]), outs), carry
 
 
-def _bias4(bias, P: _Plan):
-    if bias is None:
-        return None
-    b = jnp.reshape(bias, (1,) * (4 - bias.ndim) + bias.shape)
-    if b.shape[2] > 1:
-        b = _pad_axis(b, 2, P.nq * P.bq)
-    if b.shape[3] > 1:
-        b = _pad_axis(b, 3, P.nk * P.bk)
-    return b
-
-
-def _schedule(mask, P: _Plan, transpose=False):
-    cls = masks.block_classes(mask, P.B, P.Hq, P.Tq, P.Tk, P.bq, P.bk)
-    return blocks.schedule(_union_classes(cls), transpose=transpose)
+# ----------------------------------------------------------------------------------
+# Forward
+# ----------------------------------------------------------------------------------
 
 
 def _forward(cfg, q, k, v, bias, sinks, mask, seed):
     P = _plan(cfg)
-    qg, kt, vt = _layout(q, k, v, P)
-    qg = _scaled_queries(qg, P)
-    ops = _prepare_operands(mask, P)
-    bias4 = _bias4(bias, P)
-    sched = _schedule(mask, P)
-    row_shape = (P.B, P.Hkv, P.G, P.bq)
+    classes = _classes(mask, P)
+    per_row = _batch_rows(P, classes)
+    batched = dict(q=q, k=k, v=v, bias=_bias4(bias), classes=classes,
+                   ops=tuple(mask.operands()) if mask is not None else ())
+    (out, lse), _ = _by_batch(P, per_row, _forward_rows, batched, (mask, sinks, seed))
+    return out.astype(q.dtype), lse
 
-    def q_block(i):
-        qi = lax.dynamic_slice_in_dim(qg, i * P.bq, P.bq, axis=3)
 
-        def step(t, carry):
+def _forward_rows(P: _Plan, bidx, a, shared, carry):
+    mask, sinks, seed = shared
+    B = a["q"].shape[0]
+    qb = _scaled(_q_blocks(a["q"], P), P)                # (nq, B*Hkv, G*bq, D)
+    kb = _k_blocks(a["k"], P, transposed=True)            # (nk, B*Hkv, D, bk)
+    vb = _k_blocks(a["v"], P)                              # (nk, B*Hkv, bk, Dv)
+    bias4 = None if a["bias"] is None else _pad4(a["bias"], P)
+    ops = tuple(_pad4(op, P) for op in a["ops"])
+    full_idx, full_n, part_idx, part_n = _split_schedule(a["classes"][0])
+    rows = (B * P.Hkv, P.G * P.bq)
+    lowp = qb.dtype != F32
+
+    def tile_step(i, qi, partial):
+        def step(t, carry, index):
             m, l, acc = carry
-            j = sched.index[i, t]
-            kj = lax.dynamic_slice_in_dim(kt, j * P.bk, P.bk, axis=2)
-            vj = lax.dynamic_slice_in_dim(vt, j * P.bk, P.bk, axis=2)
-            s, _ = _logits(qi, kj, None if bias4 is None else _tile(bias4, i, j, P), P)
-            s = lax.cond(sched.kind[i, t] == masks.FULL, lambda s: s,
-                         lambda s: jnp.where(_allowed(mask, ops, i, j, P), s, -jnp.inf), s)
+            j = index[t]
+            s = jnp.einsum("hqd,hdk->hqk", qi, kb[j], preferred_element_type=F32)
+            if lowp:
+                s = s * P.scale
+            if bias4 is not None:
+                s = s + _flat(_to5(_tile(bias4, i, j, P), P, False), B, P, False).astype(F32)
+            if P.softcap is not None:
+                s = P.softcap * jnp.tanh(s / P.softcap)
+            if partial:
+                ok = _flat(_allowed(mask, ops, bidx, i, j, P, False), B, P, False)
+                s = jnp.where(ok, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
+            # A row with nothing visible yet keeps m = -inf; 0 avoids inf - inf.
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp(s - m_use[..., None])
             alpha = jnp.exp(m - m_use)
             l = l * alpha + p.sum(-1)
             if P.rate > 0:
-                p = jnp.where(_keep(seed, i, j, P), p * (1.0 / (1.0 - P.rate)), 0.0)
-            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p.astype(vj.dtype), vj,
-                            preferred_element_type=jnp.float32)
+                keep = _flat(_keep(seed, bidx, i, j, P, False), B, P, False)
+                p = jnp.where(keep, p * (1.0 / (1.0 - P.rate)), 0.0)
+            pv = jnp.einsum("hqk,hkd->hqd", p.astype(vb.dtype), vb[j],
+                            preferred_element_type=F32)
             return m_new, l, acc * alpha[..., None] + pv
+        return step
 
-        init = (jnp.full(row_shape, -jnp.inf, jnp.float32), jnp.zeros(row_shape, jnp.float32),
-                jnp.zeros(row_shape + (P.Dv,), jnp.float32))
-        m, l, acc = lax.fori_loop(0, sched.count[i], step, init)
+    def q_block(xs):
+        qi, i, fidx, fn, pidx, pn = xs
+        carry = (jnp.full(rows, -jnp.inf, F32), jnp.zeros(rows, F32),
+                 jnp.zeros(rows + (P.Dv,), F32))
+        full_step = tile_step(i, qi, False)
+        part_step = tile_step(i, qi, True)
+        carry = lax.fori_loop(0, fn, lambda t, c: full_step(t, c, fidx), carry)
+        m, l, acc = lax.fori_loop(0, pn, lambda t, c: part_step(t, c, pidx), carry)
         if sinks is not None:
-            sk = sinks.astype(jnp.float32).reshape(1, P.Hkv, P.G, 1)
+            sk = jnp.broadcast_to(sinks.astype(F32).reshape(1, P.Hkv, P.G, 1),
+                                  (B, P.Hkv, P.G, P.bq)).reshape(rows)
             m_fin = jnp.maximum(m, sk)
-            a = jnp.exp(m - m_fin)
-            l = l * a + jnp.exp(sk - m_fin)
-            acc = acc * a[..., None]
+            a_ = jnp.exp(m - m_fin)
+            l = l * a_ + jnp.exp(sk - m_fin)
+            acc = acc * a_[..., None]
             m = m_fin
         safe = jnp.where(l > 0, l, 1.0)
         out = acc / safe[..., None]
         lse = jnp.where(l > 0, m + jnp.log(safe), -jnp.inf)
-        return out.astype(q.dtype), lse
+        return out.astype(qb.dtype), lse
 
-    outs, lses = lax.map(q_block, jnp.arange(P.nq))
-    # (nq, B, Hkv, G, bq, Dv) -> (B, Tq, Hq, Dv)
-    out = outs.transpose(1, 0, 4, 2, 3, 5).reshape(P.B, P.nq * P.bq, P.Hq, P.Dv)[:, :P.Tq]
-    lse = lses.transpose(1, 2, 3, 0, 4).reshape(P.B, P.Hq, P.nq * P.bq)[..., :P.Tq]
-    return out, lse
+    outs, lses = lax.map(q_block, (qb, jnp.arange(P.nq, dtype=jnp.int32), full_idx, full_n,
+                                   part_idx, part_n))
+    # (nq, B*Hkv, G*bq, Dv) -> (B, Tq, Hq, Dv)
+    out = outs.reshape(P.nq, B, P.Hkv, P.G, P.bq, P.Dv).transpose(1, 0, 4, 2, 3, 5)
+    out = out.reshape(B, P.nq * P.bq, P.Hq, P.Dv)[:, :P.Tq]
+    lse = lses.reshape(P.nq, B, P.Hq, P.bq).transpose(1, 2, 0, 3)
+    lse = lse.reshape(B, P.Hq, P.nq * P.bq)[..., :P.Tq]
+    return (out, lse), carry
+
+
+# ----------------------------------------------------------------------------------
+# Backward
+# ----------------------------------------------------------------------------------
 
 
 def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse):
     P = _plan(cfg, backward=True)
-    qg, kt, vt = _layout(q, k, v, P)
-    qg = _scaled_queries(qg, P)
-    dog, _, _ = _layout(d_out, k[..., :1], k[..., :1], dataclasses.replace(P, D=P.Dv))
-    ops = _prepare_operands(mask, P)
-    bias4 = _bias4(bias, P)
-    sched = _schedule(mask, P, transpose=True)
-    f32 = jnp.float32
-    delta = jnp.einsum("bthd,bthd->bht", out.astype(f32), d_out.astype(f32))
-    delta = delta - d_lse.astype(f32)                        # (B, Hq, Tq)
-    # rows with lse = -inf have no probability mass: p = exp(s - inf) = 0
+    classes = _classes(mask, P)
+    per_row = _batch_rows(P, classes)
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(F32), d_out.astype(F32))
+    delta = delta - d_lse.astype(F32)                        # (B, Hq, Tq)
+    # Rows with lse = -inf have no probability mass: p = exp(s - inf) = 0.
     lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
-
-    def rows5(x):  # (B, Hq, Tq) -> padded (B, Hkv, G, Tq')
-        return _pad_axis(x.reshape(P.B, P.Hkv, P.G, P.Tq), 3, P.nq * P.bq)
-
-    lse5, delta5 = rows5(lse_safe), rows5(delta)
-    Tqp, Tkp = P.nq * P.bq, P.nk * P.bk
-    dbias_shape = None if bias4 is None else bias4.shape
-
-    def kv_block(j, carry):
-        dq, dk, dv, dbias = carry
-        kj = lax.dynamic_slice_in_dim(kt, j * P.bk, P.bk, axis=2)
-        vj = lax.dynamic_slice_in_dim(vt, j * P.bk, P.bk, axis=2)
-
-        # Tiles are laid out transposed, (b, h, k, g, q), so that the products
-        # for dk and dv contract the trailing axes without transposing.
-        def step(t, inner):
-            dq, dkj, dvj, dbias = inner
-            i = sched.index[j, t]
-            qi = lax.dynamic_slice_in_dim(qg, i * P.bq, P.bq, axis=3)
-            doi = lax.dynamic_slice_in_dim(dog, i * P.bq, P.bq, axis=3)
-            lse_i = lax.dynamic_slice_in_dim(lse5, i * P.bq, P.bq, axis=3)[:, :, None]
-            delta_i = lax.dynamic_slice_in_dim(delta5, i * P.bq, P.bq, axis=3)[:, :, None]
-            s = jnp.einsum("bhkd,bhgqd->bhkgq", kj, qi, preferred_element_type=f32)
-            if qi.dtype != f32:
-                s = s * P.scale
-            if bias4 is not None:
-                s = s + _to5(_tile(bias4, i, j, P), P, True).astype(f32)
-            th = None
-            if P.softcap is not None:
-                th = jnp.tanh(s / P.softcap)
-                s = P.softcap * th
-            s = lax.cond(sched.kind[j, t] == masks.FULL, lambda s: s,
-                         lambda s: jnp.where(_allowed(mask, ops, i, j, P, True), s, -jnp.inf), s)
-            p = jnp.exp(s - lse_i)
-            dp = jnp.einsum("bhkd,bhgqd->bhkgq", vj, doi, preferred_element_type=f32)
-            if P.rate > 0:
-                keep = _keep(seed, i, j, P, True)
-                inv = 1.0 / (1.0 - P.rate)
-                pd = jnp.where(keep, p * inv, 0.0)
-                dp = jnp.where(keep, dp * inv, 0.0)
-            else:
-                pd = p
-            dvj = dvj + jnp.einsum("bhkgq,bhgqd->bhkd", pd.astype(doi.dtype), doi,
-                                   preferred_element_type=f32)
-            ds = p * (dp - delta_i)
-            if th is not None:
-                ds = ds * (1.0 - th * th)
-            if dbias is not None:
-                dbias = _add_dbias(dbias, ds, i, j, P)
-            dsq = ds.astype(qi.dtype)
-            dkj = dkj + jnp.einsum("bhkgq,bhgqd->bhkd", dsq, qi, preferred_element_type=f32)
-            dqi = jnp.einsum("bhkgq,bhkd->bhgqd", dsq, kj, preferred_element_type=f32)
-            cur = lax.dynamic_slice_in_dim(dq, i * P.bq, P.bq, axis=3)
-            dq = lax.dynamic_update_slice_in_dim(dq, cur + dqi, i * P.bq, axis=3)
-            return dq, dkj, dvj, dbias
-
-        init = (dq, jnp.zeros((P.B, P.Hkv, P.bk, P.D), f32),
-                jnp.zeros((P.B, P.Hkv, P.bk, P.Dv), f32), dbias)
-        dq, dkj, dvj, dbias = lax.fori_loop(0, sched.count[j], step, init)
-        dk = lax.dynamic_update_slice_in_dim(dk, dkj, j * P.bk, axis=2)
-        dv = lax.dynamic_update_slice_in_dim(dv, dvj, j * P.bk, axis=2)
-        return dq, dk, dv, dbias
-
-    init = (jnp.zeros((P.B, P.Hkv, P.G, Tqp, P.D), f32), jnp.zeros((P.B, P.Hkv, Tkp, P.D), f32),
-            jnp.zeros((P.B, P.Hkv, Tkp, P.Dv), f32),
-            None if dbias_shape is None else jnp.zeros(dbias_shape, f32))
-    dq, dk, dv, dbias = lax.fori_loop(0, P.nk, kv_block, init)
-    dq = (dq[:, :, :, :P.Tq] * P.scale).transpose(0, 3, 1, 2, 4).reshape(q.shape)
-    dk = dk[:, :, :P.Tk] * (P.scale if qg.dtype != f32 else 1.0)
-    dk = dk.transpose(0, 2, 1, 3)
-    dv = dv[:, :, :P.Tk].transpose(0, 2, 1, 3)
+    bias4 = _bias4(bias)
+    shared_bias = bias4 is not None and per_row and bias4.shape[0] == 1
+    batched = dict(q=q, k=k, v=v, do=d_out, lse=lse_safe, delta=delta, classes=classes,
+                   bias=None if shared_bias else bias4,
+                   ops=tuple(mask.operands()) if mask is not None else ())
+    dbias0 = jnp.zeros(_pad4(bias4, P).shape, F32) if shared_bias else None
+    (dq, dk, dv, dbias), dbias_shared = _by_batch(
+        P, per_row, _backward_rows, batched, (mask, seed, bias4 if shared_bias else None),
+        dbias0)
+    if shared_bias:
+        dbias = dbias_shared
     if dbias is not None:
         dbias = dbias[:, :, :P.Tq if dbias.shape[2] > 1 else 1, :P.Tk if dbias.shape[3] > 1 else 1]
         dbias = dbias.reshape(bias.shape).astype(bias.dtype)
     dsinks = None
     if sinks is not None:
-        p_sink = jnp.exp(sinks.astype(f32)[None, :, None] - lse_safe)
+        p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - lse_safe)
         dsinks = -(p_sink * delta).sum((0, 2)).astype(sinks.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, dsinks
+
+
+def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
+    mask, seed, bias_shared = shared
+    B = a["q"].shape[0]
+    qb = _scaled(_q_blocks(a["q"], P), P)                      # (nq, B*Hkv, G*bq, D)
+    qtb = _scaled(_q_blocks(a["q"], P, transposed=True), P)    # (nq, B*Hkv, D, G*bq)
+    dob = _q_blocks(a["do"], P)                                 # (nq, B*Hkv, G*bq, Dv)
+    dotb = _q_blocks(a["do"], P, transposed=True)               # (nq, B*Hkv, Dv, G*bq)
+    kb = _k_blocks(a["k"], P)                                   # (nk, B*Hkv, bk, D)
+    ktb = _k_blocks(a["k"], P, transposed=True)                 # (nk, B*Hkv, D, bk)
+    vb = _k_blocks(a["v"], P)                                   # (nk, B*Hkv, bk, Dv)
+    lseb = _rows_blocks(a["lse"], P, jnp.inf)[:, :, None]       # (nq, B*Hkv, 1, G*bq)
+    deltab = _rows_blocks(a["delta"], P)[:, :, None]
+    bias = bias_shared if bias_shared is not None else a["bias"]
+    bias4 = None if bias is None else _pad4(bias, P)
+    ops = tuple(_pad4(op, P) for op in a["ops"])
+    full_idx, full_n, part_idx, part_n = _split_schedule(a["classes"][0], transpose=True)
+    lowp = qb.dtype != F32
+    dtype = qb.dtype
+
+    def tile_step(j, kj, ktj, vj, partial):
+        # Tiles are (B*Hkv, bk, G*bq): every product below is a plain matmul.
+        def step(t, carry, index):
+            dqt, dbias, dkj, dvj = carry
+            i = index[t]
+            s = jnp.einsum("hkd,hdq->hkq", kj, qtb[i], preferred_element_type=F32)
+            if lowp:
+                s = s * P.scale
+            if bias4 is not None:
+                s = s + _flat(_to5(_tile(bias4, i, j, P), P, True), B, P, True).astype(F32)
+            th = None
+            if P.softcap is not None:
+                th = jnp.tanh(s / P.softcap)
+                s = P.softcap * th
+            if partial:
+                ok = _flat(_allowed(mask, ops, bidx, i, j, P, True), B, P, True)
+                s = jnp.where(ok, s, -jnp.inf)
+            p = jnp.exp(s - lseb[i])
+            dp = jnp.einsum("hkd,hdq->hkq", vj, dotb[i], preferred_element_type=F32)
+            if P.rate > 0:
+                keep = _flat(_keep(seed, bidx, i, j, P, True), B, P, True)
+                inv = 1.0 / (1.0 - P.rate)
+                pd = jnp.where(keep, p * inv, 0.0)
+                dp = jnp.where(keep, dp * inv, 0.0)
+            else:
+                pd = p
+            dvj = dvj + jnp.einsum("hkq,hqd->hkd", pd.astype(dtype), dob[i],
+                                   preferred_element_type=F32)
+            ds = p * (dp - deltab[i])
+            if th is not None:
+                ds = ds * (1.0 - th * th)
+            if dbias is not None:
+                dbias = _add_dbias(dbias, ds, i, j, P)
+            dsc = ds.astype(dtype)
+            dkj = dkj + jnp.einsum("hkq,hqd->hkd", dsc, qb[i], preferred_element_type=F32)
+            dqi = jnp.einsum("hdk,hkq->hdq", ktj, dsc, preferred_element_type=F32)
+            dqt = lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqi, i, 0)
+            return dqt, dbias, dkj, dvj
+        return step
+
+    def kv_block(carry, xs):
+        dqt, dbias = carry
+        kj, ktj, vj, j, fidx, fn, pidx, pn = xs
+        full_step = tile_step(j, kj, ktj, vj, False)
+        part_step = tile_step(j, kj, ktj, vj, True)
+        inner = (dqt, dbias, jnp.zeros((B * P.Hkv, P.bk, P.D), F32),
+                 jnp.zeros((B * P.Hkv, P.bk, P.Dv), F32))
+        inner = lax.fori_loop(0, fn, lambda t, c: full_step(t, c, fidx), inner)
+        dqt, dbias, dkj, dvj = lax.fori_loop(0, pn, lambda t, c: part_step(t, c, pidx), inner)
+        return (dqt, dbias), (dkj, dvj)
+
+    dbias0 = dbias_shared
+    if dbias0 is None and bias4 is not None:
+        dbias0 = jnp.zeros(bias4.shape, F32)
+    dqt0 = jnp.zeros((P.nq, B * P.Hkv, P.D, P.G * P.bq), F32)
+    (dqt, dbias), (dk, dv) = lax.scan(
+        kv_block, (dqt0, dbias0),
+        (kb, ktb, vb, jnp.arange(P.nk, dtype=jnp.int32), full_idx, full_n, part_idx, part_n))
+    # dq: (nq, B*Hkv, D, G*bq) -> (B, Tq, Hq, D)
+    dq = dqt.reshape(P.nq, B, P.Hkv, P.D, P.G, P.bq).transpose(1, 0, 5, 2, 4, 3)
+    dq = dq.reshape(B, P.nq * P.bq, P.Hq, P.D)[:, :P.Tq] * P.scale
+    # dk, dv: (nk, B*Hkv, bk, E) -> (B, Tk, Hkv, E); f32 queries were pre-scaled.
+    dk = dk.reshape(P.nk, B, P.Hkv, P.bk, P.D).transpose(1, 0, 3, 2, 4)
+    dk = dk.reshape(B, P.nk * P.bk, P.Hkv, P.D)[:, :P.Tk]
+    if lowp:
+        dk = dk * P.scale
+    dv = dv.reshape(P.nk, B, P.Hkv, P.bk, P.Dv).transpose(1, 0, 3, 2, 4)
+    dv = dv.reshape(B, P.nk * P.bk, P.Hkv, P.Dv)[:, :P.Tk]
+    if bias_shared is not None:
+        return (dq, dk, dv, None), dbias
+    return (dq, dk, dv, dbias), dbias_shared
 
 
 def _add_dbias(dbias, ds, i, j, P: _Plan):
     """Adds a transposed tile's d(logits) to the bias gradient, reduced to its shape."""
     Bb, Hb, Tqb, Tkb = dbias.shape
-    g = ds.transpose(0, 1, 3, 4, 2).reshape(P.B, P.Hq, P.bq, P.bk)
-    if Bb == 1:
-        g = g.sum(0, keepdims=True)
-    if Hb == 1:
-        g = g.sum(1, keepdims=True)
-    if Tqb == 1:
-        g = g.sum(2, keepdims=True)
-    if Tkb == 1:
-        g = g.sum(3, keepdims=True)
+    B = ds.shape[0] // P.Hkv
+    g = ds.reshape(B, P.Hkv, P.bk, P.G, P.bq).transpose(0, 1, 3, 4, 2)
+    g = g.reshape(B, P.Hq, P.bq, P.bk)
+    axes = tuple(a for a, n in enumerate((Bb, Hb, Tqb, Tkb)) if n == 1 and g.shape[a] > 1)
+    if axes:
+        g = g.sum(axes, keepdims=True)
     start = (0, 0, i * P.bq if Tqb > 1 else 0, j * P.bk if Tkb > 1 else 0)
     cur = lax.dynamic_slice(dbias, start, g.shape)
     return lax.dynamic_update_slice(dbias, cur + g, start)
