@@ -9,6 +9,8 @@
 from fnattn import dropout, masks
 from fnattn.core import attention
 from fnattn.flash.api import flash
+from fnattn.flash.mosaic import MosaicBlockSizes
+from fnattn.flash.triton import TritonBlockSizes
 from fnattn.flash.xla import XlaBlockSizes
 from fnattn.reference import reference
 from fnattn.spec import AttentionOutput, AttentionSpec
@@ -16,6 +18,8 @@ from fnattn.spec import AttentionOutput, AttentionSpec
 __all__ = [
     "AttentionOutput",
     "AttentionSpec",
+    "MosaicBlockSizes",
+    "TritonBlockSizes",
     "XlaBlockSizes",
     "flash",
     "attention",

@@ -2,21 +2,20 @@
 
 Lowerings, chosen at trace time by ``jax.lax.platform_dependent``:
 
-========  ==========================================  =============================
+========  ===========================================  ============================
 platform  impl="auto"                                  impl="pallas"
-========  ===========================================  =============================
+========  ===========================================  ============================
 cuda      Pallas Triton kernels (fnattn/flash/triton)  the same
+tpu       Pallas Mosaic kernels (fnattn/flash/mosaic)  the same
 other     blockwise XLA loops (fnattn/flash/xla.py)    Triton kernels, interpreted
-========  ===========================================  =============================
-
-TPU has no Mosaic kernels yet: "auto" runs the blockwise XLA loops there.
+========  ===========================================  ============================
 """
 
 from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import core
-from fnattn.flash import triton, xla
+from fnattn.flash import mosaic, triton, xla
 from fnattn.reference import reference
 from fnattn.spec import AttentionOutput, AttentionSpec
 
@@ -26,13 +25,14 @@ __all__ = ["flash", "lowering_table"]
 def lowering_table(impl: str):
     """The (platform, lowering) pairs for ``impl``."""
     if impl == "auto":
-        return (("default", xla.LOWERING), ("cuda", triton.LOWERING))
+        return (("default", xla.LOWERING), ("cuda", triton.LOWERING), ("tpu", mosaic.LOWERING))
     if impl == "xla":
         return (("default", xla.LOWERING),)
     if impl == "pallas":
-        # Off NVIDIA GPUs the Triton kernels run in Pallas interpret mode (slow;
-        # for testing). The Mosaic (TPU) kernels are not written yet.
-        return (("default", triton.INTERPRET_LOWERING), ("cuda", triton.LOWERING))
+        # Elsewhere the Triton kernels run in Pallas interpret mode (slow; for
+        # testing the kernels on a CPU).
+        return (("default", triton.INTERPRET_LOWERING), ("cuda", triton.LOWERING),
+                ("tpu", mosaic.LOWERING))
     if impl == "cudnn":
         raise NotImplementedError(
             "flash: impl='cudnn' is not a flash lowering; use "

@@ -15,7 +15,9 @@ K = jax.random.normal(jax.random.key(1), (2, 13, 2, 8))
 
 def test_auto_routes_to_flash_xla_lowering():
     assert fnattn.core.lowering_table("auto") == api.lowering_table("auto")
-    assert dict(api.lowering_table("auto"))["default"].name == "flash-xla"
+    table = dict(api.lowering_table("auto"))
+    assert (table["default"].name, table["cuda"].name, table["tpu"].name) == (
+        "flash-xla", "flash-triton", "flash-mosaic")
 
 
 @pytest.mark.parametrize("impl", ["auto", "xla", "reference"])
@@ -26,11 +28,17 @@ def test_impls_agree(impl):
     np.testing.assert_allclose(np.asarray(res.out), np.asarray(ref.out), atol=2e-6)
 
 
-@pytest.mark.parametrize("impl,match", [("pallas", "impl='pallas' needs the Pallas kernels"),
-                                        ("cudnn", "not a flash lowering")])
-def test_unavailable_impls_raise(impl, match):
-    with pytest.raises(NotImplementedError, match=match):
-        jax.jit(fnattn.flash)(AttentionSpec(impl=impl), Q, K, K)
+def test_cudnn_is_not_a_flash_lowering():
+    with pytest.raises(NotImplementedError, match="not a flash lowering"):
+        jax.jit(fnattn.flash)(AttentionSpec(impl="cudnn"), Q, K, K)
+
+
+def test_pallas_runs_the_triton_kernels_interpreted_off_gpu():
+    spec = AttentionSpec(mask=masks.causal(), impl="pallas",
+                         block_sizes=fnattn.TritonBlockSizes(16, 16, 16, 16, 16, 16))
+    res = jax.jit(fnattn.flash)(spec, Q, K, K)
+    ref = jax.jit(fnattn.reference)(spec, Q, K, K)
+    np.testing.assert_allclose(np.asarray(res.out), np.asarray(ref.out), atol=2e-6)
 
 
 def test_validation_names_flash():
