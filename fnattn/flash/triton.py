@@ -156,17 +156,17 @@ class TritonBlockSizes:
         if d <= 64:
             return cls(block_q=128, block_k=64, block_q_dq=128, block_k_dq=64,
                        block_q_dkdv=64, block_k_dkdv=128, num_warps=4, num_stages=3,
-                       num_warps_dq=4, num_stages_dq=3, num_warps_dkdv=4, num_stages_dkdv=3)
+                       num_warps_dq=8, num_stages_dq=3, num_warps_dkdv=8, num_stages_dkdv=3)
         if d <= 128:
             return cls(block_q=128, block_k=128, block_q_dq=128, block_k_dq=64,
                        block_q_dkdv=64, block_k_dkdv=128, num_warps=8, num_stages=3,
                        num_warps_dq=8, num_stages_dq=2, num_warps_dkdv=8, num_stages_dkdv=2)
         if d <= 256:
-            return cls(block_q=128, block_k=64, block_q_dq=64, block_k_dq=64,
+            return cls(block_q=64, block_k=64, block_q_dq=64, block_k_dq=64,
                        block_q_dkdv=64, block_k_dkdv=64, num_warps=8, num_stages=2,
                        num_warps_dq=8, num_stages_dq=2, num_warps_dkdv=8, num_stages_dkdv=1)
-        return cls(block_q=64, block_k=32, block_q_dq=64, block_k_dq=32,
-                   block_q_dkdv=32, block_k_dkdv=64, num_warps=8, num_stages=1,
+        return cls(block_q=32, block_k=32, block_q_dq=32, block_k_dq=32,
+                   block_q_dkdv=32, block_k_dkdv=32, num_warps=8, num_stages=1,
                    num_warps_dq=8, num_stages_dq=1, num_warps_dkdv=8, num_stages_dkdv=1)
 
 
@@ -323,9 +323,18 @@ def _loops(R: _Refs, K: _K, n_static: int, body, carry, repeat: int = 1):
 # ----------------------------------------------------------------------------------
 
 
+def _heavy_first(n_q_blocks):
+    """The q-block of this program, last blocks first.
+
+    Under causal-like masks the last q-blocks see the most kv-blocks; starting
+    them first keeps a long block from running alone at the end of the grid.
+    """
+    return n_q_blocks - 1 - pl.program_id(0)
+
+
 def _fwd_kernel(*refs, K: _K, sched: bool):
     R = _Refs(refs, K, ("q", "k", "v"), ("o", "lse"), sched=sched)
-    i, bh = pl.program_id(0), pl.program_id(1)
+    i, bh = _heavy_first(R.q.shape[0] // K.bq), pl.program_id(1)
     b, h = bh // K.Hq, bh % K.Hq
     rows = _q_rows(i, K)
     q = R.q[rows, :]
@@ -389,7 +398,7 @@ def _ds(p, dp, delta, th, keep, K: _K):
 def _dq_kernel(*refs, K: _K, sched: bool):
     R = _Refs(refs, K, ("q", "k", "v", "do", "lse2", "delta"), ("dq", "dbias"), sched=sched,
               aliased=K.bias_varies is not None)
-    i, bh = pl.program_id(0), pl.program_id(1)
+    i, bh = _heavy_first(R.q.shape[0] // K.bq), pl.program_id(1)
     b, h = bh // K.Hq, bh % K.Hq
     rows = _q_rows(i, K)
     q, do = R.q[rows, :], R.do[rows, :]
@@ -553,12 +562,17 @@ def _schedule(mask, cfg, K: _K, *, transpose=False, heads_per_row=1):
                             full.index, part.index], axis=-1).astype(jnp.int32)
 
 
-def _sched_spec(table, n_heads_total):
-    """BlockSpec of a schedule table, for grid (row-block, b * n_heads + head)."""
+def _sched_spec(table, n_heads_total, *, heavy_first):
+    """BlockSpec of a schedule table, for grid (row-block, b * n_heads + head).
+
+    ``heavy_first``: the kernel visits row-blocks last first (`_heavy_first`).
+    """
     vb, vh = table.shape[0] > 1, table.shape[1] > 1
+    n_rows = table.shape[2]
 
     def index(r, bh):
-        return (bh // n_heads_total if vb else 0, bh % n_heads_total if vh else 0, r, 0)
+        row = n_rows - 1 - r if heavy_first else r
+        return (bh // n_heads_total if vb else 0, bh % n_heads_total if vh else 0, row, 0)
     return pl.BlockSpec((None, None, None, table.shape[-1]), index)
 
 
@@ -633,7 +647,7 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     Hq, G = d.num_q_heads, d.group
     table = _schedule(mask, cfg, K)
     extra, extra_specs = _extras(K, mask, bias, sinks, seed, (Tqp, Tkp), n_heads=Hq)
-    sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, Hq)])
+    sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, Hq, heavy_first=True)])
     out, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, K=K, sched=table is not None),
         grid=(Tqp // bq, d.batch * Hq),
@@ -669,7 +683,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
     K = _make_k(cfg, mask, bias, None, bq, bk)
     table = _schedule(mask, cfg, K)
     extra, extra_specs = _extras(K, mask, bias, None, seed, (Tqp, Tkp), n_heads=Hq)
-    sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, Hq)])
+    sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, Hq, heavy_first=True)])
     out_specs = [_seq_spec(Tqp, Dp, Hq, lambda h: h)]
     out_shape = [jax.ShapeDtypeStruct((B, Tqp, Hq, Dp), q.dtype)]
     aliases = {}
@@ -706,7 +720,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
     table = _schedule(mask, cfg, K, transpose=True, heads_per_row=Gp)
     extra, extra_specs = _extras(K, mask, bias, None, seed, (Tqp, Tkp), transpose=True,
                                  n_heads=P, heads_per_prog=Gp)
-    sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, P)])
+    sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, P, heavy_first=False)])
     direct = Gp == G  # one program per kv head: write dk, dv directly
     out_dtype = (k.dtype, v.dtype) if direct else (F32, F32)
     dk, dv = pl.pallas_call(
