@@ -403,6 +403,7 @@ def _dq_kernel(*refs, K: _K, sched: bool):
     rows = _q_rows(i, K)
     q, do = R.q[rows, :], R.do[rows, :]
     lse2, delta = R.lse2[rows], R.delta[rows]
+
     def body(j, _, dq, partial):
         ks = _k_rows(j, K)
         k = R.k[ks, :]
