@@ -60,6 +60,21 @@ CASES = [
 ]
 
 
+# Edge cases beyond CASES: more queries than keys (causal rows before the first key
+# see nothing), a single query or key, a group of 3, saturating soft-cap, Dv > D.
+EXTRA_CASES = [
+    Case("causal_tall", Tq=13, Tk=7, mask="causal"),
+    Case("window_tall_sinks", Tq=13, Tk=7, mask="window", sinks=True),
+    Case("single_query", Tq=1, mask="causal", sinks=True),
+    Case("single_key", Tq=5, Tk=1, mask="causal", bias=True),
+    Case("gqa3", Tq=11, Hq=9, Hkv=3, mask="causal_segments"),
+    Case("saturated_softcap", scale=3.0, softcap=0.5, bias=True),
+    Case("dv_larger", D=3, Dv=7, mask="prefix", Tq=11),
+    Case("dropout_array_sinks_bias", dropout=0.5, sinks=True, bias=True, mask="array"),
+    Case("lengths_bf16_sinks", mask="lengths", sinks=True, dtype="bfloat16"),
+]
+
+
 def build_mask(kind, B, Hq, Tq, Tk, rs):
     seg_q = np.sort(rs.integers(0, 3, (B, Tq)), axis=1)
     seg_k = np.sort(rs.integers(0, 3, (B, Tk)), axis=1)

@@ -1,4 +1,9 @@
-"""fnattn.attention (impl="xla" and "reference") against float64 NumPy."""
+"""fnattn.attention, the entry point: lowerings agree, and it composes with jit,
+grad, vmap (spec included), checkpoint and scan.
+
+Lowering-by-lowering comparisons with float64 NumPy live in test_reference.py,
+test_xla.py, test_cudnn.py and tests/flash/.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -7,86 +12,114 @@ import pytest
 
 import fnattn
 from fnattn import AttentionSpec, masks
-from cases import CASES, make, to_bthd, tolerance
-from np_attention import np_attention, np_attention_grads, reduce_to
+from cases import CASES, make
 
-IMPLS = ["xla", "reference"]
-
-
-def f64(x):
-    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+IMPLS = ["auto", "xla", "reference"]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_forward_matches_numpy(case, impl):
-    spec, q, k, v, kw = make(case, impl=impl)
-    res = jax.jit(fnattn.attention)(spec, q, k, v)
-    out, lse, _ = np_attention(f64(q), f64(k), f64(v), **kw)
-    assert res.out.dtype == q.dtype and res.lse.dtype == jnp.float32
-    assert res.out.shape == (case.B, case.Tq, case.Hq, case.Dv)
-    assert res.lse.shape == (case.B, case.Hq, case.Tq)
-    tol = tolerance(case.dtype)
-    np.testing.assert_allclose(f64(res.out), out, atol=tol * 10, rtol=tol * 10)
-    np.testing.assert_allclose(np.asarray(res.lse), lse, atol=tol * 10, rtol=tol * 10)
+def _rand(rs, *shape):
+    return jnp.asarray(rs.standard_normal(shape), jnp.float32)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("case", [c for c in CASES if c.dtype == "float32"],
-                         ids=lambda c: c.name)
-def test_gradients_match_numpy(case, impl):
-    spec, q, k, v, kw = make(case, impl=impl)
-    rs = np.random.default_rng(1)
-    d_out = jnp.asarray(rs.standard_normal((case.B, case.Tq, case.Hq, case.Dv)), jnp.float32)
-    d_lse = jnp.asarray(rs.standard_normal((case.B, case.Hq, case.Tq)), jnp.float32)
-
-    def loss(q, k, v, bias, sinks):
-        res = fnattn.attention(spec.replace(bias=bias, sinks=sinks), q, k, v)
-        lse = jnp.where(jnp.isfinite(res.lse), res.lse, 0.0)
-        return jnp.sum(res.out * d_out) + jnp.sum(lse * d_lse)
-
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, spec.bias, spec.sinks)
-    ref = np_attention_grads(f64(q), f64(k), f64(v), np.asarray(d_out), np.asarray(d_lse), **kw)
-    for name, g in zip(("dq", "dk", "dv"), grads[:3]):
-        assert not np.isnan(np.asarray(g)).any(), name
-        np.testing.assert_allclose(np.asarray(g), ref[name], atol=1e-4, rtol=1e-4, err_msg=name)
-    if spec.bias is not None:
-        np.testing.assert_allclose(np.asarray(grads[3]), reduce_to(ref["dbias"], spec.bias.shape),
-                                   atol=1e-4, rtol=1e-4)
-    if spec.sinks is not None:
-        np.testing.assert_allclose(np.asarray(grads[4]), ref["dsinks"], atol=1e-4, rtol=1e-4)
+def _problem(B=3, Tq=7, Tk=11, Hq=6, Hkv=2, D=5, Dv=3, seed=0):
+    """A spec whose every array has a leading batch axis (or none), and q, k, v."""
+    rs = np.random.default_rng(seed)
+    q, k, v = _rand(rs, B, Tq, Hq, D), _rand(rs, B, Tk, Hkv, D), _rand(rs, B, Tk, Hkv, Dv)
+    q_ids = jnp.asarray(np.sort(rs.integers(0, 3, (B, Tq)), 1))
+    kv_ids = jnp.asarray(np.sort(rs.integers(0, 3, (B, Tk)), 1))
+    mask = (masks.causal() & masks.segments(q_ids, kv_ids)
+            | masks.lengths(kv_lengths=jnp.array([2, 0, 5][:B])))
+    spec = AttentionSpec(mask=mask, bias=_rand(rs, B, Hq, Tq, Tk), sinks=_rand(rs, Hq),
+                         softcap=3.0)
+    return spec, q, k, v
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_layout_bhtd_equals_bthd(impl):
-    case = CASES[-3]  # "everything"
-    spec, q, k, v, _ = make(case, impl=impl)
-    spec_t, qt, kt, vt, _ = make(case, impl=impl, layout="bhtd")
-    a = jax.jit(fnattn.attention)(spec, q, k, v)
-    b = jax.jit(fnattn.attention)(spec_t, qt, kt, vt)
-    assert b.out.shape == (case.B, case.Hq, case.Tq, case.Dv)
-    np.testing.assert_allclose(np.asarray(to_bthd(b.out, "bhtd")), np.asarray(a.out), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(b.lse), np.asarray(a.lse), atol=1e-6)
+@pytest.mark.parametrize("impl", ["auto", "xla"])
+def test_lowerings_agree_with_the_reference(impl):
+    spec, q, k, v = _problem()
+    a = jax.jit(fnattn.attention)(spec.replace(impl=impl), q, k, v)
+    r = jax.jit(fnattn.attention)(spec.replace(impl="reference"), q, k, v)
+    np.testing.assert_allclose(np.asarray(a.out), np.asarray(r.out), atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.asarray(a.lse), np.asarray(r.lse), atol=2e-5, rtol=2e-5)
+
+
+def test_reference_impl_is_the_reference():
+    spec, q, k, v = _problem()
+    a = jax.jit(fnattn.attention)(spec.replace(impl="reference"), q, k, v)
+    r = jax.jit(fnattn.reference)(spec, q, k, v)
+    np.testing.assert_array_equal(np.asarray(a.out), np.asarray(r.out))
+
+
+def _split_batch(spec, B):
+    """Adds a unit axis after the batch axis of every batched array; returns in_axes."""
+    def split(x):
+        return x[:, None] if x.shape[0] == B else x
+
+    def axis(x):
+        return 0 if x.shape[0] == B else None
+
+    arrays = spec.replace(dropout_key=None)
+    return (jax.tree_util.tree_map(split, arrays), jax.tree_util.tree_map(axis, arrays))
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-def test_fully_masked_rows_are_zero_without_nan(impl):
-    B, T, H, D = 2, 5, 3, 7
-    q = jnp.ones((B, T, H, D))
-    kv_lengths = jnp.array([0, 3])
-    spec = AttentionSpec(mask=masks.lengths(kv_lengths=kv_lengths), impl=impl)
-    res = jax.jit(fnattn.attention)(spec, q, q, q)
-    assert np.all(np.asarray(res.out[0]) == 0)
-    assert np.all(np.isneginf(np.asarray(res.lse[0])))
-    assert np.all(np.isfinite(np.asarray(res.lse[1])))
-    g = jax.jit(jax.grad(lambda x: fnattn.attention(spec, x, x, x).out.sum()))(q)
-    assert np.isfinite(np.asarray(g)).all()
-    # with a sink, the row is still zero and lse equals the sink
-    spec2 = spec.replace(sinks=jnp.array([0.5, -1.0, 2.0]))
-    res2 = jax.jit(fnattn.attention)(spec2, q, q, q)
-    assert np.all(np.asarray(res2.out[0]) == 0)
-    np.testing.assert_allclose(np.asarray(res2.lse[0]), np.broadcast_to([[0.5], [-1.0], [2.0]],
-                                                                        (H, T)), rtol=1e-6)
+def test_vmap_over_batch_equals_the_batched_call(impl):
+    B = 3
+    spec, q, k, v = _problem(B=B)
+    spec = spec.replace(impl=impl)
+    batched = jax.jit(fnattn.attention)(spec, q, k, v)
+    per_spec, spec_axes = _split_batch(spec, B)
+    assert spec_axes.sinks is None and spec_axes.bias == 0
+    f = jax.jit(jax.vmap(fnattn.attention, in_axes=(spec_axes, 0, 0, 0)))
+    res = f(per_spec, q[:, None], k[:, None], v[:, None])
+    np.testing.assert_allclose(np.asarray(res.out[:, 0]), np.asarray(batched.out), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(res.lse[:, 0]), np.asarray(batched.lse), atol=1e-5)
+
+
+def test_vmap_of_grad_equals_grad_of_the_batched_call():
+    B = 3
+    spec, q, k, v = _problem(B=B, seed=1)
+    spec = spec.replace(impl="xla")
+    per_spec, spec_axes = _split_batch(spec, B)
+
+    def loss(spec, q, k, v):
+        r = fnattn.attention(spec, q, k, v)
+        return jnp.sum(r.out ** 2) + jnp.sum(jnp.where(jnp.isfinite(r.lse), r.lse, 0.0))
+
+    g_batched = jax.jit(jax.grad(loss, argnums=(1, 2, 3)))(spec, q, k, v)
+    g_vmapped = jax.jit(jax.vmap(jax.grad(loss, argnums=(1, 2, 3)),
+                                 in_axes=(spec_axes, 0, 0, 0)))(
+        per_spec, q[:, None], k[:, None], v[:, None])
+    for a, b in zip(g_vmapped, g_batched):
+        np.testing.assert_allclose(np.asarray(a[:, 0]), np.asarray(b), atol=1e-5, rtol=1e-5)
+
+
+# impl="auto" (flash) under checkpoint and scan is tested in tests/flash/.
+@pytest.mark.parametrize("impl", ["xla"])
+def test_checkpoint_and_scan_over_layers(impl):
+    B, T, H, D, L = 2, 7, 3, 5, 3
+    rs = np.random.default_rng(0)
+    x = _rand(rs, B, T, H, D)
+    ws = _rand(rs, L, D, D) * 0.3
+    sinks = _rand(rs, H)
+
+    def loss(ws, sinks, impl, remat):
+        spec = AttentionSpec(mask=masks.causal(), sinks=sinks, impl=impl)
+
+        def layer(h, w):
+            y = jnp.einsum("bthd,de->bthe", h, w)
+            r = fnattn.attention(spec, y, y, y)
+            return h + r.out + 0.1 * jnp.swapaxes(r.lse, 1, 2)[..., None], None
+
+        f = jax.checkpoint(layer) if remat else layer
+        return jnp.sum(jax.lax.scan(f, x, ws)[0] ** 2)
+
+    grad = jax.grad(loss, argnums=(0, 1))
+    want = jax.jit(grad, static_argnums=(2, 3))(ws, sinks, "reference", False)
+    for remat in (True, False):
+        got = jax.jit(grad, static_argnums=(2, 3))(ws, sinks, impl, remat)
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -96,65 +129,39 @@ def test_return_lse_false(impl):
     assert res.lse is None and res.out.shape == q.shape
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_vmap_over_batch_equals_batched_call(impl):
-    case = CASES[-3]
+def test_output_is_a_pytree():
+    q = jnp.ones((1, 3, 2, 5))
+    res = jax.jit(fnattn.attention)(AttentionSpec(impl="xla"), q, q, q)
+    leaves, treedef = jax.tree_util.tree_flatten(res)
+    assert len(leaves) == 2
+    assert jax.tree_util.tree_unflatten(treedef, leaves).out.shape == (1, 3, 2, 5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_layouts_agree(impl):
+    case = [c for c in CASES if c.name == "everything"][0]
     spec, q, k, v, _ = make(case, impl=impl)
-    batched = jax.jit(fnattn.attention)(spec.replace(dropout_rate=0.0, dropout_key=None), q, k, v)
-    # Split the batch into a vmapped axis of size B with per-example specs.
-    seg = spec.mask.b  # the segments part of causal & segments
-    per_spec = spec.replace(
-        dropout_rate=0.0, dropout_key=None,
-        mask=masks.causal() & masks.segments(seg.q_segment_ids[:, None], seg.kv_segment_ids[:, None]))
-    axes = jax.tree_util.tree_map(lambda _: None, per_spec)
-    axes = axes.replace(mask=masks.causal() & masks.segments(0, 0))
-    f = jax.jit(jax.vmap(fnattn.attention, in_axes=(axes, 0, 0, 0)))
-    res = f(per_spec, q[:, None], k[:, None], v[:, None])
-    np.testing.assert_allclose(np.asarray(res.out[:, 0]), np.asarray(batched.out), atol=1e-6)
-    np.testing.assert_allclose(np.asarray(res.lse[:, 0]), np.asarray(batched.lse), atol=1e-6)
+    spec_t, qt, kt, vt, _ = make(case, impl=impl, layout="bhtd")
+    a = jax.jit(fnattn.attention)(spec, q, k, v)
+    b = jax.jit(fnattn.attention)(spec_t, qt, kt, vt)
+    np.testing.assert_allclose(np.asarray(jnp.swapaxes(b.out, 1, 2)), np.asarray(a.out),
+                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(b.lse), np.asarray(a.lse), atol=1e-6)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
-def test_checkpoint_and_scan_over_layers(impl):
-    B, T, H, D, L = 2, 7, 3, 5, 3
-    rs = np.random.default_rng(0)
-    x = jnp.asarray(rs.standard_normal((B, T, H, D)), jnp.float32)
-    ws = jnp.asarray(rs.standard_normal((L, D, D)) * 0.3, jnp.float32)
-    spec = AttentionSpec(mask=masks.causal(), impl=impl)
+def test_masks_built_from_traced_arrays_do_not_retrace():
+    traces = []
 
-    def layer(h, w):
-        y = jnp.einsum("bthd,de->bthe", h, w)
-        return h + fnattn.attention(spec, y, y, y).out, None
+    @jax.jit
+    def f(ids, lengths, q):
+        traces.append(1)
+        spec = AttentionSpec(mask=masks.segments(ids) & masks.lengths(kv_lengths=lengths),
+                             impl="xla")
+        return fnattn.attention(spec, q, q, q).out
 
-    def loss(ws, remat):
-        f = jax.checkpoint(layer) if remat else layer
-        return jnp.sum(jax.lax.scan(f, x, ws)[0] ** 2)
-
-    g1 = jax.jit(jax.grad(lambda w: loss(w, True)))(ws)
-    g2 = jax.jit(jax.grad(lambda w: loss(w, False)))(ws)
-    ref_spec = spec.replace(impl="reference")
-
-    def ref_loss(ws):
-        def layer_ref(h, w):
-            y = jnp.einsum("bthd,de->bthe", h, w)
-            return h + fnattn.reference(ref_spec, y, y, y).out, None
-        return jnp.sum(jax.lax.scan(layer_ref, x, ws)[0] ** 2)
-
-    g3 = jax.jit(jax.grad(ref_loss))(ws)
-    np.testing.assert_allclose(np.asarray(g1), np.asarray(g3), rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(np.asarray(g2), np.asarray(g3), rtol=1e-4, atol=1e-4)
-
-
-def test_bias_gradient_broadcast_shapes():
-    rs = np.random.default_rng(3)
-    q = jnp.asarray(rs.standard_normal((2, 5, 3, 7)), jnp.float32)
-    for shape in [(5, 5), (1, 3, 1, 5), (2, 1, 5, 5), (2, 3, 5, 5)]:
-        bias = jnp.asarray(rs.standard_normal(shape), jnp.float32)
-
-        def loss(b, impl):
-            return fnattn.attention(AttentionSpec(bias=b, impl=impl), q, q, q).out.sum()
-
-        g = jax.jit(jax.grad(lambda b: loss(b, "xla")))(bias)
-        gr = jax.jit(jax.grad(lambda b: loss(b, "reference")))(bias)
-        assert g.shape == shape
-        np.testing.assert_allclose(np.asarray(g), np.asarray(gr), atol=1e-5)
+    rs = np.random.default_rng(5)
+    q = _rand(rs, 2, 7, 3, 5)
+    a = f(jnp.zeros((2, 7), jnp.int32), jnp.array([7, 7]), q)
+    b = f(jnp.asarray(rs.integers(0, 2, (2, 7))), jnp.array([3, 5]), q)
+    assert len(traces) == 1
+    assert not np.allclose(np.asarray(a), np.asarray(b))
