@@ -13,18 +13,26 @@ from fnattn.flash.mosaic import MosaicBlockSizes
 from fnattn.flash.triton import TritonBlockSizes
 from fnattn.flash.xla import XlaBlockSizes
 from fnattn.reference import reference
+from fnattn.cache import PagedKVCache
+from fnattn.paged import (PagedBlockSizes, paged_attention, ragged_paged_attention,
+                          ragged_paged_attention_with_update)
 from fnattn.spec import AttentionOutput, AttentionSpec
 
 __all__ = [
     "AttentionOutput",
     "AttentionSpec",
     "MosaicBlockSizes",
+    "PagedBlockSizes",
+    "PagedKVCache",
     "TritonBlockSizes",
     "XlaBlockSizes",
     "flash",
     "attention",
     "dropout",
     "masks",
+    "paged_attention",
+    "ragged_paged_attention",
+    "ragged_paged_attention_with_update",
     "reference",
 ]
 

@@ -1,0 +1,542 @@
+"""Paged attention: decode and mixed prefill/decode batches over a paged KV cache.
+
+**The pool.** Keys and values live in two pools of fixed-size pages shared by
+all sequences, laid out **heads-major**::
+
+    k_pages: (Hkv, num_pages, page_size, D)      v_pages: (Hkv, num_pages, page_size, Dv)
+
+so that one (kv head, page) is one contiguous ``page_size x D`` tile: a single
+contiguous read on a GPU, a legal TPU block for every page size and head dim
+(the last two axes are whole), and gathering a sequence's pages gives the
+(Hkv, keys, D) operand of a batched matrix product with no transpose. (Writing
+one token touches ``Hkv`` rows instead of one; decode reads far more than it
+writes.) ``page_table[s, j]`` is the pool page holding positions
+``j * page_size .. (j + 1) * page_size - 1`` of sequence ``s``.
+
+**Positions.** A sequence with context length ``L`` (all its tokens, the new
+ones included) and ``n`` new query tokens has its query ``i`` at position
+``L - n + i`` and the key in logical slot ``j`` at position ``j``. The spec's
+mask (``causal()``, ``sliding_window(...)``, ``chunked(...)``, their
+combinations, ``from_fn``) then means what it means in dense attention on the
+same tokens: the result equals ``fnattn.reference`` on q (1, n, Hq, D) and the
+sequence's keys (1, L, Hkv, D). ``mask=None`` is full attention over the
+context (for one query token per sequence that is the same as causal). Masks
+that hold arrays (segments, lengths, from_array) are refused: the page table and
+the lengths already say which keys exist.
+
+**Lowerings** (``spec.impl``), chosen at trace time by
+``jax.lax.platform_dependent``:
+
+========  =====================================  ==============================
+platform  impl="auto"                            impl="pallas"
+========  =====================================  ==============================
+cuda      Pallas Triton (fnattn/paged/triton)    the same
+tpu       Pallas Mosaic (fnattn/paged/mosaic)    the same
+other     XLA (fnattn/paged/xla)                 Triton kernels, interpreted
+========  =====================================  ==============================
+
+``impl="xla"`` is the XLA lowering everywhere, ``impl="reference"`` the plain
+gather-everything implementation (:mod:`fnattn.paged.reference`).
+
+**Gradients.** The attention-only forms are differentiable with respect to q,
+the pools and ``spec.sinks`` on every lowering: one ``jax.custom_vjp`` wraps the
+platform choice and its backward is ``jax.vjp`` of the XLA lowering. The form
+that writes the cache (:func:`ragged_paged_attention_with_update`) is for
+inference and is not differentiable.
+
+**Bad run-time values** never make a lowering read or write outside the pools
+(see :mod:`fnattn.paged.common`); ``checked=True`` reports them as
+``jax.experimental.checkify`` errors.
+"""
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jax import lax
+from jax.experimental import checkify
+from jaxtyping import Array, Shaped, jaxtyped
+
+from fnattn import _checks
+from fnattn.paged import common, reference, xla
+from fnattn.paged.common import I32, Cfg, Meta
+from fnattn.spec import AttentionOutput, AttentionSpec
+
+__all__ = ["paged_attention", "ragged_paged_attention", "ragged_paged_attention_with_update",
+           "check_inputs", "lowering_table", "run"]
+
+
+# ----------------------------------------------------------------------------------
+# Lowering tables
+# ----------------------------------------------------------------------------------
+
+
+def lowering_table(impl: str):
+    """The (platform, forward) pairs for ``impl``; forward(cfg, q, kp, vp, sinks, meta, nk, nv)."""
+    if impl in ("auto", "pallas"):
+        from fnattn.paged import mosaic, triton  # Pallas is imported only when needed
+    if impl == "auto":
+        return (("default", xla.forward), ("cuda", triton.forward), ("tpu", mosaic.forward))
+    if impl == "xla":
+        return (("default", xla.forward),)
+    if impl == "pallas":
+        return (("default", triton.forward_interpret), ("cuda", triton.forward),
+                ("tpu", mosaic.forward))
+    if impl == "reference":
+        return (("default", _reference_forward),)
+    if impl == "cudnn":
+        raise NotImplementedError(
+            "paged attention: impl='cudnn' has no paged lowering; use impl='auto' (Triton "
+            "kernels on NVIDIA GPUs) or impl='xla'.")
+    raise ValueError(f"paged attention: no lowering for impl={impl!r}")
+
+
+def _reference_forward(cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v=None):
+    if cfg.update:
+        k_pages, v_pages = xla.write_tokens(cfg, meta, k_pages, v_pages, new_k, new_v)
+        return (*reference.attend(cfg, q, k_pages, v_pages, sinks, meta), k_pages, v_pages)
+    return reference.attend(cfg, q, k_pages, v_pages, sinks, meta)
+
+
+def _select(table, cfg, *args):
+    branches = {plat: functools.partial(fn, cfg) for plat, fn in table}
+    default = branches.pop("default")
+    if not branches:
+        return default(*args)
+    return lax.platform_dependent(*args, default=default, **branches)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(table, cfg, q, k_pages, v_pages, sinks, meta):
+    return _select(table, cfg, q, k_pages, v_pages, sinks, meta, None, None)
+
+
+def _attend_fwd(table, cfg, q, k_pages, v_pages, sinks, meta):
+    res = _select(table, cfg, q, k_pages, v_pages, sinks, meta, None, None)
+    return res, (q, k_pages, v_pages, sinks, meta)
+
+
+def _attend_bwd(table, cfg, res, cotangents):
+    q, k_pages, v_pages, sinks, meta = res
+    d_out, d_lse = cotangents
+
+    def f(q, k_pages, v_pages, sinks):
+        return xla.attend(cfg, q, k_pages, v_pages, sinks, meta)
+
+    _, vjp = jax.vjp(f, q, k_pages, v_pages, sinks)
+    dq, dk, dv, dsinks = vjp((d_out, d_lse.astype(jnp.float32)))
+    return dq, dk, dv, dsinks, jax.tree_util.tree_map(lambda _: None, meta)
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend_update(table, cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v):
+    return _select(table, cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v)
+
+
+def _update_fwd(table, cfg, *args):
+    return _attend_update(table, cfg, *args), None
+
+
+def _update_bwd(table, cfg, res, cotangents):
+    raise NotImplementedError(
+        "ragged_paged_attention_with_update is not differentiable (it is the inference "
+        "form that writes the cache); differentiate ragged_paged_attention instead, on a "
+        "pool that already holds the new tokens.")
+
+
+_attend_update.defvjp(_update_fwd, _update_bwd)
+
+
+# ----------------------------------------------------------------------------------
+# Trace-time validation
+# ----------------------------------------------------------------------------------
+
+
+def _shape(x):
+    return tuple(jnp.shape(x))
+
+
+def _check_int(fn, name, x, shape, what):
+    if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
+        raise TypeError(f"{fn}: {name} must be an integer array; got "
+                        f"{getattr(x, 'dtype', type(x).__name__)}")
+    if _shape(x) != shape:
+        raise ValueError(f"{fn}: {name} must have shape {what}={shape}; got {_shape(x)}")
+
+
+def _check_pools(fn, q_heads, head_dim, dtype, k_pages, v_pages, q_desc):
+    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
+        _checks.check_float(f"{fn}: {name}", x)
+        if x.ndim != 4:
+            raise ValueError(f"{fn}: {name} must have 4 axes (Hkv, num_pages, page_size, "
+                             f"{'D' if name == 'k_pages' else 'Dv'}); got shape {_shape(x)}")
+        if 0 in x.shape:
+            raise ValueError(f"{fn}: {name} must have no empty axis; got shape {_shape(x)}")
+    Hkv, N, ps, Dk = k_pages.shape
+    if Dk != head_dim:
+        raise ValueError(f"{fn}: k_pages must have head dim D={head_dim} like q {q_desc}: "
+                         f"expected (Hkv, num_pages, page_size, {head_dim}); got "
+                         f"{_shape(k_pages)}")
+    if v_pages.shape[:3] != (Hkv, N, ps):
+        raise ValueError(f"{fn}: v_pages must have shape (Hkv, num_pages, page_size, Dv)="
+                         f"{(Hkv, N, ps, 'Dv')} matching k_pages {_shape(k_pages)}; got "
+                         f"{_shape(v_pages)}")
+    if q_heads % Hkv:
+        raise ValueError(f"{fn}: the number of query heads Hq={q_heads} (q {q_desc}) must be "
+                         f"a multiple of the number of kv heads Hkv={Hkv} (k_pages "
+                         f"{_shape(k_pages)}, axis 0)")
+    if not (dtype == k_pages.dtype == v_pages.dtype):
+        raise TypeError(f"{fn}: q, k_pages and v_pages must share a dtype; got q {dtype}, "
+                        f"k_pages {k_pages.dtype}, v_pages {v_pages.dtype}")
+    return Hkv, N, ps, v_pages.shape[3]
+
+
+def _check_spec(fn, spec: AttentionSpec, num_q_heads):
+    if spec.bias is not None:
+        raise NotImplementedError(f"{fn}: spec.bias is not supported by paged attention (no "
+                                  "paged lowering takes a bias); fnattn.attention and "
+                                  "fnattn.flash do.")
+    if spec.dropout_rate > 0:
+        raise NotImplementedError(f"{fn}: dropout is not supported by paged attention (an "
+                                  "inference kernel); fnattn.attention and fnattn.flash "
+                                  "support it.")
+    if spec.mask is not None and jax.tree_util.tree_leaves(spec.mask):
+        raise NotImplementedError(
+            f"{fn}: masks that hold arrays ({spec.mask!r}) are not supported by paged "
+            "attention; use positional masks (causal, sliding_window, chunked, their "
+            "combinations, from_fn). The page table and lengths already say which keys exist.")
+    if spec.sinks is not None:
+        _checks.check_float(f"{fn}: sinks", spec.sinks)
+        if _shape(spec.sinks) != (num_q_heads,):
+            raise ValueError(f"{fn}: sinks must have shape (Hq,)=({num_q_heads},), one logit "
+                             f"per query head; got {_shape(spec.sinks)}")
+
+
+def _make_cfg(spec, *, num_q_heads, num_kv_heads, head_dim, v_head_dim, num_pages, page_size,
+              pages_per_seq, max_seqs, total_tokens, uniform_q, update):
+    treedef = None if spec.mask is None else jax.tree_util.tree_structure(spec.mask)
+    return Cfg(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+               v_head_dim=v_head_dim, num_pages=num_pages, page_size=page_size,
+               pages_per_seq=pages_per_seq, max_seqs=max_seqs, total_tokens=total_tokens,
+               scale=_checks.resolve_scale(spec, head_dim), softcap=spec.softcap,
+               mask_treedef=treedef, has_sinks=spec.sinks is not None, uniform_q=uniform_q,
+               update=update, block_sizes=common.pick_block_sizes(spec.block_sizes))
+
+
+# ----------------------------------------------------------------------------------
+# Checked mode
+# ----------------------------------------------------------------------------------
+
+
+def check_inputs(k_pages, *, page_table, context_lengths, query_start_loc=None, num_seqs=None,
+                 total_tokens: Optional[int] = None, new_tokens: Optional[int] = None) -> None:
+    """Reports bad run-time metadata as ``jax.experimental.checkify`` errors.
+
+    The paged functions never read or write outside the pools whatever these
+    values are (see :mod:`fnattn.paged.common`); this says *that* a value was
+    wrong. Call it inside a function transformed by ``checkify.checkify`` (or
+    pass ``checked=True`` to the paged functions, which call it).
+
+    Checks, for the live sequences ``s < num_seqs``: ``0 <= num_seqs <= max_seqs``;
+    ``query_start_loc`` starts at >= 0, never decreases and ends at most at
+    ``total_tokens``; ``new tokens <= context_lengths[s] <= pages_per_seq *
+    page_size``; every page-table entry that holds a position ``< context_lengths[s]``
+    is in ``[0, num_pages)``. Without ``query_start_loc`` (``paged_attention``)
+    every sequence is live and has ``new_tokens`` queries.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.experimental import checkify
+    >>> from fnattn.paged import check_inputs
+    >>> pool = jnp.zeros((1, 4, 2, 8))
+    >>> def f(table, lengths):
+    ...     check_inputs(pool, page_table=table, context_lengths=lengths, new_tokens=1)
+    >>> err, _ = jax.jit(checkify.checkify(f))(jnp.array([[0, 9]]), jnp.array([3]))
+    >>> print(err.get())  # doctest: +ELLIPSIS
+    page_table[0, 1] = 9 is outside the pool [0, 4)...
+    """
+    _, N, ps, _ = k_pages.shape
+    S, P = page_table.shape
+    cap = P * ps
+    lengths = context_lengths.astype(I32)
+    if query_start_loc is None:
+        n_live = jnp.int32(S)
+        q_len = jnp.full((S,), new_tokens or 0, I32)
+    else:
+        n_live = jnp.reshape(num_seqs, (-1,))[0].astype(I32)
+        checkify.check((n_live >= 0) & (n_live <= S),
+                       "num_seqs = {n} is outside [0, max_seqs={S}]", n=n_live, S=jnp.int32(S))
+        n_live = jnp.clip(n_live, 0, S)
+        loc = query_start_loc.astype(I32)
+        checkify.check(loc[0] >= 0, "query_start_loc[0] = {x} is negative", x=loc[0])
+        idx = jnp.arange(S, dtype=I32)
+        dec = (loc[1:] < loc[:-1]) & (idx < n_live)
+        bad = jnp.argmax(dec)
+        checkify.check(~dec.any(), "query_start_loc decreases at sequence {s}: "
+                       "query_start_loc[{s}] = {a} > query_start_loc[{s1}] = {b}",
+                       s=bad, s1=bad + 1, a=loc[bad], b=loc[bad + 1])
+        if total_tokens is not None:
+            checkify.check(loc[n_live] <= total_tokens,
+                           "query_start_loc[num_seqs] = {x} is past the {T} packed tokens",
+                           x=loc[n_live], T=jnp.int32(total_tokens))
+        q_len = loc[1:] - loc[:-1]
+    live = jnp.arange(S, dtype=I32) < n_live
+    bad_len = live & ((lengths < 0) | (lengths > cap))
+    s = jnp.argmax(bad_len)
+    checkify.check(~bad_len.any(), "context_lengths[{s}] = {x} is outside [0, {cap}] "
+                   "(pages_per_seq * page_size)", s=s, x=lengths[s], cap=jnp.int32(cap))
+    short = live & (lengths < q_len)
+    s = jnp.argmax(short)
+    checkify.check(~short.any(), "context_lengths[{s}] = {x} is less than the sequence's "
+                   "{n} new tokens (the context includes them)", s=s, x=lengths[s], n=q_len[s])
+    used = (jnp.arange(P, dtype=I32)[None, :] * ps < jnp.clip(lengths, 0, cap)[:, None])
+    bad_page = used & live[:, None] & ((page_table < 0) | (page_table >= N))
+    flat = jnp.argmax(bad_page.reshape(-1))
+    s, j = flat // P, flat % P
+    checkify.check(~bad_page.any(), "page_table[{s}, {j}] = {x} is outside the pool [0, {N})",
+                   s=s, j=j, x=page_table[s, j].astype(I32), N=jnp.int32(N))
+
+
+# ----------------------------------------------------------------------------------
+# Public functions
+# ----------------------------------------------------------------------------------
+
+
+def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, new_v=None):
+    """Sanitises the metadata and dispatches (``table`` overrides ``spec.impl``'s)."""
+    table = lowering_table(spec.impl) if table is None else table
+    meta = common.sanitize(cfg, *meta_args)
+    if cfg.update:
+        return _attend_update(table, cfg, q, k_pages, v_pages, spec.sinks, meta, new_k, new_v)
+    return _attend(table, cfg, q, k_pages, v_pages, spec.sinks, meta)
+
+
+@jaxtyped(typechecker=beartype)
+def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shaped[Array, "..."],
+                    v_pages: Shaped[Array, "..."], *, page_table: Shaped[Array, "..."],
+                    kv_lengths: Shaped[Array, "..."], checked: bool = False,
+                    _table=None) -> AttentionOutput:
+    """Decode: a few new query tokens per sequence against a paged KV cache.
+
+    Args:
+      spec: the :class:`AttentionSpec` (mask, scale, softcap, sinks, impl,
+        block_sizes as :class:`fnattn.PagedBlockSizes`; no bias, no dropout).
+      q: (B, Tq, Hq, D) ("bthd") or (B, Hq, Tq, D) ("bhtd"): the Tq newest
+        tokens of each sequence (Tq is small: 1 for decode, a few for
+        speculative decoding).
+      k_pages, v_pages: the pools, (Hkv, num_pages, page_size, D) and
+        (Hkv, num_pages, page_size, Dv); Hq must be a multiple of Hkv.
+      page_table: (B, max_pages_per_seq) int32: pool page of each logical page.
+      kv_lengths: (B,) int: keys of each sequence, the Tq new ones included
+        (they must already be in the pool).
+      checked: also report bad run-time values with ``checkify`` (wrap the call
+        in ``checkify.checkify``); see :func:`check_inputs`.
+
+    Returns:
+      :class:`AttentionOutput`: ``out`` like q with head dim Dv, ``lse``
+      (B, Hq, Tq) float32. Query ``i`` of sequence ``b`` is at position
+      ``kv_lengths[b] - Tq + i``.
+
+    >>> import jax, jax.numpy as jnp, fnattn
+    >>> from fnattn import AttentionSpec, masks
+    >>> cache = fnattn.PagedKVCache.create(num_pages=8, page_size=4, num_kv_heads=2,
+    ...                                    head_dim=16, max_seqs=2, max_pages_per_seq=3)
+    >>> kv = jax.random.normal(jax.random.key(0), (2, 2, 7, 2, 16))   # k/v, seq, token
+    >>> cache = cache.append(jnp.array([0, 1]), kv[0], kv[1])         # 7 tokens each
+    >>> q = jax.random.normal(jax.random.key(1), (2, 1, 4, 16))
+    >>> spec = AttentionSpec(mask=masks.causal())
+    >>> res = jax.jit(fnattn.paged_attention)(spec, q, cache.k_pages, cache.v_pages,
+    ...                                       page_table=cache.page_table,
+    ...                                       kv_lengths=cache.lengths)
+    >>> ref = fnattn.reference(spec, q[:1], kv[0, :1], kv[1, :1])
+    >>> bool(jnp.allclose(res.out[:1], ref.out, atol=1e-5)), res.lse.shape
+    (True, (2, 4, 1))
+    """
+    fn = "paged_attention"
+    _checks.check_float(f"{fn}: q", q)
+    if q.ndim != 4:
+        want = "(B, Tq, Hq, D)" if spec.layout == "bthd" else "(B, Hq, Tq, D)"
+        raise ValueError(f"{fn}: q must have 4 axes {want} for layout {spec.layout!r}; "
+                         f"got shape {_shape(q)}")
+    qb = _checks.to_bthd(q, spec.layout)
+    B, Tq, Hq, D = qb.shape
+    if 0 in qb.shape:
+        raise ValueError(f"{fn}: q must have no empty axis; got shape {_shape(q)}")
+    Hkv, N, ps, Dv = _check_pools(fn, Hq, D, q.dtype, k_pages, v_pages, _shape(q))
+    if page_table.ndim != 2 or page_table.shape[0] != B:
+        raise ValueError(f"{fn}: page_table must have shape (B, max_pages_per_seq) with B={B} "
+                         f"from q {_shape(q)}; got {_shape(page_table)}")
+    _check_int(fn, "page_table", page_table, _shape(page_table), "(B, max_pages_per_seq)")
+    _check_int(fn, "kv_lengths", kv_lengths, (B,), "(B,)")
+    _check_spec(fn, spec, Hq)
+    cfg = _make_cfg(spec, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, v_head_dim=Dv,
+                    num_pages=N, page_size=ps, pages_per_seq=page_table.shape[1], max_seqs=B,
+                    total_tokens=B * Tq, uniform_q=Tq, update=False)
+    if checked:
+        check_inputs(k_pages, page_table=page_table, context_lengths=kv_lengths,
+                     new_tokens=Tq)
+    loc = jnp.arange(B + 1, dtype=I32) * Tq
+    out, lse = run(spec, qb.reshape(B * Tq, Hq, D), k_pages, v_pages,
+                   (page_table, kv_lengths, loc, jnp.int32(B)), cfg, table=_table)
+    out = _checks.from_bthd(out.reshape(B, Tq, Hq, Dv), spec.layout)
+    lse = lse.reshape(Hq, B, Tq).transpose(1, 0, 2)
+    return AttentionOutput(out, lse if spec.return_lse else None)
+
+
+def _ragged_checks(fn, spec, q, k_pages, v_pages, page_table, context_lengths,
+                   query_start_loc, num_seqs):
+    _checks.check_float(f"{fn}: q", q)
+    if spec.layout != "bthd":
+        raise ValueError(f"{fn}: q is packed (total_tokens, Hq, D); spec.layout must be "
+                         f"'bthd'; got {spec.layout!r}")
+    if q.ndim != 3 or 0 in q.shape:
+        raise ValueError(f"{fn}: q must have shape (total_tokens, Hq, D) with no empty axis; "
+                         f"got {_shape(q)}")
+    T, Hq, D = q.shape
+    Hkv, N, ps, Dv = _check_pools(fn, Hq, D, q.dtype, k_pages, v_pages, _shape(q))
+    if page_table.ndim != 2:
+        raise ValueError(f"{fn}: page_table must have shape (max_seqs, max_pages_per_seq); "
+                         f"got {_shape(page_table)}")
+    S, P = page_table.shape
+    _check_int(fn, "page_table", page_table, (S, P), "(max_seqs, max_pages_per_seq)")
+    _check_int(fn, "context_lengths", context_lengths, (S,),
+               f"(max_seqs,) with max_seqs from page_table {_shape(page_table)}")
+    _check_int(fn, "query_start_loc", query_start_loc, (S + 1,),
+               f"(max_seqs + 1,) with max_seqs from page_table {_shape(page_table)}")
+    if not hasattr(num_seqs, "dtype") or not jnp.issubdtype(num_seqs.dtype, jnp.integer) \
+            or _shape(num_seqs) not in ((), (1,)):
+        raise TypeError(f"{fn}: num_seqs must be an int32 scalar or (1,) array; got "
+                        f"{getattr(num_seqs, 'dtype', type(num_seqs).__name__)} "
+                        f"{_shape(num_seqs)}")
+    _check_spec(fn, spec, Hq)
+    return T, Hq, D, Hkv, N, ps, Dv, S, P
+
+
+@jaxtyped(typechecker=beartype)
+def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
+                           k_pages: Shaped[Array, "..."], v_pages: Shaped[Array, "..."], *,
+                           page_table: Shaped[Array, "..."],
+                           context_lengths: Shaped[Array, "..."],
+                           query_start_loc: Shaped[Array, "..."],
+                           num_seqs: Shaped[Array, "..."], checked: bool = False,
+                           _table=None) -> AttentionOutput:
+    """A mixed batch of prefill and decode sequences over a paged KV cache.
+
+    Sequence ``s < num_seqs`` owns the packed query rows
+    ``query_start_loc[s] .. query_start_loc[s + 1] - 1``: its ``n`` newest
+    tokens, at positions ``context_lengths[s] - n .. context_lengths[s] - 1``.
+    Their keys and values must already be in the pool (see
+    :func:`ragged_paged_attention_with_update` for the form that writes them).
+    For causal prefill and decode use ``AttentionSpec(mask=masks.causal())``
+    (optionally ``& masks.sliding_window(...)``); ``mask=None`` is full
+    attention over each sequence's context.
+
+    Args:
+      spec: the :class:`AttentionSpec` (as for :func:`paged_attention`; layout
+        must be "bthd").
+      q: (total_tokens, Hq, D), the new tokens of every sequence, packed.
+      k_pages, v_pages: (Hkv, num_pages, page_size, D) and (..., Dv).
+      page_table: (max_seqs, max_pages_per_seq) int32.
+      context_lengths: (max_seqs,) int32, all tokens of each sequence.
+      query_start_loc: (max_seqs + 1,) int32 cumulative token offsets.
+      num_seqs: int32 scalar or (1,) array: live sequences (the rest are padding).
+      checked: report bad run-time values with ``checkify`` (:func:`check_inputs`).
+
+    Returns:
+      :class:`AttentionOutput` with ``out`` (total_tokens, Hq, Dv) and ``lse``
+      (Hq, total_tokens) float32. Rows that belong to no live sequence are 0
+      (``lse = -inf``).
+
+    >>> import jax, jax.numpy as jnp, fnattn
+    >>> from fnattn import AttentionSpec, masks
+    >>> cache = fnattn.PagedKVCache.create(num_pages=8, page_size=4, num_kv_heads=1,
+    ...                                    head_dim=8, max_seqs=2, max_pages_per_seq=4)
+    >>> k = v = jax.random.normal(jax.random.key(0), (6, 1, 8))
+    >>> cache = cache.append(jnp.array([0, 1, 1, 1, 1, 1]), k, v)  # seq 0: 1, seq 1: 5 tokens
+    >>> q = jax.random.normal(jax.random.key(1), (6, 2, 8))
+    >>> res = jax.jit(fnattn.ragged_paged_attention)(
+    ...     AttentionSpec(mask=masks.causal()), q, cache.k_pages, cache.v_pages,
+    ...     page_table=cache.page_table, context_lengths=cache.lengths,
+    ...     query_start_loc=jnp.array([0, 1, 6]), num_seqs=jnp.int32(2))
+    >>> res.out.shape, res.lse.shape
+    ((6, 2, 8), (2, 6))
+    """
+    fn = "ragged_paged_attention"
+    T, Hq, D, Hkv, N, ps, Dv, S, P = _ragged_checks(
+        fn, spec, q, k_pages, v_pages, page_table, context_lengths, query_start_loc, num_seqs)
+    cfg = _make_cfg(spec, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, v_head_dim=Dv,
+                    num_pages=N, page_size=ps, pages_per_seq=P, max_seqs=S, total_tokens=T,
+                    uniform_q=None, update=False)
+    if checked:
+        check_inputs(k_pages, page_table=page_table, context_lengths=context_lengths,
+                     query_start_loc=query_start_loc, num_seqs=num_seqs, total_tokens=T)
+    out, lse = run(spec, q, k_pages, v_pages,
+                   (page_table, context_lengths, query_start_loc, num_seqs), cfg, table=_table)
+    return AttentionOutput(out, lse if spec.return_lse else None)
+
+
+@jaxtyped(typechecker=beartype)
+def ragged_paged_attention_with_update(
+        spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..."],
+        v: Shaped[Array, "..."], k_pages: Shaped[Array, "..."], v_pages: Shaped[Array, "..."],
+        *, page_table: Shaped[Array, "..."], context_lengths: Shaped[Array, "..."],
+        query_start_loc: Shaped[Array, "..."], num_seqs: Shaped[Array, "..."],
+        checked: bool = False, _table=None):
+    """:func:`ragged_paged_attention` that first writes the new tokens' k/v into the cache.
+
+    Token row ``t`` of sequence ``s`` (``n`` new tokens, context ``L``) is at
+    position ``pos = L - n + (t - query_start_loc[s])`` and goes to page
+    ``page_table[s, pos // page_size]``, offset ``pos % page_size``. Writes to
+    invalid slots (a page entry outside the pool, a negative position, padding
+    tokens and sequences) are dropped. The attention then sees the updated
+    cache: the result equals writing first and calling
+    :func:`ragged_paged_attention`.
+
+    The pools are inputs and outputs (functional); donate them
+    (``jax.jit(..., donate_argnums=...)``) and the update is in place: the
+    Pallas kernels alias them to their outputs (``input_output_aliases``).
+    On GPUs the Triton kernel writes the new tokens *inside* the attention
+    kernel and reads them from ``k``/``v`` rather than from the pool, so there
+    is no second pass. Not differentiable.
+
+    Args:
+      q: (total_tokens, Hq, D); k: (total_tokens, Hkv, D); v: (total_tokens, Hkv, Dv).
+      the rest: as :func:`ragged_paged_attention`.
+
+    Returns:
+      ``(AttentionOutput, k_pages, v_pages)`` with the updated pools.
+
+    >>> import jax, jax.numpy as jnp, fnattn
+    >>> from fnattn import AttentionSpec, masks
+    >>> kp = vp = jnp.zeros((1, 4, 2, 8))                  # 4 pages of 2 slots
+    >>> q = k = v = jnp.ones((3, 1, 8))                    # 3 new tokens of one sequence
+    >>> f = jax.jit(fnattn.ragged_paged_attention_with_update, donate_argnums=(4, 5))
+    >>> res, kp, vp = f(AttentionSpec(mask=masks.causal()), q, k, v, kp, vp,
+    ...                 page_table=jnp.array([[2, 0]]), context_lengths=jnp.array([3]),
+    ...                 query_start_loc=jnp.array([0, 3]), num_seqs=jnp.int32(1))
+    >>> kp[0, :, :, 0].tolist()                            # positions 0, 1 -> page 2; 2 -> page 0
+    [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
+    """
+    fn = "ragged_paged_attention_with_update"
+    T, Hq, D, Hkv, N, ps, Dv, S, P = _ragged_checks(
+        fn, spec, q, k_pages, v_pages, page_table, context_lengths, query_start_loc, num_seqs)
+    for name, x, want in (("k", k, (T, Hkv, D)), ("v", v, (T, Hkv, Dv))):
+        _checks.check_float(f"{fn}: {name}", x)
+        if _shape(x) != want:
+            raise ValueError(f"{fn}: {name} must have shape (total_tokens, Hkv, "
+                             f"{'D' if name == 'k' else 'Dv'})={want} from q {_shape(q)} and "
+                             f"the pools; got {_shape(x)}")
+    cfg = _make_cfg(spec, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, v_head_dim=Dv,
+                    num_pages=N, page_size=ps, pages_per_seq=P, max_seqs=S, total_tokens=T,
+                    uniform_q=None, update=True)
+    if checked:
+        check_inputs(k_pages, page_table=page_table, context_lengths=context_lengths,
+                     query_start_loc=query_start_loc, num_seqs=num_seqs, total_tokens=T)
+    out, lse, k_pages, v_pages = run(
+        spec, q, k_pages, v_pages, (page_table, context_lengths, query_start_loc, num_seqs),
+        cfg, table=_table, new_k=k.astype(k_pages.dtype), new_v=v.astype(v_pages.dtype))
+    return AttentionOutput(out, lse if spec.return_lse else None), k_pages, v_pages

@@ -1,0 +1,270 @@
+"""What every paged lowering shares: the static configuration, block sizes,
+sanitised run-time metadata and the work list.
+
+**Run-time values are never trusted.** Page tables, lengths and query offsets
+are data: a wrong value must not make a kernel read or write outside the pool.
+:func:`sanitize` therefore turns them into values that are always safe, once,
+before any lowering sees them:
+
+* page-table entries outside ``[0, num_pages)`` become ``-1``; lowerings read
+  page ``max(entry, 0)`` (always inside the pool), mask the keys of such pages
+  and drop writes into them;
+* context lengths are clipped to ``[0, pages_per_seq * page_size]``;
+* ``num_seqs`` is clipped to ``[0, max_seqs]``; sequences at or past it are
+  *padding*: no queries, no keys, no writes;
+* ``query_start_loc`` is clipped to ``[0, total_tokens]`` and made
+  non-decreasing (a running maximum), so every token belongs to at most one
+  sequence; tokens that belong to none produce zeros and ``lse = -inf``.
+
+:func:`fnattn.paged.check_inputs` reports the same conditions as errors.
+
+**Work list.** Kernels launch one program per *work item*: ``block_q``
+consecutive query tokens of one sequence (all query heads of one kv head
+together). :func:`work_list` builds the list inside ``jit`` from the
+sanitised metadata; its static length bounds the number of items any batch of
+``total_tokens`` tokens can need, and unused items have no rows.
+"""
+
+import dataclasses
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fnattn import masks
+
+F32 = jnp.float32
+I32 = jnp.int32
+
+
+def cdiv(a, b):
+    return -(-a // b)
+
+
+def pow2(n: int) -> int:
+    return 1 << max(0, int(n - 1).bit_length())
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedBlockSizes:
+    """Tiling of the paged lowerings (``AttentionSpec(block_sizes=...)``).
+
+    Attributes:
+      block_q: query tokens of one sequence per program in ragged batches
+        (``paged_attention`` always uses its Tq). None: the lowering's default.
+      block_k: keys per step of the inner loop (XLA, Triton); the Mosaic kernel
+        copies ``max(1, block_k // page_size)`` pages per step. None: default.
+      num_splits: split-K factor: each work item's keys are cut into this many
+        contiguous ranges, computed in parallel and merged with
+        ``fnattn.merge``. None: chosen from the problem (more splits when there
+        are few sequences and long contexts).
+      num_warps, num_stages: Triton launch parameters.
+
+    >>> PagedBlockSizes(block_k=128, num_splits=4).num_splits
+    4
+    >>> PagedBlockSizes(block_k=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: PagedBlockSizes: block_k must be a positive int or None; got 0
+    """
+
+    block_q: Optional[int] = None
+    block_k: Optional[int] = None
+    num_splits: Optional[int] = None
+    num_warps: int = 4
+    num_stages: int = 2
+
+    def __post_init__(self):
+        for name in ("block_q", "block_k", "num_splits", "num_warps", "num_stages"):
+            v = getattr(self, name)
+            optional = name in ("block_q", "block_k", "num_splits")
+            if v is None and optional:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"PagedBlockSizes: {name} must be a positive int"
+                                 f"{' or None' if optional else ''}; got {v!r}")
+        if self.num_warps & (self.num_warps - 1) or self.num_warps > 32:
+            raise ValueError(f"PagedBlockSizes: num_warps must be a power of two <= 32; "
+                             f"got {self.num_warps}")
+
+
+def pick_block_sizes(block_sizes) -> PagedBlockSizes:
+    items = block_sizes if isinstance(block_sizes, tuple) else (block_sizes,)
+    for b in items:
+        if isinstance(b, PagedBlockSizes):
+            return b
+    return PagedBlockSizes()
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    """Static description of one paged call (hashable; part of the trace)."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    num_pages: int
+    page_size: int
+    pages_per_seq: int
+    max_seqs: int
+    total_tokens: int
+    scale: float
+    softcap: Optional[float]
+    mask_treedef: Any          # None without a mask
+    has_sinks: bool
+    uniform_q: Optional[int]   # paged_attention: every sequence has exactly this many queries
+    update: bool               # new tokens' k/v are written into the pool first
+    block_sizes: PagedBlockSizes
+
+    @property
+    def group(self) -> int:
+        return self.num_q_heads // self.num_kv_heads
+
+    @property
+    def capacity(self) -> int:
+        return self.pages_per_seq * self.page_size
+
+    def mask(self):
+        if self.mask_treedef is None:
+            return None
+        return jax.tree_util.tree_unflatten(self.mask_treedef, [])
+
+
+class Meta(NamedTuple):
+    """Sanitised per-sequence metadata (see the module docstring); all int32.
+
+    Attributes:
+      page_table: (S, P); invalid entries are -1.
+      kv_len: (S,) keys of each sequence, in [0, capacity]; 0 for padding.
+      q_start: (S,) first token row of each sequence in the packed q.
+      q_len: (S,) new query tokens of each sequence; 0 for padding.
+    """
+
+    page_table: Any
+    kv_len: Any
+    q_start: Any
+    q_len: Any
+
+
+def sanitize(cfg: Cfg, page_table, context_lengths, query_start_loc, num_seqs) -> Meta:
+    S, T = cfg.max_seqs, cfg.total_tokens
+    pt = page_table.astype(I32)
+    pt = jnp.where((pt >= 0) & (pt < cfg.num_pages), pt, -1)
+    n = jnp.clip(jnp.reshape(num_seqs, (-1,))[0].astype(I32), 0, S)
+    live = jnp.arange(S, dtype=I32) < n
+    loc = lax.cummax(jnp.clip(query_start_loc.astype(I32), 0, T), axis=0)
+    start, end = loc[:-1], loc[1:]
+    q_len = jnp.where(live, end - start, 0)
+    kv_len = jnp.where(live, jnp.clip(context_lengths.astype(I32), 0, cfg.capacity), 0)
+    return Meta(pt, kv_len, start, q_len)
+
+
+def token_owner(cfg: Cfg, meta: Meta):
+    """(seq, row within the sequence, valid) of every packed token, each (T,) int32/bool."""
+    t = jnp.arange(cfg.total_tokens, dtype=I32)
+    if cfg.uniform_q is not None:
+        seq = t // cfg.uniform_q
+        row = t % cfg.uniform_q
+        return seq, row, meta.q_len[seq] > 0
+    # q_start is non-decreasing and each range ends before the next starts, so
+    # the ends are sorted: the owner of t is the first sequence ending after t.
+    ends = meta.q_start + meta.q_len
+    seq = jnp.searchsorted(ends, t, side="right", method="compare_all").astype(I32)
+    seq_c = jnp.minimum(seq, cfg.max_seqs - 1)
+    row = t - meta.q_start[seq_c]
+    valid = (seq < cfg.max_seqs) & (row >= 0) & (row < meta.q_len[seq_c])
+    return seq_c, row, valid
+
+
+class Work(NamedTuple):
+    """One entry per work item (all (W,) int32): the kernels' scalar metadata."""
+
+    seq: Any      # sequence slot (0 for unused items)
+    tok: Any      # first packed token row
+    rows: Any     # query tokens in the item (0: unused)
+    row0: Any     # index of the first token among the sequence's new tokens
+    q_pos: Any    # position of the first token = kv_len - q_len + row0
+    kv_len: Any   # keys [0, kv_len) exist
+    new_start: Any  # first position of the new tokens (kv_len - q_len)
+    seq_tok: Any  # first packed token row of the sequence
+    k_lo: Any     # key blocks [k_lo, k_hi) may hold a visible key
+    k_hi: Any
+
+    def stacked(self):
+        return jnp.stack(list(self), axis=1).astype(I32)
+
+
+FIELDS = {name: i for i, name in enumerate(Work._fields)}
+
+
+def num_work_items(cfg: Cfg, block_q: int) -> int:
+    if cfg.uniform_q is not None:
+        return cfg.max_seqs
+    # Each live sequence needs ceil(q_len / block_q) items: at most one partial
+    # item per sequence that has tokens.
+    return cdiv(cfg.total_tokens, block_q) + min(cfg.max_seqs, cfg.total_tokens)
+
+
+def work_list(cfg: Cfg, meta: Meta, block_q: int, block_k: int) -> Work:
+    """The work items for ``block_q`` tokens per item and key blocks of ``block_k``."""
+    W = num_work_items(cfg, block_q)
+    if cfg.uniform_q is not None:
+        seq = jnp.arange(W, dtype=I32)
+        row0 = jnp.zeros((W,), I32)
+        valid = meta.q_len > 0
+    else:
+        nb = cdiv(meta.q_len, block_q)
+        cum = jnp.cumsum(nb).astype(I32)
+        w = jnp.arange(W, dtype=I32)
+        seq = jnp.searchsorted(cum, w, side="right", method="compare_all").astype(I32)
+        valid = w < cum[-1]
+        seq = jnp.where(valid, jnp.minimum(seq, cfg.max_seqs - 1), 0)
+        row0 = jnp.where(valid, (w - (cum[seq] - nb[seq])) * block_q, 0)
+    q_len, kv_len = meta.q_len[seq], meta.kv_len[seq]
+    rows = jnp.where(valid, jnp.clip(q_len - row0, 0, block_q), 0)
+    valid = rows > 0
+    kv_len = jnp.where(valid, kv_len, 0)
+    new_start = kv_len - q_len
+    q_pos = new_start + row0
+    seq_tok = meta.q_start[seq]
+    tok = seq_tok + row0
+    k_lo, k_hi = key_block_range(cfg, seq, row0, rows, q_pos, kv_len, block_k)
+    return Work(seq, tok, rows, row0, q_pos, kv_len, new_start, seq_tok, k_lo, k_hi)
+
+
+def key_block_range(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
+    """[k_lo, k_hi): the key blocks that may hold a key visible to some row of each item.
+
+    Uses the mask's ``tile_bounds`` (the block-sparsity protocol of
+    :mod:`fnattn.masks`) on every (item, key block) pair, plus ``k < kv_len``.
+    """
+    n_blocks = cdiv(cfg.capacity, block_k)
+    in_len = cdiv(kv_len, block_k)  # blocks holding a key < kv_len
+    mask = cfg.mask()
+    if mask is None:
+        return jnp.zeros_like(kv_len), in_len
+    j = jnp.arange(n_blocks, dtype=I32)[None, :]
+    col = lambda x: x[:, None]  # noqa: E731
+    last = jnp.maximum(rows - 1, 0)
+    t = masks.TileBounds(b=col(seq), h=jnp.zeros((1, 1), I32), q_lo=col(row0),
+                         q_hi=col(row0 + last), pos_lo=col(q_pos), pos_hi=col(q_pos + last),
+                         k_lo=j * block_k, k_hi=j * block_k + block_k - 1)
+    may, _ = mask.tile_bounds(t, [])
+    may = jnp.broadcast_to(may, (seq.shape[0], n_blocks)) & (j < col(in_len))
+    anyv = may.any(axis=1)
+    lo = jnp.argmax(may, axis=1).astype(I32)
+    hi = (n_blocks - jnp.argmax(may[:, ::-1], axis=1)).astype(I32)
+    return jnp.where(anyv, lo, 0), jnp.where(anyv, hi, 0)
+
+
+def split_range(k_lo, k_hi, split, num_splits):
+    """The key blocks of split ``split`` out of ``num_splits`` of [k_lo, k_hi)."""
+    per = cdiv(k_hi - k_lo, num_splits)
+    lo = jnp.minimum(k_lo + split * per, k_hi)
+    return lo, jnp.minimum(lo + per, k_hi)
+
+
+def positions(seq, head, raw_q, q_pos, k):
+    return masks.Positions(b=seq, h=head, q=raw_q, q_pos=q_pos, k=k)

@@ -1,0 +1,56 @@
+"""A plain ``jnp`` paged attention: gather each token's whole context, then softmax.
+
+The simplest correct implementation, kept beside the lowerings as their
+reference (``impl="reference"``) and as the baseline the XLA lowering is
+measured against: every packed token gathers all ``pages_per_seq`` pages of its
+sequence and forms a (tokens, Hq, capacity) logit array. It shares only the
+sanitised metadata (:func:`fnattn.paged.common.sanitize`) with the lowerings.
+"""
+
+import jax.numpy as jnp
+
+from fnattn.paged import common
+from fnattn.paged.common import F32, I32, Cfg, Meta
+
+__all__ = ["attend"]
+
+
+def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
+    """(out (T, Hq, Dv) in q.dtype, lse (Hq, T) f32) for packed q (T, Hq, D)."""
+    T, Hq, D = q.shape
+    Hkv, G, ps = cfg.num_kv_heads, cfg.group, cfg.page_size
+    seq, row, valid = common.token_owner(cfg, meta)
+    L = meta.kv_len[seq]
+    pages = meta.page_table[seq]                                        # (T, P)
+    k = k_pages[:, jnp.maximum(pages, 0)].reshape(Hkv, T, cfg.capacity, D)
+    v = v_pages[:, jnp.maximum(pages, 0)].reshape(Hkv, T, cfg.capacity, -1)
+    qg = q.reshape(T, Hkv, G, D).astype(F32)
+    s = jnp.einsum("thgd,htkd->thgk", qg, k.astype(F32)) * cfg.scale
+    if cfg.softcap is not None:
+        s = cfg.softcap * jnp.tanh(s / cfg.softcap)
+    kpos = jnp.arange(cfg.capacity, dtype=I32)
+    ok = (kpos[None, :] < L[:, None]) & jnp.repeat(pages >= 0, ps, axis=1) & valid[:, None]
+    ok = ok[:, None, None, :]
+    mask = cfg.mask()
+    if mask is not None:
+        heads = jnp.arange(Hq, dtype=I32).reshape(1, Hkv, G, 1)
+        col = lambda x: x[:, None, None, None]  # noqa: E731
+        pos = common.positions(col(seq), heads, col(row), col(L - meta.q_len[seq] + row),
+                               kpos[None, None, None, :])
+        ok = ok & mask.predicate(pos, [])
+    s = jnp.where(ok, s, -jnp.inf)
+    m = s.max(-1)
+    if sinks is not None:
+        sink = sinks.astype(F32).reshape(1, Hkv, G)
+        m = jnp.maximum(m, sink)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    e = jnp.exp(s - m[..., None])
+    denom = e.sum(-1)
+    if sinks is not None:
+        denom = denom + jnp.exp(sink - m)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    out = jnp.einsum("thgk,htkd->thgd", e / safe[..., None], v.astype(F32))
+    lse = jnp.where(denom > 0, m + jnp.log(safe), -jnp.inf)
+    out = jnp.where(valid[:, None, None, None], out, 0.0)
+    lse = jnp.where(valid[:, None, None], lse, -jnp.inf)
+    return out.reshape(T, Hq, -1).astype(q.dtype), lse.reshape(T, Hq).T

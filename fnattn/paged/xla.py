@@ -1,0 +1,177 @@
+"""The XLA lowering of paged attention (every platform; the default off GPU/TPU).
+
+**Work items.** Query tokens are grouped into work items of ``block_q`` tokens
+of one sequence (one item per sequence in ``paged_attention``); the query heads
+of each GQA group are stacked along the rows of one matrix, so every product is
+a batched ``(rows x D) @ (D x keys)`` with batch axes (kv head, item) and K and
+V are never repeated. The pools are laid out heads-major, (Hkv, pages,
+page_size, D), so gathering a sequence's pages gives (Hkv, item, keys, D)
+directly, with no transpose before the products.
+
+**Split-K over key chunks.** Keys are visited in chunks of ``block_k`` (a
+multiple of the page size): a ``lax.fori_loop`` gathers one chunk of pages per
+step and folds it into an online softmax, so the gathered keys are used while
+they are still in cache and no (tokens x whole context) array is formed. A
+chunk that no item can see (past every sequence's length, or outside every
+item's window, from the mask's ``tile_bounds``) is skipped at run time by a
+``lax.cond``. Short contexts (one chunk) take a single pass with no loop.
+
+**Cache update.** With new tokens, they are first scattered into their slots
+(``mode="drop"``: invalid slots are dropped), then attention reads the pool.
+
+The function is differentiable (``jax.vjp`` of it is the backward of every
+lowering's attention-only forms).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from fnattn.paged import common
+from fnattn.paged.common import F32, I32, Cfg, Meta
+
+__all__ = ["forward", "write_tokens", "attend"]
+
+DEFAULT_BLOCK_Q = 8
+DEFAULT_BLOCK_K = 512
+
+
+def write_tokens(cfg: Cfg, meta: Meta, k_pages, v_pages, new_k, new_v):
+    """The pools with each live token's k/v written at its slot; invalid slots dropped."""
+    Hkv, N, ps = cfg.num_kv_heads, cfg.num_pages, cfg.page_size
+    seq, row, valid = common.token_owner(cfg, meta)
+    pos = meta.kv_len[seq] - meta.q_len[seq] + row
+    page_idx = jnp.clip(pos // ps, 0, cfg.pages_per_seq - 1)
+    page = meta.page_table[seq, page_idx]
+    ok = valid & (pos >= 0) & (pos < cfg.capacity) & (page >= 0)
+    slot = jnp.where(ok, page * ps + pos % ps, N * ps)  # N * ps: out of range, dropped
+
+    def put(pool, new):
+        flat = pool.reshape(Hkv, N * ps, pool.shape[-1])
+        flat = flat.at[:, slot].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype), mode="drop",
+                                    unique_indices=False)
+        return flat.reshape(pool.shape)
+
+    return put(k_pages, new_k), put(v_pages, new_v)
+
+
+def _token_gather_index(cfg: Cfg, meta: Meta, block_q: int):
+    """For every packed token: its (item * block_q + row) in the items' rows, and validity."""
+    seq, row, valid = common.token_owner(cfg, meta)
+    if cfg.uniform_q is not None:
+        return seq * block_q + row, valid
+    nb = common.cdiv(meta.q_len, block_q)
+    first = jnp.cumsum(nb) - nb
+    item = first[seq] + row // block_q
+    return jnp.where(valid, item * block_q + row % block_q, 0), valid
+
+
+def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
+    """Attention of packed q (T, Hq, D) over the pools; (out (T, Hq, Dv) q.dtype, lse (Hq, T))."""
+    bs = cfg.block_sizes
+    T, Hq, D = q.shape
+    Hkv, G, Dv, ps = cfg.num_kv_heads, cfg.group, cfg.v_head_dim, cfg.page_size
+    bq = cfg.uniform_q if cfg.uniform_q is not None else (bs.block_q or DEFAULT_BLOCK_Q)
+    bq = min(bq, T)
+    ppc = max(1, (bs.block_k or DEFAULT_BLOCK_K) // ps)       # pages per chunk
+    ppc = min(ppc, cfg.pages_per_seq)
+    C = ppc * ps
+    n_chunks = common.cdiv(cfg.pages_per_seq, ppc)
+    work = common.work_list(cfg, meta, bq, C)
+    W, M = work.seq.shape[0], bq * G
+
+    if cfg.uniform_q is not None:
+        qw = q.reshape(W, bq, Hq, D)
+    else:
+        idx = jnp.clip(work.tok[:, None] + jnp.arange(bq, dtype=I32), 0, T - 1)
+        qw = q[idx]
+    # (Hkv, W, M, D), row m = t * G + g.
+    qw = qw.reshape(W, bq, Hkv, G, D).transpose(2, 0, 1, 3, 4).reshape(Hkv, W, M, D)
+    t_of = jnp.arange(M, dtype=I32) // G
+    g_of = jnp.arange(M, dtype=I32) % G
+    raw_q = (work.row0[:, None] + t_of)[None, :, :, None]          # (1, W, M, 1)
+    q_pos = (work.q_pos[:, None] + t_of)[None, :, :, None]
+    seq4 = work.seq[None, :, None, None]
+    head4 = (jnp.arange(Hkv, dtype=I32)[:, None] * G + g_of)[:, None, :, None]  # (Hkv, 1, M, 1)
+    mask = cfg.mask()
+
+    pt = meta.page_table[work.seq]                                   # (W, P)
+    pad = n_chunks * ppc - cfg.pages_per_seq
+    if pad:
+        pt = jnp.pad(pt, ((0, 0), (0, pad)), constant_values=-1)
+
+    def scores(j):
+        pages = lax.dynamic_slice_in_dim(pt, j * ppc, ppc, axis=1)  # (W, ppc)
+        safe = jnp.maximum(pages, 0)
+        kc = k_pages[:, safe].reshape(Hkv, W, C, D)
+        vc = v_pages[:, safe].reshape(Hkv, W, C, Dv)
+        s = jnp.einsum("hwmd,hwkd->hwmk", qw, kc, preferred_element_type=F32) * cfg.scale
+        if cfg.softcap is not None:
+            s = cfg.softcap * jnp.tanh(s / cfg.softcap)
+        kpos = j * C + jnp.arange(C, dtype=I32)
+        ok = (kpos[None, :] < work.kv_len[:, None]) & jnp.repeat(pages >= 0, ps, axis=1)
+        ok = ok[None, :, None, :]
+        if mask is not None:
+            pos = common.positions(seq4, head4, raw_q, q_pos, kpos[None, None, None, :])
+            ok = ok & mask.predicate(pos, [])
+        return jnp.where(ok, s, -jnp.inf), vc
+
+    def fold(j, carry):
+        m, l, acc = carry
+        s, vc = scores(j)
+        # The running max is only a shift: no gradient flows through it (the result
+        # does not depend on it), which keeps the backward exact and NaN-free.
+        m_new = lax.stop_gradient(jnp.maximum(m, s.max(-1)))
+        # Rows that have seen no visible key keep m = -inf: shift by 0 so exp is 0, not NaN.
+        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+        p = jnp.exp(s - m_use[..., None])
+        alpha = jnp.exp(m - m_use)
+        l = l * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + jnp.einsum(
+            "hwmk,hwkd->hwmd", p.astype(vc.dtype), vc, preferred_element_type=F32)
+        return m_new, l, acc
+
+    m = jnp.full((Hkv, W, M), -jnp.inf, F32)
+    l = jnp.zeros((Hkv, W, M), F32)
+    acc = jnp.zeros((Hkv, W, M, Dv), F32)
+    if n_chunks == 1:
+        m, l, acc = fold(0, (m, l, acc))
+    else:
+        lo, hi = work.k_lo, work.k_hi
+        live = work.rows > 0
+
+        def step(j, carry):
+            needed = jnp.any(live & (lo <= j) & (j < hi))
+            return lax.cond(needed, functools.partial(fold, j), lambda c: c, carry)
+
+        m, l, acc = lax.fori_loop(0, n_chunks, step, (m, l, acc))
+
+    if sinks is not None:
+        sink = sinks.astype(F32).reshape(Hkv, G)[:, g_of][:, None, :]   # (Hkv, 1, M)
+        m_fin = lax.stop_gradient(jnp.maximum(m, sink))
+        a = jnp.exp(m - m_fin)
+        l = l * a + jnp.exp(sink - m_fin)
+        acc = acc * a[..., None]
+        m = m_fin
+    safe = jnp.where(l > 0, l, 1.0)
+    out = acc / safe[..., None]
+    lse = jnp.where(l > 0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(safe), -jnp.inf)
+
+    # Items' rows back to packed tokens; tokens of no sequence get 0 and -inf.
+    out = out.reshape(Hkv, W, bq, G, Dv).transpose(1, 2, 0, 3, 4).reshape(W * bq, Hq, Dv)
+    lse = lse.reshape(Hkv, W, bq, G).transpose(1, 2, 0, 3).reshape(W * bq, Hq)
+    index, valid = _token_gather_index(cfg, meta, bq)
+    out = jnp.where(valid[:, None, None], out[index], 0.0).astype(q.dtype)
+    lse = jnp.where(valid[:, None], lse[index], -jnp.inf).T
+    return out, lse
+
+
+def forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v=None):
+    """(out, lse) or, with new tokens, (out, lse, k_pages, v_pages)."""
+    if cfg.update:
+        k_pages, v_pages = write_tokens(cfg, meta, k_pages, v_pages, new_k, new_v)
+        out, lse = attend(cfg, q, k_pages, v_pages, sinks, meta)
+        return out, lse, k_pages, v_pages
+    return attend(cfg, q, k_pages, v_pages, sinks, meta)
