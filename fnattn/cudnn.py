@@ -52,22 +52,36 @@ def _native_mask(mask, dims):
     if mask is None:
         return kwargs
     flatten(mask)
-    window = None
+    square = dims.q_len == dims.kv_len
+    # jax.nn's is_causal and windows align top-left: native only when Tq == Tk.
+    causal = square and any(isinstance(m, masks.Causal) for m in parts)
+    windows = []
     for m in parts:
-        if isinstance(m, masks.Causal) and dims.q_len == dims.kv_len:
+        if isinstance(m, masks.Causal) and square:
             kwargs["is_causal"] = True
-        elif isinstance(m, masks.SlidingWindow) and dims.q_len == dims.kv_len and window is None:
-            window = (m.left if m.left is not None else dims.kv_len,
-                      m.right if m.right is not None else dims.kv_len)
+        elif isinstance(m, masks.SlidingWindow) and square:
+            windows.append(m)
         elif isinstance(m, masks.Lengths):
-            if m.q_lengths is not None:
-                kwargs["query_seq_lengths"] = jnp.asarray(m.q_lengths, jnp.int32)
-            if m.kv_lengths is not None:
-                kwargs["key_value_seq_lengths"] = jnp.asarray(m.kv_lengths, jnp.int32)
+            for name, arr in (("query_seq_lengths", m.q_lengths),
+                              ("key_value_seq_lengths", m.kv_lengths)):
+                if arr is None:
+                    continue
+                if name in kwargs:  # two length masks: jax.nn takes one of each
+                    return None
+                kwargs[name] = jnp.asarray(arr, jnp.int32)
         else:
             return None
-    if window is not None:
-        kwargs["local_window_size"] = window
+    if len(windows) > 1:
+        return None
+    if windows:
+        (w,) = windows
+        left = w.left if w.left is not None else dims.kv_len
+        # Under causal the right side of a window changes nothing; without it, jax.nn
+        # (cuDNN) takes no right side at all.
+        right = 0 if causal else (w.right if w.right is not None else dims.kv_len)
+        if right != 0:
+            return None
+        kwargs["local_window_size"] = (left, right)
     return kwargs
 
 
