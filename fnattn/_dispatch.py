@@ -52,6 +52,10 @@ class Config:
 
 def _select(table, fn_name, cfg, *args):
     branches = {plat: functools.partial(getattr(low, fn_name), cfg) for plat, low in table}
+    if "default" not in branches:
+        raise ValueError(
+            f"lowering table {[(plat, low.name) for plat, low in table]} has no 'default' "
+            "entry; every table needs one for the platforms without their own lowering")
     default = branches.pop("default")
     if not branches:
         return default(*args)
