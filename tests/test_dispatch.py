@@ -1,60 +1,140 @@
-"""One custom_vjp around lax.platform_dependent: the branch lowered is the platform's."""
+"""One custom_vjp around lax.platform_dependent: the branch lowered is the platform's.
+
+A table with fake "cuda" and "tpu" lowerings (the dense XLA lowering with its
+forward output or its gradients scaled by a recognisable constant) shows that
+lowering for a platform keeps that platform's forward *and* backward, and that
+on this CPU the "default" branch runs, under jit, grad, vmap and checkpoint.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import fnattn
 from fnattn import AttentionSpec, _dispatch, core, masks, xla
 
+# Distinctive factors, so that their constants cannot appear in HLO by accident.
+CUDA_FWD, CUDA_BWD, TPU_FWD, TPU_BWD = 1237.0, 1279.0, 1249.0, 1291.0
+CONSTANTS = {f: f"{f:.6e}" for f in (CUDA_FWD, CUDA_BWD, TPU_FWD, TPU_BWD)}
 
-def _scaled(lowering, factor, name):
+
+def _scaled(lowering, fwd_factor, bwd_factor, name):
     def fwd(cfg, *args):
         out, lse = lowering.fwd(cfg, *args)
-        return (out * factor).astype(out.dtype), lse
+        return (out * fwd_factor).astype(out.dtype), lse
 
-    return _dispatch.Lowering(name, fwd, lowering.bwd)
+    def bwd(cfg, *args):
+        dq, dk, dv, dbias, dsinks = lowering.bwd(cfg, *args)
+        return (dq * bwd_factor).astype(dq.dtype), dk, dv, dbias, dsinks
+
+    return _dispatch.Lowering(name, fwd, bwd)
 
 
-FAKE_CUDA = _scaled(xla.DENSE, 2.0, "fake-cuda")
-FAKE_TPU = _scaled(xla.DENSE, 3.0, "fake-tpu")
-TABLE = (("default", xla.DENSE), ("cuda", FAKE_CUDA), ("tpu", FAKE_TPU))
+TABLE = (("default", xla.DENSE),
+         ("cuda", _scaled(xla.DENSE, CUDA_FWD, CUDA_BWD, "fake-cuda")),
+         ("tpu", _scaled(xla.DENSE, TPU_FWD, TPU_BWD, "fake-tpu")))
 
 
-def run(spec, q):
-    return core.run(spec, q, q, q, fn="test", table=TABLE).out
+def run(spec, q, k=None, v=None):
+    k = q if k is None else k
+    v = q if v is None else v
+    return core.run(spec, q, k, v, fn="test", table=TABLE)
+
+
+def _constants_in(text):
+    return {f for f, c in CONSTANTS.items() if c in text}
+
+
+def test_lowering_keeps_only_the_platform_branch_forward_and_backward():
+    q = jnp.ones((1, 3, 2, 4))
+    spec = AttentionSpec()
+
+    def f(q):
+        out, vjp = jax.vjp(lambda q: run(spec, q).out, q)
+        return out, vjp(jnp.ones_like(out))
+
+    traced = jax.jit(f).trace(q)
+    found = {plat: _constants_in(traced.lower(lowering_platforms=(plat,)).as_text())
+             for plat in ("cuda", "tpu", "cpu")}
+    assert found == {"cuda": {CUDA_FWD, CUDA_BWD}, "tpu": {TPU_FWD, TPU_BWD}, "cpu": set()}
 
 
 def test_default_branch_runs_on_cpu_under_jit_and_grad():
-    q = jax.random.normal(jax.random.key(0), (2, 5, 3, 7))
-    spec = AttentionSpec(mask=masks.causal())
+    rs = np.random.default_rng(0)
+    q = jnp.asarray(rs.standard_normal((2, 5, 3, 7)), jnp.float32)
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.zeros(3), bias=jnp.zeros((5, 5)))
     out = jax.jit(run)(spec, q)
-    ref = fnattn.reference(spec, q, q, q).out
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-6)
-    g = jax.jit(jax.grad(lambda q: run(spec, q).sum()))(q)
+    ref = jax.jit(fnattn.reference)(spec, q, q, q)
+    np.testing.assert_allclose(np.asarray(out.out), np.asarray(ref.out), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(out.lse), np.asarray(ref.lse), atol=1e-6)
+
+    def loss(attn):
+        def f(q, bias, sinks):
+            r = attn(spec.replace(bias=bias, sinks=sinks), q, q, q)
+            return r.out.sum() + (r.lse ** 2).sum()
+        return f
+
+    g = jax.jit(jax.grad(loss(run), argnums=(0, 1, 2)))(q, spec.bias, spec.sinks)
+    gr = jax.jit(jax.grad(loss(fnattn.reference), argnums=(0, 1, 2)))(q, spec.bias, spec.sinks)
+    for a, b in zip(g, gr):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_integer_and_key_leaves_get_no_cotangent():
+    # segment ids, lengths and the dropout seed ride through the custom_vjp as
+    # primal inputs; grad must not ask for their cotangents
+    rs = np.random.default_rng(1)
+    q = jnp.asarray(rs.standard_normal((2, 5, 3, 7)), jnp.float32)
+    ids = jnp.asarray(rs.integers(0, 2, (2, 5)))
+    spec = AttentionSpec(mask=masks.segments(ids) & masks.lengths(kv_lengths=jnp.array([5, 3])),
+                         dropout_rate=0.3, dropout_key=jax.random.key(2))
+    g = jax.jit(jax.grad(lambda q: run(spec, q).out.sum()))(q)
     gr = jax.jit(jax.grad(lambda q: fnattn.reference(spec, q, q, q).out.sum()))(q)
     np.testing.assert_allclose(np.asarray(g), np.asarray(gr), atol=1e-5)
 
 
-def _constants_in(text):
-    return {c for c in ("2.000000e+00", "3.000000e+00") if c in text}
-
-
-def test_lowering_keeps_only_the_platform_branch():
-    q = jnp.ones((1, 3, 2, 4))
-    spec = AttentionSpec()
-    traced = jax.jit(run).trace(spec, q)
-    cuda = traced.lower(lowering_platforms=("cuda",)).as_text()
-    tpu = traced.lower(lowering_platforms=("tpu",)).as_text()
-    cpu = traced.lower(lowering_platforms=("cpu",)).as_text()
-    assert _constants_in(cuda) == {"2.000000e+00"}
-    assert _constants_in(tpu) == {"3.000000e+00"}
-    assert _constants_in(cpu) == set()
-
-
-def test_vmap_of_grad_through_dispatch():
+def test_vmap_of_grad_and_checkpoint_through_dispatch():
     q = jax.random.normal(jax.random.key(1), (4, 1, 5, 3, 7))
     spec = AttentionSpec(mask=masks.causal())
-    g = jax.jit(jax.vmap(jax.grad(lambda q: run(spec, q).sum())))(q)
+    g = jax.jit(jax.vmap(jax.grad(jax.checkpoint(lambda q: run(spec, q).out.sum()))))(q)
     gr = jax.jit(jax.vmap(jax.grad(lambda q: fnattn.reference(spec, q, q, q).out.sum())))(q)
     np.testing.assert_allclose(np.asarray(g), np.asarray(gr), atol=1e-5)
+
+
+def test_a_table_without_default_is_refused():
+    q = jnp.ones((1, 3, 2, 4))
+    with pytest.raises(ValueError, match=r"lowering table \[\('cuda', 'xla-dense'\)\] has no "
+                                         "'default' entry"):
+        core.run(AttentionSpec(), q, q, q, fn="test", table=(("cuda", xla.DENSE),))
+
+
+def test_every_branch_must_return_the_same_types():
+    def bad_fwd(cfg, q, *args):
+        out, lse = xla.DENSE.fwd(cfg, q, *args)
+        return out, lse.astype(jnp.float16)  # lse must always be float32
+
+    table = (("default", xla.DENSE), ("cuda", _dispatch.Lowering("bad", bad_fwd, xla.DENSE.bwd)))
+    q = jnp.ones((1, 3, 2, 4))
+    with pytest.raises(TypeError, match="branches must have equal output types"):
+        jax.jit(lambda q: core.run(AttentionSpec(), q, q, q, fn="test", table=table).out)(q)
+
+
+def test_lowerings_get_static_config():
+    seen = []
+
+    def fwd(cfg, q, k, v, bias, sinks, mask, seed):
+        seen.append(cfg)
+        return xla.DENSE.fwd(cfg, q, k, v, bias, sinks, mask, seed)
+
+    table = (("default", _dispatch.Lowering("spy", fwd, xla.DENSE.bwd)),)
+    q = jnp.ones((2, 5, 6, 4))
+    k = jnp.ones((2, 7, 3, 4))
+    v = jnp.ones((2, 7, 3, 3))
+    spec = AttentionSpec(mask=masks.causal(), softcap=2.0, layout="bthd")
+    jax.jit(lambda q: core.run(spec, q, k, v, fn="test", table=table).out)(q)
+    (cfg,) = seen
+    assert cfg.dims == (2, 5, 7, 6, 3, 4, 3)
+    assert cfg.dims.group == 2
+    assert cfg.scale == 0.5 and cfg.softcap == 2.0 and cfg.dropout_rate == 0.0
+    hash(cfg)  # a custom_vjp nondiff argument must be hashable
