@@ -62,12 +62,10 @@ def check_qkv(q, k, v, layout: str, *, fn: str = "attention") -> Dims:
                         f"k {k.dtype}, v {v.dtype}")
     if layout == "bthd":
         (B, Tq, Hq, D), (Bk, Tk, Hkv, Dk), (Bv, Tv, Hv, Dv) = q.shape, k.shape, v.shape
-        names = "(B, Tk, Hkv, D)"
-        exp_k = lambda: (B, Tk, Hkv, D)  # noqa: E731
+        v_want = f"(B, Tk, Hkv, Dv)=({B}, {Tk}, {Hkv}, Dv)"
     else:
         (B, Hq, Tq, D), (Bk, Hkv, Tk, Dk), (Bv, Hv, Tv, Dv) = q.shape, k.shape, v.shape
-        names = "(B, Hkv, Tk, D)"
-        exp_k = lambda: (B, Hkv, Tk, D)  # noqa: E731
+        v_want = f"(B, Hkv, Tk, Dv)=({B}, {Hkv}, {Tk}, Dv)"
     if Dk != D:
         raise ValueError(f"{fn}: head-dim mismatch: k must have head dim D={D} like q "
                          f"{_shape(q)}; got k {_shape(k)}")
@@ -75,14 +73,13 @@ def check_qkv(q, k, v, layout: str, *, fn: str = "attention") -> Dims:
         raise ValueError(f"{fn}: batch mismatch: k must have batch B={B} like q "
                          f"{_shape(q)}; got k {_shape(k)}")
     if (Bv, Tv, Hv) != (Bk, Tk, Hkv):
-        vexp = (B, Tk, Hkv, "Dv") if layout == "bthd" else (B, Hkv, Tk, "Dv")
-        raise ValueError(f"{fn}: v must have shape {vexp} matching k {_shape(k)}; "
+        raise ValueError(f"{fn}: v must have shape {v_want} matching k {_shape(k)}; "
                          f"got v {_shape(v)}")
-    if Hkv == 0 or Hq % Hkv:
-        raise ValueError(f"{fn}: the number of query heads Hq={Hq} must be a multiple "
-                         f"of the number of key/value heads Hkv={Hkv} (q {_shape(q)}, "
-                         f"k {_shape(k)} {names})")
-    del exp_k
+    if Hq % Hkv:
+        axes = "(B, T, H, D)" if layout == "bthd" else "(B, H, T, D)"
+        raise ValueError(f"{fn}: the number of query heads Hq={Hq} must be a multiple of the "
+                         f"number of key/value heads Hkv={Hkv}; got q {_shape(q)} and k "
+                         f"{_shape(k)}, read as {axes} for layout {layout!r}")
     return Dims(B, Tq, Tk, Hq, Hkv, D, Dv)
 
 

@@ -181,9 +181,11 @@ class Mask:
 
 def _check_mask(other, op):
     if not isinstance(other, Mask):
+        hint = (" (wrap a boolean array with masks.from_array)"
+                if hasattr(other, "shape") and hasattr(other, "dtype") else "")
         raise TypeError(
             f"cannot combine a mask with {type(other).__name__} using `{op}`; "
-            "both sides must be fnattn.masks objects")
+            f"both sides must be fnattn.masks objects{hint}")
 
 
 def _register(cls, data=(), meta=()):
