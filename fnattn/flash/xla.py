@@ -125,6 +125,7 @@ class _Plan:
     scale: float
     softcap: Optional[float]
     rate: float
+    offset: int  # aligned query position = raw row + offset
 
 
 def _plan(cfg, backward=False) -> _Plan:
@@ -139,7 +140,8 @@ def _plan(cfg, backward=False) -> _Plan:
     bk = min(bk, _round_up(d.kv_len, 8))
     return _Plan(d.batch, d.q_len, d.kv_len, d.num_q_heads, d.num_kv_heads, d.group,
                  d.head_dim, d.v_head_dim, bq, bk, -(-d.q_len // bq), -(-d.kv_len // bk),
-                 cfg.scale, cfg.softcap, cfg.dropout_rate)
+                 cfg.scale, cfg.softcap, cfg.dropout_rate,
+                 d.kv_len - d.q_len if cfg.q_offset is None else cfg.q_offset)
 
 
 # ----------------------------------------------------------------------------------
@@ -149,7 +151,7 @@ def _plan(cfg, backward=False) -> _Plan:
 
 def _classes(mask, P: _Plan):
     """Tile classes (B|1, nq, nk), shared by the heads (conservative union)."""
-    cls = masks.block_classes(mask, P.B, P.Hq, P.Tq, P.Tk, P.bq, P.bk)
+    cls = masks.block_classes(mask, P.B, P.Hq, P.Tq, P.Tk, P.bq, P.bk, q_offset=P.offset)
     nonempty = jnp.any(cls != masks.EMPTY, axis=1)
     full = jnp.all(cls == masks.FULL, axis=1)
     return (nonempty | full).astype(jnp.int8) + full.astype(jnp.int8)
@@ -214,7 +216,7 @@ def _positions(bidx, i, j, P: _Plan, transposed):
          + jnp.arange(P.G, dtype=jnp.int32)[None, :]).reshape(shape(1, P.Hkv, P.G, 1, 1))
     q = (i * P.bq + jnp.arange(P.bq, dtype=jnp.int32)).reshape(shape(1, 1, 1, P.bq, 1))
     k = (j * P.bk + jnp.arange(P.bk, dtype=jnp.int32)).reshape(shape(1, 1, 1, 1, P.bk))
-    return masks.Positions(b=b, h=h, q=q, q_pos=q + (P.Tk - P.Tq), k=k)
+    return masks.Positions(b=b, h=h, q=q, q_pos=q + P.offset, k=k)
 
 
 def _allowed(mask, ops, bidx, i, j, P: _Plan, transposed):

@@ -145,3 +145,34 @@ def test_block_size_validation():
         XlaBlockSizes(block_q=8, block_k=0)
     d = XlaBlockSizes.default(_cfg(8192, 8192).dims, jnp.float32)
     assert d.block_q * d.block_k * 8 * 4 <= 2**23
+
+
+def test_q_offset_aligns_queries_like_the_dense_lowering():
+    # Queries at key positions 3..7 of 11 (as a chunk of a longer prefill would be).
+    from fnattn import _checks, _dispatch
+    from fnattn import xla as dense
+    rs = np.random.default_rng(3)
+    q = jnp.asarray(rs.standard_normal((2, 5, 6, 3)), jnp.float32)
+    k = jnp.asarray(rs.standard_normal((2, 11, 2, 3)), jnp.float32)
+    v = jnp.asarray(rs.standard_normal((2, 11, 2, 7)), jnp.float32)
+    mask = masks.causal() & masks.sliding_window(left=4)
+    leaves, treedef = jax.tree_util.tree_flatten(mask)
+    cfg = _dispatch.Config(dims=_checks.Dims(2, 5, 11, 6, 2, 3, 7), scale=0.5, softcap=None,
+                           dropout_rate=0.0, mask_treedef=treedef, q_offset=3,
+                           block_sizes=XlaBlockSizes(2, 3))
+
+    def run(table):
+        def f(q, k, v):
+            out, lse = _dispatch.attend(table, cfg, q, k, v, None, None, tuple(leaves), None)
+            return jnp.sum(out * out) + jnp.sum(lse), (out, lse)
+        return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
+
+    (_, (out, lse)), g = run((("default", xla.LOWERING),))
+    (_, (out_d, lse_d)), g_d = run((("default", dense.DENSE),))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(out_d), atol=2e-6)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(lse_d), atol=2e-6)
+    for a, b in zip(g, g_d):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+    # the offset matters: with the default alignment (6) the first row sees 7 keys, not 4
+    assert not np.allclose(np.asarray(lse), np.asarray(
+        jax.jit(fnattn.flash)(AttentionSpec(mask=mask, scale=0.5), q, k, v).lse))
