@@ -1,16 +1,70 @@
-"""The dropout keep mask: a pure, reproducible function of positions."""
+"""The dropout keep mask: a pure, reproducible function of (seed, b, h, q, k).
+
+Kernels must reproduce it bit for bit, so its bits are pinned here by a NumPy
+re-implementation of the documented hash.
+"""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import fnattn
-from fnattn import AttentionSpec, dropout
+from fnattn import AttentionSpec, dropout, masks
+
+M32 = np.uint64(0xFFFFFFFF)
+
+
+def _np_fmix32(h):
+    h = h.astype(np.uint64)
+    h ^= h >> np.uint64(16)
+    h = (h * np.uint64(0x85EBCA6B)) & M32
+    h ^= h >> np.uint64(13)
+    h = (h * np.uint64(0xC2B2AE35)) & M32
+    h ^= h >> np.uint64(16)
+    return h
+
+
+def np_random_bits(seed, b, h, q, k):
+    """MurmurHash3's finaliser after mixing each index with its own odd constant."""
+    s0, s1 = (np.uint64(int(x)) for x in np.asarray(seed))
+
+    def mul(x, c):
+        return (np.asarray(x, np.uint64) * np.uint64(c)) & M32
+
+    x = _np_fmix32(s0 ^ mul(b, 0x9E3779B1))
+    x = _np_fmix32(x ^ mul(h, 0x85EBCA77) ^ s1)
+    x = _np_fmix32(x ^ mul(q, 0xC2B2AE3D))
+    x = _np_fmix32(x ^ mul(k, 0x27D4EB2F))
+    return x.astype(np.uint32)
+
+
+def _grid(B=2, H=3, Tq=5, Tk=7):
+    return np.ix_(np.arange(B), np.arange(H), np.arange(Tq), np.arange(Tk))
+
+
+def test_bits_match_the_documented_hash():
+    seed = dropout.seed_from_key(jax.random.key(3))
+    b, h, q, k = _grid()
+    bits = jax.jit(lambda s: dropout.random_bits(s, b, h, q, k))(seed)
+    assert bits.dtype == jnp.uint32
+    np.testing.assert_array_equal(np.asarray(bits), np_random_bits(seed, b, h, q, k))
+    keep = jax.jit(lambda s: dropout.keep_mask(s, b, h, q, k, 0.3))(seed)
+    np.testing.assert_array_equal(np.asarray(keep),
+                                  np_random_bits(seed, b, h, q, k) >= dropout.threshold(0.3))
+
+
+def test_large_indices_wrap_like_uint32():
+    seed = jnp.array([0xDEADBEEF, 0x12345678], jnp.uint32)
+    idx = np.array([0, 1, 2**20 + 3, 2**31 - 1])
+    bits = jax.jit(lambda s: dropout.random_bits(s, idx, idx[::-1], idx, idx[::-1]))(seed)
+    np.testing.assert_array_equal(np.asarray(bits),
+                                  np_random_bits(seed, idx, idx[::-1], idx, idx[::-1]))
 
 
 def test_keep_rate_and_determinism():
     seed = dropout.seed_from_key(jax.random.key(3))
-    b, h, q, k = np.ix_(np.arange(2), np.arange(3), np.arange(64), np.arange(64))
+    b, h, q, k = _grid(2, 3, 64, 64)
     keep = jax.jit(lambda s: dropout.keep_mask(s, b, h, q, k, 0.25))(seed)
     assert abs(float(keep.mean()) - 0.75) < 0.02
     np.testing.assert_array_equal(keep, dropout.keep_mask(seed, b, h, q, k, 0.25))
@@ -21,10 +75,21 @@ def test_keep_rate_and_determinism():
         assert (np.asarray(dropout.keep_mask(seed, *shifted, 0.25)) != np.asarray(keep)).any()
 
 
-def test_rate_zero_keeps_everything_and_raw_keys_work():
+def test_thresholds():
+    assert dropout.threshold(0.0) == 0
+    assert dropout.threshold(0.5) == 2**31
+    assert dropout.threshold(0.999999999999) == 2**32 - 1
     seed = dropout.seed_from_key(jnp.array([1, 2], jnp.uint32))
     assert bool(dropout.keep_mask(seed, 0, 0, jnp.arange(100), 0, 0.0).all())
-    assert dropout.threshold(0.5) == 2**31
+
+
+@pytest.mark.parametrize("key", [jax.random.key(5), jax.random.PRNGKey(5),
+                                 jnp.array([7], jnp.uint32)])
+def test_seed_from_typed_raw_and_short_keys(key):
+    seed = jax.jit(dropout.seed_from_key)(key)
+    assert seed.shape == (2,) and seed.dtype == jnp.uint32
+    if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
+        np.testing.assert_array_equal(seed, jax.random.key_data(key).reshape(-1)[:2])
 
 
 def test_weights_match_the_mask():
@@ -33,8 +98,39 @@ def test_weights_match_the_mask():
     res, w = jax.jit(lambda s, q: fnattn.reference(s, q, q, q, return_weights=True))(spec, q)
     _, w0 = jax.jit(lambda s, q: fnattn.reference(s, q, q, q, return_weights=True))(
         spec.replace(dropout_rate=0.0, dropout_key=None), q)
-    b, h, qi, ki = np.ix_(range(2), range(3), range(5), range(5))
-    keep = np.asarray(dropout.keep_mask(dropout.seed_from_key(spec.dropout_key), b, h, qi, ki, 0.5))
+    b, h, qi, ki = _grid(2, 3, 5, 5)
+    keep = np_random_bits(dropout.seed_from_key(spec.dropout_key), b, h, qi, ki) >= 2**31
     np.testing.assert_allclose(np.asarray(w), np.where(keep, np.asarray(w0) * 2, 0), rtol=1e-6)
     out = np.einsum("bhqk,bkhd->bqhd", np.asarray(w), np.asarray(q))
     np.testing.assert_allclose(np.asarray(res.out), out, rtol=1e-5, atol=1e-5)
+
+
+def test_lse_is_the_pre_dropout_value():
+    q = jax.random.normal(jax.random.key(0), (2, 5, 3, 7))
+    spec = AttentionSpec(mask=masks.causal(), dropout_rate=0.4, dropout_key=jax.random.key(1))
+    for impl in ("xla", "reference"):
+        a = jax.jit(fnattn.attention)(spec.replace(impl=impl), q, q, q)
+        b = jax.jit(fnattn.attention)(spec.replace(impl=impl, dropout_rate=0.0), q, q, q)
+        np.testing.assert_allclose(np.asarray(a.lse), np.asarray(b.lse), rtol=1e-6)
+        assert not np.allclose(np.asarray(a.out), np.asarray(b.out))
+
+
+def test_batch_index_is_the_one_seen_by_the_call():
+    # Under vmap the batch index inside the call is 0 for every example: pass one
+    # key per example (vmap the key) to draw independent masks.
+    q = jax.random.normal(jax.random.key(0), (3, 1, 5, 2, 7))
+    spec = AttentionSpec(dropout_rate=0.5, dropout_key=jax.random.key(1), impl="xla")
+    f = jax.jit(jax.vmap(lambda s, q: fnattn.attention(s, q, q, q).out,
+                         in_axes=(spec.replace(dropout_key=None), 0)))
+    same = f(spec, q)
+    for i in range(3):
+        np.testing.assert_allclose(np.asarray(same[i]),
+                                    np.asarray(fnattn.reference(spec, q[i], q[i], q[i]).out),
+                                    atol=1e-6)
+    keys = jax.random.split(jax.random.key(1), 3)
+    per = jax.jit(jax.vmap(lambda s, q: fnattn.attention(s, q, q, q).out,
+                           in_axes=(spec.replace(dropout_key=0), 0)))(
+        spec.replace(dropout_key=keys), q)
+    for i in range(3):
+        one = fnattn.reference(spec.replace(dropout_key=keys[i]), q[i], q[i], q[i]).out
+        np.testing.assert_allclose(np.asarray(per[i]), np.asarray(one), atol=1e-6)
