@@ -25,7 +25,7 @@ def bthd(x, layout):
     return np.asarray(x if layout == "bthd" else jnp.swapaxes(x, 1, 2), np.float64)
 
 
-@settings(max_examples=10)
+@settings(max_examples=8)
 @given(problems(dtypes=("float32", "bfloat16", "float16"), impl="xla"), block_sizes)
 def test_forward_matches_float64_numpy(p, bs):
     spec = p.spec.replace(block_sizes=bs)
@@ -38,7 +38,7 @@ def test_forward_matches_float64_numpy(p, bs):
     np.testing.assert_allclose(np.asarray(res.lse), lse, atol=tol, rtol=tol)
 
 
-@settings(max_examples=10)
+@settings(max_examples=6)
 @given(problems(impl="xla"), block_sizes, st.integers(0, 1000))
 def test_gradients_match_float64_numpy(p, bs, seed):
     spec = p.spec.replace(block_sizes=bs)
@@ -68,7 +68,7 @@ def test_gradients_match_float64_numpy(p, bs, seed):
                                    err_msg="dsinks")
 
 
-@settings(max_examples=8)
+@settings(max_examples=5)
 @given(problems(impl="xla", layouts=("bthd",)), block_sizes, block_sizes)
 def test_block_sizes_do_not_change_the_result(p, bs1, bs2):
     f = jax.jit(fnattn.flash)
