@@ -261,10 +261,31 @@ def key_block_range(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
 
 def split_range(k_lo, k_hi, split, num_splits):
     """The key blocks of split ``split`` out of ``num_splits`` of [k_lo, k_hi)."""
-    per = cdiv(k_hi - k_lo, num_splits)
+    # lax.div (truncating; operands >= 0): jnp's floor division lowers through
+    # `sign`, which the Mosaic lowering cannot handle without a TPU to ask.
+    per = lax.div(k_hi - k_lo + (num_splits - 1), jnp.int32(num_splits))
     lo = jnp.minimum(k_lo + split * per, k_hi)
     return lo, jnp.minimum(lo + per, k_hi)
 
 
 def positions(seq, head, raw_q, q_pos, k):
     return masks.Positions(b=seq, h=head, q=raw_q, q_pos=q_pos, k=k)
+
+
+def merge_splits(out, lse, sink=None):
+    """Merges split-K partial results: out (S, ..., Dv) and lse (S, ...) float32.
+
+    ``sink`` (broadcastable to ``lse[0]``) joins the denominator once. Rows with
+    no visible key in any split and no sink give 0 and -inf.
+    """
+    m = lse.max(axis=0)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    w = jnp.exp(lse - m)
+    denom = w.sum(axis=0)
+    if sink is not None:
+        denom = denom + jnp.exp(sink - m)
+    safe = jnp.where(denom > 0, denom, 1.0)
+    merged = jnp.einsum("s...,s...d->...d", w, out) / safe[..., None]
+    return merged, jnp.where(denom > 0, m + jnp.log(safe), -jnp.inf)

@@ -35,7 +35,12 @@ from fnattn.paged.common import F32, I32, Cfg, Meta
 __all__ = ["forward", "write_tokens", "attend"]
 
 DEFAULT_BLOCK_Q = 8
-DEFAULT_BLOCK_K = 512
+# Default chunk: about this many bytes of gathered keys per step (all items and kv
+# heads), so that a chunk is still in cache when its products read it. Measured on
+# a 2-core x86 CPU (f32, D=64, Hkv=2): 4-6x faster than gathering the whole
+# context at once for long contexts, never slower for short ones.
+CHUNK_BYTES = 2 ** 21
+MIN_CHUNK, MAX_CHUNK = 128, 4096
 
 
 def write_tokens(cfg: Cfg, meta: Meta, k_pages, v_pages, new_k, new_v):
@@ -75,7 +80,13 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
     Hkv, G, Dv, ps = cfg.num_kv_heads, cfg.group, cfg.v_head_dim, cfg.page_size
     bq = cfg.uniform_q if cfg.uniform_q is not None else (bs.block_q or DEFAULT_BLOCK_Q)
     bq = min(bq, T)
-    ppc = max(1, (bs.block_k or DEFAULT_BLOCK_K) // ps)       # pages per chunk
+    if bs.block_k:
+        chunk = bs.block_k
+    else:
+        n_items = common.num_work_items(cfg, bq)
+        per_key = n_items * Hkv * D * jnp.dtype(k_pages.dtype).itemsize
+        chunk = min(max(common.pow2(max(CHUNK_BYTES // per_key, 1)), MIN_CHUNK), MAX_CHUNK)
+    ppc = max(1, chunk // ps)                                   # pages per chunk
     ppc = min(ppc, cfg.pages_per_seq)
     C = ppc * ps
     n_chunks = common.cdiv(cfg.pages_per_seq, ppc)

@@ -1,0 +1,318 @@
+"""The Pallas Mosaic lowering of paged attention (TPU).
+
+Two kernels:
+
+* ``_attn_kernel``, grid ``(work items, kv heads, splits)``. The work list and
+  the page table are **scalar-prefetched** into SMEM
+  (``PrefetchScalarGridSpec``); the item's query tile (``block_q`` tokens x the
+  GQA group's heads as rows, gathered by the wrapper) arrives through an
+  ordinary BlockSpec. The pools stay in HBM (``memory_space=pl.ANY``): the
+  kernel loops over its item's key blocks ``[k_lo, k_hi)`` (from the mask's
+  ``tile_bounds``), each block ``pages_per_block`` pages long, copying the
+  pages of block ``b + 1`` into one half of a double buffer while it computes
+  on block ``b`` in the other. One DMA per (kv head, page): the heads-major
+  pool makes every page a contiguous ``page_size x D`` tile. Invalid page
+  entries (-1) are copied from page 0 and their keys masked.
+* ``_write_kernel`` (the cache-writing form), grid ``(work items,)``: one
+  HBM-to-HBM DMA per (new token, kv head) into its slot of the pools, which are
+  aliased to the outputs (``input_output_aliases``): in place when donated.
+  Invalid slots are skipped. The attention kernel then reads the updated pools.
+
+Statistics (running max and sum) are (rows, 1) columns; ``lse`` leaves the
+kernel lane-replicated as (rows, 128), a legal TPU block. The page size must be
+a multiple of 8 (a page is copied to a sublane-aligned offset of the buffer).
+
+float16 runs in float32 (TPUs have no float16 arithmetic).
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from fnattn.paged import common
+from fnattn.paged.common import F32, I32, Cfg, Meta
+
+__all__ = ["forward", "forward_interpret", "write_tokens"]
+
+LANES = 128
+NT = (((1,), (1,)), ((), ()))  # a @ b.T
+NN = (((1,), (0,)), ((), ()))  # a @ b
+NF = len(common.FIELDS)
+MIN_ROWS = 16
+DEFAULT_BLOCK_Q = 8
+DEFAULT_KEYS_PER_BLOCK = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class _K:
+    G: int
+    Gp: int
+    M: int
+    ppb: int         # pages per key block
+    ps: int
+    P: int
+    splits: int
+    scale: float
+    softcap: Optional[float]
+    mask_treedef: Any
+    sinks: bool
+
+    @property
+    def C(self) -> int:
+        return self.ppb * self.ps
+
+    def mask(self):
+        if self.mask_treedef is None:
+            return None
+        return jax.tree_util.tree_unflatten(self.mask_treedef, [])
+
+
+def _attn_kernel(work_ref, pt_ref, *refs, K: _K):
+    it = iter(refs)
+    q_ref, k_hbm, v_hbm = next(it), next(it), next(it)
+    sinks_ref = next(it) if K.sinks else None
+    o_ref, lse_ref, kbuf, vbuf, sem = next(it), next(it), next(it), next(it), next(it)
+    w, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    f = {name: work_ref[w * NF + i] for name, i in common.FIELDS.items()}
+    seq, kv_len = f["seq"], f["kv_len"]
+    lo, hi = common.split_range(f["k_lo"], f["k_hi"], sp, K.splits)
+
+    def page_of(b, i):
+        lp = jnp.minimum(b * K.ppb + i, K.P - 1)
+        return pt_ref[seq * K.P + lp]
+
+    def copies(b, slot):
+        out = []
+        for i in range(K.ppb):
+            page = jnp.maximum(page_of(b, i), 0)
+            rows = pl.ds(i * K.ps, K.ps)
+            out.append(pltpu.make_async_copy(k_hbm.at[h, page], kbuf.at[slot, rows], sem.at[0, slot]))
+            out.append(pltpu.make_async_copy(v_hbm.at[h, page], vbuf.at[slot, rows], sem.at[1, slot]))
+        return out
+
+    def start(b, slot):
+        for c in copies(b, slot):
+            c.start()
+
+    @pl.when(lo < hi)
+    def _():
+        start(lo, 0)
+
+    q = q_ref[...]
+    shape = (K.M, K.C)
+    r_i = lax.broadcasted_iota(I32, shape, 0)
+    t_i, g_i = lax.div(r_i, K.Gp), lax.rem(r_i, K.Gp)
+    c_i = lax.broadcasted_iota(I32, shape, 1)
+    mask = K.mask()
+
+    def body(b, carry):
+        m, l, acc = carry
+        slot = lax.rem(b - lo, 2)
+
+        @pl.when(b + 1 < hi)
+        def _():
+            start(b + 1, 1 - slot)
+
+        for c in copies(b, slot):
+            c.wait()
+        k, v = kbuf[slot], vbuf[slot]
+        s = lax.dot_general(q, k, NT, preferred_element_type=F32) * K.scale
+        if K.softcap is not None:
+            s = K.softcap * jnp.tanh(s / K.softcap)
+        kpos = b * K.C + c_i
+        ok = kpos < kv_len
+        for i in range(K.ppb):  # keys of invalid pages are masked
+            ok = ok & ((lax.div(c_i, K.ps) != i) | (page_of(b, i) >= 0))
+        if mask is not None:
+            pos = common.positions(seq, h * K.G + g_i, f["row0"] + t_i, f["q_pos"] + t_i, kpos)
+            ok = ok & mask.predicate(pos, [])
+        s = jnp.where(ok, s, -jnp.inf)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+        # A row with no visible key so far keeps m = -inf: shift by 0 so exp gives 0.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp(s - m_use)
+        alpha = jnp.exp(m - m_use)
+        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+        pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=F32)
+        return m_new, l, acc * alpha + pv
+
+    m = jnp.full((K.M, 1), -jnp.inf, F32)
+    l = jnp.zeros((K.M, 1), F32)
+    acc = jnp.zeros((K.M, o_ref.shape[-1]), F32)
+    m, l, acc = lax.fori_loop(lo, hi, body, (m, l, acc))
+    if K.sinks:
+        g_col = lax.rem(lax.broadcasted_iota(I32, (K.M, 1), 0), K.Gp)
+        sink = jnp.zeros((K.M, 1), F32)
+        for g in range(K.G):  # scalar reads from SMEM, one per head of the group
+            sink = jnp.where(g_col == g, sinks_ref[h * K.G + g], sink)
+        m_fin = jnp.maximum(m, sink)
+        a = jnp.exp(m - m_fin)
+        l = l * a + jnp.exp(sink - m_fin)
+        acc = acc * a
+        m = m_fin
+    ok = l > 0
+    safe = jnp.where(ok, l, 1.0)
+    o_ref[...] = (acc / safe).astype(o_ref.dtype)
+    lse = jnp.where(ok, m + jnp.log(safe), -jnp.inf)
+    lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
+
+
+def _write_kernel(work_ref, pt_ref, nk_hbm, nv_hbm, kp_hbm, vp_hbm, ko_hbm, vo_hbm, sem, *,
+                  ps: int, P: int, Hkv: int):
+    del kp_hbm, vp_hbm  # aliased to ko_hbm, vo_hbm
+    w = pl.program_id(0)
+    f = {name: work_ref[w * NF + i] for name, i in common.FIELDS.items()}
+
+    def write(t, carry):
+        pos = f["q_pos"] + t
+        posc = jnp.maximum(pos, 0)
+        page = pt_ref[f["seq"] * P + jnp.minimum(lax.div(posc, ps), P - 1)]
+        ok = (pos >= 0) & (pos < P * ps) & (page >= 0)
+
+        @pl.when(ok)
+        def _():
+            off = lax.rem(posc, ps)
+            cs = []
+            for h in range(Hkv):
+                cs.append(pltpu.make_async_copy(nk_hbm.at[f["tok"] + t, h],
+                                                ko_hbm.at[h, page, off], sem.at[0]))
+                cs.append(pltpu.make_async_copy(nv_hbm.at[f["tok"] + t, h],
+                                                vo_hbm.at[h, page, off], sem.at[1]))
+            for c in cs:
+                c.start()
+            for c in cs:
+                c.wait()
+        return carry
+
+    lax.fori_loop(0, f["rows"], write, jnp.int32(0))
+
+
+def _compute_dtype(dtype):
+    return F32 if dtype == jnp.float16 else dtype
+
+
+def write_tokens(cfg: Cfg, meta: Meta, k_pages, v_pages, new_k, new_v, *, interpret=False):
+    """The pools with the new tokens written at their slots (in place when donated)."""
+    # One item per sequence: the kernel loops over its tokens.
+    bq = cfg.total_tokens if cfg.uniform_q is None else cfg.uniform_q
+    work = common.work_list(cfg, meta, bq, cfg.capacity)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    kernel = functools.partial(_write_kernel, ps=cfg.page_size, P=cfg.pages_per_seq,
+                               Hkv=cfg.num_kv_heads)
+    return pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(work.seq.shape[0],),
+            in_specs=[any_spec] * 4, out_specs=[any_spec] * 2,
+            scratch_shapes=[pltpu.SemaphoreType.DMA((2,))]),
+        out_shape=[jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
+                   jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)],
+        # Inputs counted after the two scalar-prefetch operands.
+        input_output_aliases={4: 0, 5: 1},
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
+        interpret=interpret, name="fnattn_paged_mosaic_write",
+    )(work.stacked().reshape(-1), meta.page_table.reshape(-1), new_k, new_v, k_pages, v_pages)
+
+
+def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v=None, *,
+             interpret=False):
+    if cfg.page_size % 8:
+        raise NotImplementedError(
+            f"paged attention: the Mosaic (TPU) kernel needs a page size that is a multiple "
+            f"of 8; got {cfg.page_size}. The XLA lowering (impl='xla') supports any page size.")
+    if cfg.update:
+        k_pages, v_pages = write_tokens(cfg, meta, k_pages, v_pages, new_k, new_v,
+                                        interpret=interpret)
+    T, Hq, D = q.shape
+    Hkv, G, Dv, ps = cfg.num_kv_heads, cfg.group, cfg.v_head_dim, cfg.page_size
+    bs = cfg.block_sizes
+    Gp = common.pow2(G)
+    if cfg.uniform_q is not None:
+        bq = cfg.uniform_q
+    else:
+        bq = min(bs.block_q or DEFAULT_BLOCK_Q, T)
+    bq_p = max(common.pow2(bq), common.cdiv(MIN_ROWS, Gp))
+    M = bq_p * Gp
+    ppb = max(1, (bs.block_k or DEFAULT_KEYS_PER_BLOCK) // ps)
+    ppb = min(ppb, cfg.pages_per_seq)
+    splits = bs.num_splits or 1  # a TPU has one or two cores: splitting rarely pays
+    K = _K(G=G, Gp=Gp, M=M, ppb=ppb, ps=ps, P=cfg.pages_per_seq, splits=splits,
+           scale=cfg.scale, softcap=cfg.softcap, mask_treedef=cfg.mask_treedef,
+           sinks=sinks is not None and splits == 1)
+    work = common.work_list(cfg, meta, bq, K.C)
+    W = work.seq.shape[0]
+    cd = _compute_dtype(q.dtype)
+
+    # Query tiles per (item, kv head): rows = bq_p tokens x Gp heads.
+    idx = jnp.clip(work.tok[:, None] + jnp.arange(bq_p, dtype=I32), 0, T - 1)
+    qw = q.astype(cd)[idx].reshape(W, bq_p, Hkv, G, D)
+    qw = jnp.pad(qw, ((0, 0), (0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    qw = qw.transpose(0, 2, 1, 3, 4).reshape(W, Hkv, M, D)
+
+    lead = () if splits == 1 else (splits,)
+    out_dtype = cd if splits == 1 else F32
+
+    def item_map(w, h, s, *_):
+        return ((s,) if splits > 1 else ()) + (w, h, 0, 0)
+
+    blk = (None,) * (1 + (splits > 1))
+    in_specs = [pl.BlockSpec((None, None, M, D), lambda w, h, s, *_: (w, h, 0, 0)),
+                pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)]
+    args = [qw, k_pages.astype(cd), v_pages.astype(cd)]
+    if K.sinks:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        args.append(sinks.astype(F32))
+    out, lse = pl.pallas_call(
+        functools.partial(_attn_kernel, K=K),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(W, Hkv, splits), in_specs=in_specs,
+            out_specs=[pl.BlockSpec(blk + (None, M, Dv), item_map),
+                       pl.BlockSpec(blk + (None, M, LANES), item_map)],
+            scratch_shapes=[pltpu.VMEM((2, K.C, D), cd), pltpu.VMEM((2, K.C, Dv), cd),
+                            pltpu.SemaphoreType.DMA((2, 2))]),
+        out_shape=[jax.ShapeDtypeStruct(lead + (W, Hkv, M, Dv), out_dtype),
+                   jax.ShapeDtypeStruct(lead + (W, Hkv, M, LANES), F32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel")),
+        interpret=interpret, name="fnattn_paged_mosaic",
+    )(work.stacked().reshape(-1), meta.page_table.reshape(-1), *args)
+    lse = lse[..., 0]
+    if splits > 1:
+        sink = None
+        if sinks is not None:
+            sink = jnp.pad(sinks.astype(F32).reshape(Hkv, G), ((0, 0), (0, Gp - G)))
+            sink = jnp.tile(sink, (1, bq_p))[None]  # (1, Hkv, M)
+        out, lse = common.merge_splits(out, lse, sink)
+    # Items' rows back to packed tokens.
+    out = out.reshape(W, Hkv, bq_p, Gp, Dv)[:, :, :, :G].transpose(0, 2, 1, 3, 4)
+    out = out.reshape(W * bq_p, Hq, Dv)
+    lse = lse.reshape(W, Hkv, bq_p, Gp)[:, :, :, :G].transpose(0, 2, 1, 3).reshape(W * bq_p, Hq)
+    index, valid = _token_index(cfg, meta, bq, bq_p)
+    out = jnp.where(valid[:, None, None], out[index], 0).astype(q.dtype)
+    lse = jnp.where(valid[:, None], lse[index], -jnp.inf).T
+    if cfg.update:
+        return out, lse, k_pages, v_pages
+    return out, lse
+
+
+def _token_index(cfg: Cfg, meta: Meta, bq: int, bq_p: int):
+    """Each packed token's row among the items' (W * bq_p) rows, and validity."""
+    seq, row, valid = common.token_owner(cfg, meta)
+    if cfg.uniform_q is not None:
+        item, r = seq, row
+    else:
+        nb = common.cdiv(meta.q_len, bq)
+        item = (jnp.cumsum(nb) - nb)[seq] + row // bq
+        r = row % bq
+    return jnp.where(valid, item * bq_p + r, 0), valid
+
+
+forward = functools.partial(_forward, interpret=False)
+forward_interpret = functools.partial(_forward, interpret=True)

@@ -1,0 +1,295 @@
+"""The Pallas Triton lowering of paged attention (NVIDIA GPUs).
+
+One kernel, grid ``(work items, kv heads, splits)``. A program owns one work
+item (``block_q`` query tokens of one sequence; a whole sequence's Tq tokens in
+``paged_attention``), one kv head and one split of the item's keys, and holds
+**all query heads of the GQA group** as rows of one tile: row ``m`` is token
+``m // Gp``, head ``m % Gp`` (Gp = the group size rounded up to a power of
+two). Every key block is therefore read from HBM once per (item, kv head),
+whatever the group size, which is what makes decode bandwidth-bound rather
+than latency-bound. Tiles have at least 16 rows (the smallest tensor-core
+tile); a one-token decode of a group of 8 pads to 16 rows.
+
+Keys are visited in blocks of ``block_k`` positions, independent of the page
+size: each key's pool row is ``page_table[seq, pos // page_size] * page_size +
+pos % page_size``, loaded as a gather (Triton has no scalar prefetch, so the
+page table is an ordinary input read in the kernel). Page entries are
+pre-sanitised (-1 = invalid): invalid pages are read as page 0's rows under a
+load mask, i.e. not at all, and their keys are masked. Head dims that are not
+powers of two are padded inside the loads (masked columns), so the pools are
+never copied.
+
+**Split-K.** With few items (decode at small batch, long contexts) the keys of
+an item are cut into ``num_splits`` contiguous ranges, one program each; the
+programs write float32 partial outputs and their ``lse``, merged afterwards
+(``fnattn.merge``), and the sinks join in the merge. With one split the kernel
+applies the sinks and writes the final output in q's dtype.
+
+**Block-sparse range.** Each item visits only the key blocks
+``[k_lo, k_hi)`` that the mask's ``tile_bounds`` says may be visible (computed
+in the wrapper), so a sliding window over a long context reads the window only.
+
+**Cache update inside the kernel** (``ragged_paged_attention_with_update``):
+the pools are aliased to outputs (``input_output_aliases``). Keys at positions
+of the *new* tokens are read from the new ``k``/``v`` inputs, not from the
+pool, and the split-0 program of each (item, kv head) writes its tokens' rows
+into their slots. No program ever reads a slot that another program writes, so
+there is no ordering hazard and no second pass.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fnattn.paged import common
+from fnattn.paged.common import F32, I32, Cfg, Meta
+
+__all__ = ["forward", "forward_interpret", "launch_plan"]
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+MIN_ROWS = 16            # tl.dot needs at least 16 rows
+TARGET_PROGRAMS = 528    # 4 waves of 132 SMs (H100): enough to hide latency
+
+
+@dataclasses.dataclass(frozen=True)
+class _K:
+    """Static facts of one launch."""
+
+    G: int
+    Gp: int
+    bq: int          # tokens per item (power of two)
+    M: int           # rows per tile (>= 16)
+    bk: int          # keys per step
+    D: int
+    Dp: int
+    Dv: int
+    Dvp: int
+    ps: int
+    P: int
+    T: int
+    splits: int
+    scale: float
+    softcap: Optional[float]
+    mask_treedef: Any
+    sinks: bool
+    update: bool
+
+    def mask(self):
+        if self.mask_treedef is None:
+            return None
+        return jax.tree_util.tree_unflatten(self.mask_treedef, [])
+
+
+def launch_plan(cfg: Cfg):
+    """(block_q, block_k, num_splits, CompilerParams) for a call."""
+    bs = cfg.block_sizes
+    G = cfg.group
+    Gp = common.pow2(G)
+    if cfg.uniform_q is not None:
+        bq = common.pow2(cfg.uniform_q)
+    else:
+        # About 64 rows per tile: decode tokens waste at most a tile of rows,
+        # prefill tokens share each key block among many rows.
+        bq = common.pow2(bs.block_q) if bs.block_q else max(1, 64 // Gp)
+        bq = min(bq, common.pow2(cfg.total_tokens))
+    bk = common.pow2(bs.block_k) if bs.block_k else (64 if max(cfg.head_dim, cfg.v_head_dim) <= 128 else 32)
+    bk = max(16, min(bk, common.pow2(cfg.capacity)))
+    n_items = common.num_work_items(cfg, bq)
+    n_blocks = common.cdiv(cfg.capacity, bk)
+    if bs.num_splits:
+        splits = bs.num_splits
+    else:
+        # Enough programs to fill the GPU, but at least 8 key blocks per split.
+        splits = common.cdiv(TARGET_PROGRAMS, n_items * cfg.num_kv_heads)
+        splits = max(1, min(splits, n_blocks // 8))
+    params = plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
+    return bq, bk, splits, params
+
+
+def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
+    it = iter(refs)
+    sinks_ref = next(it) if K.sinks else None
+    nk_ref, nv_ref = (next(it), next(it)) if K.update else (None, None)
+    o_ref, lse_ref = next(it), next(it)
+    ko_ref, vo_ref = (next(it), next(it)) if K.update else (None, None)
+    w, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    f = {name: work_ref[w, i] for name, i in common.FIELDS.items()}
+    seq, tok, rows, kv_len = f["seq"], f["tok"], f["rows"], f["kv_len"]
+
+    m_i = lax.broadcasted_iota(I32, (K.M,), 0)
+    t_i, g_i = lax.div(m_i, K.Gp), lax.rem(m_i, K.Gp)
+    row_ok = t_i < rows
+    dcols = lax.broadcasted_iota(I32, (K.Dp,), 0)[None, :]
+    vcols = lax.broadcasted_iota(I32, (K.Dvp,), 0)[None, :]
+    dmask = None if K.D == K.Dp else dcols < K.D
+    vmask = None if K.Dv == K.Dvp else vcols < K.Dv
+
+    def both(a, b):
+        return a if b is None else a & b
+
+    q = q_ref[h, pl.ds(tok * K.Gp, K.M), :]
+    mask = K.mask()
+    if mask is not None:
+        qpos_rows = (f["q_pos"] + t_i)[:, None]
+        raw_rows = (f["row0"] + t_i)[:, None]
+        head_rows = (h * K.G + g_i)[:, None]
+
+    def load_kv(ref, new_ref, cols, cmask, slot, ok, kpos):
+        if not K.update:
+            return plgpu.load(ref.at[h, slot[:, None], cols], mask=both(ok[:, None], cmask),
+                              other=0.0)
+        is_new = kpos >= f["new_start"]
+        old = plgpu.load(ref.at[h, slot[:, None], cols],
+                         mask=both((ok & ~is_new)[:, None], cmask), other=0.0)
+        trow = jnp.clip(f["seq_tok"] + kpos - f["new_start"], 0, K.T - 1)
+        new = plgpu.load(new_ref.at[trow[:, None], h, cols],
+                         mask=both((ok & is_new)[:, None], cmask), other=0.0)
+        return jnp.where(is_new[:, None], new, old)
+
+    c = K.scale * LOG2E if K.softcap is None else K.softcap * LOG2E
+
+    def body(j, carry):
+        acc, m, l = carry
+        kpos = j * K.bk + lax.broadcasted_iota(I32, (K.bk,), 0)
+        lpage = jnp.minimum(lax.div(kpos, K.ps), K.P - 1)
+        page = plgpu.load(pt_ref.at[seq, lpage])
+        ok = (kpos < kv_len) & (page >= 0)
+        slot = jnp.maximum(page, 0) * K.ps + lax.rem(kpos, K.ps)
+        k = load_kv(k_ref, nk_ref, dcols, dmask, slot, ok, kpos)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+        if K.softcap is not None:
+            s = jnp.tanh(s * (K.scale / K.softcap))
+        allowed = ok[None, :]
+        if mask is not None:
+            pos = common.positions(seq, head_rows, raw_rows, qpos_rows, kpos[None, :])
+            allowed = allowed & mask.predicate(pos, [])
+        s = jnp.where(allowed, s * c, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        # A row with no visible key so far keeps m = -inf; shift by 0 instead.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(s - m_use[:, None])
+        alpha = jnp.exp2(m - m_use)
+        l = l * alpha + p.sum(axis=1)
+        v = load_kv(v_ref, nv_ref, vcols, vmask, slot, ok, kpos)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
+        return acc, m_new, l
+
+    lo, hi = common.split_range(f["k_lo"], f["k_hi"], sp, K.splits)
+    acc = jnp.zeros((K.M, K.Dvp), F32)
+    m = jnp.full((K.M,), -jnp.inf, F32)
+    l = jnp.zeros((K.M,), F32)
+    acc, m, l = lax.fori_loop(lo, hi, body, (acc, m, l))
+
+    if K.sinks:
+        sink = plgpu.load(sinks_ref.at[h, g_i]) * LOG2E
+        m_fin = jnp.maximum(m, sink)
+        a = jnp.exp2(m - m_fin)
+        l = l * a + jnp.exp2(sink - m_fin)
+        acc = acc * a[:, None]
+        m = m_fin
+    safe = jnp.where(l > 0, l, 1.0)
+    out = acc * (1.0 / safe)[:, None]
+    lse = jnp.where(l > 0, (m + jnp.log2(safe)) * LN2, -jnp.inf)
+    rows_ds = pl.ds(tok * K.Gp, K.M)
+    if K.splits == 1:
+        plgpu.store(o_ref.at[h, rows_ds, :], out.astype(o_ref.dtype), mask=row_ok[:, None])
+        plgpu.store(lse_ref.at[h, rows_ds], lse, mask=row_ok)
+    else:
+        plgpu.store(o_ref.at[sp, h, rows_ds, :], out, mask=row_ok[:, None])
+        plgpu.store(lse_ref.at[sp, h, rows_ds], lse, mask=row_ok)
+
+    if K.update:
+        @pl.when(sp == 0)
+        def _write():
+            # One token per step: a vector scatter would give masked-off lanes
+            # slots that may equal a live lane's, which interpreters (that
+            # write back the old value under the mask) would race with.
+            def write(t, carry):
+                pos = f["q_pos"] + t
+                ok = (pos >= 0) & (pos < K.P * K.ps)
+                pos = jnp.maximum(pos, 0)
+                page = pt_ref[seq, jnp.minimum(lax.div(pos, K.ps), K.P - 1)]
+                ok = ok & (page >= 0)
+                slot = jnp.maximum(page, 0) * K.ps + lax.rem(pos, K.ps)
+                for new_ref, out_ref, n, cols in ((nk_ref, ko_ref, K.D, dcols[0]),
+                                                  (nv_ref, vo_ref, K.Dv, vcols[0])):
+                    wmask = ok & (cols < n)
+                    x = plgpu.load(new_ref.at[tok + t, h, cols], mask=wmask, other=0.0)
+                    plgpu.store(out_ref.at[h, slot, cols], x, mask=wmask)
+                return carry
+
+            lax.fori_loop(0, rows, write, jnp.int32(0))
+
+
+def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v=None, *,
+             interpret=False):
+    T, Hq, D = q.shape
+    Hkv, N, ps, _ = k_pages.shape
+    G, Dv = cfg.group, cfg.v_head_dim
+    bq, bk, splits, params = launch_plan(cfg)
+    Gp = common.pow2(G)
+    M = max(MIN_ROWS, bq * Gp)
+    Dp, Dvp = common.pow2(max(D, 16)), common.pow2(max(Dv, 16))
+    work = common.work_list(cfg, meta, bq, bk)
+    W = work.seq.shape[0]
+    K = _K(G=G, Gp=Gp, bq=bq, M=M, bk=bk, D=D, Dp=Dp, Dv=Dv, Dvp=Dvp, ps=ps,
+           P=cfg.pages_per_seq, T=T, splits=splits, scale=cfg.scale, softcap=cfg.softcap,
+           mask_treedef=cfg.mask_treedef, sinks=sinks is not None and splits == 1,
+           update=cfg.update)
+
+    # q as (Hkv, tokens * Gp, Dp): a tile of M consecutive rows is bq tokens x Gp heads.
+    # Padded so that the tile of the last item never runs past the end.
+    t_pad = T + common.cdiv(M, Gp)
+    qh = q.reshape(T, Hkv, G, D)
+    qh = jnp.pad(qh, ((0, t_pad - T), (0, 0), (0, Gp - G), (0, Dp - D)))
+    qh = qh.transpose(1, 0, 2, 3).reshape(Hkv, t_pad * Gp, Dp)
+    rows = t_pad * Gp
+    args = [work.stacked(), meta.page_table, qh, k_pages.reshape(Hkv, N * ps, D),
+            v_pages.reshape(Hkv, N * ps, Dv)]
+    if K.sinks:
+        args.append(jnp.pad(sinks.astype(F32).reshape(Hkv, G), ((0, 0), (0, Gp - G))))
+    out_dtype = q.dtype if splits == 1 else F32
+    lead = () if splits == 1 else (splits,)
+    out_shape = [jax.ShapeDtypeStruct(lead + (Hkv, rows, Dvp), out_dtype),
+                 jax.ShapeDtypeStruct(lead + (Hkv, rows), F32)]
+    aliases = {}
+    if cfg.update:
+        args += [new_k, new_v]
+        out_shape += [jax.ShapeDtypeStruct(args[3].shape, k_pages.dtype),
+                      jax.ShapeDtypeStruct(args[4].shape, v_pages.dtype)]
+        aliases = {3: 2, 4: 3}
+    res = pl.pallas_call(
+        functools.partial(_kernel, K=K),
+        grid=(W, Hkv, splits),
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=params, interpret=interpret, name="fnattn_paged_triton",
+    )(*args)
+    out, lse = res[0], res[1]
+    if splits > 1:
+        sink = None
+        if sinks is not None:
+            sink = jnp.pad(sinks.astype(F32).reshape(Hkv, G), ((0, 0), (0, Gp - G)))
+            sink = jnp.tile(sink, (1, t_pad))
+        out, lse = common.merge_splits(out, lse, sink)
+    out = out.reshape(Hkv, t_pad, Gp, Dvp)[:, :T, :G, :Dv].transpose(1, 0, 2, 3)
+    lse = lse.reshape(Hkv, t_pad, Gp)[:, :T, :G].transpose(0, 2, 1).reshape(Hq, T)
+    # Rows of no live sequence were never written.
+    _, _, valid = common.token_owner(cfg, meta)
+    out = jnp.where(valid[:, None, None], out.reshape(T, Hq, Dv), 0).astype(q.dtype)
+    lse = jnp.where(valid[None, :], lse, -jnp.inf)
+    if cfg.update:
+        return out, lse, res[2].reshape(k_pages.shape), res[3].reshape(v_pages.shape)
+    return out, lse
+
+
+forward = functools.partial(_forward, interpret=False)
+forward_interpret = functools.partial(_forward, interpret=True)
