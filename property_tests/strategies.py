@@ -1,4 +1,30 @@
-"""Hypothesis strategies for attention problems: sizes, masks, features, dtypes."""
+"""Hypothesis strategies for attention problems, reusable by every variant's tests.
+
+Building blocks (each a strategy):
+
+* ``dtypes(names)``, ``layouts(names)``: a jnp dtype, a layout string.
+* ``gqa_heads(max_kv=3, max_group=3)``: ``(Hq, Hkv)`` with ``Hq`` a multiple of ``Hkv``
+  (MHA, GQA and MQA).
+* ``sizes(max_t=13)``: a dict of B, Tq, Tk, Hq, Hkv, D, Dv (Tq and Tk independent, so
+  both alignments occur).
+* ``ragged_lengths(B, T)``: int32 (B,) lengths in ``[0, T]``, zero included (rows or
+  keys fully masked).
+* ``segment_ids(B, T, max_segments=3, sorted_=True)``: int32 (B, T) document ids.
+* ``mask_trees(B, Tq, Tk, depth=2, H=1)``: a random composition with ``&``, ``|``, ``~``
+  of every mask kind, carrying random arrays (dense ones per head when ``H > 1``).
+* ``problems(...)``: a whole :class:`Problem` (spec, q, k, v in the drawn layout, and
+  the matching keyword arguments of ``tests/np_attention.py``), with optional bias
+  (several broadcast shapes), sinks, soft-cap, scale and dropout.
+
+Every array is drawn through a NumPy generator seeded by Hypothesis, so examples
+are reproducible under the derandomized "ci" profile and shrink sensibly.
+
+>>> from hypothesis import given
+>>> from strategies import problems
+>>> @given(problems(impl="xla"))
+... def test_something(p):
+...     ...
+"""
 
 import dataclasses
 from typing import Any
@@ -8,11 +34,28 @@ import jax.numpy as jnp
 import numpy as np
 from hypothesis import strategies as st
 
-from fnattn import AttentionSpec, dropout, masks
+from fnattn import AttentionSpec, masks
+from fnattn import dropout as fn_dropout
+
+__all__ = ["Problem", "dtypes", "layouts", "gqa_heads", "sizes", "ragged_lengths",
+           "segment_ids", "mask_trees", "problems", "MASK_KINDS"]
+
+MASK_KINDS = ("causal", "window", "chunked", "segments", "lengths", "prefix", "array", "fn",
+              "full")
 
 
 @dataclasses.dataclass
 class Problem:
+    """A drawn attention problem.
+
+    Attributes:
+      spec: the AttentionSpec.
+      q, k, v: inputs in ``spec.layout``.
+      np_kwargs: keyword arguments of ``np_attention`` / ``np_attention_grads``
+        (mask as a dense array, dropout as a dense keep array).
+      dims: (B, Tq, Tk, Hq, Hkv, D, Dv).
+    """
+
     spec: Any
     q: Any
     k: Any
@@ -21,88 +64,139 @@ class Problem:
     dims: tuple
 
 
-@st.composite
-def sizes(draw, max_t=13):
-    hkv = draw(st.sampled_from([1, 2, 3]))
-    group = draw(st.sampled_from([1, 2, 3]))
-    return dict(B=draw(st.integers(1, 3)), Tq=draw(st.integers(1, max_t)),
-                Tk=draw(st.integers(1, max_t)), Hkv=hkv, Hq=hkv * group,
-                D=draw(st.sampled_from([2, 3, 5, 8])), Dv=draw(st.sampled_from([2, 3, 5])))
+def _rng(draw):
+    return np.random.default_rng(draw(st.integers(0, 2**16)))
+
+
+def dtypes(names=("float32", "bfloat16", "float16")):
+    return st.sampled_from(names).map(jnp.dtype)
+
+
+def layouts(names=("bthd", "bhtd")):
+    return st.sampled_from(names)
 
 
 @st.composite
-def mask_trees(draw, B, Tq, Tk, depth=2):
-    """A random composition of every mask kind, with random arrays."""
-    rs = np.random.default_rng(draw(st.integers(0, 2**16)))
-    leaf = draw(st.sampled_from(["causal", "window", "chunked", "segments", "lengths",
-                                 "prefix", "array", "fn"]))
-    if depth > 0 and draw(st.booleans()):
-        op = draw(st.sampled_from(["and", "or", "not"]))
-        a = draw(mask_trees(B, Tq, Tk, depth - 1))
-        if op == "not":
-            return ~a
-        b = draw(mask_trees(B, Tq, Tk, depth - 1))
-        return a & b if op == "and" else a | b
-    if leaf == "causal":
-        return masks.causal()
-    if leaf == "window":
-        return masks.sliding_window(draw(st.integers(0, 6)), draw(st.one_of(st.none(),
-                                                                         st.integers(0, 3))))
-    if leaf == "chunked":
-        return masks.chunked(draw(st.integers(1, 6)))
-    if leaf == "segments":
-        n = draw(st.integers(1, 3))
-        return masks.segments(jnp.asarray(np.sort(rs.integers(0, n, (B, Tq)), 1)),
-                              jnp.asarray(np.sort(rs.integers(0, n, (B, Tk)), 1)))
-    if leaf == "lengths":
-        return masks.lengths(jnp.asarray(rs.integers(0, Tq + 1, (B,))),
-                             jnp.asarray(rs.integers(0, Tk + 1, (B,))))
-    if leaf == "prefix":
-        return masks.prefix_lm(jnp.asarray(rs.integers(0, Tk + 1, (B,))))
-    if leaf == "array":
-        return masks.from_array(jnp.asarray(rs.random((B, 1, Tq, Tk)) < 0.7))
-    return masks.from_fn(_mod3)
+def gqa_heads(draw, max_kv=3, max_group=3):
+    hkv = draw(st.integers(1, max_kv))
+    return hkv * draw(st.integers(1, max_group)), hkv
+
+
+@st.composite
+def sizes(draw, max_t=13, max_b=3, head_dims=(2, 3, 5, 8), v_head_dims=(2, 3, 5)):
+    hq, hkv = draw(gqa_heads())
+    return dict(B=draw(st.integers(1, max_b)), Tq=draw(st.integers(1, max_t)),
+                Tk=draw(st.integers(1, max_t)), Hkv=hkv, Hq=hq,
+                D=draw(st.sampled_from(head_dims)), Dv=draw(st.sampled_from(v_head_dims)))
+
+
+@st.composite
+def ragged_lengths(draw, B, T):
+    rs = _rng(draw)
+    lengths = rs.integers(0, T + 1, (B,))
+    if draw(st.booleans()):  # make the extremes likely
+        lengths[rs.integers(0, B)] = draw(st.sampled_from([0, T]))
+    return jnp.asarray(lengths, jnp.int32)
+
+
+@st.composite
+def segment_ids(draw, B, T, max_segments=3, sorted_=True):
+    rs = _rng(draw)
+    ids = rs.integers(0, draw(st.integers(1, max_segments)), (B, T))
+    return jnp.asarray(np.sort(ids, 1) if sorted_ else ids, jnp.int32)
 
 
 def _mod3(b, h, q, k):
+    # a module-level predicate: from_fn masks are static and compared by identity
     return (q * 2 + k + h) % 3 != 1
 
 
 @st.composite
+def mask_trees(draw, B, Tq, Tk, depth=2, H=1, kinds=MASK_KINDS):
+    """A random composition of mask kinds, with random arrays."""
+    if depth > 0 and draw(st.booleans()):
+        op = draw(st.sampled_from(["and", "or", "not"]))
+        a = draw(mask_trees(B, Tq, Tk, depth - 1, H, kinds))
+        if op == "not":
+            return ~a
+        b = draw(mask_trees(B, Tq, Tk, depth - 1, H, kinds))
+        return a & b if op == "and" else a | b
+    leaf = draw(st.sampled_from(kinds))
+    if leaf == "causal":
+        return masks.causal()
+    if leaf == "full":
+        return masks.full()
+    if leaf == "window":
+        return masks.sliding_window(draw(st.integers(0, 6)),
+                                    draw(st.one_of(st.none(), st.integers(0, 3))))
+    if leaf == "chunked":
+        return masks.chunked(draw(st.integers(1, 6)))
+    if leaf == "segments":
+        sorted_ = draw(st.booleans())
+        return masks.segments(draw(segment_ids(B, Tq, sorted_=sorted_)),
+                              draw(segment_ids(B, Tk, sorted_=sorted_)))
+    if leaf == "lengths":
+        which = draw(st.sampled_from(["q", "kv", "both"]))
+        ql = draw(ragged_lengths(B, Tq)) if which in ("q", "both") else None
+        kl = draw(ragged_lengths(B, Tk)) if which in ("kv", "both") else None
+        return masks.lengths(ql, kl)
+    if leaf == "prefix":
+        return masks.prefix_lm(draw(ragged_lengths(B, Tk)))
+    if leaf == "array":
+        rs = _rng(draw)
+        heads = draw(st.sampled_from(sorted({1, H})))
+        return masks.from_array(jnp.asarray(rs.random((B, heads, Tq, Tk)) < 0.7))
+    return masks.from_fn(_mod3)
+
+
+@st.composite
 def problems(draw, *, dtypes=("float32",), layouts=("bthd", "bhtd"), impl="auto",
-             features=True, max_t=13):
+             features=True, bias=True, sinks=True, softcap=True, dropout=True,
+             equal_head_dims=False, max_t=13, mask_kinds=MASK_KINDS):
+    """A whole attention problem; see the module docstring.
+
+    ``features=False`` draws no bias, sinks, soft-cap, scale or dropout; the
+    single flags switch one feature off (for lowerings that lack it), and
+    ``equal_head_dims`` draws ``Dv == D``.
+    """
     d = draw(sizes(max_t=max_t))
+    if equal_head_dims:
+        d["Dv"] = d["D"]
     B, Tq, Tk, Hq, Hkv, D, Dv = (d[n] for n in ("B", "Tq", "Tk", "Hq", "Hkv", "D", "Dv"))
     dtype = jnp.dtype(draw(st.sampled_from(dtypes)))
     layout = draw(st.sampled_from(layouts))
-    rs = np.random.default_rng(draw(st.integers(0, 2**16)))
+    rs = _rng(draw)
     q = jnp.asarray(rs.standard_normal((B, Tq, Hq, D)), dtype)
     k = jnp.asarray(rs.standard_normal((B, Tk, Hkv, D)), dtype)
     v = jnp.asarray(rs.standard_normal((B, Tk, Hkv, Dv)), dtype)
-    mask = draw(st.one_of(st.none(), mask_trees(B, Tq, Tk)))
-    bias = sinks = key = None
-    softcap = scale = None
+    mask = draw(st.one_of(st.none(), mask_trees(B, Tq, Tk, H=Hq, kinds=mask_kinds)))
+    bias_arr = sinks_arr = key = None
+    cap = scale = None
     rate = 0.0
     if features:
-        if draw(st.booleans()):
-            shape = draw(st.sampled_from([(1, Hq, Tq, Tk), (B, 1, Tq, Tk), (Tq, Tk)]))
-            bias = jnp.asarray(rs.standard_normal(shape), jnp.float32)
-        if draw(st.booleans()):
-            sinks = jnp.asarray(rs.standard_normal((Hq,)), jnp.float32)
-        softcap = draw(st.sampled_from([None, 1.5, 20.0]))
+        if bias and draw(st.booleans()):
+            shape = draw(st.sampled_from([(1, Hq, Tq, Tk), (B, 1, Tq, Tk), (Tq, Tk),
+                                          (B, Hq, Tq, Tk)]))
+            bias_arr = jnp.asarray(rs.standard_normal(shape), jnp.float32)
+        if sinks and draw(st.booleans()):
+            sinks_arr = jnp.asarray(rs.standard_normal((Hq,)), jnp.float32)
+        if softcap:
+            cap = draw(st.sampled_from([None, 1.5, 20.0]))
         scale = draw(st.sampled_from([None, 0.3]))
-        if draw(st.booleans()):
+        if dropout and draw(st.booleans()):
             rate = draw(st.sampled_from([0.1, 0.5]))
             key = jax.random.key(draw(st.integers(0, 100)))
-    spec = AttentionSpec(mask=mask, scale=scale, softcap=softcap, bias=bias, sinks=sinks,
+    spec = AttentionSpec(mask=mask, scale=scale, softcap=cap, bias=bias_arr, sinks=sinks_arr,
                          dropout_rate=rate, dropout_key=key, layout=layout, impl=impl)
-    kw = dict(scale=scale, softcap=softcap, bias=None if bias is None else np.asarray(bias),
-              sinks=None if sinks is None else np.asarray(sinks))
+    kw = dict(scale=scale, softcap=cap,
+              bias=None if bias_arr is None else np.asarray(bias_arr),
+              sinks=None if sinks_arr is None else np.asarray(sinks_arr))
     if mask is not None:
         kw["mask"] = np.asarray(masks.materialize(mask, B, Hq, Tq, Tk))
     if rate:
         b, h, qi, ki = np.ix_(range(B), range(Hq), range(Tq), range(Tk))
-        kw["keep"] = np.asarray(dropout.keep_mask(dropout.seed_from_key(key), b, h, qi, ki, rate))
+        kw["keep"] = np.asarray(
+            fn_dropout.keep_mask(fn_dropout.seed_from_key(key), b, h, qi, ki, rate))
         kw["rate"] = rate
     if layout == "bhtd":
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
