@@ -8,10 +8,12 @@
 
 from fnattn import dropout, masks
 from fnattn.core import attention
+from fnattn.decoding import DecodeBlockSizes, decode
 from fnattn.flash.api import flash
 from fnattn.flash.mosaic import MosaicBlockSizes
 from fnattn.flash.triton import TritonBlockSizes
 from fnattn.flash.xla import XlaBlockSizes
+from fnattn.merging import merge
 from fnattn.reference import reference
 from fnattn.cache import PagedKVCache
 from fnattn.paged import (PagedBlockSizes, paged_attention, ragged_paged_attention,
@@ -21,6 +23,7 @@ from fnattn.spec import AttentionOutput, AttentionSpec
 __all__ = [
     "AttentionOutput",
     "AttentionSpec",
+    "DecodeBlockSizes",
     "MosaicBlockSizes",
     "PagedBlockSizes",
     "PagedKVCache",
@@ -28,8 +31,10 @@ __all__ = [
     "XlaBlockSizes",
     "flash",
     "attention",
+    "decode",
     "dropout",
     "masks",
+    "merge",
     "paged_attention",
     "ragged_paged_attention",
     "ragged_paged_attention_with_update",

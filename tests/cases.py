@@ -140,3 +140,60 @@ def tolerance(dtype):
 
 def to_bthd(x, layout):
     return x if layout == "bthd" else jnp.swapaxes(x, 1, 2)
+
+
+def check_case(attn, case: Case, *, impl, layout="bthd", block_sizes=None, grad_tol=1e-4):
+    """Checks ``attn(spec, q, k, v)`` on ``case`` against float64 NumPy.
+
+    The forward (out, lse, which rows are -inf) always; for float32 cases also the
+    gradients of q, k, v, bias and sinks through a random linear function of both
+    out and lse, in the same compiled function.
+    """
+    from np_attention import np_attention, np_attention_grads, reduce_to  # tests/ is on sys.path
+
+    spec, q, k, v, kw = make(case, impl=impl, layout=layout)
+    if block_sizes is not None:
+        spec = spec.replace(block_sizes=block_sizes)
+
+    def f64(x):
+        return np.asarray(to_bthd(jnp.asarray(x, jnp.float32), layout), np.float64)
+
+    rs = np.random.default_rng(1)
+    d_out = jnp.asarray(rs.standard_normal((case.B, case.Tq, case.Hq, case.Dv)), jnp.float32)
+    d_lse = jnp.asarray(rs.standard_normal((case.B, case.Hq, case.Tq)), jnp.float32)
+    d_out_l = to_bthd(d_out, layout)
+
+    def loss(q, k, v, bias, sinks):
+        res = attn(spec.replace(bias=bias, sinks=sinks), q, k, v)
+        lse = jnp.where(jnp.isfinite(res.lse), res.lse, 0.0)
+        return jnp.sum(res.out.astype(jnp.float32) * d_out_l) + jnp.sum(lse * d_lse), res
+
+    args = (q, k, v, spec.bias, spec.sinks)
+    if case.dtype == "float32":
+        (_, res), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4),
+                                                     has_aux=True))(*args)
+    else:
+        res, grads = jax.jit(lambda *a: loss(*a)[1])(*args), None
+    out, lse, _ = np_attention(f64(q), f64(k), f64(v), **kw)
+    assert res.out.dtype == q.dtype and res.lse.dtype == jnp.float32
+    assert f64(res.out).shape == (case.B, case.Tq, case.Hq, case.Dv)
+    assert res.lse.shape == (case.B, case.Hq, case.Tq)
+    np.testing.assert_array_equal(np.isneginf(np.asarray(res.lse)), np.isneginf(lse))
+    tol = tolerance(case.dtype) * 10
+    np.testing.assert_allclose(f64(res.out), out, atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.asarray(res.lse), lse, atol=tol, rtol=tol)
+    if grads is None:
+        return
+    ref = np_attention_grads(f64(q), f64(k), f64(v), np.asarray(d_out), np.asarray(d_lse), **kw)
+    for name, g in zip(("dq", "dk", "dv"), grads[:3]):
+        assert np.isfinite(np.asarray(g)).all(), name
+        np.testing.assert_allclose(f64(g), ref[name], atol=grad_tol, rtol=grad_tol, err_msg=name)
+    if spec.bias is None:
+        assert grads[3] is None
+    else:
+        assert grads[3].shape == spec.bias.shape
+        np.testing.assert_allclose(np.asarray(grads[3]), reduce_to(ref["dbias"], spec.bias.shape),
+                                   atol=grad_tol, rtol=grad_tol, err_msg="dbias")
+    if spec.sinks is not None:
+        np.testing.assert_allclose(np.asarray(grads[4]), ref["dsinks"], atol=grad_tol,
+                                   rtol=grad_tol, err_msg="dsinks")

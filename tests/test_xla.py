@@ -11,8 +11,8 @@ import pytest
 
 import fnattn
 from fnattn import AttentionSpec, _dispatch, core, masks, xla
-from cases import CASES, EXTRA_CASES, make, tolerance
-from np_attention import np_attention, np_attention_grads, reduce_to
+from cases import CASES, EXTRA_CASES, check_case, make
+from np_attention import np_attention_grads, reduce_to
 
 ALL = CASES + EXTRA_CASES
 
@@ -31,40 +31,10 @@ def test_xla_is_the_only_lowering_of_impl_xla():
 
 
 @pytest.mark.parametrize("case", ALL, ids=_ids)
-def test_forward_matches_numpy(case):
-    spec, q, k, v, kw = make(case, impl="xla")
-    res = jax.jit(fnattn.attention)(spec, q, k, v)
-    out, lse, _ = np_attention(f64(q), f64(k), f64(v), **kw)
-    assert res.out.dtype == q.dtype and res.lse.dtype == jnp.float32
-    assert res.out.shape == (case.B, case.Tq, case.Hq, case.Dv)
-    np.testing.assert_array_equal(np.isneginf(np.asarray(res.lse)), np.isneginf(lse))
-    tol = tolerance(case.dtype) * 10
-    np.testing.assert_allclose(f64(res.out), out, atol=tol, rtol=tol)
-    np.testing.assert_allclose(np.asarray(res.lse), lse, atol=tol, rtol=tol)
-
-
-@pytest.mark.parametrize("case", [c for c in ALL if c.dtype == "float32"], ids=_ids)
-def test_gradients_match_numpy(case):
-    spec, q, k, v, kw = make(case, impl="xla")
-    rs = np.random.default_rng(1)
-    d_out = jnp.asarray(rs.standard_normal((case.B, case.Tq, case.Hq, case.Dv)), jnp.float32)
-    d_lse = jnp.asarray(rs.standard_normal((case.B, case.Hq, case.Tq)), jnp.float32)
-
-    def loss(q, k, v, bias, sinks):
-        res = fnattn.attention(spec.replace(bias=bias, sinks=sinks), q, k, v)
-        lse = jnp.where(jnp.isfinite(res.lse), res.lse, 0.0)
-        return jnp.sum(res.out * d_out) + jnp.sum(lse * d_lse)
-
-    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, spec.bias, spec.sinks)
-    ref = np_attention_grads(f64(q), f64(k), f64(v), np.asarray(d_out), np.asarray(d_lse), **kw)
-    for name, g in zip(("dq", "dk", "dv"), grads[:3]):
-        assert np.isfinite(np.asarray(g)).all(), name
-        np.testing.assert_allclose(np.asarray(g), ref[name], atol=1e-4, rtol=1e-4, err_msg=name)
-    if spec.bias is not None:
-        np.testing.assert_allclose(np.asarray(grads[3]), reduce_to(ref["dbias"], spec.bias.shape),
-                                   atol=1e-4, rtol=1e-4)
-    if spec.sinks is not None:
-        np.testing.assert_allclose(np.asarray(grads[4]), ref["dsinks"], atol=1e-4, rtol=1e-4)
+def test_matches_numpy_forward_and_gradients(case):
+    # forward for every case; gradients (q, k, v, bias, sinks; through out and lse)
+    # for the float32 ones, in the same compiled function
+    check_case(fnattn.attention, case, impl="xla")
 
 
 @pytest.mark.parametrize("layout", ["bthd", "bhtd"])

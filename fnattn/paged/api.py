@@ -35,6 +35,11 @@ tpu       Pallas Mosaic (fnattn/paged/mosaic)    the same
 other     XLA (fnattn/paged/xla)                 Triton kernels, interpreted
 ========  =====================================  ==============================
 
+The Mosaic kernel needs a page size that is a multiple of 8; on TPU,
+``impl="auto"`` runs other page sizes with the XLA lowering and
+``impl="pallas"`` raises ``NotImplementedError`` (at trace time, on every
+platform, since every branch is traced).
+
 ``impl="xla"`` is the XLA lowering everywhere, ``impl="reference"`` the plain
 gather-everything implementation (:mod:`fnattn.paged.reference`).
 
@@ -65,7 +70,8 @@ from fnattn.paged.common import I32, Cfg, Meta
 from fnattn.spec import AttentionOutput, AttentionSpec
 
 __all__ = ["paged_attention", "ragged_paged_attention", "ragged_paged_attention_with_update",
-           "check_inputs", "lowering_table", "run"]
+           "check_inputs", "lowering_table", "paged_attention_with", "ragged_paged_attention_with",
+           "ragged_paged_attention_with_update_with"]
 
 
 # ----------------------------------------------------------------------------------
@@ -78,7 +84,7 @@ def lowering_table(impl: str):
     if impl in ("auto", "pallas"):
         from fnattn.paged import mosaic, triton  # Pallas is imported only when needed
     if impl == "auto":
-        return (("default", xla.forward), ("cuda", triton.forward), ("tpu", mosaic.forward))
+        return (("default", xla.forward), ("cuda", triton.forward), ("tpu", _tpu_auto))
     if impl == "xla":
         return (("default", xla.forward),)
     if impl == "pallas":
@@ -91,6 +97,14 @@ def lowering_table(impl: str):
             "paged attention: impl='cudnn' has no paged lowering; use impl='auto' (Triton "
             "kernels on NVIDIA GPUs) or impl='xla'.")
     raise ValueError(f"paged attention: no lowering for impl={impl!r}")
+
+
+def _tpu_auto(cfg, *args):
+    """impl="auto" on TPU: the Mosaic kernel, or the XLA lowering for a cache it cannot
+    run (see ``fnattn.paged.mosaic.unsupported``), decided from the static config."""
+    from fnattn.paged import mosaic
+    fwd = xla.forward if mosaic.unsupported(cfg) else mosaic.forward
+    return fwd(cfg, *args)
 
 
 def _reference_forward(cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v=None):
@@ -318,8 +332,7 @@ def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, ne
 @jaxtyped(typechecker=beartype)
 def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shaped[Array, "..."],
                     v_pages: Shaped[Array, "..."], *, page_table: Shaped[Array, "..."],
-                    kv_lengths: Shaped[Array, "..."], checked: bool = False,
-                    _table=None) -> AttentionOutput:
+                    kv_lengths: Shaped[Array, "..."], checked: bool = False) -> AttentionOutput:
     """Decode: a few new query tokens per sequence against a paged KV cache.
 
     Args:
@@ -345,17 +358,25 @@ def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shape
     >>> from fnattn import AttentionSpec, masks
     >>> cache = fnattn.PagedKVCache.create(num_pages=8, page_size=4, num_kv_heads=2,
     ...                                    head_dim=16, max_seqs=2, max_pages_per_seq=3)
-    >>> kv = jax.random.normal(jax.random.key(0), (2, 2, 7, 2, 16))   # k/v, seq, token
-    >>> cache = cache.append(jnp.array([0, 1]), kv[0], kv[1])         # 7 tokens each
+    >>> k, v = jax.random.normal(jax.random.key(0), (2, 2, 7, 2, 16))  # seq, token, Hkv, D
+    >>> slots = jnp.repeat(jnp.arange(2), 7)                             # 7 tokens per slot
+    >>> cache = cache.append(slots, k.reshape(14, 2, 16), v.reshape(14, 2, 16))
     >>> q = jax.random.normal(jax.random.key(1), (2, 1, 4, 16))
     >>> spec = AttentionSpec(mask=masks.causal())
     >>> res = jax.jit(fnattn.paged_attention)(spec, q, cache.k_pages, cache.v_pages,
     ...                                       page_table=cache.page_table,
     ...                                       kv_lengths=cache.lengths)
-    >>> ref = fnattn.reference(spec, q[:1], kv[0, :1], kv[1, :1])
-    >>> bool(jnp.allclose(res.out[:1], ref.out, atol=1e-5)), res.lse.shape
+    >>> ref = fnattn.reference(spec, q, k, v)                   # the dense problem
+    >>> bool(jnp.allclose(res.out, ref.out, atol=1e-5)), res.lse.shape
     (True, (2, 4, 1))
     """
+    return paged_attention_with(None, spec, q, k_pages, v_pages, page_table=page_table,
+                                kv_lengths=kv_lengths, checked=checked)
+
+
+def paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table, kv_lengths,
+                         checked=False):
+    """:func:`paged_attention` with an explicit lowering table (None: ``spec.impl``'s)."""
     fn = "paged_attention"
     _checks.check_float(f"{fn}: q", q)
     if q.ndim != 4:
@@ -381,7 +402,7 @@ def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shape
                      new_tokens=Tq)
     loc = jnp.arange(B + 1, dtype=I32) * Tq
     out, lse = run(spec, qb.reshape(B * Tq, Hq, D), k_pages, v_pages,
-                   (page_table, kv_lengths, loc, jnp.int32(B)), cfg, table=_table)
+                   (page_table, kv_lengths, loc, jnp.int32(B)), cfg, table=table)
     out = _checks.from_bthd(out.reshape(B, Tq, Hq, Dv), spec.layout)
     lse = lse.reshape(Hq, B, Tq).transpose(1, 0, 2)
     return AttentionOutput(out, lse if spec.return_lse else None)
@@ -422,8 +443,8 @@ def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
                            page_table: Shaped[Array, "..."],
                            context_lengths: Shaped[Array, "..."],
                            query_start_loc: Shaped[Array, "..."],
-                           num_seqs: Shaped[Array, "..."], checked: bool = False,
-                           _table=None) -> AttentionOutput:
+                           num_seqs: Shaped[Array, "..."],
+                           checked: bool = False) -> AttentionOutput:
     """A mixed batch of prefill and decode sequences over a paged KV cache.
 
     Sequence ``s < num_seqs`` owns the packed query rows
@@ -465,6 +486,14 @@ def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
     >>> res.out.shape, res.lse.shape
     ((6, 2, 8), (2, 6))
     """
+    return ragged_paged_attention_with(
+        None, spec, q, k_pages, v_pages, page_table=page_table, context_lengths=context_lengths,
+        query_start_loc=query_start_loc, num_seqs=num_seqs, checked=checked)
+
+
+def ragged_paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table,
+                                context_lengths, query_start_loc, num_seqs, checked=False):
+    """:func:`ragged_paged_attention` with an explicit lowering table."""
     fn = "ragged_paged_attention"
     T, Hq, D, Hkv, N, ps, Dv, S, P = _ragged_checks(
         fn, spec, q, k_pages, v_pages, page_table, context_lengths, query_start_loc, num_seqs)
@@ -475,7 +504,7 @@ def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
         check_inputs(k_pages, page_table=page_table, context_lengths=context_lengths,
                      query_start_loc=query_start_loc, num_seqs=num_seqs, total_tokens=T)
     out, lse = run(spec, q, k_pages, v_pages,
-                   (page_table, context_lengths, query_start_loc, num_seqs), cfg, table=_table)
+                   (page_table, context_lengths, query_start_loc, num_seqs), cfg, table=table)
     return AttentionOutput(out, lse if spec.return_lse else None)
 
 
@@ -485,7 +514,7 @@ def ragged_paged_attention_with_update(
         v: Shaped[Array, "..."], k_pages: Shaped[Array, "..."], v_pages: Shaped[Array, "..."],
         *, page_table: Shaped[Array, "..."], context_lengths: Shaped[Array, "..."],
         query_start_loc: Shaped[Array, "..."], num_seqs: Shaped[Array, "..."],
-        checked: bool = False, _table=None):
+        checked: bool = False):
     """:func:`ragged_paged_attention` that first writes the new tokens' k/v into the cache.
 
     Token row ``t`` of sequence ``s`` (``n`` new tokens, context ``L``) is at
@@ -512,7 +541,7 @@ def ragged_paged_attention_with_update(
 
     >>> import jax, jax.numpy as jnp, fnattn
     >>> from fnattn import AttentionSpec, masks
-    >>> kp = vp = jnp.zeros((1, 4, 2, 8))                  # 4 pages of 2 slots
+    >>> kp, vp = jnp.zeros((2, 1, 4, 2, 8))                # 4 pages of 2 slots each
     >>> q = k = v = jnp.ones((3, 1, 8))                    # 3 new tokens of one sequence
     >>> f = jax.jit(fnattn.ragged_paged_attention_with_update, donate_argnums=(4, 5))
     >>> res, kp, vp = f(AttentionSpec(mask=masks.causal()), q, k, v, kp, vp,
@@ -521,6 +550,16 @@ def ragged_paged_attention_with_update(
     >>> kp[0, :, :, 0].tolist()                            # positions 0, 1 -> page 2; 2 -> page 0
     [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
     """
+    return ragged_paged_attention_with_update_with(
+        None, spec, q, k, v, k_pages, v_pages, page_table=page_table,
+        context_lengths=context_lengths, query_start_loc=query_start_loc, num_seqs=num_seqs,
+        checked=checked)
+
+
+def ragged_paged_attention_with_update_with(table, spec, q, k, v, k_pages, v_pages, *,
+                                            page_table, context_lengths, query_start_loc,
+                                            num_seqs, checked=False):
+    """:func:`ragged_paged_attention_with_update` with an explicit lowering table."""
     fn = "ragged_paged_attention_with_update"
     T, Hq, D, Hkv, N, ps, Dv, S, P = _ragged_checks(
         fn, spec, q, k_pages, v_pages, page_table, context_lengths, query_start_loc, num_seqs)
@@ -538,5 +577,5 @@ def ragged_paged_attention_with_update(
                      query_start_loc=query_start_loc, num_seqs=num_seqs, total_tokens=T)
     out, lse, k_pages, v_pages = run(
         spec, q, k_pages, v_pages, (page_table, context_lengths, query_start_loc, num_seqs),
-        cfg, table=_table, new_k=k.astype(k_pages.dtype), new_v=v.astype(v_pages.dtype))
+        cfg, table=table, new_k=k.astype(k_pages.dtype), new_v=v.astype(v_pages.dtype))
     return AttentionOutput(out, lse if spec.return_lse else None), k_pages, v_pages

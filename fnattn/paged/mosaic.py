@@ -39,7 +39,7 @@ from jax.experimental.pallas import tpu as pltpu
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
-__all__ = ["forward", "forward_interpret", "write_tokens"]
+__all__ = ["forward", "forward_interpret", "unsupported", "write_tokens"]
 
 LANES = 128
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -221,12 +221,24 @@ def write_tokens(cfg: Cfg, meta: Meta, k_pages, v_pages, new_k, new_v, *, interp
     )(work.stacked().reshape(-1), meta.page_table.reshape(-1), new_k, new_v, k_pages, v_pages)
 
 
+def unsupported(cfg: Cfg) -> Optional[str]:
+    """Why the Mosaic kernel cannot run ``cfg`` (None when it can).
+
+    ``impl="auto"`` then uses the XLA lowering on TPU; ``impl="pallas"`` raises.
+    """
+    if cfg.page_size % 8:
+        return (f"a page size that is a multiple of 8 (got {cfg.page_size}: pages are "
+                "copied to 8-row-aligned VMEM slots)")
+    return None
+
+
 def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v=None, *,
              interpret=False):
-    if cfg.page_size % 8:
+    why = unsupported(cfg)
+    if why is not None:
         raise NotImplementedError(
-            f"paged attention: the Mosaic (TPU) kernel needs a page size that is a multiple "
-            f"of 8; got {cfg.page_size}. The XLA lowering (impl='xla') supports any page size.")
+            f"paged attention: the Mosaic (TPU) kernel needs {why}. impl='auto' runs such "
+            "a cache with the XLA lowering on TPU; impl='xla' does everywhere.")
     if cfg.update:
         k_pages, v_pages = write_tokens(cfg, meta, k_pages, v_pages, new_k, new_v,
                                         interpret=interpret)

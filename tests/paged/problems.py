@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fnattn
+from fnattn import masks
 
 GARBAGE = 1e4
 
@@ -98,8 +99,27 @@ def make(seqs, *, Hq=4, Hkv=2, D=8, Dv=None, page_size=4, pages_per_seq=None, nu
 _reference = jax.jit(fnattn.reference)
 
 
-def expected(spec, p: Problem):
-    """(out (T, Hq, Dv) f32, lse (Hq, T)) from fnattn.reference per sequence."""
+def _np_mask(spec, s, Hq, n, L):
+    """The spec's mask for sequence s as a NumPy (1, Hq, n, L) array: the mask's own
+    predicate evaluated on NumPy index arrays (positional masks use only comparisons
+    and integer division, so this is plain NumPy)."""
+    if spec.mask is None:
+        return None
+    h = np.arange(Hq)[None, :, None, None]
+    q = np.arange(n)[None, None, :, None]
+    k = np.arange(L)[None, None, None, :]
+    pos = masks.Positions(b=np.full((1, 1, 1, 1), s), h=h, q=q, q_pos=q + (L - n), k=k)
+    return np.broadcast_to(np.asarray(spec.mask.predicate(pos, [])), (1, Hq, n, L))
+
+
+def expected(spec, p: Problem, *, use_reference=False):
+    """(out (T, Hq, Dv) f32, lse (Hq, T)) of every sequence's dense problem.
+
+    By default from the float64 NumPy attention of tests/np_attention.py (fast: no
+    compilation per sequence shape); with ``use_reference`` from ``fnattn.reference``
+    under jit, one sequence at a time."""
+    if not use_reference:
+        return _expected_np(spec, p)
     T, Hq = p.q.shape[:2]
     Dv = p.v_tok[0].shape[-1] if p.v_tok else p.v_pages.shape[-1]
     out = np.zeros((T, Hq, Dv), np.float32)
@@ -117,6 +137,29 @@ def expected(spec, p: Problem):
     return out, lse
 
 
+def _expected_np(spec, p: Problem):
+    from np_attention import np_attention
+    T, Hq, D = p.q.shape
+    Dv = p.v_pages.shape[-1]
+    out = np.zeros((T, Hq, Dv), np.float32)
+    lse = np.full((Hq, T), -np.inf, np.float32)
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    sinks = None if spec.sinks is None else f64(spec.sinks)
+    start = 0
+    for s, (L, n) in enumerate(p.seqs):
+        if n and L:
+            o, l, _ = np_attention(f64(p.q[start:start + n])[None], f64(p.k_tok[s])[None],
+                                   f64(p.v_tok[s])[None], scale=spec.scale,
+                                   softcap=spec.softcap, sinks=sinks,
+                                   mask=_np_mask(spec, s, Hq, n, L))
+            out[start:start + n] = o[0]
+            lse[:, start:start + n] = l[0]
+        elif n and sinks is not None:
+            lse[:, start:start + n] = sinks[:, None]
+        start += n
+    return out, lse
+
+
 def assert_close(out, lse, want_out, want_lse, tol):
     out = np.asarray(jnp.asarray(out, jnp.float32))
     lse = np.asarray(lse)
@@ -125,3 +168,40 @@ def assert_close(out, lse, want_out, want_lse, tol):
     np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(want_lse))
     np.testing.assert_allclose(np.where(np.isfinite(lse), lse, 0),
                                np.where(np.isfinite(want_lse), want_lse, 0), atol=tol, rtol=tol)
+
+
+def meta(p: Problem):
+    return dict(page_table=p.page_table, context_lengths=p.context_lengths,
+                query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
+
+
+def ragged(table, spec, p: Problem):
+    """ragged_paged_attention under jit with a lowering table (None: spec.impl's)."""
+    from fnattn.paged import api
+    f = jax.jit(lambda spec, q, kp, vp, m: api.ragged_paged_attention_with(
+        table, spec, q, kp, vp, **m))
+    return f(spec, p.q, p.k_pages, p.v_pages, meta(p))
+
+
+def update(table, spec, p: Problem):
+    """The cache-writing form on the pools that hold only the old tokens."""
+    from fnattn.paged import api
+    f = jax.jit(lambda spec, q, k, v, kp, vp, m: api.ragged_paged_attention_with_update_with(
+        table, spec, q, k, v, kp, vp, **m))
+    return f(spec, p.q, p.k_new, p.v_new, p.k_old, p.v_old, meta(p))
+
+
+def check_ragged(table, spec, p: Problem, tol=2e-5, use_reference=False):
+    res = ragged(table, spec, p)
+    assert res.out.shape == (p.q.shape[0], p.q.shape[1], p.v_pages.shape[-1])
+    assert res.out.dtype == p.q.dtype and res.lse.dtype == jnp.float32
+    assert_close(res.out, res.lse, *expected(spec, p, use_reference=use_reference), tol)
+    return res
+
+
+def check_update(table, spec, p: Problem, tol=2e-5):
+    res, kp, vp = update(table, spec, p)
+    assert_close(res.out, res.lse, *expected(spec, p), tol)
+    np.testing.assert_array_equal(np.asarray(kp), np.asarray(p.k_pages))
+    np.testing.assert_array_equal(np.asarray(vp), np.asarray(p.v_pages))
+    return res

@@ -1,0 +1,155 @@
+"""``fnattn.merge``: exact combination of partial attention results.
+
+Attention over the keys ``K = K_1 ∪ … ∪ K_n`` (disjoint parts) is a weighted
+average of the attention over each part::
+
+    lse   = log(sum_i exp(lse_i))                       (+ exp(sink) if given)
+    out   = sum_i exp(lse_i - lse) * out_i
+
+This is the building block of split-K decode, cascade (shared-prefix) decoding
+and ring attention. A part in which a query row sees no key has ``out_i = 0``
+and ``lse_i = -inf`` (what every fnattn variant returns for such rows) and
+contributes nothing; a row that no part sees gives ``out = 0`` and
+``lse = -inf`` (or ``lse = sinks[h]`` with a sink), with no NaN in the result
+or in any gradient.
+
+**Sinks** join the denominator once: compute the parts *without* sinks and pass
+``sinks=`` here (see :mod:`fnattn.spec`).
+"""
+
+from collections.abc import Sequence
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from beartype import beartype
+from jaxtyping import Array, Shaped, jaxtyped
+
+from fnattn import _checks
+from fnattn.spec import AttentionOutput
+
+__all__ = ["merge", "MERGE_LAYOUTS"]
+
+# How out's axes relate to lse's (lse's axes are listed as positions in out).
+# "bthd": out (B, T, H, Dv), lse (B, H, T)    -- fnattn.attention, flash, decode
+# "bhtd": out (B, H, T, Dv), lse (B, H, T)
+# "thd":  out (T, H, Dv),    lse (H, T)       -- ragged_paged_attention
+MERGE_LAYOUTS = {"bthd": (0, 2, 1), "bhtd": (0, 1, 2), "thd": (1, 0)}
+
+def _lse_in_out_order(lse, layout):
+    """lse permuted to out's axis order (without Dv)."""
+    perm = MERGE_LAYOUTS[layout]
+    inv = [perm.index(i) for i in range(len(perm))]
+    return jnp.transpose(lse, inv)
+
+
+def _lse_from_out_order(x, layout):
+    return jnp.transpose(x, MERGE_LAYOUTS[layout])
+
+
+def _sink_in_out_order(sinks, lse_shape_out_order, layout):
+    """sinks (H,) broadcast to lse's shape in out's axis order."""
+    h_axis = {"bthd": 2, "bhtd": 1, "thd": 1}[layout]
+    shape = [1] * len(lse_shape_out_order)
+    shape[h_axis] = sinks.shape[0]
+    return jnp.broadcast_to(sinks.astype(jnp.float32).reshape(shape), lse_shape_out_order)
+
+
+def merge_stacked(outs, lses, sink=None):
+    """Merges stacked parts: ``outs`` (P, ..., Dv), ``lses`` (P, ...) float32 in the
+    same axis order; ``sink`` broadcastable to ``lses[0]``. Returns (out f32, lse).
+
+    Gradient-safe for parts and rows with ``lse = -inf``."""
+    lses = lses.astype(jnp.float32)
+    m = jnp.max(lses, axis=0)
+    if sink is not None:
+        m = jnp.maximum(m, sink)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    m = jax.lax.stop_gradient(m)
+    w = jnp.exp(lses - m)                    # exp(-inf) = 0: empty parts drop out
+    denom = jnp.sum(w, axis=0)
+    if sink is not None:
+        denom = denom + jnp.exp(sink - m)
+    seen = denom > 0
+    safe = jnp.where(seen, denom, 1.0)
+    weights = w / safe
+    out = jnp.sum(weights[..., None] * outs.astype(jnp.float32), axis=0)
+    lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+    return out, lse
+
+
+@jaxtyped(typechecker=beartype)
+def merge(parts: Sequence, *, layout: str = "bthd",
+          sinks: Optional[Shaped[Array, "h"]] = None) -> AttentionOutput:
+    """Combines partial results over disjoint key sets into the exact result.
+
+    Args:
+      parts: a non-empty sequence of :class:`AttentionOutput` (with ``lse``) or
+        ``(out, lse)`` pairs, all of the same shapes. Each part is attention of
+        the same queries over its own, disjoint, set of keys.
+      layout: how ``out`` and ``lse`` are laid out: "bthd" (out (B, T, H, Dv),
+        lse (B, H, T): :func:`fnattn.attention`, :func:`fnattn.decode`,
+        :func:`fnattn.paged_attention`), "bhtd" (out (B, H, T, Dv)) or "thd"
+        (out (T, H, Dv), lse (H, T): :func:`fnattn.ragged_paged_attention`).
+      sinks: optional (H,) logits that join the denominator once; the parts must
+        have been computed without sinks.
+
+    Returns:
+      :class:`AttentionOutput` with ``out`` in the first part's dtype and ``lse``
+      float32.
+
+    >>> import jax, jax.numpy as jnp, fnattn
+    >>> from fnattn import AttentionSpec
+    >>> q = jax.random.normal(jax.random.key(0), (1, 3, 2, 8))
+    >>> k = v = jax.random.normal(jax.random.key(1), (1, 10, 2, 8))
+    >>> spec = AttentionSpec()
+    >>> a = fnattn.attention(spec, q, k[:, :4], v[:, :4])
+    >>> b = fnattn.attention(spec, q, k[:, 4:], v[:, 4:])
+    >>> both = fnattn.merge([a, b])
+    >>> full = fnattn.attention(spec, q, k, v)
+    >>> bool(jnp.allclose(both.out, full.out, atol=1e-5)), bool(jnp.allclose(both.lse, full.lse))
+    (True, True)
+    """
+    if layout not in MERGE_LAYOUTS:
+        raise ValueError(f"merge: layout must be one of {tuple(MERGE_LAYOUTS)}; got {layout!r}")
+    if len(parts) == 0:
+        raise ValueError("merge: parts must hold at least one (out, lse) part; got none")
+    outs, lses = [], []
+    rank = len(MERGE_LAYOUTS[layout]) + 1
+    for i, part in enumerate(parts):
+        if isinstance(part, AttentionOutput):
+            out, lse = part.out, part.lse
+        elif isinstance(part, tuple) and len(part) == 2:
+            out, lse = part
+        else:
+            raise TypeError(f"merge: parts[{i}] must be an AttentionOutput or an (out, lse) "
+                            f"pair; got {type(part).__name__}")
+        if lse is None:
+            raise ValueError(f"merge: parts[{i}] has no lse; compute it with "
+                             "AttentionSpec(return_lse=True)")
+        _checks.check_float(f"merge: parts[{i}].out", out)
+        _checks.check_float(f"merge: parts[{i}].lse", lse)
+        if out.ndim != rank:
+            raise ValueError(f"merge: parts[{i}].out must have {rank} axes for layout "
+                             f"{layout!r}; got shape {tuple(out.shape)}")
+        want = tuple(_lse_from_out_order(jnp.zeros(out.shape[:-1], jnp.int8), layout).shape)
+        if tuple(lse.shape) != want:
+            raise ValueError(f"merge: parts[{i}].lse must have shape {want} to go with out "
+                             f"{tuple(out.shape)} in layout {layout!r}; got {tuple(lse.shape)}")
+        if i and (out.shape != outs[0].shape or out.dtype != outs[0].dtype):
+            raise ValueError(f"merge: parts[{i}].out has shape {tuple(out.shape)} and dtype "
+                             f"{out.dtype}; parts[0].out has {tuple(outs[0].shape)} and "
+                             f"{outs[0].dtype}")
+        outs.append(out)
+        lses.append(_lse_in_out_order(lse, layout))
+    sink = None
+    if sinks is not None:
+        _checks.check_float("merge: sinks", sinks)
+        h = {"bthd": 2, "bhtd": 1, "thd": 1}[layout]
+        if sinks.shape[0] != outs[0].shape[h]:
+            raise ValueError(f"merge: sinks must have shape (H,)=({outs[0].shape[h]},), one "
+                             f"logit per head of out {tuple(outs[0].shape)}; got "
+                             f"{tuple(sinks.shape)}")
+        sink = _sink_in_out_order(sinks, outs[0].shape[:-1], layout)
+    out, lse = merge_stacked(jnp.stack(outs), jnp.stack(lses), sink)
+    return AttentionOutput(out.astype(outs[0].dtype), _lse_from_out_order(lse, layout))

@@ -1,0 +1,136 @@
+"""The XLA lowering of paged attention (fnattn/paged/xla.py) against fnattn.reference
+on the dense problem of every sequence, under jax.jit."""
+
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+
+import fnattn  # noqa: E402
+from fnattn import AttentionSpec, PagedBlockSizes, masks  # noqa: E402
+from fnattn.paged import xla  # noqa: E402
+from problems import assert_close, check_ragged, check_update, expected, make  # noqa: E402
+
+XLA = (("default", xla.forward),)
+
+# (L, n) per sequence: prefill from scratch, chunked prefill, decode, a one-token
+# sequence, a sequence whose context is a whole number of pages.
+MIXED = [(7, 3), (13, 1), (5, 5), (1, 1), (10, 2)]
+
+# Each case its own GQA shape, so that the cases together cover MHA, MQA and groups.
+CASES = {
+    "full": dict(mask=None),
+    "causal-sinks-softcap": dict(mask=masks.causal(), softcap=4.0, sinks=True),
+    "window-mha": dict(mask=masks.causal() & masks.sliding_window(3), heads=(3, 3)),
+    "chunked-mqa": dict(mask=masks.chunked(4) & masks.causal(), scale=0.3, heads=(5, 1)),
+    "two-sided-window": dict(mask=masks.sliding_window(2, 1)),
+    "from-fn": dict(mask=masks.from_fn(lambda b, h, q, k: (k + h) % 3 != 0) & masks.causal()),
+}
+
+
+def spec_for(case, **kw):
+    c = dict(CASES[case])
+    Hq, Hkv = c.pop("heads", (6, 2))
+    sinks = jnp.linspace(-1.0, 2.0, Hq) if c.pop("sinks", False) else None
+    return AttentionSpec(sinks=sinks, **c, **kw), Hq, Hkv
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_ragged_matches_reference(case):
+    spec, Hq, Hkv = spec_for(case)
+    p = make(MIXED, Hq=Hq, Hkv=Hkv, D=7, Dv=5, page_size=3, max_seqs=7, pad_tokens=2, seed=1)
+    # One case against fnattn.reference itself, the others against float64 NumPy.
+    check_ragged(XLA, spec, p, use_reference=case == "causal-sinks-softcap")
+
+
+def test_many_chunks_and_skipped_chunks():
+    """Several key chunks per item; chunks that no item sees (past every length, or
+    outside every window) are skipped at run time."""
+    p = make([(41, 2), (29, 11), (3, 3)], Hq=4, Hkv=2, D=8, page_size=4, pages_per_seq=13,
+             max_seqs=5, seed=3)
+    blocks = PagedBlockSizes(block_q=3, block_k=8)
+    for mask in (masks.causal(), masks.causal() & masks.sliding_window(5)):
+        check_ragged(XLA, AttentionSpec(mask=mask, block_sizes=blocks), p)
+
+
+def test_update_writes_the_tokens_then_attends():
+    p = make(MIXED, Hq=4, Hkv=2, D=6, page_size=3, max_seqs=6, pad_tokens=3, seed=4)
+    check_update(XLA, spec_for("causal-sinks-softcap")[0].replace(sinks=jnp.arange(4.)), p)
+
+
+@pytest.mark.parametrize("layout,Tq", [("bthd", 1), ("bhtd", 3)])
+def test_paged_attention_decode(layout, Tq):
+    B, Hq, D = 3, 6, 8
+    p = make([(11, Tq), (5, Tq), (Tq, Tq)], Hq=Hq, Hkv=3, D=D, page_size=4, seed=Tq)
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.ones(Hq), layout=layout, impl="xla")
+    q = p.q.reshape(B, Tq, Hq, D)
+    qin = q if layout == "bthd" else q.transpose(0, 2, 1, 3)
+    res = jax.jit(fnattn.paged_attention)(spec, qin, p.k_pages, p.v_pages,
+                                          page_table=p.page_table, kv_lengths=p.context_lengths)
+    assert res.lse.shape == (B, Hq, Tq)
+    out = res.out if layout == "bthd" else res.out.transpose(0, 2, 1, 3)
+    want_out, want_lse = expected(spec, p, use_reference=Tq == 1)
+    assert_close(out.reshape(B * Tq, Hq, D), res.lse.transpose(1, 0, 2).reshape(Hq, B * Tq),
+                 want_out, want_lse, 2e-5)
+
+
+def test_low_precision():
+    p = make(MIXED, Hq=4, Hkv=2, D=16, page_size=4, dtype=jnp.bfloat16, seed=5)
+    res = check_ragged(XLA, AttentionSpec(mask=masks.causal()), p, tol=3e-2)
+    assert res.out.dtype == jnp.bfloat16
+
+
+def _loss(res):
+    w = jnp.cos(jnp.arange(res.out.size, dtype=jnp.float32)).reshape(res.out.shape)
+    lse = jnp.where(jnp.isfinite(res.lse), res.lse, 0.0)
+    return jnp.sum(res.out.astype(jnp.float32) * w) + jnp.sum(jnp.sin(lse))
+
+
+def test_gradients_match_dense_gradients():
+    """d/dq, d/dpools and d/dsinks through the custom_vjp, against the dense problem's
+    gradients scattered to the same slots."""
+    p = make([(6, 2), (9, 1), (4, 4)], Hq=4, Hkv=2, D=5, page_size=3, max_seqs=4,
+             pad_tokens=1, seed=6)
+    spec = AttentionSpec(mask=masks.causal(), softcap=3.0, sinks=jnp.array([0.1, -1., 2., 0.]),
+                         impl="xla")
+
+    def paged_loss(q, kp, vp, sinks):
+        return _loss(fnattn.ragged_paged_attention(
+            spec.replace(sinks=sinks), q, kp, vp, page_table=p.page_table,
+            context_lengths=p.context_lengths, query_start_loc=p.query_start_loc,
+            num_seqs=p.num_seqs))
+
+    def dense_loss(q, ks, vs, sinks):
+        # The same loss, from fnattn.reference on each sequence (padding rows: 0, -inf).
+        outs, lses, start = [], [], 0
+        for s, (L, n) in enumerate(p.seqs):
+            r = fnattn.reference(spec.replace(sinks=sinks), q[None, start:start + n],
+                                 ks[s][None], vs[s][None])
+            outs.append(r.out[0])
+            lses.append(r.lse[0])
+            start += n
+        pad = q.shape[0] - start
+        out = jnp.concatenate(outs + [jnp.zeros((pad,) + outs[0].shape[1:])])
+        lse = jnp.concatenate(lses + [jnp.full((lses[0].shape[0], pad), -jnp.inf)], axis=1)
+        return _loss(fnattn.AttentionOutput(out, lse))
+
+    g = jax.jit(jax.grad(paged_loss, argnums=(0, 1, 2, 3)))(p.q, p.k_pages, p.v_pages,
+                                                          spec.sinks)
+    gd = jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2, 3)))(p.q, p.k_tok, p.v_tok, spec.sinks)
+    np.testing.assert_allclose(g[0], gd[0], atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(g[3], gd[3], atol=1e-4, rtol=1e-4)
+    dk_want = np.zeros(p.k_pages.shape, np.float32)
+    dv_want = np.zeros(p.v_pages.shape, np.float32)
+    for s, (L, _) in enumerate(p.seqs):
+        for pos in range(L):
+            page, off = int(p.page_table[s, pos // 3]), pos % 3
+            dk_want[:, page, off] = gd[1][s][pos]
+            dv_want[:, page, off] = gd[2][s][pos]
+    np.testing.assert_allclose(g[1], dk_want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(g[2], dv_want, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,203 @@
+"""fnattn.decode against float64 NumPy on each sequence's dense problem, under jax.jit."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fnattn
+from fnattn import AttentionSpec, DecodeBlockSizes, masks
+from fnattn.decoding import default_num_splits
+from np_attention import np_attention, np_attention_grads
+
+S = 24  # cache slots per sequence (divisible by 1, 2, 3, 4, 6, 8)
+
+MASKS = {
+    "none": None,
+    "causal": masks.causal(),
+    "window": masks.causal() & masks.sliding_window(4),
+    "chunked": masks.chunked(5) & masks.causal(),
+    "two-sided": masks.sliding_window(3, 1),
+    "fn": masks.from_fn(lambda b, h, q, k: (k + h + b) % 3 != 0) & masks.causal(),
+}
+
+
+def np_mask(mask, b, Hq, n, L):
+    """The mask of sequence b (n queries over L keys, bottom-right aligned) in NumPy."""
+    if mask is None:
+        return None
+    h = np.arange(Hq)[None, :, None, None]
+    q = np.arange(n)[None, None, :, None]
+    k = np.arange(L)[None, None, None, :]
+    pos = masks.Positions(b=np.full((1, 1, 1, 1), b), h=h, q=q, q_pos=q + (L - n), k=k)
+    return np.broadcast_to(np.asarray(mask.predicate(pos, [])), (1, Hq, n, L))
+
+
+def problem(B=3, Tq=1, Hq=6, Hkv=2, D=7, Dv=5, dtype=jnp.float32, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (B, Tq, Hq, D), dtype)
+    k = jax.random.normal(ks[1], (B, S, Hkv, D), dtype)
+    v = jax.random.normal(ks[2], (B, S, Hkv, Dv), dtype)
+    return q, k, v
+
+
+def expected(spec, q, k, v, lengths, starts):
+    """(out (B, Tq, Hq, Dv), lse (B, Hq, Tq)) of every sequence's dense problem."""
+    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    q, k, v = f64(q), f64(k), f64(v)
+    B, Tq, Hq, _ = q.shape
+    out = np.zeros(q.shape[:3] + (v.shape[-1],))
+    lse = np.full((B, Hq, Tq), -np.inf)
+    sinks = None if spec.sinks is None else f64(spec.sinks)
+    for b in range(B):
+        a, L = int(starts[b]), int(lengths[b])
+        if L == 0:
+            if sinks is not None:
+                lse[b] = sinks[:, None]
+            continue
+        o, l, _ = np_attention(q[b:b + 1], k[b:b + 1, a:a + L], v[b:b + 1, a:a + L],
+                               scale=spec.scale, softcap=spec.softcap, sinks=sinks,
+                               mask=np_mask(spec.mask, b, Hq, Tq, L))
+        out[b], lse[b] = o[0], l[0]
+    return out, lse
+
+
+def check(spec, q, k, v, lengths, starts=None, tol=2e-5):
+    run = jax.jit(lambda spec, q, k, v, L, s: fnattn.decode(spec, q, k, v, kv_lengths=L,
+                                                            kv_starts=s))
+    res = run(spec, q, k, v, lengths, starts)
+    starts_np = np.zeros(len(lengths), int) if starts is None else np.asarray(starts)
+    out, lse = expected(spec, q, k, v, np.asarray(lengths), starts_np)
+    assert res.out.dtype == q.dtype and res.lse.dtype == jnp.float32
+    assert res.out.shape == out.shape and res.lse.shape == lse.shape
+    np.testing.assert_array_equal(np.isneginf(np.asarray(res.lse)), np.isneginf(lse))
+    np.testing.assert_allclose(np.asarray(res.out, np.float64), out, atol=tol, rtol=tol)
+    np.testing.assert_allclose(np.where(np.isfinite(lse), res.lse, 0),
+                               np.where(np.isfinite(lse), lse, 0), atol=tol, rtol=tol)
+    return res
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("splits", [1, 4])
+def test_masks_and_splits(mask, splits):
+    q, k, v = problem(Tq=2)
+    spec = AttentionSpec(mask=MASKS[mask], block_sizes=DecodeBlockSizes(num_splits=splits))
+    check(spec, q, k, v, jnp.array([24, 9, 2]))
+
+
+@pytest.mark.parametrize("heads,Tq", [((6, 2), 1), ((3, 3), 1), ((5, 1), 1), ((6, 2), 3),
+                                      ((8, 1), 3)])
+def test_gqa_shapes_fused_and_matmul_paths(heads, Tq):
+    # Tq * Hq / Hkv rows per kv head: <= 8 takes the fused path, more the matmul path.
+    Hq, Hkv = heads
+    q, k, v = problem(Tq=Tq, Hq=Hq, Hkv=Hkv, seed=1)
+    spec = AttentionSpec(mask=masks.causal(), block_sizes=DecodeBlockSizes(num_splits=3))
+    check(spec, q, k, v, jnp.array([5, 24, 17]))
+
+
+def test_starts_sinks_softcap_scale():
+    q, k, v = problem(Tq=2, seed=2)
+    spec = AttentionSpec(mask=masks.causal(), softcap=3.0, scale=0.4,
+                         sinks=jnp.linspace(-1.0, 2.0, 6),
+                         block_sizes=DecodeBlockSizes(num_splits=6))
+    check(spec, q, k, v, jnp.array([10, 3, 0]), jnp.array([5, 21, 7]))
+
+
+def test_empty_sequences_give_zeros_and_lengths_are_clipped():
+    q, k, v = problem(seed=3)
+    # sequence 0: no keys; 1: length past the cache end (clipped to S - start);
+    # 2: start past the end (no keys)
+    lengths, starts = jnp.array([0, 100, 4]), jnp.array([3, 20, 30])
+    res = jax.jit(lambda q, k, v: fnattn.decode(AttentionSpec(), q, k, v, kv_lengths=lengths,
+                                                kv_starts=starts))(q, k, v)
+    assert np.all(np.asarray(res.out)[[0, 2]] == 0)
+    assert np.all(np.isneginf(np.asarray(res.lse)[[0, 2]]))
+    check(AttentionSpec(), q, k, v, jnp.array([0, 4, 0]), jnp.array([3, 20, 24]))
+
+
+def test_bhtd_layout():
+    q, k, v = problem(seed=4)
+    spec = AttentionSpec(mask=masks.causal())
+    lengths = jnp.array([7, 24, 1])
+    ref = check(spec, q, k, v, lengths)
+    t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    res = jax.jit(lambda q, k, v: fnattn.decode(spec.replace(layout="bhtd"), q, k, v,
+                                                kv_lengths=lengths))(t(q), t(k), t(v))
+    np.testing.assert_allclose(t(res.out), ref.out, atol=1e-6)
+    np.testing.assert_allclose(res.lse, ref.lse, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision(dtype):
+    q, k, v = problem(Tq=3, seed=5, dtype=jnp.dtype(dtype))
+    check(AttentionSpec(mask=masks.causal()), q, k, v, jnp.array([24, 12, 3]), tol=2e-2)
+
+
+def test_gradients_match_numpy():
+    q, k, v = problem(B=2, Tq=2, seed=6)
+    lengths = jnp.array([24, 11])
+    sinks = jnp.linspace(-0.5, 1.0, 6)
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(6), softcap=4.0,
+                         block_sizes=DecodeBlockSizes(num_splits=4))
+    rs = np.random.default_rng(0)
+    d_out = rs.standard_normal((2, 2, 6, 5))
+    d_lse = rs.standard_normal((2, 6, 2))
+
+    def loss(q, k, v, sinks):
+        res = fnattn.decode(spec.replace(sinks=sinks), q, k, v, kv_lengths=lengths)
+        return jnp.sum(res.out * d_out) + jnp.sum(res.lse * d_lse)
+
+    grads = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, sinks)
+    f64 = lambda x: np.asarray(x, np.float64)  # noqa: E731
+    for b in range(2):
+        L = int(lengths[b])
+        ref = np_attention_grads(f64(q[b:b + 1]), f64(k[b:b + 1, :L]), f64(v[b:b + 1, :L]),
+                                 d_out[b:b + 1], d_lse[b:b + 1], softcap=4.0,
+                                 sinks=f64(sinks), mask=np_mask(spec.mask, b, 6, 2, L))
+        np.testing.assert_allclose(grads[0][b], ref["dq"][0], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(grads[1][b, :L], ref["dk"][0], atol=1e-4, rtol=1e-4)
+        np.testing.assert_allclose(grads[2][b, :L], ref["dv"][0], atol=1e-4, rtol=1e-4)
+        np.testing.assert_array_equal(grads[1][b, L:], 0.0)   # slots never seen
+    assert np.isfinite(np.asarray(grads[3])).all()
+
+
+def test_vmap_over_a_leading_axis():
+    q, k, v = problem(seed=7)
+    lengths = jnp.array([[3, 24, 9], [1, 2, 3]])
+    qs, ks, vs = (jnp.stack([x, x[::-1]]) for x in (q, k, v))
+    spec = AttentionSpec(mask=masks.causal())
+    f = jax.jit(jax.vmap(lambda q, k, v, L: fnattn.decode(spec, q, k, v, kv_lengths=L)))
+    res = f(qs, ks, vs, lengths)
+    for i in range(2):
+        one = fnattn.decode(spec, qs[i], ks[i], vs[i], kv_lengths=lengths[i])
+        np.testing.assert_allclose(res.out[i], one.out, atol=1e-6)
+
+
+def test_default_num_splits():
+    assert default_num_splits(1, 2, 32768) == 8
+    assert default_num_splits(1, 1, 32768) == 16
+    assert default_num_splits(64, 8, 32768) == 1
+    assert default_num_splits(1, 2, 1000) == 1        # 512 keys at least per split
+    assert default_num_splits(1, 2, 3 * 1024) == 6    # a divisor of the cache length
+    assert 3 * 1024 % default_num_splits(1, 1, 3 * 1024) == 0
+
+
+def test_bad_input_messages():
+    q, k, v = problem()
+    L = jnp.array([1, 2, 3])
+    with pytest.raises(ValueError, match=r"decode: kv_lengths must have shape \(B,\)=\(3,\), "
+                                         r"one per sequence of q \(3, 1, 6, 7\); got \(2,\)"):
+        fnattn.decode(AttentionSpec(), q, k, v, kv_lengths=L[:2])
+    with pytest.raises(TypeError, match=r"decode: kv_starts must be an integer array; "
+                                        r"got float32"):
+        fnattn.decode(AttentionSpec(), q, k, v, kv_lengths=L, kv_starts=jnp.zeros(3))
+    with pytest.raises(ValueError, match=r"decode: head-dim mismatch"):
+        fnattn.decode(AttentionSpec(), q, k[..., :3], v, kv_lengths=L)
+    with pytest.raises(NotImplementedError, match=r"decode: masks that hold arrays"):
+        fnattn.decode(AttentionSpec(mask=masks.lengths(kv_lengths=L)), q, k, v, kv_lengths=L)
+    with pytest.raises(NotImplementedError, match=r"decode: spec.bias is not supported"):
+        fnattn.decode(AttentionSpec(bias=jnp.zeros((1, 1, 1, S))), q, k, v, kv_lengths=L)
+    with pytest.raises(ValueError, match=r"num_splits=5\) must divide the cache length S=24"):
+        fnattn.decode(AttentionSpec(block_sizes=DecodeBlockSizes(5)), q, k, v, kv_lengths=L)
+    with pytest.raises(ValueError, match=r"decode: sinks must have shape \(Hq,\)=\(6,\)"):
+        fnattn.decode(AttentionSpec(sinks=jnp.zeros(2)), q, k, v, kv_lengths=L)

@@ -1,0 +1,156 @@
+"""fnattn.merge: partial results over disjoint key sets combine into the exact result."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fnattn
+from fnattn import AttentionSpec, masks
+from np_attention import np_attention
+
+B, Tq, Tk, Hq, Hkv, D, Dv = 2, 5, 13, 6, 2, 7, 3
+
+
+def _inputs(seed=0, dtype=jnp.float32):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (B, Tq, Hq, D), dtype)
+    k = jax.random.normal(ks[1], (B, Tk, Hkv, D), dtype)
+    v = jax.random.normal(ks[2], (B, Tk, Hkv, Dv), dtype)
+    return q, k, v
+
+
+def _parts(spec, q, k, v, cuts):
+    """Attention over k[:, a:b] for consecutive cuts, with the key positions of the
+    whole sequence (the mask of every part is the whole mask restricted to it)."""
+    out = []
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        keep = (jnp.arange(Tk) >= a) & (jnp.arange(Tk) < b)
+        base = masks.full() if spec.mask is None else spec.mask
+        part_spec = spec.replace(mask=base & masks.from_array(jnp.broadcast_to(keep, (Tq, Tk))))
+        out.append(fnattn.attention(part_spec, q, k, v))
+    return out
+
+
+@pytest.mark.parametrize("cuts", [(0, 13), (0, 4, 13), (0, 1, 6, 12, 13), (0, 0, 13)])
+@pytest.mark.parametrize("mask", [None, "causal", "window"])
+def test_merge_of_parts_equals_whole(cuts, mask):
+    q, k, v = _inputs()
+    m = {None: None, "causal": masks.causal(),
+         "window": masks.causal() & masks.sliding_window(2)}[mask]
+    spec = AttentionSpec(mask=m, softcap=5.0, impl="xla")
+
+    @jax.jit
+    def f(q, k, v):
+        return fnattn.merge(_parts(spec, q, k, v, cuts)), fnattn.attention(spec, q, k, v)
+
+    merged, whole = f(q, k, v)
+    np.testing.assert_array_equal(np.isneginf(merged.lse), np.isneginf(whole.lse))
+    np.testing.assert_allclose(merged.out, whole.out, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(np.where(np.isfinite(whole.lse), merged.lse, 0),
+                               np.where(np.isfinite(whole.lse), whole.lse, 0), atol=2e-6)
+
+
+def test_sinks_are_counted_once():
+    q, k, v = _inputs(1)
+    sinks = jnp.linspace(-1.0, 1.5, Hq)
+    spec = AttentionSpec(mask=masks.causal(), impl="xla")
+
+    @jax.jit
+    def f(q, k, v, sinks):
+        parts = _parts(spec, q, k, v, (0, 3, 8, 13))
+        return fnattn.merge(parts, sinks=sinks), fnattn.attention(spec.replace(sinks=sinks),
+                                                                  q, k, v)
+
+    merged, whole = f(q, k, v, sinks)
+    np.testing.assert_allclose(merged.out, whole.out, atol=2e-6, rtol=1e-5)
+    np.testing.assert_allclose(merged.lse, whole.lse, atol=2e-6, rtol=1e-5)
+
+
+def test_rows_no_part_sees_are_zero_with_finite_gradients():
+    q, k, v = _inputs(2)
+    # Query rows 0 and 1 see no key in either part (lengths mask on the queries).
+    spec = AttentionSpec(mask=masks.lengths(q_lengths=jnp.array([3, 5])), impl="xla")
+
+    def loss(q, k, v, sinks):
+        parts = _parts(spec, q, k, v, (0, 6, 13))
+        res = fnattn.merge(parts, sinks=sinks)
+        return jnp.sum(res.out ** 2) + jnp.sum(jnp.where(jnp.isfinite(res.lse), res.lse, 0)), res
+
+    sinks = jnp.zeros((Hq,))
+    (_, res), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        q, k, v, sinks)
+    assert np.all(np.asarray(res.out)[0, 3:] == 0)
+    np.testing.assert_array_equal(np.asarray(res.lse)[0, :, 3:], 0.0)  # = the sink
+    for g in grads:
+        assert np.isfinite(np.asarray(g)).all()
+    res = jax.jit(lambda q, k, v: fnattn.merge(_parts(spec, q, k, v, (0, 6, 13))))(q, k, v)
+    assert np.all(np.isneginf(np.asarray(res.lse)[0, :, 3:]))
+    assert np.all(np.asarray(res.out)[0, 3:] == 0)
+
+
+def test_gradients_through_merge_match_the_whole():
+    q, k, v = _inputs(3)
+    spec = AttentionSpec(mask=masks.causal(), impl="xla")
+    w = jax.random.normal(jax.random.key(9), (B, Tq, Hq, Dv))
+
+    def merged(q, k, v):
+        res = fnattn.merge(_parts(spec, q, k, v, (0, 5, 13)))
+        return jnp.sum(res.out * w) + jnp.sum(res.lse)
+
+    def whole(q, k, v):
+        res = fnattn.attention(spec, q, k, v)
+        return jnp.sum(res.out * w) + jnp.sum(res.lse)
+
+    g1 = jax.jit(jax.grad(merged, argnums=(0, 1, 2)))(q, k, v)
+    g2 = jax.jit(jax.grad(whole, argnums=(0, 1, 2)))(q, k, v)
+    for a, b in zip(g1, g2):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["bhtd", "thd"])
+def test_layouts(layout):
+    q, k, v = _inputs(4)
+    spec = AttentionSpec(impl="xla")
+    parts = _parts(spec, q, k, v, (0, 7, 13))
+    out, lse, _ = np_attention(np.asarray(q, np.float64), np.asarray(k, np.float64),
+                               np.asarray(v, np.float64))
+    if layout == "bhtd":
+        conv = [(jnp.swapaxes(p.out, 1, 2), p.lse) for p in parts]
+        res = jax.jit(lambda c: fnattn.merge(c, layout="bhtd"))(conv)
+        np.testing.assert_allclose(jnp.swapaxes(res.out, 1, 2), out, atol=1e-5)
+        np.testing.assert_allclose(res.lse, lse, atol=1e-5)
+    else:  # sequence 0 only, packed tokens
+        conv = [(p.out[0], p.lse[0]) for p in parts]
+        res = jax.jit(lambda c: fnattn.merge(c, layout="thd"))(conv)
+        np.testing.assert_allclose(res.out, out[0], atol=1e-5)
+        np.testing.assert_allclose(res.lse, lse[0], atol=1e-5)
+
+
+def test_low_precision_output_keeps_dtype():
+    q, k, v = _inputs(5, jnp.bfloat16)
+    spec = AttentionSpec(impl="xla")
+    res = jax.jit(lambda q, k, v: fnattn.merge(_parts(spec, q, k, v, (0, 6, 13))))(q, k, v)
+    assert res.out.dtype == jnp.bfloat16 and res.lse.dtype == jnp.float32
+    whole = fnattn.attention(spec, q, k, v)
+    np.testing.assert_allclose(res.out.astype(np.float32), whole.out.astype(np.float32),
+                               atol=3e-2)
+
+
+def test_bad_input_messages():
+    out, lse = jnp.zeros((2, 5, 6, 3)), jnp.zeros((2, 6, 5))
+    with pytest.raises(ValueError, match=r"at least one"):
+        fnattn.merge([])
+    with pytest.raises(ValueError, match=r"layout must be one of \('bthd', 'bhtd', 'thd'\)"):
+        fnattn.merge([(out, lse)], layout="tbhd")
+    with pytest.raises(ValueError, match=r"parts\[0\].lse must have shape \(2, 6, 5\) to go "
+                                         r"with out \(2, 5, 6, 3\).*got \(2, 5, 6\)"):
+        fnattn.merge([(out, jnp.zeros((2, 5, 6)))])
+    with pytest.raises(ValueError, match=r"parts\[1\].out has shape \(2, 5, 6, 4\)"):
+        fnattn.merge([(out, lse), (jnp.zeros((2, 5, 6, 4)), lse)])
+    with pytest.raises(ValueError, match=r"parts\[0\] has no lse"):
+        fnattn.merge([fnattn.AttentionOutput(out, None)])
+    with pytest.raises(TypeError, match=r"parts\[0\] must be an AttentionOutput or an"):
+        fnattn.merge([out])
+    with pytest.raises(ValueError, match=r"sinks must have shape \(H,\)=\(6,\)"):
+        fnattn.merge([(out, lse)], sinks=jnp.zeros((5,)))
