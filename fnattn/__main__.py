@@ -62,18 +62,80 @@ def check(fn, changes, dtype):
     return err
 
 
-def timeit(fn, spec, q, k, v, reps):
-    f = jax.jit(lambda q, k, v: fn(spec, q, k, v))
-    compiled = f.lower(q, k, v).compile()
+def timeit(fn, spec, q, *arrays, reps):
+    f = jax.jit(lambda q, *arrays: fn(spec, q, *arrays))
+    compiled = f.lower(q, *arrays).compile()
     mem = compiled.memory_analysis()
     temp = getattr(mem, "temp_size_in_bytes", float("nan")) if mem is not None else float("nan")
-    jax.block_until_ready(compiled(q, k, v))
+    jax.block_until_ready(compiled(q, *arrays))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(compiled(q, k, v))
+        jax.block_until_ready(compiled(q, *arrays))
         times.append(time.perf_counter() - t0)
     return float(np.median(times)), temp
+
+
+def _decode_inputs(B, S, Hq, Hkv, D, dtype, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (B, 1, Hq, D), dtype)
+    k = jax.random.normal(ks[1], (B, S, Hkv, D), dtype)
+    v = jax.random.normal(ks[2], (B, S, Hkv, D), dtype)
+    return q, k, v
+
+
+def _to_pages(k, v, page_size):
+    """A contiguous cache (B, S, Hkv, D) as paged pools with permuted pages."""
+    B, S, Hkv, _ = k.shape
+    P = S // page_size
+    table = jax.random.permutation(jax.random.key(7), B * P).astype(jnp.int32).reshape(B, P)
+
+    def pool(x):
+        pages = x.reshape(B, P, page_size, Hkv, -1).transpose(3, 0, 1, 2, 4)
+        return jnp.zeros((Hkv, B * P, page_size, x.shape[-1]), x.dtype).at[:, table].set(pages)
+
+    return pool(k), pool(v), table
+
+
+def serving(gpu, dtype, tol):
+    """Decode (contiguous and paged) checked against the reference and timed next to
+    jax.nn.dot_product_attention with key_value_seq_lengths. Returns True on failure."""
+    B, S, Hq, Hkv, D = (16, 8192, 32, 8, 128) if gpu else (8, 4096, 8, 2, 64)
+    print(f"\ndecode: one query token, B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} "
+          f"{jnp.dtype(dtype).name}, causal; check on B=3 S=96 against the reference")
+    spec = AttentionSpec(mask=masks.causal())
+    qs, ks, vs = _decode_inputs(3, 96, 4, 2, 32, dtype)
+    lengths = jnp.array([96, 33, 1], jnp.int32)
+    def run_decode(q, k, v, L):
+        return fnattn.decode(spec, q, k, v, kv_lengths=L).out
+
+    def run_paged(q, kp, vp, table, L):
+        return fnattn.paged_attention(spec, q, kp, vp, page_table=table, kv_lengths=L).out
+
+    failed = False
+    q, k, v = _decode_inputs(B, S, Hq, Hkv, D, dtype, seed=1)
+    L = jnp.full((B,), S, jnp.int32)
+    base_t, base_m = timeit(lambda s, q, k, v: jax.nn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=L), None, q, k, v, reps=10)
+    print(f"{'variant':32s} {'check':18s} {'time':>10s} {'temp mem':>10s} {'vs jax.nn':>9s}")
+    print(f"{'jax.nn.dot_product_attention':32s} {'(baseline)':18s} {base_t * 1e3:8.2f}ms "
+          f"{base_m / 2**20:8.1f}MB {1.0:8.2f}x")
+    small, big = _to_pages(ks, vs, 16), _to_pages(k, v, 16)
+    rows = (("decode (contiguous cache)", run_decode, (ks, vs), (k, v)),
+            ("paged_attention (page 16)", run_paged, small, big))
+    for name, fn, small_cache, big_cache in rows:
+        out = jax.jit(fn)(qs, *small_cache, lengths).astype(jnp.float32)
+        err = 0.0
+        for b in range(3):
+            n = int(lengths[b])
+            ref = fnattn.reference(spec, qs[b:b + 1], ks[b:b + 1, :n], vs[b:b + 1, :n]).out
+            err = max(err, float(jnp.max(jnp.abs(out[b:b + 1] - ref.astype(jnp.float32)))))
+        status = "PASS" if err <= tol else "FAIL"
+        failed |= status == "FAIL"
+        t, m = timeit(lambda s, q, *cache: fn(q, *cache, L), None, q, *big_cache, reps=10)
+        print(f"{name:32s} {status + f' ({err:.1e})':18s} {t * 1e3:8.2f}ms {m / 2**20:8.1f}MB "
+              f"{base_t / t:8.2f}x")
+    return failed
 
 
 def main():
@@ -93,7 +155,7 @@ def main():
     rows = []
     for causal in (False, True):
         spec0 = AttentionSpec(mask=masks.causal() if causal else None)
-        base_t, base_m = timeit(_jaxnn, spec0, q, k, v, 5)
+        base_t, base_m = timeit(_jaxnn, spec0, q, k, v, reps=5)
         rows.append(("jax.nn.dot_product_attention", causal, "(baseline)", base_t, base_m, 1.0))
         for name, fn, changes in VARIANTS:
             if name == "reference" and not causal:
@@ -108,13 +170,14 @@ def main():
                 verdict = f"{status} ({err:.1e})" if isinstance(err, float) else f"{status}"
             else:
                 verdict = ""
-            t, m = timeit(fn, spec0.replace(**changes), q, k, v, 5)
+            t, m = timeit(fn, spec0.replace(**changes), q, k, v, reps=5)
             rows.append((name, causal, verdict, t, m, base_t / t))
     print(f"{'variant / lowering':32s} {'mask':7s} {'check':18s} {'time':>10s} "
           f"{'temp mem':>10s} {'vs jax.nn':>9s}")
     for name, causal, verdict, t, m, speed in rows:
         print(f"{name:32s} {'causal' if causal else 'full':7s} {verdict:18s} "
               f"{t * 1e3:8.1f}ms {m / 2**20:8.1f}MB {speed:8.2f}x")
+    failed |= serving(gpu, dtype, tol)
     if failed:
         print("\nSOME CHECKS FAILED")
         sys.exit(1)
