@@ -132,7 +132,8 @@ def serving(gpu, dtype, tol):
             err = max(err, float(jnp.max(jnp.abs(out[b:b + 1] - ref.astype(jnp.float32)))))
         status = "PASS" if err <= tol else "FAIL"
         failed |= status == "FAIL"
-        t, m = timeit(lambda s, q, *cache: fn(q, *cache, L), None, q, *big_cache, reps=10)
+        t, m = timeit(lambda s, q, *cache, fn=fn: fn(q, *cache, L), None, q, *big_cache,
+                      reps=10)
         print(f"{name:32s} {status + f' ({err:.1e})':18s} {t * 1e3:8.2f}ms {m / 2**20:8.1f}MB "
               f"{base_t / t:8.2f}x")
     return failed

@@ -28,7 +28,7 @@ from jaxtyping import Array, Shaped, jaxtyped
 from fnattn import _checks
 from fnattn.spec import AttentionOutput
 
-__all__ = ["merge", "MERGE_LAYOUTS"]
+__all__ = ["MERGE_LAYOUTS", "merge"]
 
 # How out's axes relate to lse's (lse's axes are listed as positions in out).
 # "bthd": out (B, T, H, Dv), lse (B, H, T)    -- fnattn.attention, flash, decode
@@ -80,7 +80,7 @@ def merge_stacked(outs, lses, sink=None):
 
 @jaxtyped(typechecker=beartype)
 def merge(parts: Sequence, *, layout: str = "bthd",
-          sinks: Optional[Shaped[Array, "h"]] = None) -> AttentionOutput:
+          sinks: Optional[Shaped[Array, "_"]] = None) -> AttentionOutput:
     """Combines partial results over disjoint key sets into the exact result.
 
     Args:

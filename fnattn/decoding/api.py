@@ -19,41 +19,39 @@ busy. The default picks the number of splits from B, Hkv and S
 (:func:`default_num_splits`); ``AttentionSpec(block_sizes=DecodeBlockSizes(...))``
 overrides it.
 
-**Lowering.** One XLA lowering, on every platform: decode reads every cached
-key once and is bound by memory bandwidth, and XLA fuses the products,
-softmax and split merge into a few passes over the cache. For each split,
-when the rows of a GQA group (``Tq * Hq / Hkv``) are few the logits are a fused
-multiply-reduce over the cache in its own layout (no transposed copy of K or
-V, which is what a batched matrix product would need), otherwise batched
-matrix products. Dedicated Pallas kernels serve the paged cache
-(:func:`fnattn.paged_attention`), the layout that serving systems use on
-accelerators.
+**Lowerings**, chosen at trace time by ``jax.lax.platform_dependent`` inside one
+``jax.custom_vjp`` (whose backward is ``jax.vjp`` of the XLA lowering, so
+``decode`` is differentiable with respect to q, the caches and the sinks on
+every platform):
 
-It is differentiable (plain ``jnp``) with respect to q, the caches and the
-sinks.
+========  ==========================================
+platform  impl="auto", "xla"
+========  ==========================================
+any       XLA (fnattn/decoding/xla.py)
+========  ==========================================
+
+The XLA lowering reads every cached key once: decode is bound by memory
+bandwidth, and XLA fuses the products, softmax and split merge into a few
+passes over the cache.
 """
 
 import dataclasses
-from typing import Optional
+import functools
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 from beartype import beartype
+from jax import lax
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, masks
-from fnattn.merging import merge_stacked
+from fnattn import _checks
+from fnattn.decoding import xla
 from fnattn.spec import AttentionOutput, AttentionSpec
 
-__all__ = ["decode", "DecodeBlockSizes", "default_num_splits"]
+__all__ = ["Cfg", "DecodeBlockSizes", "decode", "default_num_splits", "lowering_table"]
 
-F32 = jnp.float32
 I32 = jnp.int32
-
-# Rows of one GQA group (Tq * G) up to which the logits are a fused multiply-reduce
-# instead of a matrix product (measured on a 2-core x86 CPU, f32, D=128: 2x faster
-# than the product at 4 rows, on par at 16).
-FUSED_MAX_ROWS = 8
 MIN_SPLIT_KEYS = 512
 MAX_SPLITS = 16
 
@@ -177,72 +175,81 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
     (True, (2, 8, 1))
     """
     dims = _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts)
-    B, Tq, S, Hq, Hkv, D, Dv = dims
-    G = Hq // Hkv
+    B, _, S, _, Hkv, D, _ = dims
     qb, kb, vb = (_checks.to_bthd(x, spec.layout) for x in (q, k_cache, v_cache))
     scale = _checks.resolve_scale(spec, D)
     ns = _pick_splits(spec, B, Hkv, S)
     starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts.astype(I32)
     starts = jnp.clip(starts, 0, S)
     lengths = jnp.clip(kv_lengths.astype(I32), 0, S - starts)
-    out, lse = _decode_xla(spec, qb, kb, vb, starts, lengths, scale=scale, num_splits=ns)
-    out = _checks.from_bthd(out.reshape(B, Tq, Hq, Dv).astype(q.dtype), spec.layout)
+    cfg = Cfg(scale=scale, softcap=spec.softcap,
+              mask_treedef=None if spec.mask is None else jax.tree_util.tree_structure(spec.mask),
+              num_splits=ns, block_sizes=spec.block_sizes)
+    out, lse = _attend(lowering_table(spec.impl), cfg, qb, kb, vb, starts, lengths, spec.sinks)
+    out = _checks.from_bthd(out, spec.layout)
     return AttentionOutput(out, lse if spec.return_lse else None)
 
 
-def _decode_xla(spec, q, k, v, starts, lengths, *, scale, num_splits):
-    """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) f32, lse (B, Hq, Tq)."""
-    B, Tq, Hq, D = q.shape
-    _, S, Hkv, Dv = v.shape
-    G, ns = Hq // Hkv, num_splits
-    C = S // ns
-    R = Tq * G                                   # rows of one kv head
-    # q as (B, Hkv, R) rows, row r = t * G + g; scaled before the products.
-    qr = (q.astype(F32) * scale).reshape(B, Tq, Hkv, G, D).transpose(0, 2, 1, 3, 4)
-    qr = qr.reshape(B, Hkv, R, D)
-    kr = k.reshape(B, ns, C, Hkv, D)             # free reshapes: no copy of the cache
-    vr = v.reshape(B, ns, C, Hkv, Dv)
-    fused = R <= FUSED_MAX_ROWS
-    if fused:
-        # s[b, n, c, h, r]: one pass over the cache in its own layout.
-        # (products in float32: the conversion fuses into the same pass)
-        s = jnp.sum(qr[:, None, None] * kr[:, :, :, :, None, :].astype(F32), axis=-1)
-    else:
-        s = jnp.einsum("bhrd,bnchd->bnchr", qr.astype(k.dtype), kr,
-                       preferred_element_type=F32)
-    if spec.softcap is not None:
-        s = spec.softcap * jnp.tanh(s / spec.softcap)
-    # Positions: key slot n*C + c is at logical position slot - start; row r is
-    # query t = r // G of head h * G + r % G.
-    slot = (jnp.arange(ns, dtype=I32)[:, None] * C + jnp.arange(C, dtype=I32)[None])
-    kpos = slot[None, :, :, None, None] - starts[:, None, None, None, None]
-    ok = (kpos >= 0) & (kpos < lengths[:, None, None, None, None])
-    if spec.mask is not None:
-        r = jnp.arange(R, dtype=I32)
-        t = (r // G)[None, None, None, None, :]
-        h = (jnp.arange(Hkv, dtype=I32)[:, None] * G + r[None] % G)[None, None, None]
-        b = jnp.arange(B, dtype=I32)[:, None, None, None, None]
-        q_pos = lengths[:, None, None, None, None] - Tq + t
-        pos = masks.Positions(b=b, h=h, q=t, q_pos=q_pos, k=kpos)
-        ok = ok & spec.mask.predicate(pos, [])
-    s = jnp.where(ok, s, -jnp.inf)
-    m = jnp.max(s, axis=2)                       # (B, ns, Hkv, R)
-    m_safe = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    p = jnp.exp(s - m_safe[:, :, None])
-    l = jnp.sum(p, axis=2)
-    if fused:
-        o = jnp.sum(p[..., None] * vr[:, :, :, :, None, :].astype(F32), axis=2)
-    else:
-        o = jnp.einsum("bnchr,bnchd->bnhrd", p.astype(v.dtype), vr, preferred_element_type=F32)
-    seen = l > 0
-    part_lse = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    part_out = o / jnp.where(seen, l, 1.0)[..., None]
-    sink = None
-    if spec.sinks is not None:
-        sinks = spec.sinks.astype(F32).reshape(Hkv, G)
-        sink = jnp.broadcast_to(jnp.tile(sinks, (1, Tq))[None], (B, Hkv, R))
-    # (ns, B, Hkv, R, ...) parts -> merged (B, Hkv, R, Dv), (B, Hkv, R)
-    out, lse = merge_stacked(jnp.moveaxis(part_out, 1, 0), jnp.moveaxis(part_lse, 1, 0), sink)
-    out = out.reshape(B, Hkv, Tq, G, Dv).transpose(0, 2, 1, 3, 4)
-    lse = lse.reshape(B, Hkv, Tq, G).transpose(0, 1, 3, 2).reshape(B, Hq, Tq)
-    return out, lse
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    """Static configuration of one decode call (hashable; part of the trace)."""
+
+    scale: float
+    softcap: Optional[float]
+    mask_treedef: Any          # None: no mask. Masks here hold no arrays.
+    num_splits: int
+    block_sizes: Any = None
+
+    @property
+    def mask(self):
+        if self.mask_treedef is None:
+            return None
+        return jax.tree_util.tree_unflatten(self.mask_treedef, [])
+
+
+def lowering_table(impl: str):
+    """The (platform, forward) pairs for ``impl``.
+
+    ``forward(cfg, q, k, v, starts, lengths, sinks) -> (out, lse)`` on "bthd"
+    arrays: out (B, Tq, Hq, Dv) in q's dtype, lse (B, Hq, Tq) float32.
+    """
+    if impl in ("auto", "xla", "pallas"):
+        return (("default", xla.forward),)
+    if impl == "reference":
+        return (("default", xla.reference_forward),)
+    if impl == "cudnn":
+        raise NotImplementedError("decode: impl='cudnn' has no decode lowering; use "
+                                  "impl='auto' or 'xla'.")
+    raise ValueError(f"decode: no lowering for impl={impl!r}")
+
+
+def _select(table, cfg, *args):
+    branches = {plat: functools.partial(fn, cfg) for plat, fn in table}
+    default = branches.pop("default")
+    if not branches:
+        return default(*args)
+    return lax.platform_dependent(*args, default=default, **branches)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(table, cfg, q, k, v, starts, lengths, sinks):
+    return _select(table, cfg, q, k, v, starts, lengths, sinks)
+
+
+def _attend_fwd(table, cfg, q, k, v, starts, lengths, sinks):
+    return _select(table, cfg, q, k, v, starts, lengths, sinks), (q, k, v, starts, lengths, sinks)
+
+
+def _attend_bwd(table, cfg, res, cotangents):
+    q, k, v, starts, lengths, sinks = res
+    d_out, d_lse = cotangents
+
+    def f(q, k, v, sinks):
+        return xla.forward(cfg, q, k, v, starts, lengths, sinks)
+
+    _, vjp = jax.vjp(f, q, k, v, sinks)
+    dq, dk, dv, dsinks = vjp((d_out.astype(q.dtype), d_lse.astype(jnp.float32)))
+    return dq, dk, dv, None, None, dsinks
+
+
+_attend.defvjp(_attend_fwd, _attend_bwd)
