@@ -41,6 +41,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 __all__ = ["PagedKVCache"]
 
@@ -118,7 +119,7 @@ class PagedKVCache:
             raise TypeError(f"PagedKVCache.{fn}: seq_ids must be a 1-D integer array (one "
                             f"slot per new token, -1 for none); got "
                             f"{getattr(seq_ids, 'dtype', type(seq_ids).__name__)} "
-                            f"{tuple(jnp.shape(seq_ids))}")
+                            f"{tuple(np.shape(seq_ids))}")
 
     def allocate(self, seq_ids) -> "PagedKVCache":
         """Makes room for one new token per entry of ``seq_ids`` without writing k/v.
@@ -159,7 +160,7 @@ class PagedKVCache:
     def _token_positions(self, seq_ids):
         """(slot, slot is valid, position) of each new token, from the lengths before
         the tokens are added."""
-        S, ps = self.max_seqs, self.page_size
+        S = self.max_seqs
         T = seq_ids.shape[0]
         ok_seq = (seq_ids >= 0) & (seq_ids < S)
         seq = jnp.where(ok_seq, seq_ids, S).astype(I32)
@@ -187,11 +188,13 @@ class PagedKVCache:
         self._check_seq_ids("append", seq_ids)
         T = seq_ids.shape[0]
         Hkv, D, Dv = self.k_pages.shape[0], self.k_pages.shape[3], self.v_pages.shape[3]
+        # np.shape: jnp.shape of a list is deprecated (and will raise) in JAX.
         for name, x, want in (("k", k, (T, Hkv, D)), ("v", v, (T, Hkv, Dv))):
-            if tuple(jnp.shape(x)) != want:
+            if tuple(np.shape(x)) != want:
                 raise ValueError(f"PagedKVCache.append: {name} must have shape (T, Hkv, "
                                  f"{'D' if name == 'k' else 'Dv'})={want}; got "
-                                 f"{tuple(jnp.shape(x))}")
+                                 f"{tuple(np.shape(x))}")
+        k, v = jnp.asarray(k), jnp.asarray(v)
         seq, ok_seq, pos = self._token_positions(seq_ids)
         cache = self.allocate(seq_ids)
         ps, N = self.page_size, self.num_pages
@@ -211,7 +214,7 @@ class PagedKVCache:
     def release(self, seq_id) -> "PagedKVCache":
         """Frees slot ``seq_id`` (a traced int is fine): its pages return to the stack,
         its length becomes 0. An out-of-range id changes nothing."""
-        S, P, N = self.max_seqs, self.max_pages_per_seq, self.num_pages
+        S, N = self.max_seqs, self.num_pages
         seq_id = jnp.asarray(seq_id, I32)
         ok = (seq_id >= 0) & (seq_id < S)
         s = jnp.clip(seq_id, 0, S - 1)

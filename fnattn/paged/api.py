@@ -198,7 +198,7 @@ def _check_pools(fn, q_heads, head_dim, dtype, k_pages, v_pages, q_desc):
                          f"{_shape(k_pages)}")
     if v_pages.shape[:3] != (Hkv, N, ps):
         raise ValueError(f"{fn}: v_pages must have shape (Hkv, num_pages, page_size, Dv)="
-                         f"{(Hkv, N, ps, 'Dv')} matching k_pages {_shape(k_pages)}; got "
+                         f"({Hkv}, {N}, {ps}, Dv) matching k_pages {_shape(k_pages)}; got "
                          f"{_shape(v_pages)}")
     if q_heads % Hkv:
         raise ValueError(f"{fn}: the number of query heads Hq={q_heads} (q {q_desc}) must be "
