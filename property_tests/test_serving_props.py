@@ -1,0 +1,329 @@
+"""Fuzzed serving problems: merge, decode and ragged paged attention against dense ones.
+
+* ``fnattn.merge``: attention over a concatenation of keys equals the merge of
+  attention over the parts, for any split points (empty parts, parts in which some
+  rows see no key), in any order, in every layout, and with sinks given once to
+  the merge of parts computed without them.
+* ``fnattn.decode``: ragged ``kv_lengths`` (0 and the whole cache included) and
+  ``kv_starts``, 1 to 3 queries, MHA/GQA/MQA, every split-K factor, positional
+  masks, soft-cap and sinks: equals each sequence's dense problem.
+* ``fnattn.ragged_paged_attention`` (impl="xla", and impl="pallas", i.e. the
+  Triton kernels interpreted on CPU) and its cache-writing form: random mixes of
+  prefill, chunked-prefill, decode and idle sequences on permuted pages with
+  padding tokens and padding sequences, page sizes, GQA ratios, windows, split
+  and block sizes: equals each sequence's dense problem.
+
+The expected results are float64 NumPy (``tests/np_attention.py``). Sizes are drawn
+from small sets so that few distinct shapes are compiled; the jitted functions are
+module-level so that repeated shapes hit the compilation cache.
+"""
+
+import functools
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+import fnattn
+from fnattn import AttentionSpec, DecodeBlockSizes, PagedBlockSizes, masks
+from np_attention import np_attention
+from strategies import ragged_lengths
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "paged"))
+import problems as paged  # noqa: E402  (tests/paged/problems.py)
+
+HEADS = st.sampled_from([(2, 2), (4, 2), (3, 1)])   # MHA, GQA, MQA
+TOL = 2e-5
+
+
+def _f64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def _rng(draw):
+    return np.random.default_rng(draw(st.integers(0, 2**16)))
+
+
+@st.composite
+def positional_masks(draw, max_window=4, max_chunk=5):
+    """None, causal, causal & sliding_window(w) or chunked(c) & causal."""
+    kind = draw(st.sampled_from(["none", "causal", "window", "chunked"]))
+    if kind == "none":
+        return None
+    if kind == "causal":
+        return masks.causal()
+    if kind == "window":
+        return masks.causal() & masks.sliding_window(draw(st.integers(0, max_window)))
+    return masks.chunked(draw(st.integers(1, max_chunk))) & masks.causal()
+
+
+def np_mask(mask, b, Hq, n, L):
+    """The positional mask of sequence b (n queries at positions L - n .. L - 1 over
+    L keys) in NumPy: the mask's predicate on NumPy index arrays."""
+    if mask is None:
+        return None
+    h = np.arange(Hq)[None, :, None, None]
+    q = np.arange(n)[None, None, :, None]
+    k = np.arange(L)[None, None, None, :]
+    pos = masks.Positions(b=np.full((1, 1, 1, 1), b), h=h, q=q, q_pos=q + (L - n), k=k)
+    return np.broadcast_to(np.asarray(mask.predicate(pos, [])), (1, Hq, n, L))
+
+
+def assert_out_lse(out, lse, want_out, want_lse, tol=TOL):
+    """out and lse equal (-inf exactly where expected), no NaN or inf in out."""
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    assert not np.isnan(lse).any() and not np.isposinf(lse).any()
+    np.testing.assert_allclose(out, want_out, atol=tol, rtol=tol)
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.where(fin, lse, 0), np.where(fin, want_lse, 0),
+                               atol=tol, rtol=tol)
+
+
+# ----------------------------------------------------------------------------------
+# merge
+# ----------------------------------------------------------------------------------
+
+@st.composite
+def merge_problems(draw):
+    """q, k, v (bthd), a dense (B, Hq, Tq, Tk) mask and sorted split points."""
+    B = draw(st.sampled_from([1, 2]))
+    Tq = draw(st.sampled_from([1, 3, 4]))
+    Tk = draw(st.sampled_from([5, 8]))
+    Hq, Hkv = draw(HEADS)
+    rs = _rng(draw)
+    q = rs.standard_normal((B, Tq, Hq, 4)).astype(np.float32)
+    k = rs.standard_normal((B, Tk, Hkv, 4)).astype(np.float32)
+    v = rs.standard_normal((B, Tk, Hkv, 3)).astype(np.float32)
+    kind = draw(st.sampled_from(["positional", "random"]))
+    if kind == "positional":
+        m = draw(positional_masks())
+        dense = np.asarray(masks.materialize(m, B, Hq, Tq, Tk))
+    else:
+        dense = rs.random((B, Hq, Tq, Tk)) < 0.5
+        dense[rs.integers(B), rs.integers(Hq), rs.integers(Tq)] = False  # a row sees no key
+    dense = np.broadcast_to(dense, (B, Hq, Tq, Tk)).copy()
+    # 1 to 3 cut points anywhere in [0, Tk], repeats allowed: empty parts occur.
+    cuts = sorted(draw(st.integers(0, Tk)) for _ in range(draw(st.integers(1, 3))))
+    return q, k, v, dense, [0, *cuts, Tk]
+
+
+def _to_layout(out, lse, layout):
+    """A bthd (out, lse) in ``layout`` ("thd": a list over b)."""
+    if layout == "bthd":
+        return out, lse
+    if layout == "bhtd":
+        return jnp.swapaxes(out, 1, 2), lse
+    return [(out[b], lse[b]) for b in range(out.shape[0])]
+
+
+@functools.partial(jax.jit, static_argnames=("bounds", "order", "layout", "impl", "softcap"))
+def _attend_parts_and_merge(q, k, v, dense_mask, sinks, *, bounds, order, layout, impl,
+                            softcap):
+    """Attention (without sinks) over keys ``bounds[i]:bounds[i + 1]`` for every i, then
+    ``fnattn.merge`` of the parts taken in ``order`` (a list of results for "thd")."""
+    B, Tq, Hq, _ = q.shape
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if a == b:
+            # Attention over no key: out = 0, lse = -inf (fnattn refuses an empty k
+            # axis and tells the caller to mask the keys; this is what that gives).
+            parts.append((jnp.zeros((B, Tq, Hq, v.shape[-1])),
+                          jnp.full((B, Hq, Tq), -jnp.inf)))
+            continue
+        spec = AttentionSpec(mask=masks.from_array(dense_mask[..., a:b]), softcap=softcap,
+                             impl=impl)
+        r = fnattn.attention(spec, q, k[:, a:b], v[:, a:b])
+        parts.append((r.out, r.lse))
+    parts = [_to_layout(*parts[i], layout) for i in order]
+    if layout == "thd":
+        return [fnattn.merge([p[b] for p in parts], layout="thd", sinks=sinks)
+                for b in range(B)]
+    return fnattn.merge(parts, layout=layout, sinks=sinks)
+
+
+@given(merge_problems(), st.sampled_from(["bthd", "bhtd", "thd"]),
+       st.sampled_from(["xla", "reference"]), st.booleans(), st.booleans(),
+       st.integers(0, 2**16))
+def test_merge_of_parts_equals_attention_over_all_keys(prob, layout, impl, use_sinks,
+                                                       use_softcap, seed):
+    q, k, v, dense, bounds = prob
+    B, Tq, Hq, _ = q.shape
+    rs = np.random.default_rng(seed)
+    sinks = jnp.asarray(rs.standard_normal(Hq) * 2, jnp.float32) if use_sinks else None
+    softcap = 2.0 if use_softcap else None
+    order = tuple(int(i) for i in rs.permutation(len(bounds) - 1))  # any order merges alike
+    res = _attend_parts_and_merge(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                                  jnp.asarray(dense), sinks, bounds=tuple(bounds), order=order,
+                                  layout=layout, impl=impl, softcap=softcap)
+    want_out, want_lse, _ = np_attention(q, k, v, softcap=softcap, mask=dense,
+                                         sinks=None if sinks is None else _f64(sinks))
+    if layout == "thd":
+        for b in range(B):
+            assert res[b].out.dtype == jnp.float32 and res[b].lse.dtype == jnp.float32
+            assert_out_lse(res[b].out, res[b].lse, want_out[b], want_lse[b], 1e-5)
+        return
+    assert res.out.dtype == jnp.float32 and res.lse.dtype == jnp.float32
+    out = res.out if layout == "bthd" else jnp.swapaxes(res.out, 1, 2)
+    assert_out_lse(out, res.lse, want_out, want_lse, 1e-5)
+
+
+# ----------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------
+
+DECODE_S = 12  # cache slots per sequence; splits are its divisors
+
+
+@jax.jit
+def _decode(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
+    return fnattn.decode(spec, q, k_cache, v_cache, kv_lengths=kv_lengths, kv_starts=kv_starts)
+
+
+@given(st.sampled_from([1, 2, 3]), st.integers(1, 3), HEADS, st.data(),
+       positional_masks(), st.sampled_from([1, 2, 3, 4, 6, 12]), st.sampled_from([None, 2.0]),
+       st.booleans(), st.sampled_from([None, 0.4]), st.sampled_from(["bthd", "bhtd"]))
+def test_decode_equals_dense_per_sequence(B, Tq, heads, data, mask, num_splits, softcap,
+                                          use_sinks, scale, layout):
+    Hq, Hkv = heads
+    S = DECODE_S
+    rs = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    lengths = np.asarray(data.draw(ragged_lengths(B, S)))      # 0 and S included
+    starts = np.array([rs.integers(0, S - L + 1) for L in lengths], np.int32)
+    # Slots outside a sequence's range hold garbage that must never be seen.
+    k = rs.uniform(-1e4, 1e4, (B, S, Hkv, 4)).astype(np.float32)
+    v = rs.uniform(-1e4, 1e4, (B, S, Hkv, 3)).astype(np.float32)
+    q = rs.standard_normal((B, Tq, Hq, 4)).astype(np.float32)
+    k_seq = [rs.standard_normal((L, Hkv, 4)).astype(np.float32) for L in lengths]
+    v_seq = [rs.standard_normal((L, Hkv, 3)).astype(np.float32) for L in lengths]
+    for b, (a, L) in enumerate(zip(starts, lengths)):
+        k[b, a:a + L], v[b, a:a + L] = k_seq[b], v_seq[b]
+    sinks = jnp.asarray(rs.standard_normal(Hq), jnp.float32) if use_sinks else None
+    spec = AttentionSpec(mask=mask, softcap=softcap, sinks=sinks, scale=scale, layout=layout,
+                         block_sizes=DecodeBlockSizes(num_splits=num_splits))
+    t = (lambda x: x) if layout == "bthd" else (lambda x: np.swapaxes(x, 1, 2))
+    res = _decode(spec, jnp.asarray(t(q)), jnp.asarray(t(k)), jnp.asarray(t(v)),
+                  jnp.asarray(lengths, jnp.int32), jnp.asarray(starts))
+    assert res.out.dtype == jnp.float32 and res.lse.shape == (B, Hq, Tq)
+    want_out = np.zeros((B, Tq, Hq, 3))
+    want_lse = np.full((B, Hq, Tq), -np.inf)
+    for b, L in enumerate(lengths):
+        if L == 0:
+            if use_sinks:
+                want_lse[b] = _f64(sinks)[:, None]
+            continue
+        o, l, _ = np_attention(q[b:b + 1], k_seq[b][None], v_seq[b][None], scale=scale,
+                               softcap=softcap, sinks=None if sinks is None else _f64(sinks),
+                               mask=np_mask(mask, b, Hq, Tq, int(L)))
+        want_out[b], want_lse[b] = o[0], l[0]
+    assert_out_lse(t(np.asarray(res.out)), res.lse, want_out, want_lse)
+
+
+# ----------------------------------------------------------------------------------
+# ragged paged attention
+# ----------------------------------------------------------------------------------
+
+MAX_L = 13            # longest context
+MAX_SEQS = 5          # page-table rows; the rows past the live sequences are padding
+NUM_PAGES = 4 * -(-MAX_L // 2) + 3
+T_BUCKETS = (12, 28)  # packed token counts (the rest of a bucket is padding tokens)
+
+
+@st.composite
+def sequences(draw, max_seqs=4):
+    """[(L, n)]: prefill (n = L), chunked prefill (n < L), decode (n = 1) and idle
+    (n = 0: a live sequence with no new token this step)."""
+    seqs = []
+    for _ in range(draw(st.integers(1, max_seqs))):
+        kind = draw(st.sampled_from(["prefill", "chunked", "decode", "idle"]))
+        if kind == "prefill":
+            n = draw(st.integers(1, 6))
+            seqs.append((n, n))
+        elif kind == "chunked":
+            n = draw(st.integers(1, 5))
+            seqs.append((draw(st.integers(n + 1, MAX_L)), n))
+        else:
+            seqs.append((draw(st.integers(1, MAX_L)), int(kind == "decode")))
+    return seqs
+
+
+@st.composite
+def ragged_problems(draw, page_sizes=(2, 3, 4), block_sizes=True, impl="xla"):
+    """(spec, paged.Problem) with the pool, table and metadata shapes from small sets."""
+    seqs = draw(sequences())
+    Hq, Hkv = draw(HEADS)
+    ps = draw(st.sampled_from(page_sizes))
+    Dv = draw(st.sampled_from([3, 4]))
+    tokens = sum(n for _, n in seqs) + draw(st.integers(0, 2))  # a few padding tokens
+    T = min(t for t in T_BUCKETS if t >= tokens)
+    p = paged.make(seqs, Hq=Hq, Hkv=Hkv, D=4, Dv=Dv, page_size=ps,
+                   pages_per_seq=-(-MAX_L // ps), num_pages=NUM_PAGES, max_seqs=MAX_SEQS,
+                   pad_tokens=T - sum(n for _, n in seqs), seed=draw(st.integers(0, 2**16)))
+    bs = None
+    if block_sizes and draw(st.booleans()):
+        bs = PagedBlockSizes(block_q=draw(st.sampled_from([None, 1, 2, 3])),
+                             block_k=draw(st.sampled_from([None, 2, 4, 5])),
+                             num_splits=draw(st.sampled_from([None, 1, 2, 3])))
+    rs = _rng(draw)
+    sinks = jnp.asarray(rs.standard_normal(Hq), jnp.float32) if draw(st.booleans()) else None
+    spec = AttentionSpec(mask=draw(positional_masks()), softcap=draw(st.sampled_from([None, 3.0])),
+                         sinks=sinks, scale=draw(st.sampled_from([None, 0.6])), block_sizes=bs,
+                         impl=impl)
+    return spec, p
+
+
+@jax.jit
+def _ragged(spec, q, k_pages, v_pages, meta):
+    return fnattn.ragged_paged_attention(spec, q, k_pages, v_pages, **meta)
+
+
+@jax.jit
+def _ragged_update(spec, q, k, v, k_pages, v_pages, meta):
+    return fnattn.ragged_paged_attention_with_update(spec, q, k, v, k_pages, v_pages, **meta)
+
+
+def _check_ragged(spec, p):
+    res = _ragged(spec, p.q, p.k_pages, p.v_pages, paged.meta(p))
+    assert res.out.dtype == p.q.dtype and res.lse.dtype == jnp.float32
+    paged.assert_close(res.out, res.lse, *paged.expected(spec, p), TOL)
+
+
+def _check_update(spec, p):
+    # The pools hold only the old tokens (and garbage elsewhere); the call writes
+    # the new ones, attends, and leaves every other slot as it was.
+    res, kp, vp = _ragged_update(spec, p.q, p.k_new, p.v_new, p.k_old, p.v_old, paged.meta(p))
+    paged.assert_close(res.out, res.lse, *paged.expected(spec, p), TOL)
+    np.testing.assert_array_equal(np.asarray(kp), np.asarray(p.k_pages))
+    np.testing.assert_array_equal(np.asarray(vp), np.asarray(p.v_pages))
+
+
+@given(ragged_problems())
+def test_ragged_paged_xla_equals_dense_per_sequence(prob):
+    _check_ragged(*prob)
+
+
+@settings(max_examples=10)
+@given(ragged_problems())
+def test_ragged_paged_update_xla_writes_then_equals_dense(prob):
+    _check_update(*prob)
+
+
+# The Mosaic branch (traced on every platform) needs pages of a multiple of 8 rows.
+_pallas_problems = ragged_problems(page_sizes=(8,), impl="pallas")
+
+
+@settings(max_examples=4)
+@given(_pallas_problems)
+def test_ragged_paged_pallas_interpret_equals_dense_per_sequence(prob):
+    _check_ragged(*prob)
+
+
+@settings(max_examples=3)
+@given(_pallas_problems)
+def test_ragged_paged_update_pallas_interpret_equals_dense(prob):
+    _check_update(*prob)
