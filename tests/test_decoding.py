@@ -88,7 +88,8 @@ def test_masks_and_splits(mask, splits):
 @pytest.mark.parametrize("heads,Tq", [((6, 2), 1), ((3, 3), 1), ((5, 1), 1), ((6, 2), 3),
                                       ((8, 1), 3)])
 def test_gqa_shapes_fused_and_matmul_paths(heads, Tq):
-    # Tq * Hq / Hkv rows per kv head: <= 8 takes the fused path, more the matmul path.
+    # Tq * Hq / Hkv rows per kv head: 2..7 take the XLA lowering's "mixed" form, 1 and
+    # 8 or more its "dot" form (fnattn.decoding.xla.choose).
     Hq, Hkv = heads
     q, k, v = problem(Tq=Tq, Hq=Hq, Hkv=Hkv, seed=1)
     spec = AttentionSpec(mask=masks.causal(), block_sizes=DecodeBlockSizes(num_splits=3))

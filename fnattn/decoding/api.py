@@ -15,20 +15,30 @@ a sequence of length 0 gives zeros and ``lse = -inf``.
 partial results (out, lse) are computed independently (in parallel) and
 combined exactly by the merge of :mod:`fnattn.merging`. With few sequences and
 long contexts this is what keeps every core (or every GPU multiprocessor)
-busy. The default picks the number of splits from B, Hkv and S
-(:func:`default_num_splits`); ``AttentionSpec(block_sizes=DecodeBlockSizes(...))``
-overrides it.
+busy. ``AttentionSpec(block_sizes=DecodeBlockSizes(num_splits=...))`` sets it;
+otherwise each lowering picks its own (the XLA lowering: see
+:func:`fnattn.decoding.xla.choose`; kernels: :func:`default_num_splits`, enough
+(sequence, kv head, split) programs to fill the device).
 
 **Lowerings**, chosen at trace time by ``jax.lax.platform_dependent`` inside one
 ``jax.custom_vjp`` (whose backward is ``jax.vjp`` of the XLA lowering, so
 ``decode`` is differentiable with respect to q, the caches and the sinks on
 every platform):
 
-========  ==========================================
-platform  impl="auto", "xla"
-========  ==========================================
-any       XLA (fnattn/decoding/xla.py)
-========  ==========================================
+========  =========================================  ==========================
+platform  impl="auto"                                impl="pallas"
+========  =========================================  ==========================
+cuda      Pallas Triton (fnattn/decoding/triton.py)  the same
+tpu       Pallas Mosaic (fnattn/decoding/mosaic.py)  the same
+other     XLA (fnattn/decoding/xla.py)               Triton kernel, interpreted
+========  =========================================  ==========================
+
+``impl="xla"`` is the XLA lowering everywhere. On TPU, ``impl="auto"`` reads
+float16 caches with the XLA lowering (the kernel would first copy them to
+float32) and float64 ones too (the kernel refuses them,
+:func:`fnattn.decoding.mosaic.unsupported`); ``impl="pallas"`` raises
+``NotImplementedError`` for float64 (at trace time, on every platform, since
+every branch is traced).
 
 The XLA lowering reads every cached key once: decode is bound by memory
 bandwidth, and XLA fuses the products, softmax and split merge into a few
@@ -97,6 +107,11 @@ def default_num_splits(batch: int, num_kv_heads: int, cache_len: int) -> int:
     while n > 1 and (cache_len % n or cache_len // n < MIN_SPLIT_KEYS):
         n -= 1
     return n
+
+
+def _splits_given(spec) -> bool:
+    items = spec.block_sizes if isinstance(spec.block_sizes, tuple) else (spec.block_sizes,)
+    return any(isinstance(b, DecodeBlockSizes) and b.num_splits is not None for b in items)
 
 
 def _pick_splits(spec, B, Hkv, S) -> int:
@@ -184,7 +199,7 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
     lengths = jnp.clip(kv_lengths.astype(I32), 0, S - starts)
     cfg = Cfg(scale=scale, softcap=spec.softcap,
               mask_treedef=None if spec.mask is None else jax.tree_util.tree_structure(spec.mask),
-              num_splits=ns, block_sizes=spec.block_sizes)
+              num_splits=ns, splits_given=_splits_given(spec), block_sizes=spec.block_sizes)
     out, lse = _attend(lowering_table(spec.impl), cfg, qb, kb, vb, starts, lengths, spec.sinks)
     out = _checks.from_bthd(out, spec.layout)
     return AttentionOutput(out, lse if spec.return_lse else None)
@@ -198,6 +213,7 @@ class Cfg:
     softcap: Optional[float]
     mask_treedef: Any          # None: no mask. Masks here hold no arrays.
     num_splits: int
+    splits_given: bool = False  # num_splits came from DecodeBlockSizes, not a default
     block_sizes: Any = None
 
     @property
@@ -213,7 +229,14 @@ def lowering_table(impl: str):
     ``forward(cfg, q, k, v, starts, lengths, sinks) -> (out, lse)`` on "bthd"
     arrays: out (B, Tq, Hq, Dv) in q's dtype, lse (B, Hq, Tq) float32.
     """
-    if impl in ("auto", "xla", "pallas"):
+    if impl in ("auto", "pallas"):
+        from fnattn.decoding import mosaic, triton  # Pallas is imported only when needed
+    if impl == "auto":
+        return (("default", xla.forward), ("cuda", triton.forward), ("tpu", mosaic.auto_forward))
+    if impl == "pallas":
+        return (("default", triton.forward_interpret), ("cuda", triton.forward),
+                ("tpu", mosaic.forward))
+    if impl == "xla":
         return (("default", xla.forward),)
     if impl == "reference":
         return (("default", xla.reference_forward),)

@@ -1,11 +1,11 @@
-"""The XLA lowering of :func:`fnattn.decode` (every platform).
+"""The XLA lowering of :func:`fnattn.decode` (every platform without a kernel).
 
-For each split of the cache (split-K), when the rows of a GQA group
-(``Tq * Hq / Hkv``) are few the logits are a fused multiply-reduce over the
-cache in its own layout (no transposed copy of K or V, which is what a batched
-matrix product would need), otherwise batched matrix products. The partial
-results of the splits are combined by the merge of :mod:`fnattn.merging`, where
-the sinks join the denominator once. Plain ``jnp``: differentiable.
+The cache is cut into ``num_splits`` contiguous ranges by a free reshape (no
+copy of K or V, never a repeat over the GQA group); each range's partial
+result is computed in one pass and the parts are combined by the merge of
+:mod:`fnattn.merging`, where the sinks join the denominator once. Two forms of
+the products (see :func:`choose`) suit different numbers of query rows per kv
+head. Plain ``jnp``: differentiable.
 """
 
 import jax
@@ -19,25 +19,41 @@ __all__ = ["forward", "reference_forward"]
 F32 = jnp.float32
 I32 = jnp.int32
 
-# Rows of one GQA group (Tq * G) up to which the logits are a fused multiply-reduce
-# instead of a matrix product (measured on a 2-core x86 CPU, f32, D=128: 2x faster
-# than the product at 4 rows, on par at 16).
-FUSED_MAX_ROWS = 8
+# Measured on a 2-core x86 CPU (f32, B 1..64, S 1k..32k, Hkv 1..16, D 64/128): two
+# forms of the same computation, neither best everywhere.
+#   "mixed": logits by a batched product in the cache's own layout (b, n, c, h, r),
+#            the output as a fused multiply-reduce over the keys: fastest when a kv
+#            head has a few query rows (GQA decode), up to 5x jax.nn, with 2 splits;
+#   "dot":   both products as batched matrix products with the keys last: fastest
+#            for MHA (one row per kv head) and for 8 or more rows per kv head.
+MIXED_MAX_ROWS = 7
+MIXED_SPLITS = 2
+
+
+def choose(cfg, rows: int, cache_len: int):
+    """(form, num_splits) of the XLA lowering for ``rows = Tq * Hq / Hkv`` rows."""
+    form = "mixed" if 2 <= rows <= MIXED_MAX_ROWS else "dot"
+    if cfg.splits_given:
+        return form, cfg.num_splits
+    if form == "mixed" and cache_len % MIXED_SPLITS == 0 and cache_len >= 256:
+        return form, MIXED_SPLITS
+    return form, 1
 
 
 def forward(cfg, q, k, v, starts, lengths, sinks):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) q.dtype, lse (B, Hq, Tq)."""
-    out, lse = _attend(cfg, q, k, v, starts, lengths, sinks, num_splits=cfg.num_splits)
+    form, ns = choose(cfg, q.shape[1] * q.shape[2] // k.shape[2], k.shape[1])
+    out, lse = _attend(cfg, q, k, v, starts, lengths, sinks, num_splits=ns, form=form)
     return out.astype(q.dtype), lse
 
 
 def reference_forward(cfg, q, k, v, starts, lengths, sinks):
-    """The same with one split and every product a plain einsum (impl="reference")."""
-    out, lse = _attend(cfg, q, k, v, starts, lengths, sinks, num_splits=1, fused=False)
+    """One split, plain batched products (impl="reference")."""
+    out, lse = _attend(cfg, q, k, v, starts, lengths, sinks, num_splits=1, form="dot")
     return out.astype(q.dtype), lse
 
 
-def _attend(cfg, q, k, v, starts, lengths, sinks, *, num_splits, fused=None):
+def _attend(cfg, q, k, v, starts, lengths, sinks, *, num_splits, form):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) f32, lse (B, Hq, Tq)."""
     B, Tq, Hq, D = q.shape
     _, S, Hkv, Dv = v.shape
@@ -49,14 +65,10 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, *, num_splits, fused=None):
     qr = qr.reshape(B, Hkv, R, D)
     kr = k.reshape(B, ns, C, Hkv, D)             # free reshapes: no copy of the cache
     vr = v.reshape(B, ns, C, Hkv, Dv)
-    fused = R <= FUSED_MAX_ROWS if fused is None else fused
-    if fused:
-        # s[b, n, c, h, r]: one pass over the cache in its own layout.
-        # (products in float32: the conversion fuses into the same pass)
-        s = jnp.sum(qr[:, None, None] * kr[:, :, :, :, None, :].astype(F32), axis=-1)
-    else:
-        s = jnp.einsum("bhrd,bnchd->bnchr", qr.astype(k.dtype), kr,
-                       preferred_element_type=F32)
+    if form == "mixed":   # s[b, n, c, h, r]: keys in the cache's own order
+        s = jnp.einsum("bhrd,bnchd->bnchr", qr.astype(k.dtype), kr, preferred_element_type=F32)
+    else:                 # s[b, n, h, r, c]: keys last
+        s = jnp.einsum("bhrd,bnchd->bnhrc", qr.astype(k.dtype), kr, preferred_element_type=F32)
     if cfg.softcap is not None:
         s = cfg.softcap * jnp.tanh(s / cfg.softcap)
     # Positions: key slot n*C + c is at logical position slot - start; row r is
@@ -73,15 +85,18 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, *, num_splits, fused=None):
         q_pos = lengths[:, None, None, None, None] - Tq + t
         pos = masks.Positions(b=b, h=h, q=t, q_pos=q_pos, k=kpos)
         ok = ok & mask.predicate(pos, [])
+    kax = 2
+    if form == "dot":     # ok was built as (b, n, c, h, r)
+        ok, kax = jnp.moveaxis(ok, 2, -1), 4
     s = jnp.where(ok, s, -jnp.inf)
-    m = jnp.max(s, axis=2)                       # (B, ns, Hkv, R)
+    m = jnp.max(s, axis=kax)                     # (B, ns, Hkv, R)
     m_safe = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
-    p = jnp.exp(s - m_safe[:, :, None])
-    l = jnp.sum(p, axis=2)
-    if fused:
+    p = jnp.exp(s - jnp.expand_dims(m_safe, kax))
+    l = jnp.sum(p, axis=kax)
+    if form == "mixed":
         o = jnp.sum(p[..., None] * vr[:, :, :, :, None, :].astype(F32), axis=2)
     else:
-        o = jnp.einsum("bnchr,bnchd->bnhrd", p.astype(v.dtype), vr, preferred_element_type=F32)
+        o = jnp.einsum("bnhrc,bnchd->bnhrd", p.astype(v.dtype), vr, preferred_element_type=F32)
     seen = l > 0
     part_lse = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
     part_out = o / jnp.where(seen, l, 1.0)[..., None]

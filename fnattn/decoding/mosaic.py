@@ -1,0 +1,292 @@
+"""The Pallas Mosaic lowering of :func:`fnattn.decode` (TPU).
+
+One kernel, grid ``(B, Hkv / hb, splits, key blocks)``, the last axis
+sequential. The caches are viewed, for free, as ``(B, S, Hkv * D)``: the keys
+of ``hb`` consecutive kv heads in slots ``[j * block_k, (j + 1) * block_k)``
+are then the block ``(j, h // hb)`` of shape ``(block_k, hb * D)``, a legal TPU
+block when ``hb * D`` is a multiple of 128 or the whole last axis.
+:func:`heads_per_program` picks the smallest such ``hb``: one head for D = 128
+or 256, two for D = 64, all of them for head dims like 80 or 96. Pallas's
+pipeline copies block ``i + 1`` while the kernel computes on block ``i``; the
+block index comes from a scalar-prefetched table of each sequence's key-block
+range ``[lo, hi)`` (slot-aligned; from the sequence's slots and the mask's
+``tile_bounds``, see :func:`fnattn.decoding.common.key_block_range`). Steps past
+the end of a split's range repeat its last block index, which the pipeline does
+not copy again, and skip the computation: only the blocks a sequence may see
+are read, each once per (sequence, group of hb kv heads).
+
+With ``hb > 1`` no lane slicing is needed: head ``hh``'s queries are placed in
+its own columns of a ``(rows, hb * D)`` tile (zeros elsewhere, built by the
+wrapper), so one product with the block gives that head's logits; its
+``p @ v`` covers the block's ``hb * Dv`` columns, and the wrapper keeps the
+head's own. That costs ``hb`` times the MXU work of one head, which decode (a
+stream over the cache) has to spare.
+
+A program holds the ``Tq`` tokens x the GQA group's heads (padded to a power of
+two ``Gp``, so that a row's token and head are a shift and a mask) as the rows
+of one tile per kv head. The running max and sum live in lane-replicated
+``(rows, 128)`` VMEM scratch, the output accumulator in float32; ``lse`` leaves
+the kernel lane-replicated as ``(rows, 128)``. Slots outside the sequence's
+range (and past S in a ragged last block) are masked, and their values zeroed
+before the product: they may hold anything, NaN included.
+
+**Split-K** (only when ``DecodeBlockSizes(num_splits=...)`` asks: a TPU has one
+or two cores per chip, which the (B, Hkv / hb) grid axes already fill): float32
+partial results merged afterwards by :func:`fnattn.merging.merge_stacked`, the
+sinks joined there once; with one split the kernel applies the sinks itself.
+
+**Dtypes.** float32 and bfloat16 run as they are; float16 caches are converted
+to float32 first (TPUs have no float16 arithmetic; the conversion copies the
+cache, so ``impl="auto"`` reads float16 with the XLA lowering instead); float64
+is refused (:func:`unsupported`): ``impl="auto"`` runs it with the XLA
+lowering, ``impl="pallas"`` raises ``NotImplementedError``.
+"""
+
+import dataclasses
+import functools
+from typing import Any, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from fnattn import masks
+from fnattn.decoding import common, xla
+from fnattn.decoding.common import F32, I32
+from fnattn.merging import merge_stacked
+
+__all__ = ["KERNEL_NAME", "auto_forward", "forward", "forward_interpret", "heads_per_program",
+           "unsupported"]
+
+KERNEL_NAME = "fnattn_decode_mosaic"
+LANES = 128
+SUBLANES = 8
+NT = (((1,), (1,)), ((), ()))  # a @ b.T
+NN = (((1,), (0,)), ((), ()))  # a @ b
+DEFAULT_BLOCK_K = 512          # 128 KiB of bf16 keys at D=128 per buffer
+NUM_META = 4                   # start, length, lo, hi per sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class _K:
+    Tq: int
+    G: int
+    Gp: int
+    M: int
+    hb: int          # kv heads per program
+    bk: int
+    nb: int          # grid steps per split
+    splits: int
+    scale: float
+    softcap: Optional[float]
+    mask_treedef: Any
+    sinks: bool
+
+    def mask(self):
+        if self.mask_treedef is None:
+            return None
+        return jax.tree_util.tree_unflatten(self.mask_treedef, [])
+
+
+def heads_per_program(num_kv_heads: int, head_dim: int, v_head_dim: int) -> int:
+    """The fewest kv heads whose columns of the (B, S, Hkv * D) caches make a legal
+    TPU block: a multiple of 128 lanes, or all of them.
+
+    >>> heads_per_program(8, 128, 128), heads_per_program(8, 64, 64), heads_per_program(4, 80, 80)
+    (1, 2, 4)
+    """
+    for hb in range(1, num_kv_heads):
+        if num_kv_heads % hb == 0 and (hb * head_dim) % LANES == 0 \
+                and (hb * v_head_dim) % LANES == 0:
+            return hb
+    return num_kv_heads
+
+
+def _block_range(meta_ref, b, sp, K: _K):
+    lo, hi = meta_ref[b * NUM_META + 2], meta_ref[b * NUM_META + 3]
+    return common.split_range(lo, hi, sp, K.splits)
+
+
+def _kv_index(b, hg, sp, i, meta_ref, *, K: _K):
+    first, end = _block_range(meta_ref, b, sp, K)
+    # Past the range: the last block again (not copied twice); an empty split
+    # points at a block of its own range's start (never computed on).
+    return b, jnp.maximum(jnp.minimum(first + i, end - 1), 0), hg
+
+
+def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
+    sinks_ref = refs[0] if K.sinks else None
+    o_ref, lse_ref, m_scr, l_scr, acc_scr = refs[-5:]
+    b, hg, sp, i = (pl.program_id(a) for a in range(4))
+    start, length = meta_ref[b * NUM_META], meta_ref[b * NUM_META + 1]
+    first, end = _block_range(meta_ref, b, sp, K)
+    j = first + i
+    shift = K.Gp.bit_length() - 1
+    mask = K.mask()
+
+    @pl.when(i == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, -jnp.inf, F32)
+        l_scr[...] = jnp.zeros(l_scr.shape, F32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, F32)
+
+    @pl.when(j < end)
+    def _step():
+        k, v = k_ref[...], v_ref[...]
+        vpos = j * K.bk + lax.broadcasted_iota(I32, v.shape, 0) - start
+        v = jnp.where((vpos >= 0) & (vpos < length), v, jnp.zeros_like(v))
+        shape = (K.M, K.bk)
+        kpos = j * K.bk + lax.broadcasted_iota(I32, shape, 1) - start
+        in_range = (kpos >= 0) & (kpos < length)
+        r_i = lax.broadcasted_iota(I32, shape, 0)
+        t_i = lax.shift_right_logical(r_i, jnp.int32(shift))
+        g_i = r_i & (K.Gp - 1)
+        for hh in range(K.hb):
+            # q_ref[hh] is zero outside head hh's columns: its product with the
+            # block of hb heads is head hh's logits.
+            s = lax.dot_general(q_ref[hh], k, NT, preferred_element_type=F32) * K.scale
+            if K.softcap is not None:
+                s = K.softcap * jnp.tanh(s / K.softcap)
+            ok = in_range
+            if mask is not None:
+                h = hg * K.hb + hh
+                pos = masks.Positions(b=b, h=h * K.G + g_i, q=t_i, q_pos=length - K.Tq + t_i,
+                                      k=kpos)
+                ok = ok & mask.predicate(pos, [])
+            s = jnp.where(ok, s, -jnp.inf)
+            m_prev, l_prev = m_scr[hh][:, :1], l_scr[hh][:, :1]
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+            # A row with no visible key so far keeps m = -inf: shift by 0 so exp gives 0.
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp(s - m_use)
+            alpha = jnp.exp(m_prev - m_use)
+            l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+            # (the columns of the other heads of the block are computed and dropped)
+            pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=F32)
+            acc_scr[hh] = acc_scr[hh] * alpha + pv
+            m_scr[hh] = jnp.broadcast_to(m_new, (K.M, LANES))
+            l_scr[hh] = jnp.broadcast_to(l_new, (K.M, LANES))
+
+    @pl.when(i == K.nb - 1)
+    def _finish():
+        for hh in range(K.hb):
+            m, l, acc = m_scr[hh][:, :1], l_scr[hh][:, :1], acc_scr[hh]
+            if K.sinks:
+                h = hg * K.hb + hh
+                g_col = lax.broadcasted_iota(I32, (K.M, 1), 0) & (K.Gp - 1)
+                sink = jnp.zeros((K.M, 1), F32)
+                for g in range(K.G):  # scalar reads from SMEM, one per head of the group
+                    sink = jnp.where(g_col == g, sinks_ref[h * K.G + g], sink)
+                m_fin = jnp.maximum(m, sink)
+                a = jnp.exp(m - m_fin)
+                l = l * a + jnp.exp(sink - m_fin)
+                acc = acc * a
+                m = m_fin
+            seen = l > 0
+            safe = jnp.where(seen, l, 1.0)
+            o_ref[hh] = (acc / safe).astype(o_ref.dtype)
+            lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+            lse_ref[hh] = jnp.broadcast_to(lse, (K.M, LANES))
+
+
+def unsupported(cfg, q, k, v) -> Optional[str]:
+    """What the Mosaic kernel lacks to run this call (None when it can).
+
+    ``impl="auto"`` then uses the XLA lowering on TPU; ``impl="pallas"`` raises.
+    """
+    del cfg, q, v
+    if k.dtype == jnp.float64:
+        return "a float32, bfloat16 or float16 cache (got float64: TPUs have no float64)"
+    return None
+
+
+def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=None):
+    """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv), lse (B, Hq, Tq).
+
+    ``block_k`` (a multiple of 8, 16 for bfloat16) overrides the key block size
+    (tests: several blocks on short caches)."""
+    why = unsupported(cfg, q, k, v)
+    if why is not None:
+        raise NotImplementedError(
+            f"decode: the Mosaic (TPU) kernel needs {why}. impl='auto' runs such a cache "
+            "with the XLA lowering on TPU; impl='xla' does everywhere.")
+    B, Tq, Hq, D = q.shape
+    _, S, Hkv, Dv = v.shape
+    G = Hq // Hkv
+    Gp = common.pow2(G)
+    hb = heads_per_program(Hkv, D, Dv)
+    ng = Hkv // hb
+    M = max(SUBLANES, common.cdiv(Tq * Gp, SUBLANES) * SUBLANES)
+    bk = block_k or DEFAULT_BLOCK_K
+    bk = min(S, bk)     # a block as long as the cache is always legal
+    n_blocks = common.cdiv(S, bk)
+    splits = common.pick_num_splits(cfg.block_sizes) or 1
+    splits = min(splits, n_blocks)
+    nb = common.cdiv(n_blocks, splits)
+    K = _K(Tq=Tq, G=G, Gp=Gp, M=M, hb=hb, bk=bk, nb=nb, splits=splits, scale=cfg.scale,
+           softcap=cfg.softcap, mask_treedef=cfg.mask_treedef,
+           sinks=sinks is not None and splits == 1)
+    # TPUs have no float16 arithmetic: such caches run in float32 (a copy).
+    cd = F32 if k.dtype == jnp.float16 else k.dtype
+
+    lo, hi = common.key_block_range(cfg.mask, Tq, lengths, starts, bk, n_blocks)
+    meta = jnp.stack([starts, lengths, lo, hi], axis=1).astype(I32).reshape(-1)
+    # q of kv head h = hg * hb + hh as rows of (B, ng, hb, M, hb * D), in head hh's
+    # columns of the block of hb heads (zeros elsewhere).
+    qg = common.group_rows(q.astype(cd), Hkv, M, Gp).reshape(B, ng, hb, M, 1, D)
+    qx = qg * jnp.eye(hb, dtype=cd)[:, None, :, None]
+    qx = qx.reshape(B, ng, hb, M, hb * D)
+    kv_index = functools.partial(_kv_index, K=K)
+    in_specs = [pl.BlockSpec((None, None, hb, M, hb * D), lambda b, hg, sp, i, *_: (b, hg, 0, 0, 0)),
+                pl.BlockSpec((None, bk, hb * D), kv_index),
+                pl.BlockSpec((None, bk, hb * Dv), kv_index)]
+    args = [qx, k.astype(cd).reshape(B, S, Hkv * D), v.astype(cd).reshape(B, S, Hkv * Dv)]
+    if K.sinks:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        args.append(sinks.astype(F32))
+    lead = () if splits == 1 else (splits,)
+    blk = (None,) * len(lead) + (None, None, hb)
+
+    def out_map(b, hg, sp, i, *_):
+        return ((sp,) if splits > 1 else ()) + (b, hg, 0, 0, 0)
+
+    out, lse = pl.pallas_call(
+        functools.partial(_kernel, K=K),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1, grid=(B, ng, splits, nb), in_specs=in_specs,
+            out_specs=[pl.BlockSpec(blk + (M, hb * Dv), out_map),
+                       pl.BlockSpec(blk + (M, LANES), out_map)],
+            scratch_shapes=[pltpu.VMEM((hb, M, LANES), F32), pltpu.VMEM((hb, M, LANES), F32),
+                            pltpu.VMEM((hb, M, hb * Dv), F32)]),
+        out_shape=[jax.ShapeDtypeStruct(lead + (B, ng, hb, M, hb * Dv),
+                                        cd if splits == 1 else F32),
+                   jax.ShapeDtypeStruct(lead + (B, ng, hb, M, LANES), F32)],
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+        interpret=interpret, name=KERNEL_NAME,
+    )(meta, *args)
+    # Head hh's output is its own columns of the block's.
+    out = out.reshape(out.shape[:-1] + (hb, Dv))
+    out = jnp.stack([out[..., hh, :, hh, :] for hh in range(hb)], axis=-3)
+    lead_shape = lead + (B, Hkv)
+    out, lse = out.reshape(lead_shape + (M, Dv)), lse[..., 0].reshape(lead_shape + (M,))
+    if splits > 1:
+        sink = None if sinks is None else common.row_sinks(sinks, Hkv, Tq, M, Gp)
+        out, lse = merge_stacked(out, lse, sink)
+    out, lse = common.ungroup_rows(out, lse, Tq, G, Gp)
+    return out.astype(q.dtype), lse
+
+
+forward = functools.partial(_forward, interpret=False)
+forward_interpret = functools.partial(_forward, interpret=True)
+
+
+def auto_forward(cfg, q, k, v, starts, lengths, sinks):
+    """impl="auto" on TPU: the Mosaic kernel, or the XLA lowering for a call it cannot
+    run (see :func:`unsupported`), decided from the static shapes and dtypes."""
+    # (a float16 cache would be copied to float32 first: XLA reads it as it is)
+    slow = k.dtype == jnp.float16
+    fwd = xla.forward if slow or unsupported(cfg, q, k, v) else forward
+    return fwd(cfg, q, k, v, starts, lengths, sinks)

@@ -1,0 +1,255 @@
+"""The Pallas Triton lowering of :func:`fnattn.decode` (NVIDIA GPUs).
+
+One kernel, grid ``(B, Hkv, splits)``. A program owns one sequence, one kv head
+and one split of the sequence's key blocks, and holds the ``Tq * G`` query rows
+of the kv head's GQA group as the rows of one tile (row ``r`` is token
+``r // G`` of query head ``h * G + r % G``), padded to a power of two of at
+least 16 rows (the smallest tensor-core tile). Every key is therefore read from
+HBM once per (sequence, kv head), whatever the group size: decode stays bound
+by memory bandwidth.
+
+Keys are read **straight from the (B, S, Hkv, D) cache** in blocks of
+``block_k`` slots starting at the sequence's first slot: each block is a
+strided gather of rows ``k[b, start + j*block_k : ..., h, :]`` (no transposed
+copy of the cache, no repeat over the group). Loads are masked: slots past the
+sequence's length are never read (they may hold anything, NaN included), and
+head dims that are not powers of two are padded inside the loads (masked
+columns), so the cache is never copied.
+
+Each program visits only its share of the blocks ``[lo, hi)`` that hold the
+sequence's keys and that the mask's ``tile_bounds`` says may be visible
+(computed in the wrapper, :func:`fnattn.decoding.common.key_block_range`): a
+sliding window over a long context reads the window only. Scale and soft-cap
+are applied to the float32 logits; the online softmax runs in base 2 with
+``log2(e)`` folded into the scale.
+
+**Split-K.** With few (sequence, kv head) pairs the blocks of a sequence are
+cut into ``splits`` contiguous ranges, one program each (:func:`launch_plan`
+picks enough to fill an H100's 132 multiprocessors); the programs write float32
+partial outputs with their ``lse``, merged afterwards by
+:func:`fnattn.merging.merge_stacked`, where the sinks join the denominator
+once. With one split the kernel applies the sinks and writes the output in q's
+dtype.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from fnattn import masks
+from fnattn.decoding import common
+from fnattn.decoding.common import F32, I32
+from fnattn.merging import merge_stacked
+
+__all__ = ["KERNEL_NAME", "Plan", "forward", "forward_interpret", "launch_plan"]
+
+KERNEL_NAME = "fnattn_decode_triton"
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+MIN_ROWS = 16            # tl.dot needs at least 16 rows
+MIN_COLS = 16            # ... and 16 along the contraction
+NUM_SMS = 132            # H100 SXM
+TARGET_PROGRAMS = 4 * NUM_SMS   # a few waves: enough resident programs to hide latency
+MIN_BLOCKS_PER_SPLIT = 8        # below this a split's fixed costs (q load, merge) dominate
+
+
+class Plan(NamedTuple):
+    """Launch parameters of one call."""
+
+    block_k: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+
+def launch_plan(batch: int, num_kv_heads: int, cache_len: int, head_dim: int,
+                v_head_dim: int, *, rows: int = MIN_ROWS, num_splits: Optional[int] = None,
+                block_k: Optional[int] = None) -> Plan:
+    """Block size, split count and Triton launch parameters for a decode call.
+
+    ``num_splits`` (from ``DecodeBlockSizes``) is used as given; otherwise the
+    splits are chosen so that ``batch * num_kv_heads * splits`` programs fill the
+    GPU, with at least ``MIN_BLOCKS_PER_SPLIT`` key blocks per split. ``block_k``
+    (rounded up to a power of two >= 16) overrides the key block size. ``rows``
+    is the height of the query tile (``Tq * G`` padded).
+
+    >>> launch_plan(1, 8, 32768, 128, 128)
+    Plan(block_k=64, num_splits=64, num_warps=4, num_stages=2)
+    >>> launch_plan(64, 8, 32768, 128, 128).num_splits
+    1
+    >>> launch_plan(1, 8, 1000, 80, 80, num_splits=5)
+    Plan(block_k=64, num_splits=5, num_warps=4, num_stages=2)
+    """
+    if block_k is None:
+        # 64 keys x 128 dims of K and V in flight per stage; half as many past 128.
+        block_k = 32 if max(head_dim, v_head_dim) > 128 else 64
+        block_k = min(block_k, common.pow2(cache_len))
+    bk = max(MIN_COLS, common.pow2(block_k))
+    if num_splits is None:
+        pairs = batch * num_kv_heads
+        n_blocks = common.cdiv(cache_len, bk)
+        # Two waves of (sequence, kv head) programs already keep every SM busy.
+        num_splits = 1 if pairs >= 2 * NUM_SMS else common.cdiv(TARGET_PROGRAMS, pairs)
+        num_splits = max(1, min(num_splits, n_blocks // MIN_BLOCKS_PER_SPLIT))
+    # Decode is a stream over the cache: two stages of prefetch hide the latency
+    # of the next block's loads. 4 warps hold a float32 accumulator of up to
+    # 64 x 128; taller tiles (speculative decoding with large groups) take 8.
+    num_warps = 4 if rows * max(head_dim, v_head_dim) <= 64 * 128 else 8
+    return Plan(block_k=bk, num_splits=num_splits, num_warps=num_warps, num_stages=2)
+
+
+@dataclasses.dataclass(frozen=True)
+class _K:
+    """Static facts of one launch."""
+
+    Tq: int
+    G: int
+    R: int           # live rows: Tq * G
+    M: int           # rows per tile: a power of two >= max(R, 16)
+    bk: int
+    D: int
+    Dp: int
+    Dv: int
+    Dvp: int
+    splits: int
+    scale: float
+    softcap: Optional[float]
+    mask_treedef: Any
+    sinks: bool
+
+    def mask(self):
+        if self.mask_treedef is None:
+            return None
+        return jax.tree_util.tree_unflatten(self.mask_treedef, [])
+
+
+def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
+    sinks_ref = refs[0] if K.sinks else None
+    o_ref, lse_ref = refs[-2], refs[-1]
+    b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    start, length = meta_ref[b, 0], meta_ref[b, 1]
+    lo, hi = common.split_range(meta_ref[b, 2], meta_ref[b, 3], sp, K.splits)
+
+    r_i = lax.broadcasted_iota(I32, (K.M,), 0)
+    t_i, g_i = lax.div(r_i, jnp.int32(K.G)), lax.rem(r_i, jnp.int32(K.G))
+    dcols = lax.broadcasted_iota(I32, (K.Dp,), 0)[None, :]
+    vcols = lax.broadcasted_iota(I32, (K.Dvp,), 0)[None, :]
+    dmask = None if K.D == K.Dp else dcols < K.D
+    vmask = None if K.Dv == K.Dvp else vcols < K.Dv
+
+    def both(a, c):
+        return a if c is None else a & c
+
+    q = q_ref[b, h]
+    mask = K.mask()
+    if mask is not None:
+        raw_rows = t_i[:, None]
+        qpos_rows = (length - K.Tq + t_i)[:, None]
+        head_rows = (h * K.G + g_i)[:, None]
+    # Logits in base 2: exp(x) = exp2(x * log2(e)).
+    c = K.scale * LOG2E if K.softcap is None else K.softcap * LOG2E
+
+    def body(j, carry):
+        acc, m, l = carry
+        kpos = j * K.bk + lax.broadcasted_iota(I32, (K.bk,), 0)
+        ok = kpos < length
+        slot = (start + kpos)[:, None]
+        k = plgpu.load(k_ref.at[b, slot, h, dcols], mask=both(ok[:, None], dmask), other=0.0)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+        if K.softcap is not None:
+            s = jnp.tanh(s * (K.scale / K.softcap))
+        allowed = ok[None, :]
+        if mask is not None:
+            pos = masks.Positions(b=b, h=head_rows, q=raw_rows, q_pos=qpos_rows,
+                                  k=kpos[None, :])
+            allowed = allowed & mask.predicate(pos, [])
+        s = jnp.where(allowed, s * c, -jnp.inf)
+        m_new = jnp.maximum(m, s.max(axis=1))
+        # A row with no visible key so far keeps m = -inf; shift by 0 instead.
+        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        p = jnp.exp2(s - m_use[:, None])
+        alpha = jnp.exp2(m - m_use)
+        l = l * alpha + p.sum(axis=1)
+        v = plgpu.load(v_ref.at[b, slot, h, vcols], mask=both(ok[:, None], vmask), other=0.0)
+        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
+        return acc, m_new, l
+
+    acc = jnp.zeros((K.M, K.Dvp), F32)
+    m = jnp.full((K.M,), -jnp.inf, F32)
+    l = jnp.zeros((K.M,), F32)
+    acc, m, l = lax.fori_loop(lo, hi, body, (acc, m, l))
+
+    if K.sinks:
+        sink = sinks_ref[h] * LOG2E
+        m_fin = jnp.maximum(m, sink)
+        a = jnp.exp2(m - m_fin)
+        l = l * a + jnp.exp2(sink - m_fin)
+        acc = acc * a[:, None]
+        m = m_fin
+    safe = jnp.where(l > 0, l, 1.0)
+    out = acc * (1.0 / safe)[:, None]
+    lse = jnp.where(l > 0, (m + jnp.log2(safe)) * LN2, -jnp.inf)
+    # Padded buffers: whole tiles are stored, no masked (or duplicate) addresses.
+    if K.splits == 1:
+        o_ref[b, h] = out.astype(o_ref.dtype)
+        lse_ref[b, h] = lse
+    else:
+        o_ref[sp, b, h] = out
+        lse_ref[sp, b, h] = lse
+
+
+def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=None):
+    """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv), lse (B, Hq, Tq).
+
+    ``block_k`` overrides :func:`launch_plan`'s key block size (tests)."""
+    B, Tq, Hq, D = q.shape
+    _, S, Hkv, Dv = v.shape
+    G = Hq // Hkv
+    R = Tq * G
+    M = max(MIN_ROWS, common.pow2(R))
+    plan = launch_plan(B, Hkv, S, D, Dv, rows=M, block_k=block_k,
+                       num_splits=common.pick_num_splits(cfg.block_sizes))
+    bk, splits = plan.block_k, plan.num_splits
+    Dp, Dvp = common.pow2(max(D, MIN_COLS)), common.pow2(max(Dv, MIN_COLS))
+    K = _K(Tq=Tq, G=G, R=R, M=M, bk=bk, D=D, Dp=Dp, Dv=Dv, Dvp=Dvp, splits=splits,
+           scale=cfg.scale, softcap=cfg.softcap, mask_treedef=cfg.mask_treedef,
+           sinks=sinks is not None and splits == 1)
+
+    lo, hi = common.key_block_range(cfg.mask, Tq, lengths, jnp.zeros_like(lengths), bk,
+                                    common.cdiv(S, bk))
+    meta = jnp.stack([starts, lengths, lo, hi], axis=1).astype(I32)
+    # The query tile of each (sequence, kv head): small, so padded here (rows and
+    # head dim); the caches are only ever read in place.
+    qg = common.group_rows(q.astype(k.dtype), Hkv, M)
+    qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, Dp - D)))
+    args = [meta, qg, k, v]
+    if K.sinks:
+        args.append(common.row_sinks(sinks, Hkv, Tq, M))
+    lead = () if splits == 1 else (splits,)
+    out_shape = [jax.ShapeDtypeStruct(lead + (B, Hkv, M, Dvp), q.dtype if splits == 1 else F32),
+                 jax.ShapeDtypeStruct(lead + (B, Hkv, M), F32)]
+    out, lse = pl.pallas_call(
+        functools.partial(_kernel, K=K),
+        grid=(B, Hkv, splits),
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=plan.num_warps,
+                                             num_stages=plan.num_stages),
+        interpret=interpret, name=KERNEL_NAME,
+    )(*args)
+    out, lse = out[..., :R, :Dv], lse[..., :R]
+    if splits > 1:
+        sink = None if sinks is None else common.row_sinks(sinks, Hkv, Tq, R)
+        out, lse = merge_stacked(out, lse, sink)
+    out, lse = common.ungroup_rows(out, lse, Tq, G)
+    return out.astype(q.dtype), lse
+
+
+forward = functools.partial(_forward, interpret=False)
+forward_interpret = functools.partial(_forward, interpret=True)
