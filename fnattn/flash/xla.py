@@ -80,15 +80,17 @@ class XlaBlockSizes:
         """Defaults for the problem ``dims`` (a :class:`fnattn._checks.Dims`).
 
         block_k is 256 and block_q keeps one float32 logit tile of all heads
-        near 2 MiB (256 x 256 for 8 heads at batch 1): large enough for
-        efficient products, small enough to stay in a CPU core's caches, and
-        small enough that causal diagonal tiles waste little.
+        near 4 MiB (512 x 256 for 8 heads at batch 1); the backward, which keeps
+        several tiles live, uses half the rows and twice the keys (256 x 512).
+        Measured on a 2-core x86 CPU (B=1, H=8, D=64, float32, T=2k..8k): 1.6-1.9x
+        faster than 256 x 256 tiles, forward and backward, causal or not;
+        larger tiles are no faster.
         """
         del dtype  # logits are float32 whatever the input dtype
         rows = max(dims.batch * dims.num_q_heads, 1)
         bk = 256
-        bq = _pow2_floor(max(64, min(512, 2**19 // (rows * bk))))
-        return cls(block_q=bq, block_k=bk)
+        bq = _pow2_floor(max(64, min(512, 2**20 // (rows * bk))))
+        return cls(block_q=bq, block_k=bk, block_q_bwd=max(64, bq // 2), block_k_bwd=2 * bk)
 
 
 def _pow2_floor(n):

@@ -157,6 +157,7 @@ def test_block_size_validation():
         XlaBlockSizes(block_q=8, block_k=0)
     d = XlaBlockSizes.default(_cfg(8192, 8192).dims, jnp.float32)
     assert d.block_q * d.block_k * 8 * 4 <= 2**23
+    assert d.block_q_bwd * d.block_k_bwd * 8 * 4 <= 2**23
 
 
 def test_q_offset_aligns_queries_like_the_dense_lowering():
