@@ -86,14 +86,18 @@ def _visited(mask, P):
 
 
 def test_causal_visits_about_half_the_tiles_and_windows_fewer():
-    P = xla._plan(_cfg(1024, 1024))
+    P = xla._plan(_cfg(4096, 4096))
     full = _visited(None, P)
     causal = _visited(masks.causal(), P)
     window = _visited(masks.sliding_window(left=128), P)
     assert full == (P.nq * P.nk, 0)
-    # causal: the lower triangle of FULL tiles, the diagonal PARTIAL
-    assert causal[1] == P.nq and sum(causal) <= full[0] // 2 + P.nq
-    assert sum(window) <= 3 * P.nq
+    # causal: the lower triangle of FULL tiles, the tiles crossing the diagonal
+    # PARTIAL (bq / bk of them per q-block when bq is a multiple of bk)
+    per_row = max(1, P.bq // P.bk)
+    assert causal[1] == P.nq * per_row and sum(causal) <= full[0] // 2 + causal[1]
+    # a window of 128 keys: only the kv-blocks overlapping [q - 128, q] of each q-block
+    assert sum(window) <= P.nq * (-(-(P.bq + 128) // P.bk) + 1)
+    assert sum(window) < sum(causal) // 2
 
 
 def test_full_tiles_skip_the_mask():
