@@ -204,3 +204,28 @@ def test_key_block_range_skips_blocks_outside_the_window():
     assert lo.tolist() == [0, 1, 0] and hi.tolist() == [63, 3, 0]
     lo, hi = common.key_block_range(mask, 2, L, a, 16, 64)
     assert lo.tolist() == [61, 1, 0] and hi.tolist() == [63, 3, 0]
+
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_gpu_matches_xla(dtype):
+    """The compiled kernel (impl="auto" on a GPU) against the XLA lowering, with long
+    ragged contexts, several splits, a window and sinks."""
+    B, Sg, Hq, Hkv, D = 5, 4096, 32, 8, 128
+    ks = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(ks[0], (B, 2, Hq, D), dtype)
+    k = jax.random.normal(ks[1], (B, Sg, Hkv, D), dtype)
+    v = jax.random.normal(ks[2], (B, Sg, Hkv, D), dtype)
+    L, a = jnp.array([4096, 3000, 17, 1, 0]), jnp.array([0, 1000, 5, 4000, 0])
+    tol = 2e-3 if dtype == jnp.float32 else 3e-2
+    for mask in (masks.causal(), masks.causal() & masks.sliding_window(300)):
+        spec = AttentionSpec(mask=mask, sinks=jnp.linspace(-1.0, 1.0, Hq), softcap=30.0)
+        f = jax.jit(lambda spec, q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L,
+                                                        kv_starts=a))
+        got, want = f(spec, q, k, v), f(spec.replace(impl="xla"), q, k, v)
+        np.testing.assert_allclose(np.asarray(got.out, np.float32),
+                                   np.asarray(want.out, np.float32), atol=tol, rtol=tol)
+        np.testing.assert_allclose(got.lse, want.lse, atol=tol, rtol=tol)
