@@ -50,16 +50,30 @@ class Config:
         return jax.tree_util.tree_unflatten(self.mask_treedef, leaves)
 
 
-def _select(table, fn_name, cfg, *args):
-    branches = {plat: functools.partial(getattr(low, fn_name), cfg) for plat, low in table}
+def select(table, cfg, *args):
+    """Calls ``fn(cfg, *args)`` of the platform being lowered for.
+
+    ``table`` holds (platform, fn) pairs with a "default" entry; with only that
+    entry it is called directly, otherwise ``lax.platform_dependent`` traces every
+    entry and lowering keeps one. Shared by every variant's dispatch.
+    """
+    branches = {plat: functools.partial(fn, cfg) for plat, fn in table}
     if "default" not in branches:
         raise ValueError(
-            f"lowering table {[(plat, low.name) for plat, low in table]} has no 'default' "
-            "entry; every table needs one for the platforms without their own lowering")
+            f"lowering table {[plat for plat, _ in table]} has no 'default' entry; every "
+            "table needs one for the platforms without their own lowering")
     default = branches.pop("default")
     if not branches:
         return default(*args)
     return lax.platform_dependent(*args, default=default, **branches)
+
+
+def _select(table, fn_name, cfg, *args):
+    if all(plat != "default" for plat, _ in table):
+        raise ValueError(
+            f"lowering table {[(plat, low.name) for plat, low in table]} has no 'default' "
+            "entry; every table needs one for the platforms without their own lowering")
+    return select(tuple((plat, getattr(low, fn_name)) for plat, low in table), cfg, *args)
 
 
 def _with_mask(fn):

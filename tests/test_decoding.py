@@ -7,7 +7,7 @@ import pytest
 
 import fnattn
 from fnattn import AttentionSpec, DecodeBlockSizes, masks
-from fnattn.decoding import default_num_splits
+from fnattn.decoding import api, xla
 from np_attention import np_attention, np_attention_grads
 
 S = 24  # cache slots per sequence (divisible by 1, 2, 3, 4, 6, 8)
@@ -174,13 +174,15 @@ def test_vmap_over_a_leading_axis():
         np.testing.assert_allclose(res.out[i], one.out, atol=1e-6)
 
 
-def test_default_num_splits():
-    assert default_num_splits(1, 2, 32768) == 8
-    assert default_num_splits(1, 1, 32768) == 16
-    assert default_num_splits(64, 8, 32768) == 1
-    assert default_num_splits(1, 2, 1000) == 1        # 512 keys at least per split
-    assert default_num_splits(1, 2, 3 * 1024) == 6    # a divisor of the cache length
-    assert 3 * 1024 % default_num_splits(1, 1, 3 * 1024) == 0
+def test_xla_lowering_picks_its_form_and_splits():
+    cfg = api.Cfg(scale=1.0, softcap=None, mask_treedef=None, num_splits=None)
+    assert xla.choose(cfg, 4, 32768) == ("mixed", 2)   # a few rows per kv head
+    assert xla.choose(cfg, 1, 32768) == ("dot", 1)     # MHA
+    assert xla.choose(cfg, 8, 32768) == ("dot", 1)     # many rows per kv head
+    assert xla.choose(cfg, 4, 1001) == ("mixed", 1)    # no even split
+    assert xla.choose(cfg, 4, 128) == ("mixed", 1)     # too short to split
+    given = api.Cfg(scale=1.0, softcap=None, mask_treedef=None, num_splits=3)
+    assert xla.choose(given, 4, 24) == ("mixed", 3) and xla.choose(given, 1, 24) == ("dot", 3)
 
 
 def test_bad_input_messages():

@@ -16,9 +16,10 @@ partial results (out, lse) are computed independently (in parallel) and
 combined exactly by the merge of :mod:`fnattn.merging`. With few sequences and
 long contexts this is what keeps every core (or every GPU multiprocessor)
 busy. ``AttentionSpec(block_sizes=DecodeBlockSizes(num_splits=...))`` sets it;
-otherwise each lowering picks its own (the XLA lowering: see
-:func:`fnattn.decoding.xla.choose`; kernels: :func:`default_num_splits`, enough
-(sequence, kv head, split) programs to fill the device).
+otherwise each lowering picks its own: the XLA lowering two ranges
+(:func:`fnattn.decoding.xla.choose`), the Triton kernel enough (sequence, kv
+head, split) programs to fill the GPU (:func:`fnattn.decoding.triton.launch_plan`),
+the Mosaic kernel one.
 
 **Lowerings**, chosen at trace time by ``jax.lax.platform_dependent`` inside one
 ``jax.custom_vjp`` (whose backward is ``jax.vjp`` of the XLA lowering, so
@@ -52,18 +53,15 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jax import lax
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks
+from fnattn import _checks, _dispatch
 from fnattn.decoding import xla
 from fnattn.spec import AttentionOutput, AttentionSpec
 
-__all__ = ["Cfg", "DecodeBlockSizes", "decode", "default_num_splits", "lowering_table"]
+__all__ = ["Cfg", "DecodeBlockSizes", "decode", "lowering_table"]
 
 I32 = jnp.int32
-MIN_SPLIT_KEYS = 512
-MAX_SPLITS = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +70,8 @@ class DecodeBlockSizes:
 
     Attributes:
       num_splits: contiguous key ranges computed independently and merged; must
-        divide the cache length S. None: :func:`default_num_splits`.
+        divide the cache length S. None: each lowering chooses (see the module
+        docstring).
 
     >>> DecodeBlockSizes(num_splits=4).num_splits
     4
@@ -91,30 +90,8 @@ class DecodeBlockSizes:
                              f"got {n!r}")
 
 
-def default_num_splits(batch: int, num_kv_heads: int, cache_len: int) -> int:
-    """Enough independent (sequence, kv head, split) items to fill the machine.
-
-    Splits only when there are fewer than 16 (sequence, kv head) pairs, keeps at
-    least ``MIN_SPLIT_KEYS`` keys per split, and uses a divisor of ``cache_len``.
-
-    >>> default_num_splits(1, 2, 32768), default_num_splits(64, 8, 32768)
-    (8, 1)
-    """
-    pairs = batch * num_kv_heads
-    n = 1
-    while pairs * n < 16 and n < MAX_SPLITS:
-        n *= 2
-    while n > 1 and (cache_len % n or cache_len // n < MIN_SPLIT_KEYS):
-        n -= 1
-    return n
-
-
-def _splits_given(spec) -> bool:
-    items = spec.block_sizes if isinstance(spec.block_sizes, tuple) else (spec.block_sizes,)
-    return any(isinstance(b, DecodeBlockSizes) and b.num_splits is not None for b in items)
-
-
-def _pick_splits(spec, B, Hkv, S) -> int:
+def _given_splits(spec, S) -> Optional[int]:
+    """``DecodeBlockSizes.num_splits`` from the spec (validated), or None."""
     items = spec.block_sizes if isinstance(spec.block_sizes, tuple) else (spec.block_sizes,)
     for b in items:
         if isinstance(b, DecodeBlockSizes) and b.num_splits is not None:
@@ -122,7 +99,7 @@ def _pick_splits(spec, B, Hkv, S) -> int:
                 raise ValueError(f"decode: DecodeBlockSizes(num_splits={b.num_splits}) must "
                                  f"divide the cache length S={S}")
             return b.num_splits
-    return default_num_splits(B, Hkv, S)
+    return None
 
 
 def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
@@ -193,13 +170,13 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
     B, _, S, _, Hkv, D, _ = dims
     qb, kb, vb = (_checks.to_bthd(x, spec.layout) for x in (q, k_cache, v_cache))
     scale = _checks.resolve_scale(spec, D)
-    ns = _pick_splits(spec, B, Hkv, S)
+    ns = _given_splits(spec, S)
     starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts.astype(I32)
     starts = jnp.clip(starts, 0, S)
     lengths = jnp.clip(kv_lengths.astype(I32), 0, S - starts)
     cfg = Cfg(scale=scale, softcap=spec.softcap,
               mask_treedef=None if spec.mask is None else jax.tree_util.tree_structure(spec.mask),
-              num_splits=ns, splits_given=_splits_given(spec), block_sizes=spec.block_sizes)
+              num_splits=ns, block_sizes=spec.block_sizes)
     out, lse = _attend(lowering_table(spec.impl), cfg, qb, kb, vb, starts, lengths, spec.sinks)
     out = _checks.from_bthd(out, spec.layout)
     return AttentionOutput(out, lse if spec.return_lse else None)
@@ -212,8 +189,7 @@ class Cfg:
     scale: float
     softcap: Optional[float]
     mask_treedef: Any          # None: no mask. Masks here hold no arrays.
-    num_splits: int
-    splits_given: bool = False  # num_splits came from DecodeBlockSizes, not a default
+    num_splits: Optional[int]  # from DecodeBlockSizes; None: each lowering chooses
     block_sizes: Any = None
 
     @property
@@ -246,21 +222,13 @@ def lowering_table(impl: str):
     raise ValueError(f"decode: no lowering for impl={impl!r}")
 
 
-def _select(table, cfg, *args):
-    branches = {plat: functools.partial(fn, cfg) for plat, fn in table}
-    default = branches.pop("default")
-    if not branches:
-        return default(*args)
-    return lax.platform_dependent(*args, default=default, **branches)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(table, cfg, q, k, v, starts, lengths, sinks):
-    return _select(table, cfg, q, k, v, starts, lengths, sinks)
+    return _dispatch.select(table, cfg, q, k, v, starts, lengths, sinks)
 
 
 def _attend_fwd(table, cfg, q, k, v, starts, lengths, sinks):
-    return _select(table, cfg, q, k, v, starts, lengths, sinks), (q, k, v, starts, lengths, sinks)
+    return _dispatch.select(table, cfg, q, k, v, starts, lengths, sinks), (q, k, v, starts, lengths, sinks)
 
 
 def _attend_bwd(table, cfg, res, cotangents):

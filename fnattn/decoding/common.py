@@ -14,28 +14,10 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnattn import masks
+from fnattn.paged.common import cdiv, pow2  # noqa: F401  (the kernels' shared helpers)
 
 F32 = jnp.float32
 I32 = jnp.int32
-
-
-def cdiv(a, b):
-    return -(-a // b)
-
-
-def pow2(n: int) -> int:
-    return 1 << max(0, int(n - 1).bit_length())
-
-
-def pick_num_splits(block_sizes):
-    """``DecodeBlockSizes.num_splits`` when the spec gives one, else None."""
-    from fnattn.decoding.api import DecodeBlockSizes  # api imports the lowerings
-
-    items = block_sizes if isinstance(block_sizes, tuple) else (block_sizes,)
-    for b in items:
-        if isinstance(b, DecodeBlockSizes) and b.num_splits is not None:
-            return b.num_splits
-    return None
 
 
 def key_block_range(mask, Tq: int, lengths, offsets, block_k: int, num_blocks: int):

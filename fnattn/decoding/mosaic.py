@@ -222,7 +222,7 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
     bk = block_k or DEFAULT_BLOCK_K
     bk = min(S, bk)     # a block as long as the cache is always legal
     n_blocks = common.cdiv(S, bk)
-    splits = common.pick_num_splits(cfg.block_sizes) or 1
+    splits = cfg.num_splits or 1
     splits = min(splits, n_blocks)
     nb = common.cdiv(n_blocks, splits)
     K = _K(Tq=Tq, G=G, Gp=Gp, M=M, hb=hb, bk=bk, nb=nb, splits=splits, scale=cfg.scale,

@@ -215,7 +215,7 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
     R = Tq * G
     M = max(MIN_ROWS, common.pow2(R))
     plan = launch_plan(B, Hkv, S, D, Dv, rows=M, block_k=block_k,
-                       num_splits=common.pick_num_splits(cfg.block_sizes))
+                       num_splits=cfg.num_splits)
     bk, splits = plan.block_k, plan.num_splits
     Dp, Dvp = common.pow2(max(D, MIN_COLS)), common.pow2(max(Dv, MIN_COLS))
     K = _K(Tq=Tq, G=G, R=R, M=M, bk=bk, D=D, Dp=Dp, Dv=Dv, Dvp=Dvp, splits=splits,

@@ -33,7 +33,7 @@ MIXED_SPLITS = 2
 def choose(cfg, rows: int, cache_len: int):
     """(form, num_splits) of the XLA lowering for ``rows = Tq * Hq / Hkv`` rows."""
     form = "mixed" if 2 <= rows <= MIXED_MAX_ROWS else "dot"
-    if cfg.splits_given:
+    if cfg.num_splits is not None:
         return form, cfg.num_splits
     if form == "mixed" and cache_len % MIXED_SPLITS == 0 and cache_len >= 256:
         return form, MIXED_SPLITS

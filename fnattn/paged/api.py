@@ -60,11 +60,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 from beartype import beartype
-from jax import lax
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks
+from fnattn import _checks, _dispatch
 from fnattn.paged import common, reference, xla
 from fnattn.paged.common import I32, Cfg, Meta
 from fnattn.spec import AttentionOutput, AttentionSpec
@@ -114,21 +113,13 @@ def _reference_forward(cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v=
     return reference.attend(cfg, q, k_pages, v_pages, sinks, meta)
 
 
-def _select(table, cfg, *args):
-    branches = {plat: functools.partial(fn, cfg) for plat, fn in table}
-    default = branches.pop("default")
-    if not branches:
-        return default(*args)
-    return lax.platform_dependent(*args, default=default, **branches)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(table, cfg, q, k_pages, v_pages, sinks, meta):
-    return _select(table, cfg, q, k_pages, v_pages, sinks, meta, None, None)
+    return _dispatch.select(table, cfg, q, k_pages, v_pages, sinks, meta, None, None)
 
 
 def _attend_fwd(table, cfg, q, k_pages, v_pages, sinks, meta):
-    res = _select(table, cfg, q, k_pages, v_pages, sinks, meta, None, None)
+    res = _dispatch.select(table, cfg, q, k_pages, v_pages, sinks, meta, None, None)
     return res, (q, k_pages, v_pages, sinks, meta)
 
 
@@ -149,7 +140,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend_update(table, cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v):
-    return _select(table, cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v)
+    return _dispatch.select(table, cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v)
 
 
 def _update_fwd(table, cfg, *args):
