@@ -228,7 +228,8 @@ def _attend(table, cfg, q, k, v, starts, lengths, sinks):
 
 
 def _attend_fwd(table, cfg, q, k, v, starts, lengths, sinks):
-    return _dispatch.select(table, cfg, q, k, v, starts, lengths, sinks), (q, k, v, starts, lengths, sinks)
+    res = (q, k, v, starts, lengths, sinks)
+    return _dispatch.select(table, cfg, *res), res
 
 
 def _attend_bwd(table, cfg, res, cotangents):

@@ -52,6 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from fnattn import _online as online
 from fnattn import masks
 from fnattn.decoding import common, xla
 from fnattn.decoding.common import F32, I32
@@ -174,16 +175,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         for hh in range(K.hb):
             m, l, acc = m_scr[hh][:, :1], l_scr[hh][:, :1], acc_scr[hh]
             if K.sinks:
-                h = hg * K.hb + hh
-                g_col = lax.broadcasted_iota(I32, (K.M, 1), 0) & (K.Gp - 1)
-                sink = jnp.zeros((K.M, 1), F32)
-                for g in range(K.G):  # scalar reads from SMEM, one per head of the group
-                    sink = jnp.where(g_col == g, sinks_ref[h * K.G + g], sink)
-                m_fin = jnp.maximum(m, sink)
-                a = jnp.exp(m - m_fin)
-                l = l * a + jnp.exp(sink - m_fin)
-                acc = acc * a
-                m = m_fin
+                sink = online.group_sink_column(sinks_ref, hg * K.hb + hh, K.G, K.Gp, K.M)
+                acc, m, l = online.join_sink(acc, m, l, sink)
             seen = l > 0
             safe = jnp.where(seen, l, 1.0)
             o_ref[hh] = (acc / safe).astype(o_ref.dtype)

@@ -34,7 +34,6 @@ dtype.
 
 import dataclasses
 import functools
-import math
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -43,6 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fnattn import _online as online
 from fnattn import masks
 from fnattn.decoding import common
 from fnattn.decoding.common import F32, I32
@@ -51,8 +51,7 @@ from fnattn.merging import merge_stacked
 __all__ = ["KERNEL_NAME", "Plan", "forward", "forward_interpret", "launch_plan"]
 
 KERNEL_NAME = "fnattn_decode_triton"
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+LOG2E, LN2 = online.LOG2E, online.LN2
 MIN_ROWS = 16            # tl.dot needs at least 16 rows
 MIN_COLS = 16            # ... and 16 along the contraction
 NUM_SMS = 132            # H100 SXM
@@ -187,15 +186,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
     acc, m, l = lax.fori_loop(lo, hi, body, (acc, m, l))
 
     if K.sinks:
-        sink = sinks_ref[h] * LOG2E
-        m_fin = jnp.maximum(m, sink)
-        a = jnp.exp2(m - m_fin)
-        l = l * a + jnp.exp2(sink - m_fin)
-        acc = acc * a[:, None]
-        m = m_fin
-    safe = jnp.where(l > 0, l, 1.0)
-    out = acc * (1.0 / safe)[:, None]
-    lse = jnp.where(l > 0, (m + jnp.log2(safe)) * LN2, -jnp.inf)
+        acc, m, l = online.join_sink(acc, m, l, sinks_ref[h] * LOG2E, exp=jnp.exp2)
+    out, lse = online.finish_exp2(acc, m, l)
     # Padded buffers: whole tiles are stored, no masked (or duplicate) addresses.
     if K.splits == 1:
         o_ref[b, h] = out.astype(o_ref.dtype)

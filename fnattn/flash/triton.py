@@ -46,7 +46,6 @@ True
 
 import dataclasses
 import functools
-import math
 from typing import Optional
 
 import jax
@@ -55,14 +54,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fnattn import _online as online
 from fnattn import dropout, masks
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks
 
 __all__ = ["TritonBlockSizes", "LOWERING", "INTERPRET_LOWERING"]
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+LOG2E, LN2 = online.LOG2E, online.LN2
 F32 = jnp.float32
 
 # The dk/dv pass handles a whole GQA group per program when that still leaves
@@ -366,15 +365,9 @@ def _fwd_kernel(*refs, K: _K, sched: bool):
     l = jnp.zeros((K.bq,), F32)
     acc, m, l = _loops(R, K, K.Tk // K.bk, body, (acc, m, l))
     if R.sinks is not None:
-        sink = R.sinks[0].astype(F32) * LOG2E
-        m_fin = jnp.maximum(m, sink)
-        a = jnp.exp2(m - m_fin)
-        l = l * a + jnp.exp2(sink - m_fin)
-        acc = acc * a[:, None]
-        m = m_fin
-    safe = jnp.where(l > 0, l, 1.0)
-    R.o[rows, :] = (acc * (1.0 / safe)[:, None]).astype(R.o.dtype)
-    R.lse[rows] = jnp.where(l > 0, (m + jnp.log2(safe)) * LN2, -jnp.inf)
+        acc, m, l = online.join_sink(acc, m, l, R.sinks[0].astype(F32) * LOG2E, exp=jnp.exp2)
+    out, R.lse[rows] = online.finish_exp2(acc, m, l)
+    R.o[rows, :] = out.astype(R.o.dtype)
 
 
 # ----------------------------------------------------------------------------------

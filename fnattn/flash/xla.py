@@ -40,6 +40,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fnattn import _online as online
 from fnattn import dropout, masks
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks
@@ -379,11 +380,7 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
         if sinks is not None:
             sk = jnp.broadcast_to(sinks.astype(F32).reshape(1, P.Hkv, P.G, 1),
                                   (B, P.Hkv, P.G, P.bq)).reshape(rows)
-            m_fin = jnp.maximum(m, sk)
-            a_ = jnp.exp(m - m_fin)
-            l = l * a_ + jnp.exp(sk - m_fin)
-            acc = acc * a_[..., None]
-            m = m_fin
+            acc, m, l = online.join_sink(acc, m, l, sk)
         safe = jnp.where(l > 0, l, 1.0)
         out = acc / safe[..., None]
         lse = jnp.where(l > 0, m + jnp.log(safe), -jnp.inf)

@@ -65,7 +65,7 @@ from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import _checks, _dispatch
 from fnattn.paged import common, reference, xla
-from fnattn.paged.common import I32, Cfg, Meta
+from fnattn.paged.common import I32, Cfg
 from fnattn.spec import AttentionOutput, AttentionSpec
 
 __all__ = ["paged_attention", "ragged_paged_attention", "ragged_paged_attention_with_update",

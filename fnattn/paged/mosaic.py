@@ -27,7 +27,6 @@ float16 runs in float32 (TPUs have no float16 arithmetic).
 
 import dataclasses
 import functools
-import math
 from typing import Any, Optional
 
 import jax
@@ -36,6 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from fnattn import _online as online
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -148,15 +148,8 @@ def _attn_kernel(work_ref, pt_ref, *refs, K: _K):
     acc = jnp.zeros((K.M, o_ref.shape[-1]), F32)
     m, l, acc = lax.fori_loop(lo, hi, body, (m, l, acc))
     if K.sinks:
-        g_col = lax.rem(lax.broadcasted_iota(I32, (K.M, 1), 0), K.Gp)
-        sink = jnp.zeros((K.M, 1), F32)
-        for g in range(K.G):  # scalar reads from SMEM, one per head of the group
-            sink = jnp.where(g_col == g, sinks_ref[h * K.G + g], sink)
-        m_fin = jnp.maximum(m, sink)
-        a = jnp.exp(m - m_fin)
-        l = l * a + jnp.exp(sink - m_fin)
-        acc = acc * a
-        m = m_fin
+        sink = online.group_sink_column(sinks_ref, h, K.G, K.Gp, K.M)
+        acc, m, l = online.join_sink(acc, m, l, sink)
     ok = l > 0
     safe = jnp.where(ok, l, 1.0)
     o_ref[...] = (acc / safe).astype(o_ref.dtype)

@@ -39,7 +39,6 @@ there is no ordering hazard and no second pass.
 
 import dataclasses
 import functools
-import math
 from typing import Any, Optional
 
 import jax
@@ -48,13 +47,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fnattn import _online as online
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
 __all__ = ["forward", "forward_interpret", "launch_plan"]
 
-LOG2E = math.log2(math.e)
-LN2 = math.log(2.0)
+LOG2E, LN2 = online.LOG2E, online.LN2
 MIN_ROWS = 16            # tl.dot needs at least 16 rows
 TARGET_PROGRAMS = 528    # 4 waves of 132 SMs (H100): enough to hide latency
 
@@ -190,14 +189,8 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
 
     if K.sinks:
         sink = plgpu.load(sinks_ref.at[h, g_i]) * LOG2E
-        m_fin = jnp.maximum(m, sink)
-        a = jnp.exp2(m - m_fin)
-        l = l * a + jnp.exp2(sink - m_fin)
-        acc = acc * a[:, None]
-        m = m_fin
-    safe = jnp.where(l > 0, l, 1.0)
-    out = acc * (1.0 / safe)[:, None]
-    lse = jnp.where(l > 0, (m + jnp.log2(safe)) * LN2, -jnp.inf)
+        acc, m, l = online.join_sink(acc, m, l, sink, exp=jnp.exp2)
+    out, lse = online.finish_exp2(acc, m, l)
     rows_ds = pl.ds(tok * K.Gp, K.M)
     if K.splits == 1:
         plgpu.store(o_ref.at[h, rows_ds, :], out.astype(o_ref.dtype), mask=row_ok[:, None])

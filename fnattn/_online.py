@@ -1,0 +1,54 @@
+"""Pieces of the online softmax that every kernel and blockwise loop shares.
+
+The running state of a row is ``(acc, m, l)``: the unnormalised weighted sum of
+values, the running maximum logit and the running denominator. The Triton
+kernels work in base 2 (logits pre-multiplied by log2(e), ``exp2``); the rest
+in base e. All functions are plain ``jnp``/``lax`` on arrays, so they trace the
+same inside a Pallas kernel, a ``lax`` loop or plain XLA.
+"""
+
+import math
+
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["LN2", "LOG2E", "finish_exp2", "group_sink_column", "join_sink"]
+
+F32 = jnp.float32
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+
+def join_sink(acc, m, l, sink, *, exp=jnp.exp):
+    """The state with a sink logit joined: it adds to the denominator only.
+
+    ``sink`` broadcasts with ``m`` (in the state's base: pass ``exp=jnp.exp2``
+    and a sink times log2(e) for base 2); ``m`` and ``l`` have one entry per row,
+    with or without a trailing axis of 1, and ``acc`` a trailing value axis.
+    Returns ``(acc, m, l)``.
+    """
+    m_fin = jnp.maximum(m, sink)
+    a = exp(m - m_fin)
+    l = l * a + exp(sink - m_fin)
+    acc = acc * (a[..., None] if a.ndim < acc.ndim else a)
+    return acc, m_fin, l
+
+
+def finish_exp2(acc, m, l):
+    """Normalised output (float32) and natural-log ``lse`` of a base-2 state (m (M,),
+    l (M,), acc (M, Dv)); rows that saw nothing give 0 and -inf."""
+    safe = jnp.where(l > 0, l, 1.0)
+    out = acc * (1.0 / safe)[:, None]
+    lse = jnp.where(l > 0, (m + jnp.log2(safe)) * LN2, -jnp.inf)
+    return out, lse
+
+
+def group_sink_column(sinks_ref, h, G: int, Gp: int, M: int):
+    """An (M, 1) float32 column whose row ``r`` holds the sink of query head
+    ``h * G + r % Gp`` (rows are token-major, ``Gp`` a power of two >= G; padded
+    heads get 0), read from a flat SMEM ref one scalar per head of the group."""
+    g_col = lax.broadcasted_iota(jnp.int32, (M, 1), 0) & (Gp - 1)
+    sink = jnp.zeros((M, 1), F32)
+    for g in range(G):
+        sink = jnp.where(g_col == g, sinks_ref[h * G + g], sink)
+    return sink
