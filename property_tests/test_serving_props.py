@@ -29,6 +29,7 @@ from hypothesis import given, settings, strategies as st
 
 import fnattn
 from fnattn import AttentionSpec, DecodeBlockSizes, PagedBlockSizes, masks
+from cases import np_mask
 from np_attention import np_attention
 from strategies import ragged_lengths
 
@@ -58,18 +59,6 @@ def positional_masks(draw, max_window=4, max_chunk=5):
     if kind == "window":
         return masks.causal() & masks.sliding_window(draw(st.integers(0, max_window)))
     return masks.chunked(draw(st.integers(1, max_chunk))) & masks.causal()
-
-
-def np_mask(mask, b, Hq, n, L):
-    """The positional mask of sequence b (n queries at positions L - n .. L - 1 over
-    L keys) in NumPy: the mask's predicate on NumPy index arrays."""
-    if mask is None:
-        return None
-    h = np.arange(Hq)[None, :, None, None]
-    q = np.arange(n)[None, None, :, None]
-    k = np.arange(L)[None, None, None, :]
-    pos = masks.Positions(b=np.full((1, 1, 1, 1), b), h=h, q=q, q_pos=q + (L - n), k=k)
-    return np.broadcast_to(np.asarray(mask.predicate(pos, [])), (1, Hq, n, L))
 
 
 def assert_out_lse(out, lse, want_out, want_lse, tol=TOL):

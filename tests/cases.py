@@ -197,3 +197,17 @@ def check_case(attn, case: Case, *, impl, layout="bthd", block_sizes=None, grad_
     if spec.sinks is not None:
         np.testing.assert_allclose(np.asarray(grads[4]), ref["dsinks"], atol=grad_tol,
                                    rtol=grad_tol, err_msg="dsinks")
+
+
+def np_mask(mask, b, Hq, n, L):
+    """A positional mask for sequence ``b`` as a NumPy (1, Hq, n, L) bool array: n
+    queries at positions L - n .. L - 1 over L keys (bottom-right aligned), from the
+    mask's own predicate on NumPy index arrays (positional masks use comparisons and
+    integer division only). None for no mask."""
+    if mask is None:
+        return None
+    h = np.arange(Hq)[None, :, None, None]
+    q = np.arange(n)[None, None, :, None]
+    k = np.arange(L)[None, None, None, :]
+    pos = masks.Positions(b=np.full((1, 1, 1, 1), b), h=h, q=q, q_pos=q + (L - n), k=k)
+    return np.broadcast_to(np.asarray(mask.predicate(pos, [])), (1, Hq, n, L))

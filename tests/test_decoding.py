@@ -8,6 +8,7 @@ import pytest
 import fnattn
 from fnattn import AttentionSpec, DecodeBlockSizes, masks
 from fnattn.decoding import api, xla
+from cases import np_mask
 from np_attention import np_attention, np_attention_grads
 
 S = 24  # cache slots per sequence (divisible by 1, 2, 3, 4, 6, 8)
@@ -20,17 +21,6 @@ MASKS = {
     "two-sided": masks.sliding_window(3, 1),
     "fn": masks.from_fn(lambda b, h, q, k: (k + h + b) % 3 != 0) & masks.causal(),
 }
-
-
-def np_mask(mask, b, Hq, n, L):
-    """The mask of sequence b (n queries over L keys, bottom-right aligned) in NumPy."""
-    if mask is None:
-        return None
-    h = np.arange(Hq)[None, :, None, None]
-    q = np.arange(n)[None, None, :, None]
-    k = np.arange(L)[None, None, None, :]
-    pos = masks.Positions(b=np.full((1, 1, 1, 1), b), h=h, q=q, q_pos=q + (L - n), k=k)
-    return np.broadcast_to(np.asarray(mask.predicate(pos, [])), (1, Hq, n, L))
 
 
 def problem(B=3, Tq=1, Hq=6, Hkv=2, D=7, Dv=5, dtype=jnp.float32, seed=0):

@@ -13,7 +13,6 @@
   impl="auto" and impl="pallas"; what the kernel refuses.
 """
 
-import contextlib
 import functools
 import re
 
@@ -23,6 +22,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 from test_decoding import MASKS, check
+from lowering import cheap_compiles, tpu_target
 
 import fnattn
 from fnattn import AttentionSpec, DecodeBlockSizes, masks
@@ -33,12 +33,8 @@ S = 40
 
 @pytest.fixture(autouse=True, scope="module")
 def _cheap_compiles():
-    """Compiling the interpreted kernels is most of these tests' time: skip most XLA
-    optimisations while they run."""
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
+    with cheap_compiles():
+        yield
 
 
 def make(B=3, Tq=2, Hq=6, Hkv=2, D=7, Dv=5, dtype=jnp.float32, seed=0, lengths=(30, 9, 0),
@@ -135,17 +131,6 @@ def test_tpu_interpreter(monkeypatch, no_races):
 # ----------------------------------------------------------------------------------
 # Lowering for TPU (Mosaic) on CPU
 # ----------------------------------------------------------------------------------
-
-
-def tpu_target(device_kind="TPU v5 lite"):
-    """Integer floor division (chunked masks) lowers through `sign`, whose Mosaic
-    lowering asks for the TPU generation; on CPU an abstract TPU device answers."""
-    try:
-        dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
-        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-        return jax.sharding.use_abstract_mesh(mesh)
-    except (AttributeError, TypeError):  # another JAX version: lower without a target
-        return contextlib.nullcontext()
 
 
 def tpu_kernels(spec, q, k, v):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from test_decoding import MASKS, check
+from lowering import cheap_compiles
 
 import fnattn
 from fnattn import AttentionSpec, DecodeBlockSizes, masks
@@ -27,12 +28,8 @@ from fnattn.decoding import api, common, triton
 
 @pytest.fixture(autouse=True, scope="module")
 def _cheap_compiles():
-    """Compiling the interpreted kernels is most of these tests' time: skip most XLA
-    optimisations while they run."""
-    old = jax.config.read("jax_disable_most_optimizations")
-    jax.config.update("jax_disable_most_optimizations", True)
-    yield
-    jax.config.update("jax_disable_most_optimizations", old)
+    with cheap_compiles():
+        yield
 
 
 S = 40  # cache slots: three key blocks of 16, the last one ragged

@@ -24,6 +24,7 @@ from fnattn._checks import Dims
 from fnattn._dispatch import Config, Lowering
 from fnattn.flash import blocks, mosaic
 from fnattn.flash.mosaic import MosaicBlockSizes
+from lowering import tpu_target
 
 INTERPRET = (("default", mosaic.INTERPRET_LOWERING),)
 ON_TPU = (("default", xla.DENSE), ("tpu", mosaic.LOWERING))
@@ -306,18 +307,6 @@ LOWER_CASES = [
     ("float32", 128, 128, 2, 2, "fn_algebra", ("Q", "K"), 50.0, False, 0.0, 512),
     ("bfloat16", 80, 80, 2, 2, "none", None, None, False, 0.0, 200),
 ]
-
-
-def tpu_target(device_kind="TPU v5 lite"):
-    """Lowering some primitives (e.g. the sign inside integer floor division, as
-    in chunked masks) asks for the TPU generation; on CPU an abstract mesh with an
-    abstract TPU device answers."""
-    try:
-        dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
-        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-        return jax.sharding.use_abstract_mesh(mesh)
-    except (AttributeError, TypeError):  # another JAX version: lower without a target
-        return contextlib.nullcontext()
 
 
 @pytest.mark.parametrize("params", LOWER_CASES, ids=lambda p: f"{p[0]}-D{p[1]}-{p[5]}")

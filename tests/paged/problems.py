@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import fnattn
-from fnattn import masks
+from cases import np_mask  # tests/ is on sys.path
 
 GARBAGE = 1e4
 
@@ -99,19 +99,6 @@ def make(seqs, *, Hq=4, Hkv=2, D=8, Dv=None, page_size=4, pages_per_seq=None, nu
 _reference = jax.jit(fnattn.reference)
 
 
-def _np_mask(spec, s, Hq, n, L):
-    """The spec's mask for sequence s as a NumPy (1, Hq, n, L) array: the mask's own
-    predicate evaluated on NumPy index arrays (positional masks use only comparisons
-    and integer division, so this is plain NumPy)."""
-    if spec.mask is None:
-        return None
-    h = np.arange(Hq)[None, :, None, None]
-    q = np.arange(n)[None, None, :, None]
-    k = np.arange(L)[None, None, None, :]
-    pos = masks.Positions(b=np.full((1, 1, 1, 1), s), h=h, q=q, q_pos=q + (L - n), k=k)
-    return np.broadcast_to(np.asarray(spec.mask.predicate(pos, [])), (1, Hq, n, L))
-
-
 def expected(spec, p: Problem, *, use_reference=False):
     """(out (T, Hq, Dv) f32, lse (Hq, T)) of every sequence's dense problem.
 
@@ -151,13 +138,39 @@ def _expected_np(spec, p: Problem):
             o, l, _ = np_attention(f64(p.q[start:start + n])[None], f64(p.k_tok[s])[None],
                                    f64(p.v_tok[s])[None], scale=spec.scale,
                                    softcap=spec.softcap, sinks=sinks,
-                                   mask=_np_mask(spec, s, Hq, n, L))
+                                   mask=np_mask(spec.mask, s, Hq, n, L))
             out[start:start + n] = o[0]
             lse[:, start:start + n] = l[0]
         elif n and sinks is not None:
             lse[:, start:start + n] = sinks[:, None]
         start += n
     return out, lse
+
+
+def dense_packed(spec, p: Problem, q, ks, vs):
+    """``fnattn.reference`` on every sequence's dense tokens (ks[s], vs[s]), packed like
+    q: (out (T, Hq, Dv), lse (Hq, T)), padding rows 0 and -inf. Differentiable."""
+    outs, lses, start = [], [], 0
+    for s, (_, n) in enumerate(p.seqs):
+        r = fnattn.reference(spec, q[None, start:start + n], ks[s][None], vs[s][None])
+        outs.append(r.out[0])
+        lses.append(r.lse[0])
+        start += n
+    pad = q.shape[0] - start
+    out = jnp.concatenate(outs + [jnp.zeros((pad,) + outs[0].shape[1:])])
+    lse = jnp.concatenate(lses + [jnp.full((lses[0].shape[0], pad), -jnp.inf)], axis=1)
+    return out, lse
+
+
+def to_pool(p: Problem, per_seq, like):
+    """Per-sequence token arrays (L, Hkv, D) placed at their pool slots of an array
+    of zeros shaped like the pool ``like`` (e.g. dense gradients as pool gradients)."""
+    ps = like.shape[2]
+    pool = np.zeros(like.shape, np.float32)
+    for s, (L, _) in enumerate(p.seqs):
+        for pos in range(L):
+            pool[:, int(p.page_table[s, pos // ps]), pos % ps] = per_seq[s][pos]
+    return pool
 
 
 def assert_close(out, lse, want_out, want_lse, tol):

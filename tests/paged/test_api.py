@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import fnattn  # noqa: E402
 from fnattn import AttentionSpec, masks  # noqa: E402
-from problems import make  # noqa: E402
+from problems import dense_packed, make, to_pool  # noqa: E402
 
 # ----------------------------------------------------------------------------------
 # (a) Trace-time messages
@@ -533,16 +533,7 @@ def _dense_grads(p, spec, uniform=False):
     dense tokens, scattered to the pool slots that hold them: (dq, dk_pages, dv_pages,
     dsinks)."""
     def loss(q, ks, vs, sinks):
-        outs, lses, start = [], [], 0
-        for s, (_, n) in enumerate(p.seqs):
-            r = fnattn.reference(spec.replace(sinks=sinks), q[None, start:start + n],
-                                 ks[s][None], vs[s][None])
-            outs.append(r.out[0])
-            lses.append(r.lse[0])
-            start += n
-        pad = q.shape[0] - start
-        out = jnp.concatenate(outs + [jnp.zeros((pad,) + outs[0].shape[1:])])
-        lse = jnp.concatenate(lses + [jnp.full((lses[0].shape[0], pad), -jnp.inf)], axis=1)
+        out, lse = dense_packed(spec.replace(sinks=sinks), p, q, ks, vs)
         if uniform:  # paged_attention's (B, Hq, Tq) lse
             B, Tq = len(p.seqs), p.seqs[0][1]
             lse = lse.reshape(-1, B, Tq).transpose(1, 0, 2)
@@ -550,15 +541,8 @@ def _dense_grads(p, spec, uniform=False):
 
     dq, dks, dvs, dsinks = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(
         p.q, p.k_tok, p.v_tok, spec.sinks)
-    ps = p.k_pages.shape[2]
-    dk = np.zeros(p.k_pages.shape, np.float32)
-    dv = np.zeros(p.v_pages.shape, np.float32)
-    for s, (L, _) in enumerate(p.seqs):
-        for pos in range(L):
-            page = int(p.page_table[s, pos // ps])
-            dk[:, page, pos % ps] = dks[s][pos]
-            dv[:, page, pos % ps] = dvs[s][pos]
-    return np.asarray(dq), dk, dv, np.asarray(dsinks)
+    return (np.asarray(dq), to_pool(p, dks, p.k_pages), to_pool(p, dvs, p.v_pages),
+            np.asarray(dsinks))
 
 
 def _assert_grads(got, want, used_pages):

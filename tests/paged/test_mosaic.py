@@ -18,7 +18,6 @@ Pages are 8 or 16 slots here (the kernel's minimum is 8), so the problems are
 short and interpret mode stays fast.
 """
 
-import contextlib
 import functools
 import os
 import re
@@ -36,26 +35,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import fnattn  # noqa: E402
 from fnattn import AttentionSpec, PagedBlockSizes, masks  # noqa: E402
 from fnattn.paged import api, common, mosaic, xla  # noqa: E402
+from lowering import cheap_compiles, tpu_target  # noqa: E402
 from problems import (assert_close, check_ragged, check_update, expected, make,  # noqa: E402
                       meta)
 
 
 @pytest.fixture(autouse=True, scope="module")
 def _cheap_compiles():
-    """Interpret mode turns each kernel into a large XLA program whose compilation,
-    not its run, is most of these tests' time: skip most XLA optimisations for this
-    module (a third less time in all; the TPU interpreter's programs compile about
-    four times faster). Restored afterwards."""
-    try:
-        old = jax.config.read("jax_disable_most_optimizations")
-    except (AttributeError, KeyError):  # a JAX without the flag: compile as usual
+    with cheap_compiles():
         yield
-        return
-    jax.config.update("jax_disable_most_optimizations", True)
-    try:
-        yield
-    finally:
-        jax.config.update("jax_disable_most_optimizations", old)
 
 
 INTERPRET = (("default", mosaic.forward_interpret),)
@@ -320,17 +308,6 @@ def test_auto_with_page_size_4_uses_xla_on_tpu():
 # ----------------------------------------------------------------------------------
 # Lowering for TPU (Mosaic) on CPU: block-shape rules and primitive coverage
 # ----------------------------------------------------------------------------------
-
-
-def tpu_target(device_kind="TPU v5 lite"):
-    """Integer floor division (chunked masks) lowers through `sign`, whose Mosaic
-    lowering asks for the TPU generation; on CPU an abstract TPU device answers."""
-    try:
-        dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
-        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-        return jax.sharding.use_abstract_mesh(mesh)
-    except (AttributeError, TypeError):  # another JAX version: lower without a target
-        return contextlib.nullcontext()
 
 
 LOWER = [

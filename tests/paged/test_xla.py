@@ -15,7 +15,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import fnattn  # noqa: E402
 from fnattn import AttentionSpec, PagedBlockSizes, masks  # noqa: E402
 from fnattn.paged import xla  # noqa: E402
-from problems import assert_close, check_ragged, check_update, expected, make  # noqa: E402
+from problems import (assert_close, check_ragged, check_update, dense_packed, expected,  # noqa: E402
+                      make, to_pool)
 
 XLA = (("default", xla.forward),)
 
@@ -108,16 +109,7 @@ def test_gradients_match_dense_gradients():
 
     def dense_loss(q, ks, vs, sinks):
         # The same loss, from fnattn.reference on each sequence (padding rows: 0, -inf).
-        outs, lses, start = [], [], 0
-        for s, (L, n) in enumerate(p.seqs):
-            r = fnattn.reference(spec.replace(sinks=sinks), q[None, start:start + n],
-                                 ks[s][None], vs[s][None])
-            outs.append(r.out[0])
-            lses.append(r.lse[0])
-            start += n
-        pad = q.shape[0] - start
-        out = jnp.concatenate(outs + [jnp.zeros((pad,) + outs[0].shape[1:])])
-        lse = jnp.concatenate(lses + [jnp.full((lses[0].shape[0], pad), -jnp.inf)], axis=1)
+        out, lse = dense_packed(spec.replace(sinks=sinks), p, q, ks, vs)
         return _loss(fnattn.AttentionOutput(out, lse))
 
     g = jax.jit(jax.grad(paged_loss, argnums=(0, 1, 2, 3)))(p.q, p.k_pages, p.v_pages,
@@ -125,12 +117,6 @@ def test_gradients_match_dense_gradients():
     gd = jax.jit(jax.grad(dense_loss, argnums=(0, 1, 2, 3)))(p.q, p.k_tok, p.v_tok, spec.sinks)
     np.testing.assert_allclose(g[0], gd[0], atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(g[3], gd[3], atol=1e-4, rtol=1e-4)
-    dk_want = np.zeros(p.k_pages.shape, np.float32)
-    dv_want = np.zeros(p.v_pages.shape, np.float32)
-    for s, (L, _) in enumerate(p.seqs):
-        for pos in range(L):
-            page, off = int(p.page_table[s, pos // 3]), pos % 3
-            dk_want[:, page, off] = gd[1][s][pos]
-            dv_want[:, page, off] = gd[2][s][pos]
+    dk_want, dv_want = to_pool(p, gd[1], p.k_pages), to_pool(p, gd[2], p.v_pages)
     np.testing.assert_allclose(g[1], dk_want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(g[2], dv_want, atol=1e-4, rtol=1e-4)
