@@ -23,7 +23,10 @@ step past the count points at the block visited last: the pipeline issues no
 DMA for it, and ``pl.when`` skips its compute. The mask is evaluated only on
 PARTIAL tiles. When the mask holds no arrays, the classes are computed at trace
 time and the grid is only as wide as the longest row of the schedule (a sliding
-window visits a few kv-blocks per q-block, not all of them).
+window visits a few kv-blocks per q-block, not all of them). A schedule larger
+than one call's share of SMEM (:data:`SCHEDULE_WORDS`; e.g. four 128k-token
+documents-masked sequences) is cut along its row-blocks into several calls, each
+writing its own rows, so neither batch size nor sequence length is limited.
 
 Layout. q, k, v stay in "bthd" order, viewed as (B, T, H * D) with D padded to a
 multiple of 128 so that a (block, D) tile of one head is a legal TPU block; no
@@ -42,7 +45,7 @@ float16 inputs run in float32 (TPUs have no float16 arithmetic).
 import dataclasses
 import functools
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -62,9 +65,12 @@ SUBLANES = 8
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 NN = (((1,), (0,)), ((), ()))  # a @ b
 F32 = jnp.float32
-# Scalar memory holds the prefetched schedule; 1 MiB on recent TPUs. A larger
-# schedule could not be prefetched at all.
-SMEM_WORDS = 2**18
+# The prefetched schedule lives in scalar memory (SMEM, 1 MiB on recent TPUs).
+# A pallas_call takes at most this many int32 words of it, half of SMEM, leaving
+# room for the other scalar inputs; a longer schedule is cut along its
+# row-blocks into several calls (see ``_schedule``), so sequence length and
+# batch size have no limit.
+SCHEDULE_WORDS = 2**17
 
 
 def _round_up(x, m):
@@ -149,7 +155,8 @@ class _K:
     off: int            # aligned query position = row + off
     br: int             # block along the kernel's rows (q, or k in the dk/dv kernel)
     bc: int             # block along the kernel's columns
-    n_rows: int         # row blocks
+    r0: int             # the call's first row block (the grid's row i is block r0 + i)
+    n_rows: int         # row blocks of this call
     W: int              # steps per row (grid width of the schedule)
     sb: bool            # schedule varies along batch
     sh: bool            # schedule varies along head
@@ -278,6 +285,7 @@ def _fwd_kernel(code_ref, cnt_ref, *refs, K: _K):
         (m_sc, l_sc, acc_sc) = _split(refs, K, 3, 2, 3)
     b, h, i, t = (pl.program_id(a) for a in range(4))
     row = K.sched_row(b, h, i)
+    i = i + K.r0
     code = code_ref[row * K.W + t]
     j, kind = code >> 2, code & 3
 
@@ -334,6 +342,7 @@ def _dq_kernel(code_ref, cnt_ref, *refs, K: _K):
     dq_ref, dq_sc = outs[0], scratch[0]
     b, h, i, t = (pl.program_id(a) for a in range(4))
     row = K.sched_row(b, h, i)
+    i = i + K.r0
     code = code_ref[row * K.W + t]
     j, kind = code >> 2, code & 3
 
@@ -385,6 +394,7 @@ def _dkv_kernel(code_ref, cnt_ref, *refs, K: _K):
     g, t = lax.div(s_, K.W), lax.rem(s_, K.W)
     h = hk * K.G + g
     row = K.sched_row(b, h, j)
+    j = j + K.r0
     code = code_ref[row * K.W + t]
     i, kind = code >> 2, code & 3
 
@@ -450,28 +460,55 @@ def _compute_dtype(dtype):
     return F32 if dtype == jnp.float16 else dtype
 
 
-def _schedule(cfg, mask, bq, bk, *, transpose):
-    """Tile classes, and the packed schedule flattened for SMEM.
+class _Chunk(NamedTuple):
+    """One pallas_call's share of the schedule: row-blocks ``r0 .. r0 + n - 1``."""
 
-    Returns ``(classes, code, count, width, sb, sh)``: ``code`` holds
-    ``index << 2 | kind`` per (row-block, step), ``count`` the steps per row,
-    ``width`` the grid's step count and ``sb``/``sh`` whether the schedule varies
-    along batch/head.
+    r0: int
+    n: int
+    code: jax.Array   # int32 (Bv * Hv * n * W,): index << 2 | kind per (row, step)
+    count: jax.Array  # int32 (Bv * Hv * n,): steps per row
+
+
+def _union(classes):
+    """One class per tile for every batch row and head: EMPTY where all are empty,
+    FULL where all are full, PARTIAL otherwise (the mask is then evaluated)."""
+    empty = jnp.all(classes == masks.EMPTY, axis=(0, 1), keepdims=True)
+    full = jnp.all(classes == masks.FULL, axis=(0, 1), keepdims=True)
+    return jnp.where(empty, masks.EMPTY, jnp.where(full, masks.FULL, masks.PARTIAL)).astype(
+        classes.dtype)
+
+
+def _schedule(cfg, mask, bq, bk, *, transpose):
+    """Tile classes, and the packed schedule cut into chunks that fit SMEM.
+
+    Returns ``(classes, chunks, width, sb, sh)``: ``chunks`` are :class:`_Chunk`
+    (one pallas_call each, see :data:`SCHEDULE_WORDS`), ``width`` is the grid's
+    step count and ``sb``/``sh`` say whether the schedule varies along
+    batch/head. When even one row-block of the schedule would not fit (very many
+    per-example or per-head variants of a very long mask), the variants are
+    merged into one schedule by :func:`_union`: fewer tiles are skipped, none
+    wrongly.
     """
     d = cfg.dims
 
-    def run():
-        classes = masks.block_classes(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len, bq, bk,
-                                      q_offset=cfg.q_offset)
-        return classes, blocks.schedule(classes, transpose=transpose)
+    def classes_of():
+        return masks.block_classes(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len, bq, bk,
+                                   q_offset=cfg.q_offset)
 
-    static = None
+    def sched_of(classes):
+        return blocks.schedule(classes, transpose=transpose)
+
+    def one_row_fits(classes, width):
+        return classes.shape[0] * classes.shape[1] * (width + 1) <= SCHEDULE_WORDS
+
+    static = False
     if mask is None or mask.num_operands == 0:
         # The classes of an array-free mask are known at trace time, so the grid
         # can be as narrow as the longest row of the schedule.
         try:
             with jax.ensure_compile_time_eval():
-                classes, sched = run()
+                classes = classes_of()
+                sched = sched_of(classes)
                 width = max(1, int(np.asarray(sched.count).max()))
             static = True
         except Exception:
@@ -479,19 +516,28 @@ def _schedule(cfg, mask, bq, bk, *, transpose):
             # abstract mesh only); the traced schedule below is as correct.
             pass
     if not static:
-        classes, sched = run()
+        classes = classes_of()
+        sched = sched_of(classes)
         width = sched.index.shape[-1]
-    code = sched.index[..., :width] * 4 + sched.kind[..., :width].astype(jnp.int32)
-    code = code.astype(jnp.int32).reshape(-1)
-    count = sched.count.astype(jnp.int32).reshape(-1)
-    if code.size + count.size > SMEM_WORDS:
+    if not one_row_fits(classes, width):
+        classes = _union(classes)
+        sched = sched_of(classes)
+    if not one_row_fits(classes, width):
         raise NotImplementedError(
-            f"flash-mosaic: the block-sparse schedule needs {code.size + count.size} int32 "
-            f"words of SMEM (more than {SMEM_WORDS}): {classes.shape[0]} x {classes.shape[1]} "
-            f"(batch x head variants) x {sched.index.shape[-2]} rows x {width} steps with "
-            f"blocks ({bq}, {bk}). Use larger MosaicBlockSizes, or impl='xla' (the flash-xla "
-            "lowering has no such limit).")
-    return classes, code, count, width, classes.shape[0] > 1, classes.shape[1] > 1
+            f"flash-mosaic: one row of the block-sparse schedule needs {width + 1} int32 "
+            f"words of SMEM, more than the {SCHEDULE_WORDS} a kernel call may take "
+            f"({width} steps with blocks ({bq}, {bk})). Use larger MosaicBlockSizes, or "
+            "impl='xla' (the flash-xla lowering has no such limit).")
+    code = sched.index[..., :width] * 4 + sched.kind[..., :width].astype(jnp.int32)
+    code = code.astype(jnp.int32)
+    count = sched.count.astype(jnp.int32)
+    n_rows = code.shape[2]
+    per_row = classes.shape[0] * classes.shape[1] * (width + 1)
+    step = max(1, SCHEDULE_WORDS // per_row)
+    chunks = [_Chunk(r0, min(step, n_rows - r0), code[:, :, r0:r0 + step].reshape(-1),
+                     count[:, :, r0:r0 + step].reshape(-1))
+              for r0 in range(0, n_rows, step)]
+    return classes, chunks, width, classes.shape[0] > 1, classes.shape[1] > 1
 
 
 def _operand_array(x4, op: _Operand, transposed, R, C):
@@ -561,15 +607,15 @@ def _flat(x, T, D, dtype):
     return x.reshape(x.shape[0], T, x.shape[2] * D)
 
 
-def _kernel_facts(cfg, mask, bias, sinks, *, br, bc, n_rows, W, sb, sh, transposed, dbias):
+def _kernel_facts(cfg, mask, bias, sinks, *, br, bc, chunk, W, sb, sh, transposed, dbias):
     d = cfg.dims
     ops = () if mask is None else tuple(_operand(o, transposed) for o in mask.operands())
     treedef = None if mask is None else jax.tree_util.tree_structure(mask)
     off = d.kv_len - d.q_len if cfg.q_offset is None else cfg.q_offset
     return _K(B=d.batch, Hq=d.num_q_heads, G=d.group, Tq=d.q_len, Tk=d.kv_len, off=off,
-              br=br, bc=bc, n_rows=n_rows, W=W, sb=sb, sh=sh, transposed=transposed,
-              scale=cfg.scale, softcap=cfg.softcap, rate=cfg.dropout_rate,
-              has_sinks=sinks is not None,
+              br=br, bc=bc, r0=chunk.r0, n_rows=chunk.n, W=W, sb=sb, sh=sh,
+              transposed=transposed, scale=cfg.scale, softcap=cfg.softcap,
+              rate=cfg.dropout_rate, has_sinks=sinks is not None,
               bias=None if bias is None else _operand(_bias4(bias), transposed),
               dbias=dbias, ops=ops, mask_treedef=treedef)
 
@@ -620,18 +666,33 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     d = cfg.dims
     bs = blocks.pick(cfg.block_sizes, MosaicBlockSizes, MosaicBlockSizes.default(d, q.dtype))
     P = _plan(cfg, bs.block_q, bs.block_k)
-    classes, code, count, W, sb, sh = _schedule(cfg, mask, P.bq, P.bk, transpose=False)
-    nq = classes.shape[2]
-    K = _kernel_facts(cfg, mask, bias, sinks, br=P.bq, bc=P.bk, n_rows=nq, W=W, sb=sb, sh=sh,
-                      transposed=False, dbias=None)
-    G = K.G
+    _, chunks, W, sb, sh = _schedule(cfg, mask, P.bq, P.bk, transpose=False)
     cd = _compute_dtype(q.dtype)
+    qf, kf, vf = _flat(q, P.Tqp, P.Dp, cd), _flat(k, P.Tkp, P.Dp, cd), _flat(v, P.Tkp, P.Dvp, cd)
+    outs, lses = [], []
+    for chunk in chunks:
+        K = _kernel_facts(cfg, mask, bias, sinks, br=P.bq, bc=P.bk, chunk=chunk, W=W, sb=sb,
+                          sh=sh, transposed=False, dbias=None)
+        out, lse = _forward_call(K, P, cd, chunk, qf, kf, vf, bias, sinks, mask, seed,
+                                 interpret=interpret)
+        outs.append(out)
+        lses.append(lse)
+    out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
+    lse = jnp.concatenate(lses, axis=3) if len(lses) > 1 else lses[0]
+    out = out.reshape(d.batch, -1, d.num_q_heads, P.Dvp)[:, :d.q_len, :, :d.v_head_dim]
+    return out.astype(q.dtype), lse[:, :, 0, :d.q_len]
+
+
+def _forward_call(K: _K, P: _Plan, cd, chunk: _Chunk, qf, kf, vf, bias, sinks, mask, seed, *,
+                  interpret):
+    """One pallas_call of the forward over the q-blocks of ``chunk``."""
+    B, Hq, G, W, r0 = K.B, K.Hq, K.G, K.W, K.r0
 
     def col(b, h, i, t, code_ref, cnt_ref):
         return code_ref[K.sched_row(b, h, i) * W + t] >> 2
 
     def coords(b, h, i, t, code_ref, cnt_ref):
-        return b, h, i, col(b, h, i, t, code_ref, cnt_ref)
+        return b, h, i + r0, col(b, h, i, t, code_ref, cnt_ref)
 
     def kv_index(b, h, i, t, *refs):
         # lax.div: jnp's floor division lowers through sign, which needs a TPU.
@@ -640,7 +701,7 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     extra, extra_specs = _extras(K, mask, bias, sinks, seed, coords, P.Tqp, P.Tkp,
                                  with_sinks=True)
     in_specs = [
-        pl.BlockSpec((None, P.bq, P.Dp), lambda b, h, i, t, *_: (b, i, h)),
+        pl.BlockSpec((None, P.bq, P.Dp), lambda b, h, i, t, *_: (b, i + r0, h)),
         pl.BlockSpec((None, P.bk, P.Dp), kv_index),
         pl.BlockSpec((None, P.bk, P.Dvp), kv_index),
     ] + extra_specs
@@ -648,21 +709,19 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
         pl.BlockSpec((None, P.bq, P.Dvp), lambda b, h, i, t, *_: (b, i, h)),
         pl.BlockSpec((None, None, SUBLANES, P.bq), lambda b, h, i, t, *_: (b, h, 0, i)),
     ]
-    out, lse = pl.pallas_call(
+    rows = chunk.n * P.bq
+    return pl.pallas_call(
         functools.partial(_fwd_kernel, K=K),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(d.batch, d.num_q_heads, nq, W),
+            num_scalar_prefetch=2, grid=(B, Hq, chunk.n, W),
             in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((P.bq, LANES), F32), pltpu.VMEM((P.bq, LANES), F32),
                             pltpu.VMEM((P.bq, P.Dvp), F32)]),
-        out_shape=[jax.ShapeDtypeStruct((d.batch, P.Tqp, d.num_q_heads * P.Dvp), cd),
-                   jax.ShapeDtypeStruct((d.batch, d.num_q_heads, SUBLANES, P.Tqp), F32)],
+        out_shape=[jax.ShapeDtypeStruct((B, rows, Hq * P.Dvp), cd),
+                   jax.ShapeDtypeStruct((B, Hq, SUBLANES, rows), F32)],
         name="fnattn_flash_mosaic_fwd",
         **_params(interpret),
-    )(code, count, _flat(q, P.Tqp, P.Dp, cd), _flat(k, P.Tkp, P.Dp, cd),
-      _flat(v, P.Tkp, P.Dvp, cd), *extra)
-    out = out.reshape(d.batch, P.Tqp, d.num_q_heads, P.Dvp)[:, :d.q_len, :, :d.v_head_dim]
-    return out.astype(q.dtype), lse[:, :, 0, :d.q_len]
+    )(chunk.code, chunk.count, qf, kf, vf, *extra)
 
 
 def _dbias_forms(bias):
@@ -682,7 +741,7 @@ def _dbias_forms(bias):
 
 def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, interpret):
     d = cfg.dims
-    B, Hq, Hkv, G = d.batch, d.num_q_heads, d.num_kv_heads, d.group
+    B, Hq, Hkv = d.batch, d.num_q_heads, d.num_kv_heads
     bs = blocks.pick(cfg.block_sizes, MosaicBlockSizes, MosaicBlockSizes.default(d, q.dtype))
     P = _plan(cfg, bs.block_q_dq, bs.block_k_dq, bs.block_q_dkv, bs.block_k_dkv)
     Pt = _plan(cfg, bs.block_q_dkv, bs.block_k_dkv)
@@ -703,112 +762,41 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
     dbias_dq, dbias_dkv = _dbias_forms(bias)
 
     # dq (and dbias along the queries)
-    bq, bk = P.bq, P.bk
-    classes, code, count, W, sb, sh = _schedule(cfg, mask, bq, bk, transpose=False)
-    # Grids cover the blocks that hold data; blocks that are all padding (when
-    # the dq and dk/dv kernels' blocks differ) are neither read nor written.
-    nq, nk = classes.shape[2], classes.shape[3]
-    K = _kernel_facts(cfg, mask, bias, None, br=bq, bc=bk, n_rows=nq, W=W, sb=sb, sh=sh,
-                      transposed=False, dbias=dbias_dq)
-
-    def col(b, h, i, t, code_ref, cnt_ref):
-        return code_ref[K.sched_row(b, h, i) * W + t] >> 2
-
-    def coords(b, h, i, t, code_ref, cnt_ref):
-        return b, h, i, col(b, h, i, t, code_ref, cnt_ref)
-
-    def kv_index(b, h, i, t, *refs):
-        # lax.div: jnp's floor division lowers through sign, which needs a TPU.
-        return b, col(b, h, i, t, *refs), lax.div(h, G)
-
-    extra, extra_specs = _extras(K, mask, bias, None, seed, coords, P.Tqp, P.Tkp,
-                                 with_sinks=False)
-    q_spec = pl.BlockSpec((None, bq, P.Dp), lambda b, h, i, t, *_: (b, i, h))
-    do_spec = pl.BlockSpec((None, bq, P.Dvp), lambda b, h, i, t, *_: (b, i, h))
-    row_spec = pl.BlockSpec((None, None, SUBLANES, bq), lambda b, h, i, t, *_: (b, h, 0, i))
-    in_specs = [
-        q_spec,
-        pl.BlockSpec((None, bk, P.Dp), kv_index),
-        pl.BlockSpec((None, bk, P.Dvp), kv_index),
-        do_spec, row_spec, row_spec,
-    ] + extra_specs
-    out_specs = [q_spec]
-    out_shape = [jax.ShapeDtypeStruct((B, P.Tqp, Hq * P.Dp), cd)]
-    scratch = [pltpu.VMEM((bq, P.Dp), F32)]
-    if dbias_dq == "tile":
-        out_specs.append(pl.BlockSpec((None, None, bq, bk), lambda b, h, i, t, *r: (
-            b, h, i, col(b, h, i, t, *r))))
-        out_shape.append(jax.ShapeDtypeStruct((B, Hq, nq * bq, nk * bk), F32))
-    elif dbias_dq == "row":
-        out_specs.append(row_spec)
-        out_shape.append(jax.ShapeDtypeStruct((B, Hq, SUBLANES, P.Tqp), F32))
-        scratch.append(pltpu.VMEM((bq, LANES), F32))
-    res = pl.pallas_call(
-        functools.partial(_dq_kernel, K=K),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, Hq, nq, W), in_specs=in_specs,
-            out_specs=out_specs, scratch_shapes=scratch),
-        out_shape=out_shape, name="fnattn_flash_mosaic_dq", **_params(interpret),
-    )(code, count, qf, kf, vf, dof, lse8, delta8, *extra)
-    dq = res[0].reshape(B, P.Tqp, Hq, P.Dp)[:, :d.q_len, :, :d.head_dim].astype(q.dtype)
+    classes, chunks, W, sb, sh = _schedule(cfg, mask, P.bq, P.bk, transpose=False)
+    res = []
+    for chunk in chunks:
+        K = _kernel_facts(cfg, mask, bias, None, br=P.bq, bc=P.bk, chunk=chunk, W=W, sb=sb,
+                          sh=sh, transposed=False, dbias=dbias_dq)
+        res.append(_dq_call(K, P, cd, chunk, classes.shape[3], qf, kf, vf, dof, lse8, delta8,
+                            bias, mask, seed, interpret=interpret))
+    axes = (1, 2 if dbias_dq == "tile" else 3)  # the row axes of dq and dbias
+    res = [jnp.concatenate(parts, axis=ax) if len(parts) > 1 else parts[0]
+           for parts, ax in zip(zip(*res), axes)]
+    dq = res[0].reshape(B, -1, Hq, P.Dp)[:, :d.q_len, :, :d.head_dim].astype(q.dtype)
     dbias_full = None
     if dbias_dq == "tile":
-        x = res[1].reshape(B, Hq, nq, bq, nk, bk)
+        nq, nk = classes.shape[2], classes.shape[3]
+        x = res[1].reshape(B, Hq, nq, P.bq, nk, P.bk)
         # Tiles the schedule never visits were never written: they hold garbage.
         seen = (classes != masks.EMPTY)[:, :, :, None, :, None]
-        x = jnp.where(seen, x, 0.0).reshape(B, Hq, nq * bq, nk * bk)
+        x = jnp.where(seen, x, 0.0).reshape(B, Hq, nq * P.bq, nk * P.bk)
         dbias_full = x[:, :, :d.q_len, :d.kv_len]
     elif dbias_dq == "row":
         dbias_full = res[1][:, :, 0, :d.q_len, None]
 
     # dk, dv (and dbias along the keys only), on transposed tiles
-    bqt, bkt = Pt.bq, Pt.bk
-    classes_t, code_t, count_t, Wt, sbt, sht = _schedule(cfg, mask, bqt, bkt, transpose=True)
-    nkt = classes_t.shape[3]
-    Kt = _kernel_facts(cfg, mask, bias, None, br=bkt, bc=bqt, n_rows=nkt, W=Wt, sb=sbt, sh=sht,
-                       transposed=True, dbias=dbias_dkv)
-
-    def head(hk, s):
-        return hk * G + lax.div(s, Wt)
-
-    def qcol(b, hk, j, s, code_ref, cnt_ref):
-        return code_ref[Kt.sched_row(b, head(hk, s), j) * Wt + lax.rem(s, Wt)] >> 2
-
-    def coords_t(b, hk, j, s, code_ref, cnt_ref):
-        return b, head(hk, s), j, qcol(b, hk, j, s, code_ref, cnt_ref)
-
-    extra_t, extra_specs_t = _extras(Kt, mask, bias, None, seed, coords_t, P.Tkp, P.Tqp,
-                                     with_sinks=False)
-    row_spec_t = pl.BlockSpec((None, None, SUBLANES, bqt), lambda b, hk, j, s, *r: (
-        b, head(hk, s), 0, qcol(b, hk, j, s, *r)))
-    k_spec = pl.BlockSpec((None, bkt, P.Dp), lambda b, hk, j, s, *_: (b, j, hk))
-    v_spec = pl.BlockSpec((None, bkt, P.Dvp), lambda b, hk, j, s, *_: (b, j, hk))
-    in_specs_t = [
-        pl.BlockSpec((None, bqt, P.Dp), lambda b, hk, j, s, *r: (
-            b, qcol(b, hk, j, s, *r), head(hk, s))),
-        k_spec, v_spec,
-        pl.BlockSpec((None, bqt, P.Dvp), lambda b, hk, j, s, *r: (
-            b, qcol(b, hk, j, s, *r), head(hk, s))),
-        row_spec_t, row_spec_t,
-    ] + extra_specs_t
-    out_specs_t = [k_spec, v_spec]
-    out_shape_t = [jax.ShapeDtypeStruct((B, P.Tkp, Hkv * P.Dp), cd),
-                   jax.ShapeDtypeStruct((B, P.Tkp, Hkv * P.Dvp), cd)]
-    scratch_t = [pltpu.VMEM((bkt, P.Dp), F32), pltpu.VMEM((bkt, P.Dvp), F32)]
-    if dbias_dkv is not None:
-        out_specs_t.append(pl.BlockSpec((None, None, SUBLANES, bkt), lambda b, hk, j, s, *_: (
-            b, head(hk, s), 0, j)))
-        out_shape_t.append(jax.ShapeDtypeStruct((B, Hq, SUBLANES, P.Tkp), F32))
-        scratch_t.append(pltpu.VMEM((bkt, LANES), F32))
-    res_t = pl.pallas_call(
-        functools.partial(_dkv_kernel, K=Kt),
-        grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, Hkv, nkt, G * Wt), in_specs=in_specs_t,
-            out_specs=out_specs_t, scratch_shapes=scratch_t),
-        out_shape=out_shape_t, name="fnattn_flash_mosaic_dkv", **_params(interpret),
-    )(code_t, count_t, qf, kf, vf, dof, lse8, delta8, *extra_t)
-    dk = res_t[0].reshape(B, P.Tkp, Hkv, P.Dp)[:, :d.kv_len, :, :d.head_dim].astype(k.dtype)
-    dv = res_t[1].reshape(B, P.Tkp, Hkv, P.Dvp)[:, :d.kv_len, :, :d.v_head_dim].astype(v.dtype)
+    _, chunks_t, Wt, sbt, sht = _schedule(cfg, mask, Pt.bq, Pt.bk, transpose=True)
+    res_t = []
+    for chunk in chunks_t:
+        Kt = _kernel_facts(cfg, mask, bias, None, br=Pt.bk, bc=Pt.bq, chunk=chunk, W=Wt,
+                           sb=sbt, sh=sht, transposed=True, dbias=dbias_dkv)
+        res_t.append(_dkv_call(Kt, P, Pt, cd, chunk, qf, kf, vf, dof, lse8, delta8, bias,
+                               mask, seed, Hkv=Hkv, interpret=interpret))
+    axes = (1, 1, 3)  # the row axis of dk, dv and a row dbias
+    res_t = [jnp.concatenate(parts, axis=ax) if len(parts) > 1 else parts[0]
+             for parts, ax in zip(zip(*res_t), axes)]
+    dk = res_t[0].reshape(B, -1, Hkv, P.Dp)[:, :d.kv_len, :, :d.head_dim].astype(k.dtype)
+    dv = res_t[1].reshape(B, -1, Hkv, P.Dvp)[:, :d.kv_len, :, :d.v_head_dim].astype(v.dtype)
     if dbias_dkv is not None:
         dbias_full = res_t[2][:, :, 0, None, :d.kv_len]
 
@@ -822,6 +810,102 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
         p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - lse_safe)
         dsinks = -(p_sink * delta).sum((0, 2)).astype(sinks.dtype)
     return dq, dk, dv, dbias, dsinks
+
+
+def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, delta8, bias,
+             mask, seed, *, interpret):
+    """One pallas_call of the dq kernel over the q-blocks of ``chunk``."""
+    B, Hq, G, W, r0 = K.B, K.Hq, K.G, K.W, K.r0
+    bq, bk = P.bq, P.bk
+
+    def col(b, h, i, t, code_ref, cnt_ref):
+        return code_ref[K.sched_row(b, h, i) * W + t] >> 2
+
+    def coords(b, h, i, t, code_ref, cnt_ref):
+        return b, h, i + r0, col(b, h, i, t, code_ref, cnt_ref)
+
+    def kv_index(b, h, i, t, *refs):
+        # lax.div: jnp's floor division lowers through sign, which needs a TPU.
+        return b, col(b, h, i, t, *refs), lax.div(h, G)
+
+    extra, extra_specs = _extras(K, mask, bias, None, seed, coords, P.Tqp, P.Tkp,
+                                 with_sinks=False)
+    row_spec = pl.BlockSpec((None, None, SUBLANES, bq), lambda b, h, i, t, *_: (b, h, 0, i + r0))
+    in_specs = [
+        pl.BlockSpec((None, bq, P.Dp), lambda b, h, i, t, *_: (b, i + r0, h)),
+        pl.BlockSpec((None, bk, P.Dp), kv_index),
+        pl.BlockSpec((None, bk, P.Dvp), kv_index),
+        pl.BlockSpec((None, bq, P.Dvp), lambda b, h, i, t, *_: (b, i + r0, h)),
+        row_spec, row_spec,
+    ] + extra_specs
+    rows = chunk.n * bq
+    out_specs = [pl.BlockSpec((None, bq, P.Dp), lambda b, h, i, t, *_: (b, i, h))]
+    out_shape = [jax.ShapeDtypeStruct((B, rows, Hq * P.Dp), cd)]
+    scratch = [pltpu.VMEM((bq, P.Dp), F32)]
+    if K.dbias == "tile":
+        out_specs.append(pl.BlockSpec((None, None, bq, bk), lambda b, h, i, t, *r: (
+            b, h, i, col(b, h, i, t, *r))))
+        out_shape.append(jax.ShapeDtypeStruct((B, Hq, rows, nk * bk), F32))
+    elif K.dbias == "row":
+        out_specs.append(pl.BlockSpec((None, None, SUBLANES, bq),
+                                      lambda b, h, i, t, *_: (b, h, 0, i)))
+        out_shape.append(jax.ShapeDtypeStruct((B, Hq, SUBLANES, rows), F32))
+        scratch.append(pltpu.VMEM((bq, LANES), F32))
+    return pl.pallas_call(
+        functools.partial(_dq_kernel, K=K),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(B, Hq, chunk.n, W), in_specs=in_specs,
+            out_specs=out_specs, scratch_shapes=scratch),
+        out_shape=out_shape, name="fnattn_flash_mosaic_dq", **_params(interpret),
+    )(chunk.code, chunk.count, qf, kf, vf, dof, lse8, delta8, *extra)
+
+
+def _dkv_call(K: _K, P: _Plan, Pt: _Plan, cd, chunk: _Chunk, qf, kf, vf, dof, lse8, delta8,
+              bias, mask, seed, *, Hkv, interpret):
+    """One pallas_call of the dk/dv kernel over the kv-blocks of ``chunk``."""
+    B, G, W, r0 = K.B, K.G, K.W, K.r0
+    bqt, bkt = Pt.bq, Pt.bk
+
+    def head(hk, s):
+        return hk * G + lax.div(s, W)
+
+    def qcol(b, hk, j, s, code_ref, cnt_ref):
+        return code_ref[K.sched_row(b, head(hk, s), j) * W + lax.rem(s, W)] >> 2
+
+    def coords(b, hk, j, s, code_ref, cnt_ref):
+        return b, head(hk, s), j + r0, qcol(b, hk, j, s, code_ref, cnt_ref)
+
+    extra, extra_specs = _extras(K, mask, bias, None, seed, coords, P.Tkp, P.Tqp,
+                                 with_sinks=False)
+    row_spec = pl.BlockSpec((None, None, SUBLANES, bqt), lambda b, hk, j, s, *r: (
+        b, head(hk, s), 0, qcol(b, hk, j, s, *r)))
+
+    def q_side(width):
+        return pl.BlockSpec((None, bqt, width), lambda b, hk, j, s, *r: (
+            b, qcol(b, hk, j, s, *r), head(hk, s)))
+
+    def kv_side(width, offset):
+        return pl.BlockSpec((None, bkt, width), lambda b, hk, j, s, *_: (b, j + offset, hk))
+
+    in_specs = [q_side(P.Dp), kv_side(P.Dp, r0), kv_side(P.Dvp, r0), q_side(P.Dvp),
+                row_spec, row_spec] + extra_specs
+    rows = chunk.n * bkt
+    out_specs = [kv_side(P.Dp, 0), kv_side(P.Dvp, 0)]
+    out_shape = [jax.ShapeDtypeStruct((B, rows, Hkv * P.Dp), cd),
+                 jax.ShapeDtypeStruct((B, rows, Hkv * P.Dvp), cd)]
+    scratch = [pltpu.VMEM((bkt, P.Dp), F32), pltpu.VMEM((bkt, P.Dvp), F32)]
+    if K.dbias is not None:
+        out_specs.append(pl.BlockSpec((None, None, SUBLANES, bkt), lambda b, hk, j, s, *_: (
+            b, head(hk, s), 0, j)))
+        out_shape.append(jax.ShapeDtypeStruct((B, K.Hq, SUBLANES, rows), F32))
+        scratch.append(pltpu.VMEM((bkt, LANES), F32))
+    return pl.pallas_call(
+        functools.partial(_dkv_kernel, K=K),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2, grid=(B, Hkv, chunk.n, G * W), in_specs=in_specs,
+            out_specs=out_specs, scratch_shapes=scratch),
+        out_shape=out_shape, name="fnattn_flash_mosaic_dkv", **_params(interpret),
+    )(chunk.code, chunk.count, qf, kf, vf, dof, lse8, delta8, *extra)
 
 
 LOWERING = Lowering("flash-mosaic", functools.partial(_forward, interpret=False),

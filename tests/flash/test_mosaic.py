@@ -254,19 +254,23 @@ def _cfg(T, mask=None, B=1, H=1):
 
 def test_array_free_masks_get_a_narrow_grid():
     window = masks.sliding_window(left=100)
-    _, code, count, width, sb, sh = mosaic._schedule(_cfg(1024, window), window, 128, 128,
-                                                     transpose=False)
-    assert width == 2 and not sb and not sh
-    np.testing.assert_array_equal(np.asarray(count), [1] + [2] * 7)
+    _, chunks, width, sb, sh = mosaic._schedule(_cfg(1024, window), window, 128, 128,
+                                                transpose=False)
+    assert width == 2 and not sb and not sh and len(chunks) == 1
+    (chunk,) = chunks
+    assert (chunk.r0, chunk.n) == (0, 8)
+    np.testing.assert_array_equal(np.asarray(chunk.count), [1] + [2] * 7)
     # codes pack (kv-block << 2 | class); row 3 visits blocks 2 (PARTIAL) and 3 (PARTIAL)
-    np.testing.assert_array_equal(np.asarray(code).reshape(8, 2)[3], [2 * 4 + 1, 3 * 4 + 1])
+    np.testing.assert_array_equal(np.asarray(chunk.code).reshape(8, 2)[3],
+                                  [2 * 4 + 1, 3 * 4 + 1])
     causal = masks.causal()
-    _, code, count, width, *_ = mosaic._schedule(_cfg(1024, causal), causal, 128, 128,
-                                                 transpose=True)
+    _, (chunk,), width, *_ = mosaic._schedule(_cfg(1024, causal), causal, 128, 128,
+                                              transpose=True)
     assert width == 8
-    np.testing.assert_array_equal(np.asarray(count), [8, 7, 6, 5, 4, 3, 2, 1])
+    np.testing.assert_array_equal(np.asarray(chunk.count), [8, 7, 6, 5, 4, 3, 2, 1])
     # kv-block 0 is seen by q-blocks 0 (PARTIAL), 1.. (FULL)
-    np.testing.assert_array_equal(np.asarray(code).reshape(8, 8)[0, :3], [1, 1 * 4 + 2, 2 * 4 + 2])
+    np.testing.assert_array_equal(np.asarray(chunk.code).reshape(8, 8)[0, :3],
+                                  [1, 1 * 4 + 2, 2 * 4 + 2])
 
 
 def test_block_sizes_validation_and_defaults():
@@ -283,14 +287,100 @@ def test_block_sizes_validation_and_defaults():
     assert picked is B128
 
 
-def test_schedule_too_large_for_smem_is_refused():
-    T, B = 65536, 16
-    q = jax.ShapeDtypeStruct((B, T, 1, 128), jnp.bfloat16)
+# ----------------------------------------------------------------------------------
+# Schedules larger than one kernel call's SMEM share: cut into several calls
+# ----------------------------------------------------------------------------------
+
+
+def _segment_ids(B, T, seed=0):
+    rs = np.random.default_rng(seed)
+    return jnp.asarray(np.sort(rs.integers(0, 4, (B, T)), axis=1), jnp.int32)
+
+
+def test_long_schedule_is_cut_into_row_chunks(monkeypatch):
+    T, B = 1024, 3
+    ids = _segment_ids(B, T)
+    mask = masks.causal() & masks.segments(ids)
+    cfg = _cfg(T, mask, B=B)
+    whole = mosaic._schedule(cfg, mask, 128, 128, transpose=False)
+    monkeypatch.setattr(mosaic, "SCHEDULE_WORDS", 3 * (8 + 1) * 3)  # three row-blocks a call
+    classes, chunks, width, sb, sh = mosaic._schedule(cfg, mask, 128, 128, transpose=False)
+    assert (width, sb, sh) == (8, True, False)
+    assert [(c.r0, c.n) for c in chunks] == [(0, 3), (3, 3), (6, 2)]
+    np.testing.assert_array_equal(classes, whole[0])
+    # The chunks hold the rows of the whole schedule, each batch row's in order.
+    (full,) = whole[1]
+    code = np.concatenate([np.asarray(c.code).reshape(B, 1, c.n, width) for c in chunks], 2)
+    count = np.concatenate([np.asarray(c.count).reshape(B, 1, c.n) for c in chunks], 2)
+    np.testing.assert_array_equal(code.reshape(-1), full.code)
+    np.testing.assert_array_equal(count.reshape(-1), full.count)
+
+
+def test_schedule_variants_are_merged_when_one_row_does_not_fit(monkeypatch):
+    T, B = 512, 4
+    ids = _segment_ids(B, T)
+    mask = masks.segments(ids)
+    monkeypatch.setattr(mosaic, "SCHEDULE_WORDS", 2 * (4 + 1))  # less than B rows
+    classes, chunks, width, sb, sh = mosaic._schedule(_cfg(T, mask, B=B), mask, 128, 128,
+                                                      transpose=False)
+    assert classes.shape == (1, 1, 4, 4) and not sb and not sh
+    assert [(c.r0, c.n) for c in chunks] == [(0, 2), (2, 2)]
+    per_example = np.asarray(masks.block_classes(mask, B, 1, T, T, 128, 128))
+    merged = np.where((per_example == masks.EMPTY).all(0), masks.EMPTY,
+                      np.where((per_example == masks.FULL).all(0), masks.FULL, masks.PARTIAL))
+    np.testing.assert_array_equal(np.asarray(classes)[0], merged)
+    monkeypatch.setattr(mosaic, "SCHEDULE_WORDS", 4)  # not even one merged row
+    with pytest.raises(NotImplementedError, match=r"flash-mosaic: one row of the block-sparse "
+                       r"schedule needs 5 int32 words of SMEM, more than the 4 .*impl='xla'"):
+        mosaic._schedule(_cfg(T, mask, B=B), mask, 128, 128, transpose=False)
+
+
+# (case, SCHEDULE_WORDS): small enough that every kernel runs as several calls,
+# and, where one row of the per-example schedule does not fit, on merged schedules.
+CHUNKED = [
+    (CASES[8], 6),   # everything; dq/dk-dv blocks differ: chunks and merges
+    (CASES[4], 6),   # per-example lengths, sinks, dbias from the dq kernel ("row")
+    (CASES[3], 6),   # fully masked rows, dbias from the dk/dv kernel
+    (CASES[0], 4),   # array-free causal: the static schedule, chunked
+]
+
+
+@pytest.mark.parametrize("case,words", CHUNKED, ids=lambda p: getattr(p, "name", str(p)))
+def test_chunked_schedule_matches_reference(case, words, monkeypatch):
+    monkeypatch.setattr(mosaic, "SCHEDULE_WORDS", words)
+    spec, q, k, v, d_out, d_lse = make(case, seed=5)
+    attn = lambda s, q, k, v: flash(s, q, k, v)  # noqa: E731  (a fresh trace)
+    out, lse, grads = jax.jit(outputs_and_grads, static_argnums=0)(
+        attn, spec, q, k, v, d_out, d_lse)
+    r_out, r_lse, r_grads = jax.jit(outputs_and_grads, static_argnums=0)(
+        fnattn.reference, spec, q, k, v, d_out, d_lse)
+    _close("out", out, r_out, 2e-5)
+    _close("lse", jnp.where(jnp.isfinite(lse), lse, 0), jnp.where(jnp.isfinite(r_lse), r_lse, 0),
+           2e-5)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads, r_grads):
+        if r is not None:
+            _close(name, g, r, 1e-4)
+
+
+def test_long_document_masked_batch_traces_on_every_platform():
+    """B=4, T=128k with segment ids needs more SMEM than one call may take. Every
+    branch of the dispatch is traced on every platform, so the Mosaic kernels
+    must accept it (in several calls) for the flash API to work anywhere."""
+    B, T = 4, 131072
+    q = jax.ShapeDtypeStruct((B, T, 2, 128), jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32)
-    f = jax.jit(lambda q, ids: flash(AttentionSpec(mask=masks.segments(ids), block_sizes=B128),
-                                     q, q, q, table=ON_TPU).out)
-    with pytest.raises(NotImplementedError, match="flash-mosaic: .* SMEM .*flash-xla"):
-        f.trace(q, ids).lower(lowering_platforms=("tpu",))
+
+    def run(q, ids, table=None):
+        spec = AttentionSpec(mask=masks.causal() & masks.segments(ids))
+        if table is None:
+            return fnattn.flash(spec, q, q, q).out
+        return flash(spec, q, q, q, table=table).out
+
+    assert jax.eval_shape(jax.jit(run), q, ids).shape == (B, T, 2, 128)
+    text = jax.jit(functools.partial(run, table=ON_TPU)).trace(q, ids).lower(
+        lowering_platforms=("tpu",)).as_text()
+    # 256 q-blocks of 512, 4 x 257 words a row: 127 rows a call
+    assert len(re.findall(r"fnattn_flash_mosaic_fwd", text)) == 3
 
 
 # ----------------------------------------------------------------------------------
