@@ -23,6 +23,7 @@ import jax
 from jax import lax
 
 from fnattn._checks import Dims
+from fnattn._varying import varying_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +84,23 @@ def _with_mask(fn):
     return wrapped
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
+    """``(out, lse)`` of the lowering ``table`` picks, differentiable in q, k, v,
+    bias and sinks.
+
+    Inside ``jax.shard_map`` the differentiable inputs are first made to vary
+    over the same mesh axes (:func:`fnattn._online.varying_like`): the
+    gradients then have the types the ``custom_vjp`` must return, and the
+    gradient of an input that was replicated along an axis is summed over it
+    (the transpose of that broadcast), as plain JAX code would have it.
+    """
+    q, k, v, bias, sinks = varying_like((q, k, v, bias, sinks), q, k, v, bias, sinks,
+                                        mask_leaves, seed)
+    return _attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
     return _select(_wrap(table), "fwd", cfg, q, k, v, bias, sinks, mask_leaves, seed)
 
 
@@ -102,7 +118,7 @@ def _attend_bwd(table, cfg, res, cotangents):
     return (dq, dk, dv, dbias, dsinks, none_like, None)
 
 
-attend.defvjp(_attend_fwd, _attend_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 @functools.lru_cache(maxsize=None)

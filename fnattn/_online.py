@@ -52,3 +52,4 @@ def group_sink_column(sinks_ref, h, G: int, Gp: int, M: int):
     for g in range(G):
         sink = jnp.where(g_col == g, sinks_ref[h * G + g], sink)
     return sink
+

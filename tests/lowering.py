@@ -23,13 +23,38 @@ def cheap_compiles():
         jax.config.update("jax_disable_most_optimizations", old)
 
 
-def tpu_target(device_kind="TPU v5 lite"):
-    """Lowering some primitives (e.g. the sign inside integer floor division, as
-    in chunked masks) asks for the TPU generation; on CPU an abstract mesh with an
-    abstract TPU device answers."""
+# What each kind of device is called when lowering for it with no such device.
+TARGETS = {"tpu": ("TPU v5 lite", 1), "cuda": ("NVIDIA H100 80GB HBM3", 132)}
+
+
+def abstract_mesh(platform, shape=(1,), names=("x",)):
+    """An abstract mesh of ``platform`` ("tpu" or "cuda") devices, or None on a
+    JAX without abstract devices."""
+    kind, cores = TARGETS[platform]
     try:
-        dev = jax.sharding.AbstractDevice(device_kind=device_kind, num_cores=1, platform="tpu")
-        mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=dev)
-        return jax.sharding.use_abstract_mesh(mesh)
-    except (AttributeError, TypeError):  # another JAX version: lower without a target
+        dev = jax.sharding.AbstractDevice(device_kind=kind, num_cores=cores,
+                                          platform="gpu" if platform == "cuda" else platform)
+        return jax.sharding.AbstractMesh(shape, names, abstract_device=dev)
+    except (AttributeError, TypeError):
+        return None
+
+
+def target(platform, mesh=None):
+    """A context in which code traced and lowered for ``platform`` finds a device
+    of that kind: some primitives ask for the TPU generation (e.g. the sign
+    inside integer floor division, as in chunked masks), and the Triton
+    lowering asks for the GPU's compute capability (JAX 0.11 and later). On a
+    CPU an abstract mesh with an abstract device answers. Code and ``.lower``
+    both go inside."""
+    mesh = abstract_mesh(platform) if mesh is None else mesh
+    if mesh is None:  # another JAX version: lower without a target
         return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def tpu_target():
+    return target("tpu")
+
+
+def gpu_target():
+    return target("cuda")

@@ -56,6 +56,7 @@ from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import _checks, _dispatch
+from fnattn._varying import varying_like
 from fnattn.decoding import xla
 from fnattn.spec import AttentionOutput, AttentionSpec
 
@@ -177,7 +178,10 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
     cfg = Cfg(scale=scale, softcap=spec.softcap,
               mask_treedef=None if spec.mask is None else jax.tree_util.tree_structure(spec.mask),
               num_splits=ns, block_sizes=spec.block_sizes)
-    out, lse = _attend(lowering_table(spec.impl), cfg, qb, kb, vb, starts, lengths, spec.sinks)
+    # inside shard_map: gradients typed like their inputs (see fnattn._dispatch.attend)
+    qb, kb, vb, sinks = varying_like((qb, kb, vb, spec.sinks), qb, kb, vb, spec.sinks, starts,
+                                     lengths)
+    out, lse = _attend(lowering_table(spec.impl), cfg, qb, kb, vb, starts, lengths, sinks)
     out = _checks.from_bthd(out, spec.layout)
     return AttentionOutput(out, lse if spec.return_lse else None)
 

@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from fnattn import _online as online
-from fnattn import masks
+from fnattn import _varying, masks
 from fnattn.decoding import common, xla
 from fnattn.decoding.common import F32, I32
 from fnattn.merging import merge_stacked
@@ -245,7 +245,7 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
     def out_map(b, hg, sp, i, *_):
         return ((sp,) if splits > 1 else ()) + (b, hg, 0, 0, 0)
 
-    out, lse = pl.pallas_call(
+    out, lse = _varying.pallas_call(
         functools.partial(_kernel, K=K),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(B, ng, splits, nb), in_specs=in_specs,

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fnattn import _online as online
-from fnattn import masks
+from fnattn import _varying, masks
 from fnattn.decoding import common
 from fnattn.decoding.common import F32, I32
 from fnattn.merging import merge_stacked
@@ -227,7 +227,7 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
     lead = () if splits == 1 else (splits,)
     out_shape = [jax.ShapeDtypeStruct(lead + (B, Hkv, M, Dvp), q.dtype if splits == 1 else F32),
                  jax.ShapeDtypeStruct(lead + (B, Hkv, M), F32)]
-    out, lse = pl.pallas_call(
+    out, lse = _varying.pallas_call(
         functools.partial(_kernel, K=K),
         grid=(B, Hkv, splits),
         out_shape=out_shape,

@@ -54,7 +54,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fnattn import dropout, masks
+from fnattn import _varying, dropout, masks
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks
 
@@ -710,7 +710,7 @@ def _forward_call(K: _K, P: _Plan, cd, chunk: _Chunk, qf, kf, vf, bias, sinks, m
         pl.BlockSpec((None, None, SUBLANES, P.bq), lambda b, h, i, t, *_: (b, h, 0, i)),
     ]
     rows = chunk.n * P.bq
-    return pl.pallas_call(
+    return _varying.pallas_call(
         functools.partial(_fwd_kernel, K=K),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, Hq, chunk.n, W),
@@ -851,7 +851,7 @@ def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, delt
                                       lambda b, h, i, t, *_: (b, h, 0, i)))
         out_shape.append(jax.ShapeDtypeStruct((B, Hq, SUBLANES, rows), F32))
         scratch.append(pltpu.VMEM((bq, LANES), F32))
-    return pl.pallas_call(
+    return _varying.pallas_call(
         functools.partial(_dq_kernel, K=K),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, Hq, chunk.n, W), in_specs=in_specs,
@@ -899,7 +899,7 @@ def _dkv_call(K: _K, P: _Plan, Pt: _Plan, cd, chunk: _Chunk, qf, kf, vf, dof, ls
             b, head(hk, s), 0, j)))
         out_shape.append(jax.ShapeDtypeStruct((B, K.Hq, SUBLANES, rows), F32))
         scratch.append(pltpu.VMEM((bkt, LANES), F32))
-    return pl.pallas_call(
+    return _varying.pallas_call(
         functools.partial(_dkv_kernel, K=K),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, Hkv, chunk.n, G * W), in_specs=in_specs,

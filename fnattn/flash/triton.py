@@ -55,7 +55,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fnattn import _online as online
-from fnattn import dropout, masks
+from fnattn import _varying, dropout, masks
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks
 
@@ -642,7 +642,7 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     table = _schedule(mask, cfg, K)
     extra, extra_specs = _extras(K, mask, bias, sinks, seed, (Tqp, Tkp), n_heads=Hq)
     sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, Hq, heavy_first=True)])
-    out, lse = pl.pallas_call(
+    out, lse = _varying.pallas_call(
         functools.partial(_fwd_kernel, K=K, sched=table is not None),
         grid=(Tqp // bq, d.batch * Hq),
         in_specs=[_seq_spec(Tqp, Dp, Hq, lambda h: h), _seq_spec(Tkp, Dp, Hq, lambda h: h // G),
@@ -688,7 +688,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
         extra, extra_specs = extra + [jnp.zeros(b4, F32)], extra_specs + [_bh_spec(b4, Hq, None)]
         out_specs.append(_bh_spec(b4, Hq, None))
         out_shape.append(jax.ShapeDtypeStruct(b4, F32))
-    res = pl.pallas_call(
+    res = _varying.pallas_call(
         functools.partial(_dq_kernel, K=K, sched=table is not None),
         grid=(Tqp // bq, B * Hq),
         in_specs=[_seq_spec(Tqp, Dp, Hq, lambda h: h), _seq_spec(Tkp, Dp, Hq, lambda h: h // G),
@@ -717,7 +717,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
     sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, P, heavy_first=False)])
     direct = Gp == G  # one program per kv head: write dk, dv directly
     out_dtype = (k.dtype, v.dtype) if direct else (F32, F32)
-    dk, dv = pl.pallas_call(
+    dk, dv = _varying.pallas_call(
         functools.partial(_dkdv_kernel, K=K, sched=table is not None),
         grid=(Tkp // bk, B * P),
         in_specs=[_seq_spec(Tqp, Dp, P, lambda p: p, Gp),

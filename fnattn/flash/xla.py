@@ -43,6 +43,7 @@ from jax import lax
 from fnattn import _online as online
 from fnattn import dropout, masks
 from fnattn._dispatch import Lowering
+from fnattn._varying import varying_like
 from fnattn.flash import blocks
 
 __all__ = ["XlaBlockSizes", "LOWERING"]
@@ -371,8 +372,8 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
 
     def q_block(xs):
         qi, i, fidx, fn, pidx, pn = xs
-        carry = (jnp.full(rows, -jnp.inf, F32), jnp.zeros(rows, F32),
-                 jnp.zeros(rows + (P.Dv,), F32))
+        carry = varying_like((jnp.full(rows, -jnp.inf, F32), jnp.zeros(rows, F32),
+                                     jnp.zeros(rows + (P.Dv,), F32)), a, shared, bidx)
         full_step = tile_step(i, qi, False)
         part_step = tile_step(i, qi, True)
         carry = lax.fori_loop(0, fn, lambda t, c: full_step(t, c, fidx), carry)
@@ -415,6 +416,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse):
                    bias=None if shared_bias else bias4,
                    ops=tuple(mask.operands()) if mask is not None else ())
     dbias0 = jnp.zeros(_pad4(bias4, P).shape, F32) if shared_bias else None
+    dbias0 = varying_like(dbias0, batched, mask, seed)
     (dq, dk, dv, dbias), dbias_shared = _by_batch(
         P, per_row, _backward_rows, batched, (mask, seed, bias4 if shared_bias else None),
         dbias0)
@@ -494,8 +496,9 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
         kj, ktj, vj, j, fidx, fn, pidx, pn = xs
         full_step = tile_step(j, kj, ktj, vj, False)
         part_step = tile_step(j, kj, ktj, vj, True)
-        inner = (dqt, dbias, jnp.zeros((B * P.Hkv, P.bk, P.D), F32),
-                 jnp.zeros((B * P.Hkv, P.bk, P.Dv), F32))
+        inner = (dqt, dbias) + varying_like(
+            (jnp.zeros((B * P.Hkv, P.bk, P.D), F32), jnp.zeros((B * P.Hkv, P.bk, P.Dv), F32)),
+            a, shared, bidx)
         inner = lax.fori_loop(0, fn, lambda t, c: full_step(t, c, fidx), inner)
         dqt, dbias, dkj, dvj = lax.fori_loop(0, pn, lambda t, c: part_step(t, c, pidx), inner)
         return (dqt, dbias), (dkj, dvj)
@@ -504,6 +507,7 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
     if dbias0 is None and bias4 is not None:
         dbias0 = jnp.zeros(bias4.shape, F32)
     dqt0 = jnp.zeros((P.nq, B * P.Hkv, P.D, P.G * P.bq), F32)
+    dqt0, dbias0 = varying_like((dqt0, dbias0), a, shared, bidx)
     (dqt, dbias), (dk, dv) = lax.scan(
         kv_block, (dqt0, dbias0),
         (kb, ktb, vb, jnp.arange(P.nk, dtype=jnp.int32), full_idx, full_n, part_idx, part_n))

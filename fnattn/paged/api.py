@@ -64,6 +64,7 @@ from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import _checks, _dispatch
+from fnattn._varying import varying_like
 from fnattn.paged import common, reference, xla
 from fnattn.paged.common import I32, Cfg
 from fnattn.spec import AttentionOutput, AttentionSpec
@@ -317,7 +318,10 @@ def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, ne
     meta = common.sanitize(cfg, *meta_args)
     if cfg.update:
         return _attend_update(table, cfg, q, k_pages, v_pages, spec.sinks, meta, new_k, new_v)
-    return _attend(table, cfg, q, k_pages, v_pages, spec.sinks, meta)
+    # inside shard_map: gradients typed like their inputs (see fnattn._dispatch.attend)
+    q, k_pages, v_pages, sinks = varying_like((q, k_pages, v_pages, spec.sinks), q, k_pages,
+                                              v_pages, spec.sinks, meta)
+    return _attend(table, cfg, q, k_pages, v_pages, sinks, meta)
 
 
 @jaxtyped(typechecker=beartype)

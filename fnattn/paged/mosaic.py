@@ -36,6 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from fnattn import _online as online
+from fnattn import _varying
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -199,7 +200,7 @@ def write_tokens(cfg: Cfg, meta: Meta, k_pages, v_pages, new_k, new_v, *, interp
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     kernel = functools.partial(_write_kernel, ps=cfg.page_size, P=cfg.pages_per_seq,
                                Hkv=cfg.num_kv_heads)
-    return pl.pallas_call(
+    return _varying.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(work.seq.shape[0],),
@@ -274,7 +275,7 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
     if K.sinks:
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         args.append(sinks.astype(F32))
-    out, lse = pl.pallas_call(
+    out, lse = _varying.pallas_call(
         functools.partial(_attn_kernel, K=K),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(W, Hkv, splits), in_specs=in_specs,

@@ -48,6 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fnattn import _online as online
+from fnattn import _varying
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -259,7 +260,7 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
         out_shape += [jax.ShapeDtypeStruct(args[3].shape, k_pages.dtype),
                       jax.ShapeDtypeStruct(args[4].shape, v_pages.dtype)]
         aliases = {3: 2, 4: 3}
-    res = pl.pallas_call(
+    res = _varying.pallas_call(
         functools.partial(_kernel, K=K),
         grid=(W, Hkv, splits),
         out_shape=out_shape,

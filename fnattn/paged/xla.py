@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from fnattn._varying import varying_like
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -147,6 +148,7 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
     m = jnp.full((Hkv, W, M), -jnp.inf, F32)
     l = jnp.zeros((Hkv, W, M), F32)
     acc = jnp.zeros((Hkv, W, M, Dv), F32)
+    m, l, acc = varying_like((m, l, acc), q, k_pages, v_pages, sinks, meta)
     if n_chunks == 1:
         m, l, acc = fold(0, (m, l, acc))
     else:

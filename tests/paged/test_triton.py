@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import fnattn  # noqa: E402
 from fnattn import AttentionSpec, PagedBlockSizes, masks  # noqa: E402
 from fnattn.paged import api, triton, xla  # noqa: E402
+from lowering import gpu_target  # noqa: E402
 from problems import check_ragged, check_update, make  # noqa: E402
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -99,13 +100,15 @@ def test_lowers_for_cuda(dtype, D, Dv, Hq, Hkv, mask, upd, splits):
             CUDA, spec, q, q[:, :Hkv], q[:, :Hkv, :Dv], kp, vp, **m)
     else:
         f = lambda q, kp, vp: api.ragged_paged_attention_with(CUDA, spec, q, kp, vp, **m)  # noqa: E731,E501
-    text = jax.jit(f).trace(q, kp, vp).lower(lowering_platforms=("cuda",)).as_text()
-    assert "fnattn_paged_triton" in text
     decode = lambda q, kp, vp: api.paged_attention_with(  # noqa: E731
         CUDA, spec, q.reshape(T, 1, Hq, D), kp, vp, page_table=jnp.zeros((T, P), jnp.int32),
         kv_lengths=jnp.zeros(T, jnp.int32))
-    text = jax.jit(decode).trace(q, kp, vp).lower(lowering_platforms=("cuda",)).as_text()
+    with gpu_target():
+        text = jax.jit(f).trace(q, kp, vp).lower(lowering_platforms=("cuda",)).as_text()
+        decode_text = jax.jit(decode).trace(q, kp, vp).lower(
+            lowering_platforms=("cuda",)).as_text()
     assert "fnattn_paged_triton" in text
+    assert "fnattn_paged_triton" in decode_text
 
 
 def test_launch_plan():
