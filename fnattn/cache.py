@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 __all__ = ["PagedKVCache"]
 
@@ -229,20 +230,40 @@ class PagedKVCache:
         return self.replace(page_table=table, lengths=lengths, free_pages=free,
                             num_free=num_free.astype(I32))
 
-    def ragged_metadata(self, seq_ids):
+    def ragged_metadata(self, seq_ids, *, checked: bool = False):
         """``page_table``, ``context_lengths``, ``query_start_loc`` and ``num_seqs`` for
         :func:`fnattn.ragged_paged_attention` over tokens packed by slot.
 
         ``seq_ids`` (T,) must be sorted (the tokens of slot 0, then slot 1, ...;
         -1 padding at the end); every slot is a sequence, those with no token
         have no queries. Call it on the cache *after* :meth:`append` (or
-        :meth:`allocate`), so that the lengths include the new tokens.
+        :meth:`allocate`), so that the lengths include the new tokens. With
+        ``checked=True`` ids out of order, or past ``max_seqs``, are reported as
+        ``jax.experimental.checkify`` errors (wrap the call in
+        ``checkify.checkify``); otherwise the metadata would silently describe
+        a different packing than the queries have.
 
         >>> c = PagedKVCache.create(4, 2, 1, 1, max_seqs=3, max_pages_per_seq=2)
         >>> c.ragged_metadata(jnp.array([0, 2, 2, -1]))["query_start_loc"].tolist()
         [0, 1, 1, 3]
+        >>> from jax.experimental import checkify
+        >>> err, _ = checkify.checkify(lambda i: c.ragged_metadata(i, checked=True))(
+        ...     jnp.array([2, 0, -1]))
+        >>> print(err.get())  # doctest: +ELLIPSIS
+        ragged_metadata: seq_ids must be sorted by slot with -1 padding at the end; seq_ids[1] = 0 follows 2...
         """
         S = self.max_seqs
+        if checked:
+            seq_ids = jnp.asarray(seq_ids)
+            checkify.check(~(seq_ids >= S).any(), "ragged_metadata: seq_ids holds slot {x}; "
+                           f"slots are 0 .. max_seqs - 1 = {S - 1} (and -1 for padding)",
+                           x=jnp.max(seq_ids))
+            key = jnp.where(seq_ids >= 0, seq_ids, S)
+            down = key[1:] < key[:-1]
+            at = jnp.argmax(down) + 1
+            checkify.check(~down.any(), "ragged_metadata: seq_ids must be sorted by slot with "
+                           "-1 padding at the end; seq_ids[{i}] = {a} follows {b}",
+                           i=at, a=seq_ids[at], b=seq_ids[at - 1])
         seq = jnp.where((seq_ids >= 0) & (seq_ids < S), seq_ids, S).astype(I32)
         counts = jnp.zeros((S + 1,), I32).at[seq].add(1)[:S]
         loc = jnp.concatenate([jnp.zeros((1,), I32), jnp.cumsum(counts).astype(I32)])

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import fnattn
 from fnattn import AttentionSpec, PagedKVCache, masks
@@ -345,6 +346,19 @@ def test_ragged_metadata():
     assert m["query_start_loc"].tolist() == [0, 2, 2, 5, 6]
     assert int(m["num_seqs"]) == S and m["num_seqs"].dtype == jnp.int32
     assert m["context_lengths"] is c.lengths and m["page_table"] is c.page_table
+
+
+def test_ragged_metadata_checked_reports_bad_packing():
+    c = empty()
+    f = jax.jit(checkify.checkify(lambda ids: c.ragged_metadata(ids, checked=True)))
+    err, m = f(jnp.array([0, 0, 2, 3, -1, -1]))
+    assert err.get() is None and m["query_start_loc"].tolist() == [0, 2, 2, 3, 4]
+    err, _ = f(jnp.array([0, 2, 0, 3, -1, -1]))
+    assert "seq_ids[2] = 0 follows 2" in err.get()
+    err, _ = f(jnp.array([0, 0, -1, 3, -1, -1]))  # padding before a token
+    assert "seq_ids[3] = 3 follows -1" in err.get()
+    err, _ = f(jnp.array([0, S, -1, -1, -1, -1]))
+    assert f"seq_ids holds slot {S}; slots are 0 .. max_seqs - 1 = {S - 1}" in err.get()
 
 
 SPEC = AttentionSpec(mask=masks.causal(), sinks=jnp.array([0.5, -1.0, 0.0, 2.0]))
