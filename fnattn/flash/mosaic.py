@@ -683,10 +683,11 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     return out.astype(q.dtype), lse[:, :, 0, :d.q_len]
 
 
-def _forward_call(K: _K, P: _Plan, cd, chunk: _Chunk, qf, kf, vf, bias, sinks, mask, seed, *,
-                  interpret):
-    """One pallas_call of the forward over the q-blocks of ``chunk``."""
-    B, Hq, G, W, r0 = K.B, K.Hq, K.G, K.W, K.r0
+def _q_row_maps(K: _K):
+    """Index-map pieces of the kernels whose grid is (B, Hq, q-blocks, steps):
+    the kv-block of a step, the (b, h, q-block, kv-block) coordinates of its
+    tile (for the mask operands and the bias), and the block of K and V."""
+    W, G, r0 = K.W, K.G, K.r0
 
     def col(b, h, i, t, code_ref, cnt_ref):
         return code_ref[K.sched_row(b, h, i) * W + t] >> 2
@@ -697,6 +698,15 @@ def _forward_call(K: _K, P: _Plan, cd, chunk: _Chunk, qf, kf, vf, bias, sinks, m
     def kv_index(b, h, i, t, *refs):
         # lax.div: jnp's floor division lowers through sign, which needs a TPU.
         return b, col(b, h, i, t, *refs), lax.div(h, G)
+
+    return col, coords, kv_index
+
+
+def _forward_call(K: _K, P: _Plan, cd, chunk: _Chunk, qf, kf, vf, bias, sinks, mask, seed, *,
+                  interpret):
+    """One pallas_call of the forward over the q-blocks of ``chunk``."""
+    B, Hq, r0 = K.B, K.Hq, K.r0
+    col, coords, kv_index = _q_row_maps(K)
 
     extra, extra_specs = _extras(K, mask, bias, sinks, seed, coords, P.Tqp, P.Tkp,
                                  with_sinks=True)
@@ -713,7 +723,7 @@ def _forward_call(K: _K, P: _Plan, cd, chunk: _Chunk, qf, kf, vf, bias, sinks, m
     return _varying.pallas_call(
         functools.partial(_fwd_kernel, K=K),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=2, grid=(B, Hq, chunk.n, W),
+            num_scalar_prefetch=2, grid=(B, Hq, chunk.n, K.W),
             in_specs=in_specs, out_specs=out_specs,
             scratch_shapes=[pltpu.VMEM((P.bq, LANES), F32), pltpu.VMEM((P.bq, LANES), F32),
                             pltpu.VMEM((P.bq, P.Dvp), F32)]),
@@ -815,18 +825,9 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
 def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, delta8, bias,
              mask, seed, *, interpret):
     """One pallas_call of the dq kernel over the q-blocks of ``chunk``."""
-    B, Hq, G, W, r0 = K.B, K.Hq, K.G, K.W, K.r0
+    B, Hq, W, r0 = K.B, K.Hq, K.W, K.r0
     bq, bk = P.bq, P.bk
-
-    def col(b, h, i, t, code_ref, cnt_ref):
-        return code_ref[K.sched_row(b, h, i) * W + t] >> 2
-
-    def coords(b, h, i, t, code_ref, cnt_ref):
-        return b, h, i + r0, col(b, h, i, t, code_ref, cnt_ref)
-
-    def kv_index(b, h, i, t, *refs):
-        # lax.div: jnp's floor division lowers through sign, which needs a TPU.
-        return b, col(b, h, i, t, *refs), lax.div(h, G)
+    col, coords, kv_index = _q_row_maps(K)
 
     extra, extra_specs = _extras(K, mask, bias, None, seed, coords, P.Tqp, P.Tkp,
                                  with_sinks=False)
