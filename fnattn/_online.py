@@ -12,7 +12,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["LN2", "LOG2E", "finish_exp2", "group_sink_column", "join_sink"]
+__all__ = ["LN2", "LOG2E", "finish_exp2", "group_sink_column", "join_sink", "step_exp2"]
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -41,6 +41,32 @@ def finish_exp2(acc, m, l):
     out = acc * (1.0 / safe)[:, None]
     lse = jnp.where(l > 0, (m + jnp.log2(safe)) * LN2, -jnp.inf)
     return out, lse
+
+
+def step_exp2(carry, s, allowed, load_v, *, scale: float, softcap=None):
+    """One kv-tile of the online softmax in base 2, as the serving Triton kernels
+    run it: ``s`` holds the raw products ``q @ k.T`` (float32), ``allowed`` the
+    keys each row may see, and ``load_v()`` loads the tile's values (called
+    after the probabilities, where the kernels have always loaded them).
+
+    A row that has seen no visible key keeps ``m = -inf``, and is shifted by 0
+    instead, so that ``exp2`` gives 0, not NaN.
+    """
+    acc, m, l = carry
+    if softcap is None:
+        c = scale * LOG2E
+    else:
+        s = jnp.tanh(s * (scale / softcap))
+        c = softcap * LOG2E
+    s = jnp.where(allowed, s * c, -jnp.inf)
+    m_new = jnp.maximum(m, s.max(axis=1))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp2(s - m_use[:, None])
+    alpha = jnp.exp2(m - m_use)
+    l = l * alpha + p.sum(axis=1)
+    v = load_v()
+    acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
+    return acc, m_new, l
 
 
 def group_sink_column(sinks_ref, h, G: int, Gp: int, M: int):

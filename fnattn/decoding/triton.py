@@ -152,33 +152,22 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         raw_rows = t_i[:, None]
         qpos_rows = (length - K.Tq + t_i)[:, None]
         head_rows = (h * K.G + g_i)[:, None]
-    # Logits in base 2: exp(x) = exp2(x * log2(e)).
-    c = K.scale * LOG2E if K.softcap is None else K.softcap * LOG2E
-
     def body(j, carry):
-        acc, m, l = carry
         kpos = j * K.bk + lax.broadcasted_iota(I32, (K.bk,), 0)
         ok = kpos < length
         slot = (start + kpos)[:, None]
         k = plgpu.load(k_ref.at[b, slot, h, dcols], mask=both(ok[:, None], dmask), other=0.0)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-        if K.softcap is not None:
-            s = jnp.tanh(s * (K.scale / K.softcap))
         allowed = ok[None, :]
         if mask is not None:
             pos = masks.Positions(b=b, h=head_rows, q=raw_rows, q_pos=qpos_rows,
                                   k=kpos[None, :])
             allowed = allowed & mask.predicate(pos, [])
-        s = jnp.where(allowed, s * c, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        # A row with no visible key so far keeps m = -inf; shift by 0 instead.
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp2(s - m_use[:, None])
-        alpha = jnp.exp2(m - m_use)
-        l = l * alpha + p.sum(axis=1)
-        v = plgpu.load(v_ref.at[b, slot, h, vcols], mask=both(ok[:, None], vmask), other=0.0)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
-        return acc, m_new, l
+        return online.step_exp2(
+            carry, s, allowed,
+            lambda: plgpu.load(v_ref.at[b, slot, h, vcols], mask=both(ok[:, None], vmask),
+                               other=0.0),
+            scale=K.scale, softcap=K.softcap)
 
     acc = jnp.zeros((K.M, K.Dvp), F32)
     m = jnp.full((K.M,), -jnp.inf, F32)

@@ -154,10 +154,7 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
                          mask=both((ok & is_new)[:, None], cmask), other=0.0)
         return jnp.where(is_new[:, None], new, old)
 
-    c = K.scale * LOG2E if K.softcap is None else K.softcap * LOG2E
-
     def body(j, carry):
-        acc, m, l = carry
         kpos = j * K.bk + lax.broadcasted_iota(I32, (K.bk,), 0)
         lpage = jnp.minimum(lax.div(kpos, K.ps), K.P - 1)
         page = plgpu.load(pt_ref.at[seq, lpage])
@@ -165,22 +162,13 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         slot = jnp.maximum(page, 0) * K.ps + lax.rem(kpos, K.ps)
         k = load_kv(k_ref, nk_ref, dcols, dmask, slot, ok, kpos)
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-        if K.softcap is not None:
-            s = jnp.tanh(s * (K.scale / K.softcap))
         allowed = ok[None, :]
         if mask is not None:
             pos = common.positions(seq, head_rows, raw_rows, qpos_rows, kpos[None, :])
             allowed = allowed & mask.predicate(pos, [])
-        s = jnp.where(allowed, s * c, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1))
-        # A row with no visible key so far keeps m = -inf; shift by 0 instead.
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp2(s - m_use[:, None])
-        alpha = jnp.exp2(m - m_use)
-        l = l * alpha + p.sum(axis=1)
-        v = load_kv(v_ref, nv_ref, vcols, vmask, slot, ok, kpos)
-        acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
-        return acc, m_new, l
+        return online.step_exp2(carry, s, allowed,
+                                lambda: load_kv(v_ref, nv_ref, vcols, vmask, slot, ok, kpos),
+                                scale=K.scale, softcap=K.softcap)
 
     lo, hi = common.split_range(f["k_lo"], f["k_hi"], sp, K.splits)
     acc = jnp.zeros((K.M, K.Dvp), F32)
