@@ -52,6 +52,23 @@ def expected(spec, q, k, v, lengths, starts):
     return out, lse
 
 
+NAN_SLOTS = 40  # cache slots of the kernel tests (tests/decoding): ragged key blocks
+
+
+def nan_problem(B=3, Tq=2, Hq=6, Hkv=2, D=7, Dv=5, dtype=jnp.float32, seed=0,
+                lengths=(30, 9, 0), starts=(0, 17, 3)):
+    """q, k, v, lengths, starts over a cache of ``NAN_SLOTS`` slots whose slots
+    outside each sequence's range are NaN, so a kernel that read one would fail."""
+    ks = jax.random.split(jax.random.key(seed), 3)
+    q = jax.random.normal(ks[0], (B, Tq, Hq, D), dtype)
+    k = jax.random.normal(ks[1], (B, NAN_SLOTS, Hkv, D), dtype)
+    v = jax.random.normal(ks[2], (B, NAN_SLOTS, Hkv, Dv), dtype)
+    L, a = jnp.array(lengths, jnp.int32), jnp.array(starts, jnp.int32)
+    slot = jnp.arange(NAN_SLOTS)[None, :, None, None]
+    live = (slot >= a[:, None, None, None]) & (slot < (a + L)[:, None, None, None])
+    return q, jnp.where(live, k, jnp.nan), jnp.where(live, v, jnp.nan), L, a
+
+
 def check(spec, q, k, v, lengths, starts=None, tol=2e-5):
     run = jax.jit(lambda spec, q, k, v, L, s: fnattn.decode(spec, q, k, v, kv_lengths=L,
                                                             kv_starts=s))

@@ -21,33 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from test_decoding import MASKS, check
+from test_decoding import MASKS, NAN_SLOTS as S, check, nan_problem as make
 from lowering import cheap_compiles, tpu_target
 
 import fnattn
 from fnattn import AttentionSpec, DecodeBlockSizes, masks
 from fnattn.decoding import api, mosaic
 
-S = 40
-
 
 @pytest.fixture(autouse=True, scope="module")
 def _cheap_compiles():
     with cheap_compiles():
         yield
-
-
-def make(B=3, Tq=2, Hq=6, Hkv=2, D=7, Dv=5, dtype=jnp.float32, seed=0, lengths=(30, 9, 0),
-         starts=(0, 17, 3)):
-    """q, k, v, lengths, starts; slots outside each sequence's range are NaN."""
-    ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (B, Tq, Hq, D), dtype)
-    k = jax.random.normal(ks[1], (B, S, Hkv, D), dtype)
-    v = jax.random.normal(ks[2], (B, S, Hkv, Dv), dtype)
-    L, a = jnp.array(lengths, jnp.int32), jnp.array(starts, jnp.int32)
-    slot = jnp.arange(S)[None, :, None, None]
-    live = (slot >= a[:, None, None, None]) & (slot < (a + L)[:, None, None, None])
-    return q, jnp.where(live, k, jnp.nan), jnp.where(live, v, jnp.nan), L, a
 
 
 def route(monkeypatch, interpret=True, block_k=8):

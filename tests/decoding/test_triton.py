@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decoding import MASKS, check
+from test_decoding import MASKS, NAN_SLOTS as S, check, nan_problem as make
 from lowering import cheap_compiles, gpu_target
 
 import fnattn
@@ -30,22 +30,6 @@ from fnattn.decoding import api, common, triton
 def _cheap_compiles():
     with cheap_compiles():
         yield
-
-
-S = 40  # cache slots: three key blocks of 16, the last one ragged
-
-
-def make(B=3, Tq=2, Hq=6, Hkv=2, D=7, Dv=5, dtype=jnp.float32, seed=0, lengths=(30, 9, 0),
-         starts=(0, 17, 3)):
-    """q, k, v, lengths, starts; slots outside each sequence's range are NaN."""
-    ks = jax.random.split(jax.random.key(seed), 3)
-    q = jax.random.normal(ks[0], (B, Tq, Hq, D), dtype)
-    k = jax.random.normal(ks[1], (B, S, Hkv, D), dtype)
-    v = jax.random.normal(ks[2], (B, S, Hkv, Dv), dtype)
-    L, a = jnp.array(lengths, jnp.int32), jnp.array(starts, jnp.int32)
-    slot = jnp.arange(S)[None, :, None, None]
-    live = (slot >= a[:, None, None, None]) & (slot < (a + L)[:, None, None, None])
-    return q, jnp.where(live, k, jnp.nan), jnp.where(live, v, jnp.nan), L, a
 
 
 @pytest.fixture
