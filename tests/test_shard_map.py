@@ -3,10 +3,10 @@
 Data parallel along the batch and tensor parallel along the heads, under
 ``shard_map``'s default varying-axes check: each device runs flash (forward and
 gradients, with a document mask whose segment ids are sharded with the batch
-and sinks split like the heads), decode on its share of a contiguous cache, and
-ragged paged attention on its kv heads of a paged pool. Each result must equal
-the same call on the whole, unsharded arrays; the gradient of the sinks,
-replicated along the batch axis, is summed over it. And the Triton and Mosaic
+and sinks split like the heads), decode (forward and gradients) on its share of
+a contiguous cache, and ragged paged attention on its kv heads of a paged pool.
+Each result must equal the same call on the whole, unsharded arrays; the
+gradient of the sinks, replicated along the batch axis, is summed over it. And the Triton and Mosaic
 kernels of all three, inside ``shard_map``, lower for GPU and TPU.
 
 The host device count is fixed when JAX starts, so the checks run in a fresh
@@ -89,20 +89,29 @@ def check_decode(mesh):
     kc = jnp.asarray(rs.standard_normal((B, S, Hkv, D)), F32)
     vc = jnp.asarray(rs.standard_normal((B, S, Hkv, D)), F32)
     lengths = jnp.array([40, 7, 0, 23], jnp.int32)
-    spec = AttentionSpec(mask=masks.causal())
+    sinks = jnp.asarray(rs.standard_normal((Hq,)), F32)
+    w = jnp.asarray(rs.standard_normal((B, 1, Hq, D)), F32)
 
-    def run(q, kc, vc, lengths):
-        res = fnattn.decode(spec, q, kc, vc, kv_lengths=lengths)
-        return res.out, res.lse
+    def run(q, kc, vc, sinks, lengths, w):
+        def loss(q, kc, vc, sinks):
+            res = fnattn.decode(AttentionSpec(mask=masks.causal(), sinks=sinks), q, kc, vc,
+                                kv_lengths=lengths)
+            return jnp.sum(res.out * w), res
+        (_, res), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True)(q, kc, vc,
+                                                                                    sinks)
+        return res.out, res.lse, g
 
     heads = P("data", None, "model", None)
-    sharded = jax.shard_map(run, mesh=mesh, in_specs=(heads, heads, heads, P("data")),
-                            out_specs=(heads, P("data", "model", None)))
-    out, lse = jax.jit(sharded)(q, kc, vc, lengths)
-    r_out, r_lse = jax.jit(run)(q, kc, vc, lengths)
-    _close("decode out", out, r_out)
-    _close("decode lse", jnp.where(jnp.isfinite(lse), lse, 0), jnp.where(jnp.isfinite(r_lse),
-                                                                        r_lse, 0))
+    sharded = jax.shard_map(run, mesh=mesh,
+                            in_specs=(heads, heads, heads, P("model"), P("data"), heads),
+                            out_specs=(heads, P("data", "model", None),
+                                       (heads, heads, heads, P("model"))))
+    out, lse, grads = jax.jit(sharded)(q, kc, vc, sinks, lengths, w)
+    r_out, r_lse, r_grads = jax.jit(run)(q, kc, vc, sinks, lengths, w)
+    finite = lambda x: jnp.where(jnp.isfinite(x), x, 0)  # noqa: E731
+    for name, x, y in zip(("out", "lse", "dq", "dk", "dv", "dsinks"),
+                          (out, finite(lse), *grads), (r_out, finite(r_lse), *r_grads)):
+        _close(f"decode {name}", x, y, 1e-4)
 
 
 def check_ragged_paged(mesh):
