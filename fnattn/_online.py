@@ -12,7 +12,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["LN2", "LOG2E", "finish_exp2", "group_sink_column", "join_sink", "step_exp2"]
+__all__ = ["LN2", "LOG2E", "finish_exp2", "group_sink_column", "join_sink", "step_exp", "step_exp2"]
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -67,6 +67,25 @@ def step_exp2(carry, s, allowed, load_v, *, scale: float, softcap=None):
     v = load_v()
     acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
     return acc, m_new, l
+
+
+def step_exp(carry, s, v):
+    """One kv-tile of the online softmax in base e, as the serving Mosaic kernels
+    run it: ``carry`` is ``(m, l, acc)`` with ``m`` and ``l`` (rows, 1) columns,
+    ``s`` the tile's logits with invisible keys at -inf, ``v`` its values.
+
+    A row that has seen no visible key keeps ``m = -inf``, and is shifted by 0
+    instead, so that ``exp`` gives 0, not NaN.
+    """
+    m, l, acc = carry
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_use)
+    alpha = jnp.exp(m - m_use)
+    l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    pv = lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                         preferred_element_type=F32)
+    return m_new, l, acc * alpha + pv
 
 
 def group_sink_column(sinks_ref, h, G: int, Gp: int, M: int):

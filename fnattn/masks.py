@@ -681,6 +681,23 @@ def from_fn(predicate: Callable) -> Mask:
 # ---------------------------------------------------------------------------------
 
 
+def from_treedef(treedef) -> Mask | None:
+    """The array-free mask whose structure is ``treedef`` (None for None).
+
+    Kernels whose masks hold no arrays (decode, paged) keep only the mask's
+    static structure, ``jax.tree_util.tree_structure(mask)``; this rebuilds the
+    mask from it to call its predicate.
+
+    >>> import jax
+    >>> m = from_treedef(jax.tree_util.tree_structure(causal() & sliding_window(4)))
+    >>> bool(m.predicate(Positions(b=0, h=0, q=5, q_pos=5, k=3), []))
+    True
+    """
+    if treedef is None:
+        return None
+    return jax.tree_util.tree_unflatten(treedef, [])
+
+
 def materialize(mask: Mask | None, batch: int, num_heads: int, q_len: int, kv_len: int,
                 *, q_offset: int | None = None, validate: bool = True) -> Array:
     """The mask as a dense boolean array broadcastable to (batch, heads, Tq, Tk).

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch
+from fnattn import _checks, _dispatch, masks
 from fnattn._varying import varying_like
 from fnattn.decoding import xla
 from fnattn.spec import AttentionOutput, AttentionSpec
@@ -198,9 +198,7 @@ class Cfg:
 
     @property
     def mask(self):
-        if self.mask_treedef is None:
-            return None
-        return jax.tree_util.tree_unflatten(self.mask_treedef, [])
+        return masks.from_treedef(self.mask_treedef)
 
 
 def lowering_table(impl: str):

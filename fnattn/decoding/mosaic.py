@@ -65,7 +65,6 @@ KERNEL_NAME = "fnattn_decode_mosaic"
 LANES = 128
 SUBLANES = 8
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
-NN = (((1,), (0,)), ((), ()))  # a @ b
 DEFAULT_BLOCK_K = 512          # 128 KiB of bf16 keys at D=128 per buffer
 NUM_META = 4                   # start, length, lo, hi per sequence
 
@@ -86,9 +85,7 @@ class _K:
     sinks: bool
 
     def mask(self):
-        if self.mask_treedef is None:
-            return None
-        return jax.tree_util.tree_unflatten(self.mask_treedef, [])
+        return masks.from_treedef(self.mask_treedef)
 
 
 def heads_per_program(num_kv_heads: int, head_dim: int, v_head_dim: int) -> int:
@@ -157,16 +154,9 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
                                       k=kpos)
                 ok = ok & mask.predicate(pos, [])
             s = jnp.where(ok, s, -jnp.inf)
-            m_prev, l_prev = m_scr[hh][:, :1], l_scr[hh][:, :1]
-            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
-            # A row with no visible key so far keeps m = -inf: shift by 0 so exp gives 0.
-            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-            p = jnp.exp(s - m_use)
-            alpha = jnp.exp(m_prev - m_use)
-            l_new = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
             # (the columns of the other heads of the block are computed and dropped)
-            pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=F32)
-            acc_scr[hh] = acc_scr[hh] * alpha + pv
+            m_new, l_new, acc_scr[hh] = online.step_exp(
+                (m_scr[hh][:, :1], l_scr[hh][:, :1], acc_scr[hh]), s, v)
             m_scr[hh] = jnp.broadcast_to(m_new, (K.M, LANES))
             l_scr[hh] = jnp.broadcast_to(l_new, (K.M, LANES))
 

@@ -124,9 +124,7 @@ class _K:
     sinks: bool
 
     def mask(self):
-        if self.mask_treedef is None:
-            return None
-        return jax.tree_util.tree_unflatten(self.mask_treedef, [])
+        return masks.from_treedef(self.mask_treedef)
 
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):

@@ -28,7 +28,6 @@ sanitised metadata; its static length bounds the number of items any batch of
 import dataclasses
 from typing import Any, NamedTuple, Optional
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -127,9 +126,7 @@ class Cfg:
         return self.pages_per_seq * self.page_size
 
     def mask(self):
-        if self.mask_treedef is None:
-            return None
-        return jax.tree_util.tree_unflatten(self.mask_treedef, [])
+        return masks.from_treedef(self.mask_treedef)
 
 
 class Meta(NamedTuple):

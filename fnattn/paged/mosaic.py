@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from fnattn import _online as online
-from fnattn import _varying
+from fnattn import _varying, masks
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -44,7 +44,6 @@ __all__ = ["forward", "forward_interpret", "unsupported", "write_tokens"]
 
 LANES = 128
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
-NN = (((1,), (0,)), ((), ()))  # a @ b
 NF = len(common.FIELDS)
 MIN_ROWS = 16
 DEFAULT_BLOCK_Q = 8
@@ -70,9 +69,7 @@ class _K:
         return self.ppb * self.ps
 
     def mask(self):
-        if self.mask_treedef is None:
-            return None
-        return jax.tree_util.tree_unflatten(self.mask_treedef, [])
+        return masks.from_treedef(self.mask_treedef)
 
 
 def _attn_kernel(work_ref, pt_ref, *refs, K: _K):
@@ -114,7 +111,6 @@ def _attn_kernel(work_ref, pt_ref, *refs, K: _K):
     mask = K.mask()
 
     def body(b, carry):
-        m, l, acc = carry
         slot = lax.rem(b - lo, 2)
 
         @pl.when(b + 1 < hi)
@@ -135,14 +131,7 @@ def _attn_kernel(work_ref, pt_ref, *refs, K: _K):
             pos = common.positions(seq, h * K.G + g_i, f["row0"] + t_i, f["q_pos"] + t_i, kpos)
             ok = ok & mask.predicate(pos, [])
         s = jnp.where(ok, s, -jnp.inf)
-        m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
-        # A row with no visible key so far keeps m = -inf: shift by 0 so exp gives 0.
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-        p = jnp.exp(s - m_use)
-        alpha = jnp.exp(m - m_use)
-        l = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-        pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=F32)
-        return m_new, l, acc * alpha + pv
+        return online.step_exp(carry, s, v)
 
     m = jnp.full((K.M, 1), -jnp.inf, F32)
     l = jnp.zeros((K.M, 1), F32)

@@ -48,7 +48,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from fnattn import _online as online
-from fnattn import _varying
+from fnattn import _varying, masks
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -83,9 +83,7 @@ class _K:
     update: bool
 
     def mask(self):
-        if self.mask_treedef is None:
-            return None
-        return jax.tree_util.tree_unflatten(self.mask_treedef, [])
+        return masks.from_treedef(self.mask_treedef)
 
 
 def launch_plan(cfg: Cfg):

@@ -25,7 +25,6 @@ lowering's attention-only forms).
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
