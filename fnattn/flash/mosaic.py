@@ -620,22 +620,32 @@ def _kernel_facts(cfg, mask, bias, sinks, *, br, bc, chunk, W, sb, sh, transpose
               dbias=dbias, ops=ops, mask_treedef=treedef)
 
 
-def _extras(K: _K, mask, bias, sinks, seed, coords, R, C, *, with_sinks):
-    """Kernel inputs after the fixed ones: bias, sinks, seed, mask operands."""
-    arrays, specs = [], []
+def _extras(K: _K, mask, bias, sinks, seed, R, C, *, with_sinks):
+    """Kernel inputs after the fixed ones (bias, sinks, seed, mask operands), and
+    ``specs(coords)``, their BlockSpecs for one call's tile coordinates.
+
+    The arrays are the same for every call of a kernel (the calls of a chunked
+    schedule differ only in their coordinates), so they are built once.
+    """
+    arrays, ops = [], []  # ops: the operand's form, or None for an SMEM array
     if bias is not None:
         arrays.append(_operand_array(_bias4(bias), K.bias, K.transposed, R, C))
-        specs.append(_operand_spec(K.bias, K, coords))
+        ops.append(K.bias)
     if with_sinks and sinks is not None:
         arrays.append(sinks.astype(F32))
-        specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        ops.append(None)
     if K.rate > 0:
         arrays.append(lax.bitcast_convert_type(seed.astype(jnp.uint32), jnp.int32))
-        specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        ops.append(None)
     if mask is not None:
         for x4, op in zip(mask.operands(), K.ops):
             arrays.append(_operand_array(jnp.asarray(x4), op, K.transposed, R, C))
-            specs.append(_operand_spec(op, K, coords))
+            ops.append(op)
+
+    def specs(coords):
+        return [pl.BlockSpec(memory_space=pltpu.SMEM) if op is None
+                else _operand_spec(op, K, coords) for op in ops]
+
     return arrays, specs
 
 
@@ -669,12 +679,13 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     _, chunks, W, sb, sh = _schedule(cfg, mask, P.bq, P.bk, transpose=False)
     cd = _compute_dtype(q.dtype)
     qf, kf, vf = _flat(q, P.Tqp, P.Dp, cd), _flat(k, P.Tkp, P.Dp, cd), _flat(v, P.Tkp, P.Dvp, cd)
-    outs, lses = [], []
+    outs, lses, extras = [], [], None
     for chunk in chunks:
         K = _kernel_facts(cfg, mask, bias, sinks, br=P.bq, bc=P.bk, chunk=chunk, W=W, sb=sb,
                           sh=sh, transposed=False, dbias=None)
-        out, lse = _forward_call(K, P, cd, chunk, qf, kf, vf, bias, sinks, mask, seed,
-                                 interpret=interpret)
+        if extras is None:
+            extras = _extras(K, mask, bias, sinks, seed, P.Tqp, P.Tkp, with_sinks=True)
+        out, lse = _forward_call(K, P, cd, chunk, qf, kf, vf, extras, interpret=interpret)
         outs.append(out)
         lses.append(lse)
     out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
@@ -702,14 +713,12 @@ def _q_row_maps(K: _K):
     return col, coords, kv_index
 
 
-def _forward_call(K: _K, P: _Plan, cd, chunk: _Chunk, qf, kf, vf, bias, sinks, mask, seed, *,
-                  interpret):
+def _forward_call(K: _K, P: _Plan, cd, chunk: _Chunk, qf, kf, vf, extras, *, interpret):
     """One pallas_call of the forward over the q-blocks of ``chunk``."""
     B, Hq, r0 = K.B, K.Hq, K.r0
     col, coords, kv_index = _q_row_maps(K)
 
-    extra, extra_specs = _extras(K, mask, bias, sinks, seed, coords, P.Tqp, P.Tkp,
-                                 with_sinks=True)
+    extra, extra_specs = extras[0], extras[1](coords)
     in_specs = [
         pl.BlockSpec((None, P.bq, P.Dp), lambda b, h, i, t, *_: (b, i + r0, h)),
         pl.BlockSpec((None, P.bk, P.Dp), kv_index),
@@ -773,12 +782,14 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
 
     # dq (and dbias along the queries)
     classes, chunks, W, sb, sh = _schedule(cfg, mask, P.bq, P.bk, transpose=False)
-    res = []
+    res, extras = [], None
     for chunk in chunks:
         K = _kernel_facts(cfg, mask, bias, None, br=P.bq, bc=P.bk, chunk=chunk, W=W, sb=sb,
                           sh=sh, transposed=False, dbias=dbias_dq)
+        if extras is None:
+            extras = _extras(K, mask, bias, None, seed, P.Tqp, P.Tkp, with_sinks=False)
         res.append(_dq_call(K, P, cd, chunk, classes.shape[3], qf, kf, vf, dof, lse8, delta8,
-                            bias, mask, seed, interpret=interpret))
+                            extras, interpret=interpret))
     axes = (1, 2 if dbias_dq == "tile" else 3)  # the row axes of dq and dbias
     res = [jnp.concatenate(parts, axis=ax) if len(parts) > 1 else parts[0]
            for parts, ax in zip(zip(*res), axes)]
@@ -796,12 +807,14 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
 
     # dk, dv (and dbias along the keys only), on transposed tiles
     _, chunks_t, Wt, sbt, sht = _schedule(cfg, mask, Pt.bq, Pt.bk, transpose=True)
-    res_t = []
+    res_t, extras = [], None
     for chunk in chunks_t:
         Kt = _kernel_facts(cfg, mask, bias, None, br=Pt.bk, bc=Pt.bq, chunk=chunk, W=Wt,
                            sb=sbt, sh=sht, transposed=True, dbias=dbias_dkv)
-        res_t.append(_dkv_call(Kt, P, Pt, cd, chunk, qf, kf, vf, dof, lse8, delta8, bias,
-                               mask, seed, Hkv=Hkv, interpret=interpret))
+        if extras is None:
+            extras = _extras(Kt, mask, bias, None, seed, P.Tkp, P.Tqp, with_sinks=False)
+        res_t.append(_dkv_call(Kt, P, Pt, cd, chunk, qf, kf, vf, dof, lse8, delta8, extras,
+                               Hkv=Hkv, interpret=interpret))
     axes = (1, 1, 3)  # the row axis of dk, dv and a row dbias
     res_t = [jnp.concatenate(parts, axis=ax) if len(parts) > 1 else parts[0]
              for parts, ax in zip(zip(*res_t), axes)]
@@ -822,15 +835,14 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, 
     return dq, dk, dv, dbias, dsinks
 
 
-def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, delta8, bias,
-             mask, seed, *, interpret):
+def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, delta8, extras, *,
+             interpret):
     """One pallas_call of the dq kernel over the q-blocks of ``chunk``."""
     B, Hq, W, r0 = K.B, K.Hq, K.W, K.r0
     bq, bk = P.bq, P.bk
     col, coords, kv_index = _q_row_maps(K)
 
-    extra, extra_specs = _extras(K, mask, bias, None, seed, coords, P.Tqp, P.Tkp,
-                                 with_sinks=False)
+    extra, extra_specs = extras[0], extras[1](coords)
     row_spec = pl.BlockSpec((None, None, SUBLANES, bq), lambda b, h, i, t, *_: (b, h, 0, i + r0))
     in_specs = [
         pl.BlockSpec((None, bq, P.Dp), lambda b, h, i, t, *_: (b, i + r0, h)),
@@ -862,7 +874,7 @@ def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, delt
 
 
 def _dkv_call(K: _K, P: _Plan, Pt: _Plan, cd, chunk: _Chunk, qf, kf, vf, dof, lse8, delta8,
-              bias, mask, seed, *, Hkv, interpret):
+              extras, *, Hkv, interpret):
     """One pallas_call of the dk/dv kernel over the kv-blocks of ``chunk``."""
     B, G, W, r0 = K.B, K.G, K.W, K.r0
     bqt, bkt = Pt.bq, Pt.bk
@@ -876,8 +888,7 @@ def _dkv_call(K: _K, P: _Plan, Pt: _Plan, cd, chunk: _Chunk, qf, kf, vf, dof, ls
     def coords(b, hk, j, s, code_ref, cnt_ref):
         return b, head(hk, s), j + r0, qcol(b, hk, j, s, code_ref, cnt_ref)
 
-    extra, extra_specs = _extras(K, mask, bias, None, seed, coords, P.Tkp, P.Tqp,
-                                 with_sinks=False)
+    extra, extra_specs = extras[0], extras[1](coords)
     row_spec = pl.BlockSpec((None, None, SUBLANES, bqt), lambda b, hk, j, s, *r: (
         b, head(hk, s), 0, qcol(b, hk, j, s, *r)))
 
