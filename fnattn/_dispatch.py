@@ -89,7 +89,7 @@ def attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
     bias and sinks.
 
     Inside ``jax.shard_map`` the differentiable inputs are first made to vary
-    over the same mesh axes (:func:`fnattn._online.varying_like`): the
+    over the same mesh axes (:func:`fnattn._varying.varying_like`): the
     gradients then have the types the ``custom_vjp`` must return, and the
     gradient of an input that was replicated along an axis is summed over it
     (the transpose of that broadcast), as plain JAX code would have it.

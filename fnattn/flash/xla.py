@@ -373,7 +373,7 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
     def q_block(xs):
         qi, i, fidx, fn, pidx, pn = xs
         carry = varying_like((jnp.full(rows, -jnp.inf, F32), jnp.zeros(rows, F32),
-                                     jnp.zeros(rows + (P.Dv,), F32)), a, shared, bidx)
+                              jnp.zeros(rows + (P.Dv,), F32)), a, shared, bidx)
         full_step = tile_step(i, qi, False)
         part_step = tile_step(i, qi, True)
         carry = lax.fori_loop(0, fn, lambda t, c: full_step(t, c, fidx), carry)
