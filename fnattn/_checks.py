@@ -102,6 +102,15 @@ def check_spec_arrays(spec, dims: Dims, *, fn: str = "attention") -> None:
     if spec.dropout_rate > 0 and spec.dropout_key is None:
         raise ValueError(f"{fn}: dropout_rate={spec.dropout_rate} needs a dropout_key "
                          "(a PRNG key, e.g. jax.random.key(0))")
+    if spec.dropout_offsets is not None:
+        offsets = spec.dropout_offsets
+        if (not hasattr(offsets, "dtype") or not jnp.issubdtype(offsets.dtype, jnp.integer)
+                or _shape(offsets) != (4,)):
+            raise ValueError(
+                f"{fn}: dropout_offsets must be an integer array of shape (4,), the global "
+                "index of this call's first (batch row, query head, query, key); got "
+                f"{getattr(offsets, 'dtype', type(offsets).__name__)} with shape "
+                f"{_shape(offsets)}")
     if spec.mask is not None:
         try:
             spec.mask.validate(B, Hq, Tq, Tk)

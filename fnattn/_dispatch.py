@@ -2,12 +2,18 @@
 
 A *lowering* is a pair of functions::
 
-    fwd(cfg, q, k, v, bias, sinks, mask, seed) -> (out, lse)
-    bwd(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse)
+    fwd(cfg, q, k, v, bias, sinks, mask, seed) -> (out, lse, lse_lo)
+    bwd(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse)
         -> (dq, dk, dv, dbias, dsinks)
 
-on "bthd" inputs, with ``out`` in q's dtype and ``lse`` float32 (B, Hq, Tq), so
-that every branch has the same output types. A *table* maps platform names
+on "bthd" inputs, with ``out`` in q's dtype and ``lse`` and ``lse_lo`` float32
+(B, Hq, Tq), so that every branch has the same output types. ``lse_lo`` is the
+rounding error of ``lse`` (see :func:`fnattn._online.lse_parts`): the pair
+``lse + lse_lo`` is ``m + log(l)`` to twice float32's precision, so that a
+backward that recomputes probabilities as ``exp((s - lse) - lse_lo)`` stays
+exact when ``|lse|`` is so large (a row of -1e30 bias) that ``exp(s - lse)``
+alone would be off by a factor up to ``exp(ulp(lse) / 2)``. Only ``out`` and
+``lse`` reach the user; ``lse_lo`` is a residual of the backward. A *table* maps platform names
 ("default", "cuda", "rocm", "tpu", "cpu") to lowerings; at trace time
 ``jax.lax.platform_dependent`` traces every branch and lowering for a platform
 keeps one. The forward and the backward are each one ``platform_dependent``,
@@ -101,19 +107,21 @@ def attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
-    return _select(_wrap(table), "fwd", cfg, q, k, v, bias, sinks, mask_leaves, seed)
+    out, lse, _ = _select(_wrap(table), "fwd", cfg, q, k, v, bias, sinks, mask_leaves, seed)
+    return out, lse
 
 
 def _attend_fwd(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
-    out, lse = _select(_wrap(table), "fwd", cfg, q, k, v, bias, sinks, mask_leaves, seed)
-    return (out, lse), (q, k, v, bias, sinks, mask_leaves, seed, out, lse)
+    out, lse, lse_lo = _select(_wrap(table), "fwd", cfg, q, k, v, bias, sinks, mask_leaves,
+                               seed)
+    return (out, lse), (q, k, v, bias, sinks, mask_leaves, seed, out, lse, lse_lo)
 
 
 def _attend_bwd(table, cfg, res, cotangents):
-    q, k, v, bias, sinks, mask_leaves, seed, out, lse = res
+    q, k, v, bias, sinks, mask_leaves, seed, out, lse, lse_lo = res
     d_out, d_lse = cotangents
     dq, dk, dv, dbias, dsinks = _select(_wrap(table), "bwd", cfg, q, k, v, bias, sinks,
-                                        mask_leaves, seed, out, lse, d_out, d_lse)
+                                        mask_leaves, seed, out, lse, lse_lo, d_out, d_lse)
     none_like = jax.tree_util.tree_map(lambda _: None, mask_leaves)
     return (dq, dk, dv, dbias, dsinks, none_like, None)
 

@@ -12,7 +12,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["LN2", "LOG2E", "finish_exp2", "group_sink_column", "join_sink", "step_exp", "step_exp2"]
+__all__ = ["LN2", "LOG2E", "finish_exp2", "group_sink_column", "join_sink", "lse_parts",
+           "sink_grad", "step_exp", "step_exp2"]
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -26,12 +27,56 @@ def join_sink(acc, m, l, sink, *, exp=jnp.exp):
     and a sink times log2(e) for base 2); ``m`` and ``l`` have one entry per row,
     with or without a trailing axis of 1, and ``acc`` a trailing value axis.
     Returns ``(acc, m, l)``.
+
+    Infinite sinks are defined, not NaN: a sink of -inf is no sink (a row that
+    saw nothing keeps ``m = -inf, l = 0``), and a sink of +inf takes all the
+    mass (``m = +inf, l = 1, acc = 0``: out 0 and lse +inf).
     """
     m_fin = jnp.maximum(m, sink)
-    a = exp(m - m_fin)
-    l = l * a + exp(sink - m_fin)
+    # -inf: nothing seen and no sink, shift by 0 so both exponentials give 0.
+    m_use = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
+    a = exp(m - m_use)
+    # sink == m_use covers sink = +inf, where sink - m_use would be inf - inf.
+    l = l * a + jnp.where(sink == m_use, 1.0, exp(sink - m_use))
     acc = acc * (a[..., None] if a.ndim < acc.ndim else a)
     return acc, m_fin, l
+
+
+def lse_parts(m, l, *, log=jnp.log, scale=1.0):
+    """``(lse, lse_lo)`` of a finished row state: ``lse = scale * (m + log(l))``
+    rounded to float32, and ``lse_lo`` its rounding error, so that
+    ``lse + lse_lo`` carries about twice float32's precision.
+
+    The backward recomputes ``p = exp((s - lse) - lse_lo)``: when every logit
+    of a row is huge in magnitude (a bias of -1e30 or ``finfo.min`` on a whole
+    row, the usual additive padding mask) ``s - lse`` is exact and ``lse_lo``
+    restores the ``log(l)`` that ``lse`` could not hold; ``exp(s - lse)`` alone
+    would make the row's probabilities sum to anything from 0 to Tk. Rows with
+    ``l = 0`` (nothing seen) give ``lse = -inf``; ``m = +inf`` (an infinite
+    sink) gives ``+inf``; ``lse_lo`` is 0 for both. ``scale`` converts a base-2
+    state (``log=jnp.log2, scale=ln 2``) to natural logs.
+    """
+    safe = jnp.where(l > 0, l, 1.0)
+    log_l = log(safe) * scale
+    m = m * scale
+    hi = m + log_l
+    lse = jnp.where(l > 0, hi, -jnp.inf)
+    # Fast2Sum: exact when |m| >= log_l, which is when it matters (|m| large).
+    lo = jnp.where(jnp.isfinite(hi), log_l - (hi - m), 0.0)
+    return lse, jnp.where(l > 0, lo, 0.0)
+
+
+def sink_grad(sinks, lse, lse_lo, delta):
+    """d(sinks) (Hq,) float32 from a backward's row statistics (B, Hq, Tq):
+    ``delta = rowsum(out * d_out) - d_lse``. The sink's probability is
+    ``exp((sink - lse) - lse_lo)``: 0 for a sink of -inf (and for rows whose
+    lse is -inf), 1 for a sink of +inf (whose rows have lse = +inf), so that
+    ``d(sink) = d_lse`` summed over its rows there."""
+    sink = sinks.astype(F32)[None, :, None]
+    lse = lse.astype(F32)
+    p_sink = jnp.where(sink == jnp.inf, 1.0,
+                       jnp.exp((sink - jnp.where(jnp.isfinite(lse), lse, jnp.inf)) - lse_lo))
+    return -(p_sink * delta).sum((0, 2))
 
 
 def finish_exp2(acc, m, l):

@@ -7,9 +7,21 @@ Pallas kernels) computes exactly the same bits from the same indices, so a kerne
 can regenerate the mask in its backward pass and tests can compare lowerings bit
 for bit.
 
-The hash is the 32-bit finaliser of MurmurHash3 applied after mixing each index
-in with a different odd constant; it only uses uint32 multiply, xor and shift,
-which every backend supports.
+**Global indices.** The indices are those of the whole problem, not of the
+arrays one call sees: ``AttentionSpec(dropout_offsets=...)`` gives the global
+index of the call's first batch row, query head, query and key, and the mask is
+then exactly the rows of the unsharded problem's mask. Inside ``jax.shard_map``
+:func:`shard_offsets` computes them from the mesh axes that split the batch and
+the heads; without them every shard would draw the same mask. The offsets are
+folded into the seed (``seed_from_key``), so kernels see no extra input. Under
+``jax.vmap`` an unbatched key gives every instance the same mask, as
+``jax.random`` does; batch the key (or the offsets) for one mask per instance.
+
+The hash is MurmurHash3's 32-bit finaliser applied after adding each index,
+times its own odd constant, and one seed word; it only uses uint32 multiply,
+add, xor and shift, which every backend supports. Since the indices enter by
+addition, ``seed word + offset * constant`` is the same as adding the offset to
+every index.
 
 >>> import jax, jax.numpy as jnp
 >>> seed = seed_from_key(jax.random.key(0))
@@ -18,13 +30,17 @@ which every backend supports.
 ((4, 4), dtype('bool'))
 """
 
+from typing import Optional, Sequence, Union
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-__all__ = ["seed_from_key", "keep_mask", "threshold"]
+__all__ = ["seed_from_key", "keep_mask", "threshold", "shard_offsets", "SEED_WORDS"]
 
 _C = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)
+SEED_WORDS = 4
 
 
 def _u32(x):
@@ -40,14 +56,46 @@ def _fmix32(h):
     return h
 
 
-def seed_from_key(key) -> jax.Array:
-    """Two uint32 words from a JAX PRNG key (typed or raw), shape (2,)."""
+def _key_words(key) -> jax.Array:
+    """Two uint32 words of one PRNG key, with the mistakes users make refused."""
     if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
-        key = jax.random.key_data(key)
-    key = jnp.asarray(key).astype(jnp.uint32).reshape(-1)
-    if key.shape[0] < 2:
-        key = jnp.concatenate([key, jnp.zeros((2 - key.shape[0],), jnp.uint32)])
-    return key[:2]
+        if jnp.ndim(key) != 0:
+            raise ValueError(
+                f"dropout_key must be one PRNG key; got a batch of keys of shape "
+                f"{tuple(jnp.shape(key))}. For one mask per key, jax.vmap over the keys "
+                "(or over specs whose dropout_key is batched).")
+        return jax.random.key_data(key).reshape(-1)[:2].astype(jnp.uint32)
+    dtype = jnp.result_type(key)
+    if dtype != jnp.uint32 or jnp.ndim(key) != 1 or jnp.shape(key)[0] not in (2, 4):
+        raise TypeError(
+            "dropout_key must be a JAX PRNG key (jax.random.key(0)) or a raw uint32 key "
+            f"of shape (2,) (jax.random.PRNGKey(0)); got {dtype} with shape "
+            f"{tuple(jnp.shape(key))}. "
+            + ("A float array is not a key: its bits would be truncated."
+               if jnp.issubdtype(dtype, jnp.floating) else
+               "A batch of raw keys is not one key: jax.vmap over them instead."
+               if jnp.ndim(key) > 1 else ""))
+    return jnp.asarray(key)[:2]
+
+
+def seed_from_key(key, offsets=None) -> jax.Array:
+    """The kernels' seed: ``SEED_WORDS`` uint32 words from a PRNG key (typed, or
+    raw uint32 of shape (2,)) and optional global ``offsets`` (4,) integers,
+    the index of the first (batch row, query head, query, key) of this call.
+
+    >>> import jax
+    >>> seed_from_key(jax.random.key(0)).shape
+    (4,)
+    """
+    words = jnp.concatenate([_key_words(key), jnp.zeros((2,), jnp.uint32)])
+    if offsets is not None:
+        words = words + _u32(offsets) * jnp.asarray(_C[:4], jnp.uint32)
+    return words
+
+
+def seed_words(seed) -> tuple:
+    """The seed's words as a tuple of scalars, from an array or a kernel's ref."""
+    return tuple(seed[i] for i in range(SEED_WORDS))
 
 
 def threshold(rate: float) -> int:
@@ -57,14 +105,52 @@ def threshold(rate: float) -> int:
 
 def random_bits(seed, b, h, q, k):
     """uint32 hash of (seed, b, h, q, k); arguments broadcast elementwise."""
-    s0, s1 = _u32(seed[0]), _u32(seed[1])
-    x = _fmix32(s0 ^ (_u32(b) * jnp.uint32(_C[0])))
-    x = _fmix32(x ^ (_u32(h) * jnp.uint32(_C[1])) ^ s1)
-    x = _fmix32(x ^ (_u32(q) * jnp.uint32(_C[2])))
-    x = _fmix32(x ^ (_u32(k) * jnp.uint32(_C[3])))
+    s = [_u32(seed[i]) for i in range(SEED_WORDS)]
+    x = _fmix32(s[0] + _u32(b) * jnp.uint32(_C[0]))
+    x = _fmix32(x + s[1] + _u32(h) * jnp.uint32(_C[1]))
+    x = _fmix32(x + s[2] + _u32(q) * jnp.uint32(_C[2]))
+    x = _fmix32(x + s[3] + _u32(k) * jnp.uint32(_C[3]))
     return x
 
 
 def keep_mask(seed, b, h, q, k, rate: float) -> jax.Array:
     """Boolean keep mask (True keeps the weight) at the broadcast of the indices."""
     return random_bits(seed, b, h, q, k) >= jnp.uint32(threshold(rate))
+
+
+AxisName = Union[str, Sequence[str]]
+
+
+def shard_offsets(q, *, layout: str = "bthd", batch_axis: Optional[AxisName] = None,
+                  head_axis: Optional[AxisName] = None) -> jax.Array:
+    """``dropout_offsets`` for a call inside ``jax.shard_map`` whose batch and/or
+    query heads are split along the named mesh axes: the global index of this
+    shard's first batch row and first query head (shards hold equal, contiguous
+    slices, as ``PartitionSpec`` sharding makes them). With them the sharded
+    dropout mask is bit for bit the unsharded one.
+
+    Args:
+      q: this shard's queries (only the shape is read).
+      layout: "bthd" or "bhtd".
+      batch_axis, head_axis: a mesh axis name, a tuple of names (major first),
+        or None where that axis is not split.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import PartitionSpec as P
+    >>> mesh = jax.make_mesh((1,), ("data",))
+    >>> f = jax.shard_map(lambda q: shard_offsets(q, batch_axis="data"), mesh=mesh,
+    ...                   in_specs=P("data"), out_specs=P())
+    >>> f(jnp.ones((2, 3, 4, 5))).tolist()
+    [0, 0, 0, 0]
+    """
+    if layout not in ("bthd", "bhtd"):
+        raise ValueError(f"shard_offsets: layout must be 'bthd' or 'bhtd'; got {layout!r}")
+    B = q.shape[0]
+    H = q.shape[2] if layout == "bthd" else q.shape[1]
+
+    def first(axis, size):
+        if axis is None:
+            return jnp.int32(0)
+        return lax.axis_index(axis).astype(jnp.int32) * size
+
+    return jnp.stack([first(batch_axis, B), first(head_axis, H), jnp.int32(0), jnp.int32(0)])

@@ -73,7 +73,8 @@ def prepare(spec: AttentionSpec, q, k, v, fn: str):
     dims = _checks.check_qkv(q, k, v, spec.layout, fn=fn)
     _checks.check_spec_arrays(spec, dims, fn=fn)
     q, k, v = (_checks.to_bthd(x, spec.layout) for x in (q, k, v))
-    seed = dropout.seed_from_key(spec.dropout_key) if spec.dropout_rate > 0 else None
+    seed = (dropout.seed_from_key(spec.dropout_key, spec.dropout_offsets)
+            if spec.dropout_rate > 0 else None)
     return dims, q, k, v, _checks.resolve_scale(spec, dims.head_dim), seed
 
 

@@ -68,6 +68,10 @@ class AttentionSpec:
         softmax denominator; differentiable.
       dropout_rate: probability of dropping an attention weight, in [0, 1).
       dropout_key: a JAX PRNG key; required when ``dropout_rate > 0``.
+      dropout_offsets: optional integer array (4,): the global index of this
+        call's first (batch row, query head, query, key), so that a call on a
+        shard draws the rows of the whole problem's dropout mask (see
+        :func:`fnattn.dropout.shard_offsets`); None means zeros.
       return_lse: whether the output carries ``lse`` (B, Hq, Tq) float32.
       layout: "bthd" (q is (B, Tq, Hq, D)) or "bhtd" (q is (B, Hq, Tq, D)).
       impl: "auto", "xla", "pallas", "cudnn" or "reference".
@@ -87,6 +91,7 @@ class AttentionSpec:
     sinks: Any = None
     dropout_rate: float = 0.0
     dropout_key: Any = None
+    dropout_offsets: Any = None
     return_lse: bool = True
     layout: Literal["bthd", "bhtd"] = "bthd"
     impl: Literal["auto", "xla", "pallas", "cudnn", "reference"] = "auto"
@@ -142,7 +147,7 @@ class AttentionSpec:
 
 jax.tree_util.register_dataclass(
     AttentionSpec,
-    data_fields=["mask", "bias", "sinks", "dropout_key"],
+    data_fields=["mask", "bias", "sinks", "dropout_key", "dropout_offsets"],
     meta_fields=["scale", "softcap", "dropout_rate", "return_lse", "layout", "impl",
                  "block_sizes"],
 )

@@ -21,8 +21,8 @@ CONSTANTS = {f: f"{f:.6e}" for f in (CUDA_FWD, CUDA_BWD, TPU_FWD, TPU_BWD)}
 
 def _scaled(lowering, fwd_factor, bwd_factor, name):
     def fwd(cfg, *args):
-        out, lse = lowering.fwd(cfg, *args)
-        return (out * fwd_factor).astype(out.dtype), lse
+        out, lse, lse_lo = lowering.fwd(cfg, *args)
+        return (out * fwd_factor).astype(out.dtype), lse, lse_lo
 
     def bwd(cfg, *args):
         dq, dk, dv, dbias, dsinks = lowering.bwd(cfg, *args)
@@ -111,8 +111,8 @@ def test_a_table_without_default_is_refused():
 
 def test_every_branch_must_return_the_same_types():
     def bad_fwd(cfg, q, *args):
-        out, lse = xla.DENSE.fwd(cfg, q, *args)
-        return out, lse.astype(jnp.float16)  # lse must always be float32
+        out, lse, lse_lo = xla.DENSE.fwd(cfg, q, *args)
+        return out, lse.astype(jnp.float16), lse_lo  # lse must always be float32
 
     table = (("default", xla.DENSE), ("cuda", _dispatch.Lowering("bad", bad_fwd, xla.DENSE.bwd)))
     q = jnp.ones((1, 3, 2, 4))

@@ -26,16 +26,17 @@ def _np_fmix32(h):
 
 
 def np_random_bits(seed, b, h, q, k):
-    """MurmurHash3's finaliser after mixing each index with its own odd constant."""
-    s0, s1 = (np.uint64(int(x)) for x in np.asarray(seed))
+    """MurmurHash3's finaliser after adding each index, times its own odd constant,
+    and one seed word."""
+    s0, s1, s2, s3 = (np.uint64(int(x)) for x in np.asarray(seed))
 
     def mul(x, c):
         return (np.asarray(x, np.uint64) * np.uint64(c)) & M32
 
-    x = _np_fmix32(s0 ^ mul(b, 0x9E3779B1))
-    x = _np_fmix32(x ^ mul(h, 0x85EBCA77) ^ s1)
-    x = _np_fmix32(x ^ mul(q, 0xC2B2AE3D))
-    x = _np_fmix32(x ^ mul(k, 0x27D4EB2F))
+    x = _np_fmix32((s0 + mul(b, 0x9E3779B1)) & M32)
+    x = _np_fmix32((x + s1 + mul(h, 0x85EBCA77)) & M32)
+    x = _np_fmix32((x + s2 + mul(q, 0xC2B2AE3D)) & M32)
+    x = _np_fmix32((x + s3 + mul(k, 0x27D4EB2F)) & M32)
     return x.astype(np.uint32)
 
 
@@ -55,7 +56,7 @@ def test_bits_match_the_documented_hash():
 
 
 def test_large_indices_wrap_like_uint32():
-    seed = jnp.array([0xDEADBEEF, 0x12345678], jnp.uint32)
+    seed = jnp.array([0xDEADBEEF, 0x12345678, 0x0BADF00D, 0x7], jnp.uint32)
     idx = np.array([0, 1, 2**20 + 3, 2**31 - 1])
     bits = jax.jit(lambda s: dropout.random_bits(s, idx, idx[::-1], idx, idx[::-1]))(seed)
     np.testing.assert_array_equal(np.asarray(bits),
@@ -83,13 +84,26 @@ def test_thresholds():
     assert bool(dropout.keep_mask(seed, 0, 0, jnp.arange(100), 0, 0.0).all())
 
 
-@pytest.mark.parametrize("key", [jax.random.key(5), jax.random.PRNGKey(5),
-                                 jnp.array([7], jnp.uint32)])
-def test_seed_from_typed_raw_and_short_keys(key):
+@pytest.mark.parametrize("key", [jax.random.key(5), jax.random.PRNGKey(5)])
+def test_seed_from_typed_and_raw_keys(key):
     seed = jax.jit(dropout.seed_from_key)(key)
-    assert seed.shape == (2,) and seed.dtype == jnp.uint32
-    if jnp.issubdtype(jnp.result_type(key), jax.dtypes.prng_key):
-        np.testing.assert_array_equal(seed, jax.random.key_data(key).reshape(-1)[:2])
+    assert seed.shape == (dropout.SEED_WORDS,) and seed.dtype == jnp.uint32
+    data = key if key.dtype == jnp.uint32 else jax.random.key_data(key)
+    np.testing.assert_array_equal(seed, np.concatenate([np.asarray(data).reshape(-1)[:2],
+                                                        [0, 0]]))
+
+
+@pytest.mark.parametrize("key, message", [
+    (jnp.array([0.5, 1.5]), "float32 with shape \\(2,\\).*A float array is not a key"),
+    (jnp.array([7], jnp.uint32), "uint32 with shape \\(1,\\)"),
+    (jax.random.split(jax.random.key(0), 3), "one PRNG key; got a batch of keys of shape \\(3,\\)"),
+    (jnp.zeros((3, 2), jnp.uint32), "A batch of raw keys is not one key"),
+])
+def test_bad_keys_are_refused(key, message):
+    q = jnp.ones((1, 3, 2, 4))
+    spec = AttentionSpec(dropout_rate=0.5, dropout_key=key)
+    with pytest.raises((TypeError, ValueError), match="dropout_key must be " + ".*" + message):
+        jax.jit(fnattn.attention)(spec, q, q, q)
 
 
 def test_weights_match_the_mask():

@@ -236,7 +236,7 @@ def _allowed(K: _K, op_refs, b, h, r_blk, c_blk):
 
 def _keep(K: _K, seed_ref, b, h, r_blk, c_blk):
     q, k = _positions(K, r_blk, c_blk)
-    return dropout.keep_mask((seed_ref[0], seed_ref[1]), b, h, q, k, K.rate)
+    return dropout.keep_mask(dropout.seed_words(seed_ref), b, h, q, k, K.rate)
 
 
 def _logits(K: _K, a, bmat, dims, bias_ref, b, h):
@@ -691,7 +691,8 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
     lse = jnp.concatenate(lses, axis=3) if len(lses) > 1 else lses[0]
     out = out.reshape(d.batch, -1, d.num_q_heads, P.Dvp)[:, :d.q_len, :, :d.v_head_dim]
-    return out.astype(q.dtype), lse[:, :, 0, :d.q_len]
+    lse = lse[:, :, 0, :d.q_len]
+    return out.astype(q.dtype), lse, jnp.zeros_like(lse)
 
 
 def _q_row_maps(K: _K):
@@ -758,7 +759,7 @@ def _dbias_forms(bias):
     return "row", None
 
 
-def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, interpret):
+def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, *, interpret):
     d = cfg.dims
     B, Hq, Hkv = d.batch, d.num_q_heads, d.num_kv_heads
     bs = blocks.pick(cfg.block_sizes, MosaicBlockSizes, MosaicBlockSizes.default(d, q.dtype))

@@ -270,7 +270,7 @@ def _allowed(op_refs, head, pos, i, j, K: _K, transposed: bool):
 
 
 def _keep(seed_ref, pos, K: _K):
-    return dropout.keep_mask((seed_ref[0], seed_ref[1]), pos.b, pos.h, pos.q, pos.k, K.rate)
+    return dropout.keep_mask(dropout.seed_words(seed_ref), pos.b, pos.h, pos.q, pos.k, K.rate)
 
 
 class _Refs:
@@ -603,7 +603,7 @@ def _extras(K: _K, mask, bias, sinks, seed, pads, *, transpose=False, n_heads,
         specs.append(pl.BlockSpec((None, 1), lambda r, bh: (bh % K.Hq, 0)))
     if K.rate > 0:
         arrays.append(seed.astype(jnp.uint32))
-        specs.append(pl.BlockSpec((2,), lambda r, bh: (0,)))
+        specs.append(pl.BlockSpec((dropout.SEED_WORDS,), lambda r, bh: (0,)))
     if mask is not None:
         for op in mask.operands():
             add4(op.astype(jnp.int8) if op.dtype == jnp.bool_ else op)
@@ -652,7 +652,8 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
                    jax.ShapeDtypeStruct((d.batch, Hq, Tqp), F32)],
         compiler_params=params, interpret=interpret, name="fnattn_flash_fwd",
     )(_pad_bthd(q, Tqp, Dp), _pad_bthd(k, Tkp, Dp), _pad_bthd(v, Tkp, Dvp), *sched, *extra)
-    return out[:, :d.q_len, :, :d.v_head_dim], lse[:, :, :d.q_len]
+    lse = lse[:, :, :d.q_len]
+    return out[:, :d.q_len, :, :d.v_head_dim], lse, jnp.zeros_like(lse)
 
 
 def _heads_per_dkdv_program(d, n_kv_blocks):
@@ -663,7 +664,7 @@ def _heads_per_dkdv_program(d, n_kv_blocks):
     return 1
 
 
-def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse, *, interpret):
+def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, *, interpret):
     d = cfg.dims
     B, Hq, Hkv, G = d.batch, d.num_q_heads, d.num_kv_heads, d.group
     # delta folds in the lse cotangent: dS = P * (dP - (rowsum(dO * O) - d_lse)).

@@ -327,7 +327,7 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed):
     batched = dict(q=q, k=k, v=v, bias=_bias4(bias), classes=classes,
                    ops=tuple(mask.operands()) if mask is not None else ())
     (out, lse), _ = _by_batch(P, per_row, _forward_rows, batched, (mask, sinks, seed))
-    return out.astype(q.dtype), lse
+    return out.astype(q.dtype), lse, jnp.zeros_like(lse)
 
 
 def _forward_rows(P: _Plan, bidx, a, shared, carry):
@@ -402,7 +402,7 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
 # ----------------------------------------------------------------------------------
 
 
-def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, d_out, d_lse):
+def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse):
     P = _plan(cfg, backward=True)
     classes = _classes(mask, P)
     per_row = _batch_rows(P, classes)
