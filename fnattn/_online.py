@@ -12,8 +12,8 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["LN2", "LOG2E", "finish_exp2", "group_sink_column", "join_sink", "lse_parts",
-           "sink_grad", "step_exp", "step_exp2"]
+__all__ = ["LN2", "LOG2E", "clean_unless_garbage", "finish_exp2", "finite_keys",
+           "group_sink_column", "join_sink", "lse_parts", "sink_grad", "step_exp", "step_exp2"]
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -53,27 +53,72 @@ def lse_parts(m, l, *, log=jnp.log, scale=1.0):
     restores the ``log(l)`` that ``lse`` could not hold; ``exp(s - lse)`` alone
     would make the row's probabilities sum to anything from 0 to Tk. Rows with
     ``l = 0`` (nothing seen) give ``lse = -inf``; ``m = +inf`` (an infinite
-    sink) gives ``+inf``; ``lse_lo`` is 0 for both. ``scale`` converts a base-2
+    sink) gives ``+inf``; a NaN state (a row that saw a non-finite key) gives
+    NaN; ``lse_lo`` is 0 for all three. ``scale`` converts a base-2
     state (``log=jnp.log2, scale=ln 2``) to natural logs.
     """
-    safe = jnp.where(l > 0, l, 1.0)
+    # l == 0 (not l > 0) picks the empty rows, so that a NaN l stays NaN in lse.
+    safe = jnp.where(l == 0, 1.0, l)
     log_l = log(safe) * scale
     m = m * scale
     hi = m + log_l
-    lse = jnp.where(l > 0, hi, -jnp.inf)
+    lse = jnp.where(l == 0, -jnp.inf, hi)
     # Fast2Sum: exact when |m| >= log_l, which is when it matters (|m| large).
     lo = jnp.where(jnp.isfinite(hi), log_l - (hi - m), 0.0)
-    return lse, jnp.where(l > 0, lo, 0.0)
+    return lse, jnp.where(l == 0, 0.0, lo)
+
+
+def finite_keys(k, v, *, k_axis: int = -1, v_axis: int = -1):
+    """``(k, v, bad)`` for keys whose features lie along ``k_axis`` of ``k`` and
+    ``v_axis`` of ``v``: non-finite entries replaced by 0 (``where``, never a
+    product) and ``bad`` true for the keys whose K or V held one (the two axes
+    reduced away must leave the same shape).
+
+    The rule every lowering follows with it: the logits of bad keys become NaN
+    *before* the mask (``where(bad, nan, s)``, then ``where(allowed, s, -inf)``),
+    so a key a row may not see contributes exactly nothing to it, whatever its
+    bits (unused cache slots, pages a sequence does not own, padding), and a row
+    that does see a non-finite key gets NaN. The zeroed values keep ``p @ v``
+    (p = 0) and, in a backward, ``dS @ k`` (dS = 0) finite. Written with the
+    operations Triton lowers (a float max, no boolean reduction), so kernels and
+    XLA code share it.
+    """
+    fk, fv = jnp.isfinite(k), jnp.isfinite(v)
+    one, zero = jnp.float32(1), jnp.float32(0)
+    bad = jnp.maximum(jnp.max(jnp.where(fk, zero, one), axis=k_axis),
+                      jnp.max(jnp.where(fv, zero, one), axis=v_axis)) > 0
+    return jnp.where(fk, k, jnp.zeros_like(k)), jnp.where(fv, v, jnp.zeros_like(v)), bad
+
+
+def clean_unless_garbage(compute):
+    """``compute(sanitize)`` without :func:`finite_keys`'s passes over the keys
+    unless the cache holds non-finite values somewhere.
+
+    ``compute(False)`` must return ``(*results, finite)`` with ``finite`` true
+    when no logit before the mask and no output is non-finite: then no hidden
+    key can have reached a result (a non-finite K gives a non-finite logit, and
+    a non-finite V reaches an output as 0 * NaN = NaN). Otherwise, and only
+    then, ``compute(True)`` runs: the exact rule, hidden keys contributing
+    nothing and the rows that see a non-finite key NaN. The sanitising passes
+    copy the whole cache on a CPU (XLA does not fuse them into the products),
+    which made decode 2-7x slower when they always ran. Under ``vmap`` the
+    ``cond`` becomes a select and both run. Not for differentiating: the
+    ``compute(False)`` results' backward would see zero cotangents times NaN;
+    a backward differentiates ``compute(True)`` itself.
+    """
+    *results, finite = compute(False)
+    return lax.cond(finite, lambda: tuple(results), lambda: tuple(compute(True)[:-1]))
 
 
 def sink_grad(sinks, lse, lse_lo, delta):
-    """d(sinks) (Hq,) float32 from a backward's row statistics (B, Hq, Tq):
-    ``delta = rowsum(out * d_out) - d_lse``. The sink's probability is
+    """d(sinks) (Hq,), float32 (float64 for a float64 ``delta``), from a backward's
+    row statistics (B, Hq, Tq): ``delta = rowsum(out * d_out) - d_lse``. The sink's probability is
     ``exp((sink - lse) - lse_lo)``: 0 for a sink of -inf (and for rows whose
     lse is -inf), 1 for a sink of +inf (whose rows have lse = +inf), so that
     ``d(sink) = d_lse`` summed over its rows there."""
-    sink = sinks.astype(F32)[None, :, None]
-    lse = lse.astype(F32)
+    dt = jnp.promote_types(F32, delta.dtype)  # float64 for float64 inputs
+    sink = sinks.astype(dt)[None, :, None]
+    lse = lse.astype(dt)
     p_sink = jnp.where(sink == jnp.inf, 1.0,
                        jnp.exp((sink - jnp.where(jnp.isfinite(lse), lse, jnp.inf)) - lse_lo))
     return -(p_sink * delta).sum((0, 2))

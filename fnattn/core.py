@@ -11,16 +11,13 @@ from fnattn.spec import AttentionOutput, AttentionSpec
 __all__ = ["attention", "lowering_table"]
 
 
-def lowering_table(impl: str):
-    """The (platform, lowering) table that ``impl`` selects."""
+def lowering_table(impl: str, dtype=None):
+    """The (platform, lowering) table that ``impl`` selects for inputs of ``dtype``."""
     if impl == "xla":
         return (("default", xla.DENSE),)
-    if impl == "auto":
+    if impl in ("auto", "pallas"):
         from fnattn.flash import api as flash_api
-        return flash_api.lowering_table("auto")
-    if impl == "pallas":
-        from fnattn.flash import api as flash_api
-        return flash_api.lowering_table("pallas")
+        return flash_api.lowering_table(impl, dtype)
     raise ValueError(f"no lowering table for impl={impl!r}")
 
 
@@ -35,7 +32,7 @@ def run(spec: AttentionSpec, q, k, v, *, fn: str, table=None) -> AttentionOutput
     cfg = _dispatch.Config(dims=dims, scale=scale, softcap=spec.softcap,
                            dropout_rate=float(spec.dropout_rate), mask_treedef=treedef,
                            block_sizes=spec.block_sizes)
-    table = lowering_table(spec.impl) if table is None else table
+    table = lowering_table(spec.impl, qb.dtype) if table is None else table
     out, lse = _dispatch.attend(table, cfg, qb, kb, vb, spec.bias, spec.sinks,
                                 tuple(leaves), seed)
     return AttentionOutput(_checks.from_bthd(out, spec.layout),

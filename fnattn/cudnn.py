@@ -8,9 +8,11 @@ any other mask is materialised as a dense boolean array, which is what
 ``jax.nn`` accepts. Features ``jax.nn`` cannot express raise
 ``NotImplementedError`` naming the feature and a lowering that has it.
 
-Two gaps of ``jax.nn`` are closed here so that the delegate keeps fnattn's
+Three gaps of ``jax.nn`` are closed here so that the delegate keeps fnattn's
 contract: rows that see no key give ``out = 0`` and ``lse = -inf`` (jax.nn gives
-the mean of ``v``), and gradients flow through ``lse`` (jax.nn stops them).
+the mean of ``v``); a bias of -inf is a mask (jax.nn's backward gives NaN for a
+row whose every bias is -inf); and gradients flow through ``lse`` (jax.nn stops
+them).
 """
 
 import jax
@@ -20,9 +22,6 @@ from jax.custom_derivatives import SymbolicZero
 
 from fnattn import masks
 from fnattn.spec import AttentionOutput
-
-_DEAD_ROW_LSE = -1e30
-
 
 def unsupported_features(spec, dims, dtype) -> list[str]:
     feats = []
@@ -129,16 +128,53 @@ def attention(spec, dims, q, k, v, *, scale: float):
         return masks.materialize(mask, dims.batch, dims.num_q_heads, dims.q_len, dims.kv_len,
                                  validate=False)
 
-    out, lse = _with_lse_gradient(nn, allowed, scale)(q, k, v, spec.bias, array_kw,
+    bias = spec.bias
+    visible = allowed(tuple(mask_leaves)) if spec.mask is not None else None
+    if bias is not None:
+        # -inf in the bias masks the key: jax.nn's backward turns a row whose every
+        # logit is -inf into NaN, so such entries become a large finite negative
+        # number (their weight is exactly 0 beside any finite logit, and the where
+        # gives the original bias a zero gradient there) and the row is dead below.
+        masked = bias == -jnp.inf
+        big = float(jnp.finfo(bias.dtype).max)
+        # jax.nn fills masked logits with -0.7 * max: a visible logit below that
+        # (a row of finfo.min bias) would lose to the keys the mask hides. Visible
+        # logits are floored at -0.5 * max (in value only: the gradient passes as
+        # if unclamped); a row of them stays a uniform softmax, as in float32 any
+        # row of such logits is.
+        floor = -0.5 * big
+        floored = bias + lax.stop_gradient(jnp.maximum(bias, floor) - bias)
+        visible = ~masked if visible is None else visible & ~masked
+        # Where a row's logits were all floored its lse is shifted back: the bias
+        # dominates such logits, so the row's largest visible bias is its max.
+        row_max = jnp.max(jnp.where(visible, bias.astype(jnp.float32), -jnp.inf), axis=-1)
+        lse_shift = lax.stop_gradient(jnp.where(row_max < floor, row_max - floor, 0.0))
+        bias = jnp.where(masked, jnp.asarray(-0.7 * big, bias.dtype), floored)
+    if visible is not None:
+        # Keys that no query row of their (batch, kv head) may see are zeroed, so
+        # that NaN or inf in unused cache slots or padding cannot reach the output
+        # through 0 * NaN in jax.nn's weights-times-values product. (A key seen by
+        # some rows but not others is used as it is: jax.nn works on whole rows.)
+        used = jnp.any(visible, axis=2)                                 # (B|1, Hq|1, Tk)
+        if used.shape[1] > 1:
+            used = jnp.any(used.reshape(used.shape[0], dims.num_kv_heads, -1, dims.kv_len),
+                           axis=2)
+        used = jnp.swapaxes(used, 1, 2)[..., None]                       # (B|1, Tk, H|1, 1)
+        k = jnp.where(used, k, jnp.zeros((), k.dtype))
+        v = jnp.where(used, v, jnp.zeros((), v.dtype))
+    out, lse = _with_lse_gradient(nn, allowed, scale)(q, k, v, bias, array_kw,
                                                        tuple(mask_leaves))
-    # jax.nn fills masked logits with a large finite negative number, so a row that
-    # sees no key comes back as the mean of v with lse near -2.4e38 (and cuDNN
-    # leaves padded rows unspecified). fnattn's contract is out = 0, lse = -inf
-    # there. No row with a visible key has lse that low: every logit would have
-    # to be below _DEAD_ROW_LSE.
-    dead = ~(lse > _DEAD_ROW_LSE)
-    out = jnp.where(jnp.swapaxes(dead, 1, 2)[..., None], jnp.zeros((), out.dtype), out)
-    lse = jnp.where(dead, -jnp.inf, lse)
+    if spec.bias is not None:
+        lse = lse + lse_shift.reshape((1,) * (3 - lse_shift.ndim) + lse_shift.shape)
+    if visible is not None:
+        # jax.nn fills masked logits with a large finite negative number, so a row
+        # that sees no key comes back as the mean of v (and cuDNN leaves padded rows
+        # unspecified). fnattn's contract is out = 0, lse = -inf there. Dead rows
+        # are read off the mask and the bias, not off lse: a row whose logits are
+        # all -1e30 (a finite bias) is a softmax like any other.
+        dead = jnp.broadcast_to(~jnp.any(visible, axis=-1), lse.shape)
+        out = jnp.where(jnp.swapaxes(dead, 1, 2)[..., None], jnp.zeros((), out.dtype), out)
+        lse = jnp.where(dead, -jnp.inf, lse)
     return AttentionOutput(out, lse)
 
 

@@ -137,9 +137,9 @@ def shard_offsets(q, *, layout: str = "bthd", batch_axis: Optional[AxisName] = N
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P
-    >>> mesh = jax.make_mesh((1,), ("data",))
-    >>> f = jax.shard_map(lambda q: shard_offsets(q, batch_axis="data"), mesh=mesh,
-    ...                   in_specs=P("data"), out_specs=P())
+    >>> mesh = jax.sharding.Mesh(jax.devices()[:1], ("data",))
+    >>> f = jax.jit(jax.shard_map(lambda q: shard_offsets(q, batch_axis="data"), mesh=mesh,
+    ...                           in_specs=P("data"), out_specs=P("data")))
     >>> f(jnp.ones((2, 3, 4, 5))).tolist()
     [0, 0, 0, 0]
     """

@@ -401,7 +401,8 @@ def sliding_window(left: int | None, right: int | None = 0) -> Mask:
     . . x x
     """
     for name, w in (("left", left), ("right", right)):
-        if w is not None and (not isinstance(w, (int, np.integer)) or w < 0):
+        if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer))
+                              or w < 0):
             raise ValueError(
                 f"sliding_window: {name} must be a non-negative int or None; got {w!r}")
     if left is None and right is None:
@@ -421,7 +422,7 @@ def chunked(size: int) -> Mask:
     . . x .
     . . x x
     """
-    if not isinstance(size, (int, np.integer)) or size <= 0:
+    if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size <= 0:
         raise ValueError(f"chunked: size must be a positive int; got {size!r}")
     return Chunked(int(size))
 
@@ -578,8 +579,14 @@ class FromFn(Mask):
 
     def predicate(self, pos, ops):
         out = self.fn(pos.b, pos.h, pos.q, pos.k)
+        if jnp.result_type(out) != jnp.bool_:
+            # An int result would be read as "nonzero attends": refuse the guess.
+            raise TypeError(
+                f"from_fn: the predicate {getattr(self.fn, '__name__', 'fn')} must return "
+                f"booleans; got {jnp.result_type(out)}. Return a comparison, e.g. "
+                "`lambda b, h, q, k: k <= q`, or `x != 0` for an integer x.")
         return jnp.broadcast_to(out, jnp.broadcast_shapes(
-            jnp.shape(out), jnp.shape(pos.q), jnp.shape(pos.k))).astype(bool)
+            jnp.shape(out), jnp.shape(pos.q), jnp.shape(pos.k)))
 
     def tile_bounds(self, t, ops):
         # An arbitrary predicate gives no tile information: every tile is partial.
@@ -597,6 +604,22 @@ FromArray = _register(FromArray, data=("mask",))
 FromFn = _register(FromFn, meta=("fn",))
 
 
+def _array(fn: str, name: str, x):
+    """A mask's array argument as a JAX array: Python lists, tuples and NumPy
+    arrays are converted here (a list would otherwise become a pytree of Python
+    ints that ``jit`` cannot trace); JAX arrays and tracers pass unchanged."""
+    if x is None or isinstance(x, jax.Array):
+        return x
+    if isinstance(x, (list, tuple, np.ndarray, np.generic, int)) and not isinstance(x, bool):
+        try:
+            return jnp.asarray(x)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{fn}: {name} must be an array (or a rectangular list of "
+                            f"ints); got {type(x).__name__}: {e}") from None
+    raise TypeError(f"{fn}: {name} must be a JAX array (or a list / NumPy array of ints); "
+                    f"got {type(x).__name__} {x!r}")
+
+
 def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
     """Packed documents: query and key attend when their segment ids are equal.
 
@@ -612,9 +635,10 @@ def segments(q_segment_ids, kv_segment_ids=None) -> Mask:
     . . x x x
     . . x x x
     """
+    q_segment_ids = _array("segments", "q_segment_ids", q_segment_ids)
     if kv_segment_ids is None:
         kv_segment_ids = q_segment_ids
-    return Segments(q_segment_ids, kv_segment_ids)
+    return Segments(q_segment_ids, _array("segments", "kv_segment_ids", kv_segment_ids))
 
 
 def lengths(q_lengths=None, kv_lengths=None) -> Mask:
@@ -628,7 +652,8 @@ def lengths(q_lengths=None, kv_lengths=None) -> Mask:
     """
     if q_lengths is None and kv_lengths is None:
         raise ValueError("lengths: give q_lengths, kv_lengths or both")
-    return Lengths(q_lengths, kv_lengths)
+    return Lengths(_array("lengths", "q_lengths", q_lengths),
+                   _array("lengths", "kv_lengths", kv_lengths))
 
 
 def prefix_lm(prefix_lengths) -> Mask:
@@ -641,7 +666,7 @@ def prefix_lm(prefix_lengths) -> Mask:
     x x x .
     x x x x
     """
-    return PrefixLM(prefix_lengths)
+    return PrefixLM(_array("prefix_lm", "prefix_lengths", prefix_lengths))
 
 
 def from_array(mask) -> Mask:
@@ -652,8 +677,17 @@ def from_array(mask) -> Mask:
     . x .
     . . x
     """
-    if not jnp.issubdtype(jnp.result_type(mask), jnp.bool_):
-        raise TypeError(f"from_array: mask must be boolean; got {jnp.result_type(mask)}")
+    mask = _array("from_array", "mask", mask) if isinstance(mask, (list, tuple)) else mask
+    dtype = jnp.result_type(mask)
+    if not jnp.issubdtype(dtype, jnp.bool_):
+        hint = ""
+        if jnp.issubdtype(dtype, jnp.floating):
+            hint = (" An additive float mask (0 to attend, -inf or a large negative number "
+                    "to mask) is a bias: pass it as AttentionSpec(bias=...); a float mask "
+                    "of 1s and 0s converts with `mask > 0`.")
+        elif jnp.issubdtype(dtype, jnp.integer):
+            hint = " Convert it with `mask != 0` (True attends)."
+        raise TypeError(f"from_array: mask must be boolean; got {dtype}.{hint}")
     return FromArray(mask)
 
 

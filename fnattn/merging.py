@@ -9,9 +9,10 @@ average of the attention over each part::
 This is the building block of split-K decode, cascade (shared-prefix) decoding
 and ring attention. A part in which a query row sees no key has ``out_i = 0``
 and ``lse_i = -inf`` (what every fnattn variant returns for such rows) and
-contributes nothing; a row that no part sees gives ``out = 0`` and
-``lse = -inf`` (or ``lse = sinks[h]`` with a sink), with no NaN in the result
-or in any gradient.
+contributes nothing, whatever its ``out_i`` holds (NaN included); a row that no
+part sees gives ``out = 0`` and ``lse = -inf`` (or ``lse = sinks[h]`` with a
+sink), with no NaN in the result or in any gradient. A sink of -inf is no
+sink; a sink of +inf takes all the mass (``out = 0``, ``lse = +inf``).
 
 **Sinks** join the denominator once: compute the parts *without* sinks and pass
 ``sinks=`` here (see :mod:`fnattn.spec`).
@@ -28,7 +29,7 @@ from jaxtyping import Array, Shaped, jaxtyped
 from fnattn import _checks
 from fnattn.spec import AttentionOutput
 
-__all__ = ["MERGE_LAYOUTS", "merge"]
+__all__ = ["MERGE_LAYOUTS", "merge", "merge_stacked", "shifted_exp"]
 
 # How out's axes relate to lse's (lse's axes are listed as positions in out).
 # "bthd": out (B, T, H, Dv), lse (B, H, T)    -- fnattn.attention, flash, decode
@@ -55,26 +56,55 @@ def _sink_in_out_order(sinks, lse_shape_out_order, layout):
     return jnp.broadcast_to(sinks.astype(jnp.float32).reshape(shape), lse_shape_out_order)
 
 
+@jax.custom_jvp
+def shifted_exp(x, m):
+    """``exp(x - m)`` for a shift ``m`` (typically a running or joint maximum, which
+    carries no gradient), with ``x == m`` giving 1 even where both are infinite.
+
+    Its derivative with respect to ``x`` is its value (as for ``exp``), so a logit
+    of +inf that takes all the mass (``x = m = +inf``: value 1) gets the gradient
+    of a probability of 1, not 0 or NaN; ``x = -inf`` gives 0 and gradient 0.
+    """
+    return jnp.where(x == m, 1.0, jnp.exp(x - m))
+
+
+@shifted_exp.defjvp
+def _shifted_exp_jvp(primals, tangents):
+    x, m = primals
+    tx, tm = tangents
+    y = shifted_exp(x, m)
+    return y, y * (tx - tm)
+
+
 def merge_stacked(outs, lses, sink=None):
     """Merges stacked parts: ``outs`` (P, ..., Dv), ``lses`` (P, ...) float32 in the
     same axis order; ``sink`` broadcastable to ``lses[0]``. Returns (out f32, lse).
 
-    Gradient-safe for parts and rows with ``lse = -inf``."""
+    Gradient-safe for parts and rows with ``lse = -inf``: such a part contributes
+    nothing, whatever its ``out`` holds (NaN included), to the result or to any
+    gradient. Infinite sinks are defined as in :func:`fnattn._online.join_sink`: a
+    sink of -inf is no sink; a sink of +inf takes all the mass (out 0, lse +inf,
+    and d(sink) = d(lse)). A part whose lse is NaN makes its rows NaN.
+    """
     lses = lses.astype(jnp.float32)
     m = jnp.max(lses, axis=0)
     if sink is not None:
+        sink = jnp.asarray(sink, jnp.float32)
         m = jnp.maximum(m, sink)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    m = jax.lax.stop_gradient(m)
-    w = jnp.exp(lses - m)                    # exp(-inf) = 0: empty parts drop out
+    # Rows that saw nothing (m = -inf) shift by 0, so that every weight is exp(-inf) = 0.
+    m = jax.lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
+    w = shifted_exp(lses, m)                 # exp(-inf) = 0: empty parts drop out
     denom = jnp.sum(w, axis=0)
     if sink is not None:
-        denom = denom + jnp.exp(sink - m)
-    seen = denom > 0
-    safe = jnp.where(seen, denom, 1.0)
+        denom = denom + shifted_exp(sink, m)
+    empty = denom == 0                       # (NaN stays NaN)
+    safe = jnp.where(empty, 1.0, denom)
     weights = w / safe
-    out = jnp.sum(weights[..., None] * outs.astype(jnp.float32), axis=0)
-    lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
+    # A part of weight 0 (lse = -inf, or below an infinite sink) contributes nothing
+    # even where its out holds NaN: 0 * NaN would be NaN.
+    outs = jnp.where(w[..., None] > 0, outs.astype(jnp.float32), 0.0)
+    out = jnp.sum(weights[..., None] * outs, axis=0)
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(safe))
     return out, lse
 
 

@@ -12,6 +12,7 @@ from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import _checks, dropout, masks
+from fnattn._online import finite_keys
 from fnattn.spec import AttentionOutput, AttentionSpec
 
 __all__ = ["reference", "dense_attention"]
@@ -21,47 +22,74 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
                     softcap: Optional[float], dropout_rate: float,
                     upcast: bool, q_offset: Optional[int] = None,
                     return_weights: bool = False):
-    """Dense attention on "bthd" inputs; returns (out f32, lse f32[, weights]).
+    """Dense attention on "bthd" inputs; returns (out, lse[, weights]) in the
+    accumulation dtype ``promote(float32, dtype)`` (float32, or float64 for
+    float64 inputs).
 
-    ``upcast=True`` casts q, k, v to float32 before the products (the reference);
-    ``False`` multiplies in the input dtype with float32 accumulation.
-    GQA is handled by grouping query heads, without repeating k or v.
+    ``upcast=True`` casts q, k, v to the accumulation dtype before the products
+    (the reference); ``False`` multiplies in the input dtype with accumulation in
+    that dtype. GQA is handled by grouping query heads, without repeating k or v.
+
+    Masked keys contribute exactly nothing, whatever their K/V bits hold: a key
+    whose K or V holds a non-finite value is zeroed and its logit made NaN for
+    the rows that may see it (those rows are NaN, honestly), then the mask sets
+    it to -inf for the rest. Infinite sinks: -inf is no sink; +inf takes all the
+    mass (out 0, lse +inf, d(sink) = d(lse), no gradient to anything else).
     """
     B, Tq, Hq, D = q.shape
     _, Tk, Hkv, _ = k.shape
     G = Hq // Hkv
+    acc = jnp.promote_types(jnp.float32, q.dtype)
     if upcast:
-        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+        q, k, v = (x.astype(acc) for x in (q, k, v))
+    # Non-finite keys: zeroed and flagged per (b, key, kv head) (_online.finite_keys).
+    k, v, bad = finite_keys(k, v)
     qg = q.reshape(B, Tq, Hkv, G, D)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=jnp.float32)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=acc)
     s = s.reshape(B, Hq, Tq, Tk) * scale
     if bias is not None:
-        s = s + bias.astype(jnp.float32)
+        s = s + bias.astype(acc)
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
+    # (B, Tk, Hkv) -> (B, Hq, 1, Tk): query head h reads kv head h // G.
+    bad = jnp.repeat(jnp.swapaxes(bad, 1, 2), G, axis=1)[:, :, None, :]
+    s = jnp.where(bad, jnp.nan, s)
     allowed = masks.materialize(mask, B, Hq, Tq, Tk, q_offset=q_offset)
     s = jnp.where(allowed, s, -jnp.inf)
     m = jnp.max(s, axis=-1)
+    inf_sink = None
     if sinks is not None:
-        sink = sinks.astype(jnp.float32)[None, :, None]
+        sink = sinks.astype(acc)[None, :, None]
+        # A sink of +inf is handled apart (below); the rest of the row is computed
+        # with a finite stand-in, so that its gradients are finite (and masked out).
+        inf_sink = sink == jnp.inf
+        sink = jnp.where(inf_sink, jnp.zeros((), acc), sink)
         m = jnp.maximum(m, sink)
     m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
     e = jnp.exp(s - m[..., None])
     denom = jnp.sum(e, axis=-1)
     if sinks is not None:
         denom = denom + jnp.exp(sink - m)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    lse = jnp.where(denom > 0, m + jnp.log(safe), -jnp.inf)
+    # denom == 0, not <= 0: a NaN row (one that sees a non-finite key) stays NaN.
+    dead = denom == 0
+    safe = jnp.where(dead, 1.0, denom)
+    lse = jnp.where(dead, -jnp.inf, m + jnp.log(safe))
     p = e / safe[..., None]
+    if inf_sink is not None:
+        # p_sink = 1: no weight on any key, lse = sink (+inf; d(sink) = d(lse)).
+        # A row that sees a non-finite key stays NaN.
+        inf_row = inf_sink & ~jnp.isnan(lse)
+        lse = jnp.where(inf_row, sinks.astype(acc)[None, :, None], lse)
+        p = jnp.where(inf_row[..., None], jnp.zeros((), acc), p)
     if dropout_rate > 0:
-        b = jnp.arange(B)[:, None, None, None]
-        h = jnp.arange(Hq)[None, :, None, None]
-        qi = jnp.arange(Tq)[None, None, :, None]
-        ki = jnp.arange(Tk)[None, None, None, :]
+        b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
+        h = jnp.arange(Hq, dtype=jnp.int32)[None, :, None, None]
+        qi = jnp.arange(Tq, dtype=jnp.int32)[None, None, :, None]
+        ki = jnp.arange(Tk, dtype=jnp.int32)[None, None, None, :]
         keep = dropout.keep_mask(seed, b, h, qi, ki, dropout_rate)
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
-    pv = p.astype(jnp.float32 if upcast else v.dtype).reshape(B, Hkv, G, Tq, Tk)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", pv, v, preferred_element_type=jnp.float32)
+    pv = p.astype(acc if upcast else v.dtype).reshape(B, Hkv, G, Tq, Tk)
+    out = jnp.einsum("bhgqk,bkhd->bqhgd", pv, v, preferred_element_type=acc)
     out = out.reshape(B, Tq, Hq, v.shape[-1])
     if return_weights:
         return out, lse, p
@@ -83,15 +111,20 @@ def prepare(spec: AttentionSpec, q, k, v, fn: str):
 @jaxtyped(typechecker=beartype)
 def reference(spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..."],
               v: Shaped[Array, "..."], *, return_weights: bool = False):
-    """Reference attention: every spec feature, computed densely in float32.
+    """Reference attention: every spec feature, computed densely in float32
+    (float64 for float64 inputs, with ``jax_enable_x64``).
+
+    Keys a query row may not see contribute nothing to it, whatever their K/V
+    hold (NaN, inf); a row that sees a key with a non-finite K or V is NaN. A
+    sink of -inf is no sink; +inf takes all the mass (out 0, lse +inf).
 
     Args:
       spec: the :class:`AttentionSpec`.
       q: (B, Tq, Hq, D) ("bthd") or (B, Hq, Tq, D) ("bhtd").
       k: (B, Tk, Hkv, D) or (B, Hkv, Tk, D).
       v: (B, Tk, Hkv, Dv) or (B, Hkv, Tk, Dv).
-      return_weights: also return the attention weights (B, Hq, Tq, Tk), float32,
-        after dropout.
+      return_weights: also return the attention weights (B, Hq, Tq, Tk), float32
+        (float64 for float64 inputs), after dropout.
 
     Returns:
       :class:`AttentionOutput`, or ``(AttentionOutput, weights)``.

@@ -54,6 +54,13 @@ _STATIC_HINTS = {
 }
 
 
+def _is_block_sizes(x) -> bool:
+    # Every lowering's block sizes are a frozen dataclass named *BlockSizes (checked
+    # by name: importing the lowerings here would be circular).
+    return (dataclasses.is_dataclass(x) and not isinstance(x, type)
+            and type(x).__name__.endswith("BlockSizes"))
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionSpec:
     """What attention to compute, independent of how.
@@ -132,6 +139,13 @@ class AttentionSpec:
                 f"{type(self.mask).__name__}. Wrap a boolean array with masks.from_array.")
         if not isinstance(self.return_lse, bool):
             raise TypeError(f"AttentionSpec: return_lse must be a bool; got {self.return_lse!r}")
+        items = self.block_sizes if isinstance(self.block_sizes, tuple) else (self.block_sizes,)
+        if self.block_sizes is not None and not all(_is_block_sizes(b) for b in items):
+            raise TypeError(
+                "AttentionSpec: block_sizes must be None, a block-size object "
+                "(fnattn.XlaBlockSizes, TritonBlockSizes, MosaicBlockSizes, DecodeBlockSizes, "
+                "PagedBlockSizes) or a tuple of them, one per lowering; got "
+                f"{type(self.block_sizes).__name__} {self.block_sizes!r}")
         try:
             hash(self.block_sizes)
         except TypeError:

@@ -1,8 +1,10 @@
 """The dense XLA lowering: the whole (Tq, Tk) logit matrix, every spec feature.
 
 Straightforward and exact; memory grows as Tq * Tk. The backward recomputes the
-forward and differentiates it with ``jax.vjp``. ``fnattn.flash`` is the O(T)
-memory alternative.
+forward in the accumulation dtype (float32, or float64 for float64 inputs) and
+differentiates it with ``jax.vjp``, so that low-precision inputs never see a
+gradient product (dO.V under loss scaling) overflow their dtype.
+``fnattn.flash`` is the O(T) memory alternative.
 """
 
 import jax
@@ -22,11 +24,19 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed):
 
 
 def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse):
-    def f(q, k, v, bias, sinks):
-        return _forward(cfg, q, k, v, bias, sinks, mask, seed)[:2]
+    acc = jnp.promote_types(jnp.float32, q.dtype)
 
-    _, vjp = jax.vjp(f, q, k, v, bias, sinks)
-    return vjp((d_out, d_lse.astype(jnp.float32)))
+    def f(q, k, v, bias, sinks):
+        return dense_attention(q, k, v, bias=bias, sinks=sinks, mask=mask, seed=seed,
+                               scale=cfg.scale, softcap=cfg.softcap,
+                               dropout_rate=cfg.dropout_rate, upcast=True,
+                               q_offset=cfg.q_offset)
+
+    primals = (q, k, v, bias, sinks)
+    up = tuple(None if x is None else x.astype(acc) for x in primals)
+    _, vjp = jax.vjp(f, *up)
+    grads = vjp((d_out.astype(acc), d_lse.astype(acc)))
+    return tuple(None if g is None else g.astype(x.dtype) for g, x in zip(grads, primals))
 
 
 DENSE = Lowering("xla-dense", _forward, _backward)

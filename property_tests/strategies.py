@@ -15,6 +15,10 @@ Building blocks (each a strategy):
 * ``problems(...)``: a whole :class:`Problem` (spec, q, k, v in the drawn layout, and
   the matching keyword arguments of ``tests/np_attention.py``), with optional bias
   (several broadcast shapes), sinks, soft-cap, scale and dropout.
+* Hostile inputs: ``extreme_bias(B, Hq, Tq, Tk)`` (whole rows of -1e30, ``finfo.min``,
+  -1e9, -1e8 or -inf, single logits of 1e10), ``extreme_sinks(Hq)`` (-inf, +inf or
+  ordinary), and ``poison_hidden_keys(k, v, visible)``, which writes NaN and inf
+  into the K/V of keys no query row may see.
 
 Every array is drawn through a NumPy generator seeded by Hypothesis, so examples
 are reproducible under the derandomized "ci" profile and shrink sensibly.
@@ -38,7 +42,8 @@ from fnattn import AttentionSpec, masks
 from fnattn import dropout as fn_dropout
 
 __all__ = ["Problem", "dtypes", "layouts", "gqa_heads", "sizes", "ragged_lengths",
-           "segment_ids", "mask_trees", "problems", "MASK_KINDS"]
+           "segment_ids", "mask_trees", "problems", "MASK_KINDS", "extreme_bias",
+           "extreme_sinks", "poison_hidden_keys", "EXTREME_ROW_VALUES"]
 
 MASK_KINDS = ("causal", "window", "chunked", "segments", "lengths", "prefix", "array", "fn",
               "full")
@@ -201,3 +206,48 @@ def problems(draw, *, dtypes=("float32",), layouts=("bthd", "bhtd"), impl="auto"
     if layout == "bhtd":
         q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))
     return Problem(spec, q, k, v, kw, (B, Tq, Tk, Hq, Hkv, D, Dv))
+
+
+EXTREME_ROW_VALUES = (-1e30, float(np.finfo(np.float32).min), -1e9, -1e8, -np.inf)
+
+
+@st.composite
+def extreme_bias(draw, B, Hq, Tq, Tk):
+    """A float32 (B, Hq, Tq, Tk) bias: small noise, with some whole query rows set
+    to one of ``EXTREME_ROW_VALUES`` (the additive padding masks users write) and
+    some single logits raised to 1e10."""
+    rs = _rng(draw)
+    bias = 0.5 * rs.standard_normal((B, Hq, Tq, Tk))
+    for _ in range(draw(st.integers(1, 3))):
+        value = draw(st.sampled_from(EXTREME_ROW_VALUES))
+        b, h, q = rs.integers(0, B), rs.integers(0, Hq), rs.integers(0, Tq)
+        heads = slice(None) if draw(st.booleans()) else slice(h, h + 1)
+        bias[b, heads, q] = value
+    if draw(st.booleans()):
+        bias[rs.integers(0, B), rs.integers(0, Hq), rs.integers(0, Tq), rs.integers(0, Tk)] = 1e10
+    return jnp.asarray(bias, jnp.float32)
+
+
+@st.composite
+def extreme_sinks(draw, Hq):
+    """float32 (Hq,) sinks, each -inf, +inf or an ordinary logit."""
+    rs = _rng(draw)
+    kinds = draw(st.lists(st.sampled_from(["-inf", "+inf", "finite"]), min_size=Hq,
+                          max_size=Hq))
+    value = {"-inf": -np.inf, "+inf": np.inf}
+    return jnp.asarray([value.get(kd, rs.standard_normal()) for kd in kinds], jnp.float32)
+
+
+def poison_hidden_keys(k, v, visible):
+    """K and V ("bthd") with NaN / inf written into every key that no query row of
+    its batch row and kv head may see; ``visible`` is a boolean array broadcastable
+    to (B, Hq, Tq, Tk). The answer must not change."""
+    B, Tk, Hkv, _ = k.shape
+    vis = np.broadcast_to(np.asarray(visible), (B, visible.shape[1], visible.shape[2], Tk))
+    seen = vis.any(axis=2)                                              # (B, H|1, Tk)
+    if seen.shape[1] > 1:
+        seen = seen.reshape(B, Hkv, -1, Tk).any(axis=2)
+    hidden = np.broadcast_to(~np.swapaxes(seen, 1, 2), (B, Tk, Hkv))[..., None]
+    k = jnp.where(hidden, jnp.asarray(np.nan, k.dtype), k)
+    v = jnp.where(hidden, jnp.asarray(np.inf, v.dtype), v)
+    return k, v

@@ -39,7 +39,8 @@ def np_attention(q, k, v, *, scale=None, bias=None, softcap=None, mask=None, sin
     with np.errstate(divide="ignore"):
         lse = np.where(denom > 0, m + np.log(np.where(denom > 0, denom, 1.0)), -np.inf)
     p = e / np.where(denom > 0, denom, 1.0)[..., None]
-    psink = psink_num / np.where(denom > 0, denom, 1.0) if sinks is not None else None
+    with np.errstate(invalid="ignore"):  # a sink of +inf: inf / inf (unused then)
+        psink = psink_num / np.where(denom > 0, denom, 1.0) if sinks is not None else None
     keepf = np.ones_like(p) if keep is None else np.broadcast_to(keep, p.shape) / (1.0 - rate)
     pd = p * keepf
     out = np.einsum("bhqk,bkhd->bqhd", pd, ve)

@@ -4,6 +4,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import fnattn
 from fnattn import AttentionSpec, DecodeBlockSizes, masks
@@ -211,3 +212,177 @@ def test_bad_input_messages():
         fnattn.decode(AttentionSpec(block_sizes=DecodeBlockSizes(5)), q, k, v, kv_lengths=L)
     with pytest.raises(ValueError, match=r"decode: sinks must have shape \(Hq,\)=\(6,\)"):
         fnattn.decode(AttentionSpec(sinks=jnp.zeros(2)), q, k, v, kv_lengths=L)
+
+
+# ----------------------------------------------------------------------------------
+# Poisoned slots, infinite sinks, checked mode, x64
+# ----------------------------------------------------------------------------------
+
+WINDOW = 3
+
+
+def hide_before_window(k, v, lengths, starts, Tq):
+    """k, v with NaN also in each sequence's own slots that the window of
+    ``WINDOW`` keys (causal) hides from all of its Tq queries."""
+    slot = jnp.arange(k.shape[1])[None, :, None, None]
+    first_seen = (starts + lengths - Tq - WINDOW)[:, None, None, None]
+    hidden = (slot >= starts[:, None, None, None]) & (slot < first_seen)
+    return jnp.where(hidden, jnp.nan, k), jnp.where(hidden, jnp.nan, v)
+
+
+@pytest.mark.parametrize("impl,mask,splits", [("xla", "none", 4), ("xla", "window", 1),
+                                              ("reference", "window", 1)])
+def test_poisoned_slots_reach_neither_results_nor_gradients(impl, mask, splits):
+    """NaN in every slot outside each sequence's range (and, with a window, in its
+    own slots the window hides): the result is that of the clean cache, and so
+    are the gradients, which are exactly 0 at the poisoned slots."""
+    q, k, v, L, a = nan_problem()
+    if mask == "window":
+        k, v = hide_before_window(k, v, L, a, q.shape[1])
+    poison = np.isnan(np.asarray(k)).any(-1)
+    clean_k, clean_v = jnp.nan_to_num(k), jnp.nan_to_num(v)
+    spec = AttentionSpec(mask=MASKS["window" if mask == "window" else "causal"], impl=impl,
+                         sinks=jnp.linspace(-1.0, 1.0, 6),
+                         block_sizes=DecodeBlockSizes(num_splits=splits))
+    if mask == "window":
+        spec = spec.replace(mask=masks.causal() & masks.sliding_window(WINDOW))
+    want = check(spec, q, clean_k, clean_v, L, a)          # against NumPy
+    res = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L, kv_starts=a))(
+        q, k, v)
+    np.testing.assert_allclose(res.out, want.out, atol=1e-6)
+    np.testing.assert_allclose(res.lse, want.lse, atol=1e-6)
+    w = jnp.cos(jnp.arange(3 * 2 * 6 * 5, dtype=jnp.float32)).reshape(3, 2, 6, 5)
+
+    def loss(q, k, v, sinks):
+        r = fnattn.decode(spec.replace(sinks=sinks), q, k, v, kv_lengths=L, kv_starts=a)
+        return jnp.sum(r.out * w) + jnp.sum(jnp.where(jnp.isfinite(r.lse), r.lse, 0.0))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+    got, want = grad(q, k, v, spec.sinks), grad(q, clean_k, clean_v, spec.sinks)
+    for g, g0 in zip(got, want):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(g, g0, atol=1e-6)
+    for g in got[1:3]:
+        np.testing.assert_array_equal(np.asarray(g)[poison], 0.0)
+
+
+def test_a_visible_nan_key_gives_nan_rows_only():
+    """Honest NaN: a row that sees a non-finite key is NaN; rows that do not are not."""
+    q, k, v = problem(B=2, Tq=2)
+    k = k.at[0, 5, 0, 1].set(jnp.inf)          # sequence 0, kv head 0, position 5
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(4), impl="xla")
+    res = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=jnp.array([8, 24])))(
+        q, k, v)
+    out, lse = np.asarray(res.out), np.asarray(res.lse)
+    # queries at positions 6 and 7 see 2..6 and 3..7; heads 0-2 read kv head 0
+    assert np.isnan(out[0, :, :3]).all() and np.isnan(lse[0, :3]).all()
+    assert np.isfinite(out[0, :, 3:]).all() and np.isfinite(out[1]).all()
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_infinite_sinks(splits):
+    """Sinks of -inf are no sink; +inf takes all the mass (out 0, lse +inf, no gradient
+    to q/k/v from those rows, d(sink) = the sum of d(lse) over its rows); a sequence
+    of length 0 with a -inf sink gives 0 and -inf, no NaN anywhere."""
+    q, k, v = problem(Tq=2, seed=8)
+    L = jnp.array([24, 5, 0])
+    sinks = jnp.array([0.5, jnp.inf, -jnp.inf, -jnp.inf, jnp.inf, 0.0])
+    spec = AttentionSpec(mask=masks.causal(), impl="xla",
+                         block_sizes=DecodeBlockSizes(num_splits=splits))
+    rs = np.random.default_rng(1)
+    d_out = jnp.asarray(rs.standard_normal((3, 2, 6, 5)), jnp.float32)
+    d_lse = jnp.asarray(rs.standard_normal((3, 6, 2)), jnp.float32)
+
+    @jax.jit
+    def run(q, k, v, sinks):
+        def f(q, k, v, s):
+            r = fnattn.decode(spec.replace(sinks=s), q, k, v, kv_lengths=L)
+            return r.out, r.lse
+        res, vjp = jax.vjp(f, q, k, v, sinks)
+        return res, vjp((d_out, d_lse))
+
+    (out, lse), (dq, dk, dv, ds) = run(q, k, v, sinks)
+    for x in (out, dq, dk, dv, ds):
+        assert np.isfinite(np.asarray(x)).all()
+    out, lse = np.asarray(out), np.asarray(lse)
+    plus, minus = [1, 4], [2, 3]
+    assert (out[:, :, plus] == 0).all() and (lse[:, plus] == np.inf).all()
+    np.testing.assert_array_equal(np.asarray(dq)[:, :, plus], 0.0)
+    np.testing.assert_allclose(ds[np.array(plus)], np.asarray(d_lse)[:, plus].sum((0, 2)),
+                               rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(ds)[minus], 0.0)
+    # -inf heads: as without sinks (sequence 2, of length 0: zeros and -inf)
+    none = check(AttentionSpec(mask=masks.causal()), q, k, v, L)
+    np.testing.assert_allclose(out[:, :, minus], np.asarray(none.out)[:, :, minus], atol=1e-6)
+    np.testing.assert_array_equal(lse[2, minus], -np.inf)
+    # the finite heads are checked against NumPy
+    finite = sinks.at[np.array(plus + minus)].set(0.0)
+    want = check(spec.replace(sinks=finite), q, k, v, L)
+    np.testing.assert_allclose(out[:, :, [0, 5]], np.asarray(want.out)[:, :, [0, 5]],
+                               atol=1e-6)
+
+
+CHECKED = jax.jit(checkify.checkify(
+    lambda q, k, v, L, a: fnattn.decode(AttentionSpec(mask=masks.causal()), q, k, v,
+                                        kv_lengths=L, kv_starts=a, checked=True)))
+
+
+@pytest.mark.parametrize("lengths,starts,message", [
+    ((24, 9, 0), (0, 15, 24), None),
+    ((24, 2, 1), (0, 0, 0), None),
+    ((25, 9, 0), (0, 0, 0), "kv_starts[0] + kv_lengths[0] = 0 + 25 is past the cache's S=24 "
+                            "slots"),
+    ((4, 10, 0), (0, 15, 0), "kv_starts[1] + kv_lengths[1] = 15 + 10 is past the cache's "
+                             "S=24 slots"),
+    ((4, 2 ** 31 - 1, 0), (0, 3, 0), "kv_starts[1] + kv_lengths[1] = 3 + 2147483647 is past "
+                                     "the cache's S=24 slots"),
+    ((4, -1, 0), (0, 0, 0), "kv_lengths[1] = -1 is negative"),
+    ((4, 1, 0), (0, 0, -2), "kv_starts[2] = -2 is outside the cache [0, S=24]"),
+    ((4, 1, 0), (0, 0, 25), "kv_starts[2] = 25 is outside the cache [0, S=24]"),
+])
+def test_checked_mode_reports_values_that_would_be_clipped(lengths, starts, message):
+    q, k, v = problem()
+    err, res = CHECKED(q, k, v, jnp.array(lengths), jnp.array(starts))
+    got = err.get()
+    assert (got if got is None else got.removesuffix(" (`check` failed)")) == message
+    assert res.out.shape == (3, 1, 6, 5)
+
+
+def test_checked_mode_reports_lengths_below_the_new_tokens():
+    q, k, v = problem(Tq=3)
+    err, _ = CHECKED(q, k, v, jnp.array([3, 2, 0]), jnp.array([0, 0, 0]))
+    assert err.get().removesuffix(" (`check` failed)") == (
+        "kv_lengths[1] = 2 is less than the Tq=3 new tokens (the length includes them; 0 marks "
+        "an empty sequence)")
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference", "pallas"])
+def test_x64_float32_inputs(impl):
+    """With jax_enable_x64 (Python ints and aranges become int64) every lowering traces
+    and gives the float32 answer; int64 lengths are accepted."""
+    q, k, v = problem(Tq=2, seed=9)
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(5), impl=impl,
+                         sinks=jnp.linspace(-1.0, 1.0, 6),
+                         block_sizes=DecodeBlockSizes(num_splits=2))
+    L = np.array([24, 9, 0])
+    want = check(spec, q, k, v, jnp.asarray(L))
+    with jax.enable_x64(True):
+        res = jax.jit(lambda q, k, v, L: fnattn.decode(spec, q, k, v, kv_lengths=L))(
+            q, k, v, jnp.asarray(L, jnp.int64))
+    assert res.out.dtype == jnp.float32 and res.lse.dtype == jnp.float32
+    np.testing.assert_allclose(res.out, want.out, atol=1e-6)
+    np.testing.assert_allclose(res.lse, want.lse, atol=1e-6)
+
+
+def test_float64_is_refused():
+    with jax.enable_x64(True):
+        q = jnp.zeros((1, 1, 4, 8), jnp.float64)
+        kv = jnp.zeros((1, 16, 2, 8), jnp.float64)
+        for impl in ("auto", "xla", "pallas"):
+            with pytest.raises(TypeError) as info:
+                jax.jit(fnattn.decode)(AttentionSpec(impl=impl), q, kv, kv,
+                                       kv_lengths=jnp.ones((1,), jnp.int32))
+            assert str(info.value) == (
+                "decode: float64 inputs are not supported (q, k_cache, v_cache are float64): "
+                "the serving variants compute in float32; cast q, k_cache, v_cache to float32 "
+                "(x.astype(jnp.float32)).")

@@ -148,3 +148,47 @@ def test_batch_index_is_the_one_seen_by_the_call():
     for i in range(3):
         one = fnattn.reference(spec.replace(dropout_key=keys[i]), q[i], q[i], q[i]).out
         np.testing.assert_allclose(np.asarray(per[i]), np.asarray(one), atol=1e-6)
+
+
+def test_offsets_give_the_rows_of_the_whole_problem():
+    # A call on a slice (batch rows 1:3, query heads 2:4, queries 3:7) with
+    # dropout_offsets = its first global index draws exactly the whole problem's
+    # mask there, in every lowering; without offsets it draws another one.
+    rs = np.random.default_rng(0)
+    q = jnp.asarray(rs.standard_normal((3, 7, 4, 8)), jnp.float32)
+    k = jnp.asarray(rs.standard_normal((3, 9, 2, 8)), jnp.float32)
+    spec = AttentionSpec(dropout_rate=0.5, dropout_key=jax.random.key(2),
+                         block_sizes=fnattn.XlaBlockSizes(8, 8))
+    qs, ks = q[1:3, 3:7, 2:4], k[1:3, :, 1:2]
+    offsets = jnp.array([1, 2, 3, 0], jnp.int32)
+    for impl in ("reference", "xla", "auto"):
+        s = spec.replace(impl=impl)
+        whole = jax.jit(fnattn.attention)(s, q, k, k).out[1:3, 3:7, 2:4]
+        part = jax.jit(fnattn.attention)(s.replace(dropout_offsets=offsets), qs, ks, ks).out
+        np.testing.assert_allclose(np.asarray(part), np.asarray(whole), atol=1e-6, err_msg=impl)
+        other = jax.jit(fnattn.attention)(s, qs, ks, ks).out
+        assert not np.allclose(np.asarray(other), np.asarray(whole), atol=1e-3), impl
+
+
+def test_vmap_with_batched_offsets_equals_the_batched_call():
+    q = jax.random.normal(jax.random.key(0), (3, 5, 2, 7))
+    spec = AttentionSpec(dropout_rate=0.5, dropout_key=jax.random.key(1), impl="auto")
+    whole = jax.jit(fnattn.attention)(spec, q, q, q).out
+    offsets = jnp.zeros((3, 4), jnp.int32).at[:, 0].set(jnp.arange(3))
+    f = jax.jit(jax.vmap(lambda s, q: fnattn.attention(s, q[None], q[None], q[None]).out[0],
+                         in_axes=(spec.replace(dropout_key=None, dropout_offsets=0), 0)))
+    per = f(spec.replace(dropout_offsets=offsets), q)
+    np.testing.assert_allclose(np.asarray(per), np.asarray(whole), atol=1e-6)
+
+
+@pytest.mark.parametrize("offsets, message", [
+    (jnp.zeros((3,), jnp.int32), "shape \\(3,\\)"),
+    (jnp.zeros((4,), jnp.float32), "float32"),
+])
+def test_bad_offsets_are_refused(offsets, message):
+    q = jnp.ones((1, 3, 2, 4))
+    spec = AttentionSpec(dropout_rate=0.5, dropout_key=jax.random.key(0),
+                         dropout_offsets=offsets)
+    with pytest.raises(ValueError, match="dropout_offsets must be an integer array of shape "
+                                         "\\(4,\\).*" + message):
+        jax.jit(fnattn.attention)(spec, q, q, q)

@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from fnattn import masks
+import fnattn
+from fnattn import AttentionSpec, masks
 
 B, H, TQ, TK = 2, 3, 7, 11
 
@@ -309,3 +310,19 @@ def test_block_classes_are_exact_for_single_structured_masks(name, tq, tk, bq, b
     # interior tile is all allowed (edge tiles are never FULL, by design)
     np.testing.assert_array_equal(c == masks.EMPTY, ~any_)
     np.testing.assert_array_equal(c == masks.FULL, all_ & any_ & interior)
+
+
+def test_python_lists_and_numpy_arrays_work_under_jit():
+    # Lists used to reach jit as pytrees of Python ints and die inside JAX.
+    q = jax.random.normal(jax.random.key(0), (2, 4, 2, 8))
+    ids = [[0, 0, 1, 1], [0, 1, 1, 1]]
+    for as_list, as_array in [
+        (masks.lengths([3, 4], [4, 2]), masks.lengths(jnp.array([3, 4]), jnp.array([4, 2]))),
+        (masks.segments(ids), masks.segments(jnp.array(ids))),
+        (masks.prefix_lm(np.array([2, 3])), masks.prefix_lm(jnp.array([2, 3]))),
+        (masks.from_array([[True, False, True, True]] * 4),
+         masks.from_array(jnp.array([[True, False, True, True]] * 4))),
+    ]:
+        a = jax.jit(fnattn.attention)(AttentionSpec(mask=as_list), q, q, q)
+        b = jax.jit(fnattn.attention)(AttentionSpec(mask=as_array), q, q, q)
+        np.testing.assert_array_equal(np.asarray(a.out), np.asarray(b.out))

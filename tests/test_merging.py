@@ -154,3 +154,74 @@ def test_bad_input_messages():
         fnattn.merge([out])
     with pytest.raises(ValueError, match=r"sinks must have shape \(H,\)=\(6,\)"):
         fnattn.merge([(out, lse)], sinks=jnp.zeros((5,)))
+
+
+def test_a_part_with_lse_minus_inf_contributes_nothing_even_if_its_out_is_nan():
+    """A part in which a row sees nothing (lse = -inf) may carry any out (a kernel's
+    unwritten buffer, NaN): the merge, and every gradient, ignore it."""
+    q, k, v = _inputs(seed=4)
+    spec = AttentionSpec(mask=masks.causal())
+    a, b = _parts(spec, q, k, v, (0, 6, 13))
+    lse_b = b.lse.at[:, 1:3].set(-jnp.inf)                     # heads 1, 2: part b empty
+    out_b = b.out.at[:, :, 1:3].set(jnp.nan)
+    want = fnattn.merge([a, (jnp.where(jnp.isnan(out_b), 0.0, out_b), lse_b)])
+
+    def loss(out_a, lse_a, out_b, lse_b):
+        res = fnattn.merge([(out_a, lse_a), (out_b, lse_b)])
+        return jnp.sum(res.out * jnp.cos(res.out)) + jnp.sum(jnp.sin(res.lse)), res
+
+    (_, res), grads = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3), has_aux=True))(
+        a.out, a.lse, out_b, lse_b)
+    np.testing.assert_allclose(res.out, want.out, atol=1e-6)
+    np.testing.assert_allclose(res.lse, want.lse, atol=1e-6)
+    for g in grads:
+        assert np.isfinite(np.asarray(g)).all()
+    np.testing.assert_array_equal(grads[2][:, :, 1:3], 0.0)
+    np.testing.assert_array_equal(grads[3][:, 1:3], 0.0)
+
+
+@pytest.mark.parametrize("sink", [np.inf, -np.inf])
+def test_infinite_sinks(sink):
+    """-inf is no sink; +inf takes all the mass: out 0, lse +inf, no gradient to the
+    parts and d(sink) = the sum of d(lse) over the head's rows. Head 0 keeps a finite
+    sink; row 0 is seen by no part."""
+    q, k, v = _inputs(seed=5)
+    parts = _parts(AttentionSpec(), q, k, v, (0, 5, 13))
+    outs = jnp.stack([p.out.at[:, 0].set(0.0) for p in parts])
+    lses = jnp.stack([p.lse.at[:, :, 0].set(-jnp.inf) for p in parts])
+    sinks = jnp.full((Hq,), sink, jnp.float32).at[0].set(0.5)
+    rs = np.random.default_rng(0)
+    d_out = jnp.asarray(rs.standard_normal(outs.shape[1:]), jnp.float32)
+    d_lse = jnp.asarray(rs.standard_normal(lses.shape[1:]), jnp.float32)
+
+    def f(outs, lses, sinks):
+        res = fnattn.merge([(outs[0], lses[0]), (outs[1], lses[1])], sinks=sinks)
+        return res.out, res.lse
+
+    @jax.jit
+    def run(outs, lses, sinks):
+        res, vjp = jax.vjp(f, outs, lses, sinks)
+        return res, vjp((d_out, d_lse))
+
+    (out, lse), (g_outs, g_lses, g_sinks) = run(outs, lses, sinks)
+    finite = jnp.zeros(Hq).at[0].set(0.5)
+    (out0, lse0), (g_outs0, g_lses0, g_sinks0) = run(outs, lses, finite)
+    for g in (g_outs, g_lses, g_sinks):
+        assert np.isfinite(np.asarray(g)).all()
+    # head 0: as with finite sinks everywhere
+    np.testing.assert_allclose(out[:, :, 0], out0[:, :, 0], atol=1e-6)
+    np.testing.assert_allclose(g_sinks[0], g_sinks0[0], atol=1e-5)
+    if sink == np.inf:
+        np.testing.assert_array_equal(out[:, :, 1:], 0.0)
+        assert (np.asarray(lse)[:, 1:] == np.inf).all()
+        np.testing.assert_array_equal(g_outs[:, :, :, 1:], 0.0)
+        np.testing.assert_array_equal(g_lses[:, :, 1:], 0.0)
+        np.testing.assert_allclose(g_sinks[1:], np.asarray(d_lse)[:, 1:].sum((0, 2)),
+                                   rtol=1e-6)
+    else:
+        none = jax.jit(lambda o, l: fnattn.merge([(o[0], l[0]), (o[1], l[1])]))(outs, lses)
+        np.testing.assert_allclose(out[:, :, 1:], none.out[:, :, 1:], atol=1e-6)
+        np.testing.assert_array_equal(np.isneginf(lse[:, 1:]), np.isneginf(none.lse[:, 1:]))
+        assert np.isneginf(np.asarray(lse)[:, 1:, 0]).all()
+        np.testing.assert_array_equal(out[:, 0, 1:], 0.0)
+        np.testing.assert_array_equal(g_sinks[1:], 0.0)

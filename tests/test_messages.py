@@ -152,8 +152,22 @@ CONSTRUCTION = [
      "chunked: size must be a positive int; got 0"),
     ("lengths", lambda: masks.lengths(), ValueError,
      "lengths: give q_lengths, kv_lengths or both"),
-    ("from_array dtype", lambda: masks.from_array(jnp.ones((3, 3))), TypeError,
-     "from_array: mask must be boolean; got float32"),
+    ("from_array float", lambda: masks.from_array(jnp.ones((3, 3))), TypeError,
+     "from_array: mask must be boolean; got float32. An additive float mask (0 to attend, "
+     "-inf or a large negative number to mask) is a bias: pass it as AttentionSpec(bias=...); "
+     "a float mask of 1s and 0s converts with `mask > 0`."),
+    ("from_array int", lambda: masks.from_array(jnp.ones((3, 3), jnp.int32)), TypeError,
+     "from_array: mask must be boolean; got int32. Convert it with `mask != 0` (True attends)."),
+    ("window bool", lambda: masks.sliding_window(True), ValueError,
+     "sliding_window: left must be a non-negative int or None; got True"),
+    ("chunk bool", lambda: masks.chunked(True), ValueError,
+     "chunked: size must be a positive int; got True"),
+    ("lengths of strings", lambda: masks.lengths(kv_lengths="3"), TypeError,
+     "lengths: kv_lengths must be a JAX array (or a list / NumPy array of ints); got str '3'"),
+    ("block sizes int", lambda: AttentionSpec(block_sizes=16), TypeError,
+     "AttentionSpec: block_sizes must be None, a block-size object (fnattn.XlaBlockSizes, "
+     "TritonBlockSizes, MosaicBlockSizes, DecodeBlockSizes, PagedBlockSizes) or a tuple of "
+     "them, one per lowering; got int 16"),
     ("from_fn", lambda: masks.from_fn(3), TypeError,
      "from_fn: predicate must be callable; got int"),
     ("mask & array", lambda: masks.causal() & jnp.ones((3, 3), bool), TypeError,
@@ -187,6 +201,26 @@ def test_bool_of_a_mask_explains_and_versus_ampersand(misuse):
     with pytest.raises(TypeError) as info:
         misuse(masks.sliding_window(left=3))
     assert str(info.value) == BOOL_MESSAGE
+
+
+def test_from_fn_must_return_booleans():
+    spec = AttentionSpec(mask=masks.from_fn(lambda b, h, q, k: q - k))
+    with pytest.raises(TypeError) as info:
+        call(spec)
+    assert str(info.value) == (
+        "from_fn: the predicate <lambda> must return booleans; got int32. Return a comparison, "
+        "e.g. `lambda b, h, q, k: k <= q`, or `x != 0` for an integer x.")
+
+
+def test_float64_is_refused_by_the_pallas_kernels():
+    with jax.enable_x64(True):
+        q = jnp.zeros((1, 3, 2, 4), jnp.float64)
+        with pytest.raises(NotImplementedError) as info:
+            jax.jit(fnattn.attention)(AttentionSpec(impl="pallas"), q, q, q)
+    assert str(info.value) == (
+        "flash: float64 inputs are not supported by impl='pallas' (the Triton and Mosaic "
+        "kernels compute in float32); impl='auto' or 'xla' compute float64 in float64 on every "
+        "platform, or cast q, k and v to float32.")
 
 
 def test_reference_names_itself():

@@ -13,7 +13,7 @@ import pytest
 import fnattn
 from fnattn import AttentionSpec, masks
 from cases import CASES, EXTRA_CASES, check_case, make, to_bthd
-from np_attention import np_attention
+from np_attention import np_attention, np_attention_grads, reduce_to
 
 ALL = CASES + EXTRA_CASES
 
@@ -199,3 +199,140 @@ def test_return_lse_false():
     q = jnp.ones((1, 3, 2, 5))
     res = jax.jit(fnattn.reference)(AttentionSpec(return_lse=False), q, q, q)
     assert res.lse is None and res.out.shape == q.shape
+
+
+# --- issue 9: non-finite masked keys, infinite sinks, float64 -------------------------
+
+# Sizes of the cases below: batch 1's keys 0..2 are segment 0, 3..5 segment 1, 6
+# segment 2 (no query has it); batch 0 sees 4 keys (lengths).
+_B, _TQ, _TK, _HQ, _HKV, _D = 2, 5, 7, 4, 2, 3
+_SEG_MASK = (masks.lengths(kv_lengths=jnp.array([4, 7]))
+             & masks.segments(jnp.array([[0] * 5, [0, 0, 1, 1, 1]]),
+                              jnp.array([[0] * 7, [0, 0, 0, 1, 1, 1, 2]])))
+
+
+def _seg_allowed():
+    allowed = np.zeros((_B, 1, _TQ, _TK), bool)
+    allowed[0, :, :, :4] = True
+    for qi, sq in enumerate([0, 0, 1, 1, 1]):
+        allowed[1, 0, qi] = np.array([0, 0, 0, 1, 1, 1, 2]) == sq
+    return allowed
+
+
+def _qkv(rs, dtype=np.float32):
+    q = rs.standard_normal((_B, _TQ, _HQ, _D)).astype(dtype)
+    k = rs.standard_normal((_B, _TK, _HKV, _D)).astype(dtype)
+    v = rs.standard_normal((_B, _TK, _HKV, _D)).astype(dtype)
+    return q, k, v
+
+
+def _vjp(spec, q, k, v, d_out, d_lse, sinks=None):
+    """(out, lse), (dq, dk, dv, dbias, dsinks) of fnattn.reference, one compiled call."""
+    def f(q, k, v, bias, sinks):
+        r = fnattn.reference(spec.replace(bias=bias, sinks=sinks), q, k, v)
+        return r.out, r.lse
+
+    def run(q, k, v, bias, sinks, d_out, d_lse):
+        res, vjp = jax.vjp(f, q, k, v, bias, sinks)
+        return res, vjp((d_out, d_lse))
+
+    return jax.jit(run)(q, k, v, spec.bias, sinks, d_out, d_lse)
+
+
+def test_non_finite_masked_keys_contribute_nothing_per_row():
+    rs = np.random.default_rng(11)
+    q, k, v = _qkv(rs)
+    bias = rs.standard_normal((_B, _HQ, _TQ, _TK)).astype(np.float32)
+    d_out = rs.standard_normal(q.shape).astype(np.float32)
+    d_lse = rs.standard_normal((_B, _HQ, _TQ)).astype(np.float32)
+    allowed = _seg_allowed()
+    want = np_attention_grads(q, k, v, d_out, d_lse, bias=bias, mask=allowed)
+    # Poison only keys that no row may see: past batch 0's length, segment 2 of batch 1.
+    kp, vp = k.copy(), v.copy()
+    kp[0, 4, 0, 1] = np.nan
+    vp[0, 5, 1, 0] = np.inf
+    kp[0, 6, :, :] = -np.inf
+    kp[1, 6, 1, 2] = np.nan
+    vp[1, 6, 0, :] = np.nan
+    spec = AttentionSpec(mask=_SEG_MASK, bias=jnp.asarray(bias))
+    (out, lse), (dq, dk, dv, dbias, _) = _vjp(spec, q, kp, vp, d_out, d_lse)
+    np.testing.assert_allclose(np.asarray(out), want["out"], atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(lse), want["lse"], atol=1e-5, rtol=1e-5)
+    for name, g in (("dq", dq), ("dk", dk), ("dv", dv), ("dbias", dbias)):
+        np.testing.assert_allclose(np.asarray(g), want[name], atol=1e-5, rtol=1e-5,
+                                   err_msg=name)
+    # A row that does see a non-finite key is NaN, honestly, and only that row:
+    # batch 1's key 1 (segment 0, kv head 0) is seen by rows 0, 1 of query heads 0, 1.
+    vp[1, 1, 0, 2] = np.nan
+    (out, lse), (dq, *_) = _vjp(spec, q, kp, vp, d_out, d_lse)
+    nan_rows = np.zeros((_B, _HQ, _TQ), bool)
+    nan_rows[1, :2, :2] = True
+    np.testing.assert_array_equal(np.isnan(np.asarray(lse)), nan_rows)
+    out_rows = np.isnan(np.asarray(out)).any(-1).transpose(0, 2, 1)
+    np.testing.assert_array_equal(out_rows, nan_rows)
+    clean = ~nan_rows
+    np.testing.assert_allclose(np.asarray(lse)[clean], want["lse"][clean], atol=1e-5, rtol=1e-5)
+    dq_clean = clean.transpose(0, 2, 1)
+    np.testing.assert_allclose(np.asarray(dq)[dq_clean], want["dq"][dq_clean], atol=1e-5,
+                               rtol=1e-5)
+
+
+def test_infinite_sinks_forward_and_gradients():
+    # Head 0: +inf (takes all the mass), heads 1 and 3: -inf (no sink), head 2: finite;
+    # batch 0's rows see 4 keys, batch 1's rows 2..4 none (lengths).
+    rs = np.random.default_rng(12)
+    q, k, v = _qkv(rs)
+    sinks = np.array([np.inf, -np.inf, 0.3, -np.inf], np.float32)
+    mask = masks.lengths(q_lengths=jnp.array([5, 2]), kv_lengths=jnp.array([4, 7]))
+    allowed = np.zeros((_B, 1, _TQ, _TK), bool)
+    allowed[0, :, :, :4] = True
+    allowed[1, :, :2, :] = True
+    d_out = rs.standard_normal(q.shape).astype(np.float32)
+    d_lse = rs.standard_normal((_B, _HQ, _TQ)).astype(np.float32)
+    spec = AttentionSpec(mask=mask)
+    (out, lse), (dq, dk, dv, _, dsinks) = _vjp(spec, q, k, v, d_out, d_lse,
+                                               jnp.asarray(sinks))
+    # The model: head 0 as if it had no sink and no cotangent, then out 0, lse +inf.
+    inf_head = np.isposinf(sinks)
+    keep = ~inf_head[None, None, :, None]
+    want = np_attention_grads(q, k, v, d_out * keep, d_lse * keep[..., 0].transpose(0, 2, 1),
+                              mask=allowed, sinks=np.where(inf_head, -np.inf, sinks))
+    want["out"][:, :, inf_head] = 0.0
+    want["lse"][:, inf_head] = np.inf
+    want["dsinks"][inf_head] = d_lse[:, inf_head].sum((0, 2))
+    for name, x in (("out", out), ("lse", lse), ("dq", dq), ("dk", dk), ("dv", dv),
+                    ("dsinks", dsinks)):
+        x = np.asarray(x)
+        assert not np.isnan(x).any(), name
+        np.testing.assert_allclose(x, want[name], atol=1e-5, rtol=1e-5, err_msg=name)
+    # fully masked rows without a sink: out 0, lse -inf
+    assert np.isneginf(np.asarray(lse)[1, 1, 2:]).all()
+
+
+def test_float64_inputs_compute_in_float64():
+    rs = np.random.default_rng(13)
+    q, k, v = _qkv(rs, np.float64)
+    bias = rs.standard_normal((_HQ, _TQ, _TK))
+    sinks = rs.standard_normal(_HQ)
+    d_out = rs.standard_normal(q.shape)
+    d_lse = rs.standard_normal((_B, _HQ, _TQ))
+    want = np_attention_grads(q, k, v, d_out, d_lse, bias=bias[None], sinks=sinks,
+                              mask=_seg_allowed(), softcap=2.0)
+    with jax.enable_x64(True):
+        spec = AttentionSpec(mask=_SEG_MASK, bias=jnp.asarray(bias), softcap=2.0)
+        (out, lse), grads = _vjp(spec, *(jnp.asarray(x) for x in (q, k, v, d_out, d_lse)),
+                                 sinks=jnp.asarray(sinks))
+        assert out.dtype == lse.dtype == jnp.float64
+        np.testing.assert_allclose(np.asarray(out), want["out"], rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(np.asarray(lse), want["lse"], rtol=1e-12, atol=1e-12)
+        for name, g in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads):
+            assert g.dtype == jnp.float64, name
+            w = reduce_to(want[name], g.shape) if name == "dbias" else want[name]
+            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-10, atol=1e-10, err_msg=name)
+        # float32 inputs under x64: float32 arithmetic, lse float32, as without x64
+        q32, k32, v32 = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+        r = jax.jit(fnattn.reference)(AttentionSpec(mask=_SEG_MASK), q32, k32, v32)
+        assert r.out.dtype == r.lse.dtype == jnp.float32
+    r0 = jax.jit(fnattn.reference)(AttentionSpec(mask=_SEG_MASK), q32, k32, v32)
+    np.testing.assert_array_equal(np.asarray(r.out), np.asarray(r0.out))
+    np.testing.assert_array_equal(np.asarray(r.lse), np.asarray(r0.lse))

@@ -6,7 +6,9 @@ gradients, with a document mask whose segment ids are sharded with the batch
 and sinks split like the heads), decode (forward and gradients) on its share of
 a contiguous cache, and ragged paged attention on its kv heads of a paged pool.
 Each result must equal the same call on the whole, unsharded arrays; the
-gradient of the sinks, replicated along the batch axis, is summed over it. And the Triton and Mosaic
+gradient of the sinks, replicated along the batch axis, is summed over it. Dropout
+with one replicated key and ``dropout.shard_offsets`` draws exactly the unsharded
+mask. And the Triton and Mosaic
 kernels of all three, inside ``shard_map``, lower for GPU and TPU.
 
 The host device count is fixed when JAX starts, so the checks run in a fresh
@@ -187,6 +189,47 @@ def check_kernels_lower(mesh):
             assert kernel in text, (fn.__name__, platform)
 
 
+def check_dropout(mesh):
+    """Dropout with one replicated key under data and head parallelism: with
+    ``dropout.shard_offsets`` every shard draws its rows of the unsharded mask
+    (forward and gradients equal the unsharded call); without them the shards
+    repeat one mask, which this check also shows."""
+    rs = np.random.default_rng(1)
+    B, T, Hq, Hkv, D = 4, 24, 4, 2, 8
+    q = jnp.asarray(rs.standard_normal((B, T, Hq, D)), F32)
+    k = jnp.asarray(rs.standard_normal((B, T, Hkv, D)), F32)
+    v = jnp.asarray(rs.standard_normal((B, T, Hkv, D)), F32)
+    key = jax.random.key(7)
+    for impl in ("auto", "xla"):
+        spec = AttentionSpec(mask=masks.causal(), dropout_rate=0.4, dropout_key=key, impl=impl,
+                             block_sizes=fnattn.XlaBlockSizes(8, 8))
+
+        def run(q, k, v, offsets):
+            def loss(q, k, v):
+                return jnp.sum(fnattn.attention(spec.replace(dropout_offsets=offsets(q)),
+                                                q, k, v).out ** 2)
+            return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+        whole = jax.jit(lambda q, k, v: fnattn.attention(spec, q, k, v).out)(q, k, v)
+        g_whole = jax.jit(lambda q, k, v: run(q, k, v, lambda q: None)[1])(q, k, v)
+        for with_offsets in (True, False):
+            offsets = ((lambda q: fnattn.dropout.shard_offsets(q, batch_axis="data",
+                                                               head_axis="model"))
+                       if with_offsets else (lambda q: None))
+            qs, kvs = P("data", None, "model"), P("data", None, "model")
+            f = jax.jit(jax.shard_map(
+                lambda q, k, v: (fnattn.attention(spec.replace(dropout_offsets=offsets(q)),
+                                                  q, k, v).out, run(q, k, v, offsets)[1]),
+                mesh=mesh, in_specs=(qs, kvs, kvs), out_specs=(qs, (qs, kvs, kvs))))
+            out, grads = f(q, k, v)
+            if with_offsets:
+                _close(f"dropout {impl} out", out, whole, 1e-5)
+                for name, a, b in zip("qkv", grads, g_whole):
+                    _close(f"dropout {impl} d{name}", a, b, 1e-4)
+            else:
+                assert not np.allclose(np.asarray(out), np.asarray(whole), atol=1e-3), impl
+
+
 def main():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     global problems, abstract_mesh, target
@@ -198,6 +241,7 @@ def main():
     check_flash(mesh, "pallas")
     check_decode(mesh)
     check_ragged_paged(mesh)
+    check_dropout(mesh)
     check_kernels_lower(mesh)
     print("shard_map checks passed")
 

@@ -148,8 +148,10 @@ def test_attention_output_is_a_pytree():
     (dict(dropout_rate=-0.1), ValueError, r"dropout_rate must be in \[0, 1\)"),
     (dict(mask=np.ones((3, 3), bool)), TypeError, "Wrap a boolean array with masks.from_array"),
     (dict(return_lse=1), TypeError, "return_lse must be a bool"),
-    (dict(block_sizes=[16, 16]), TypeError, "block_sizes is static configuration and must be "
-                                            "hashable"),
+    (dict(block_sizes=[16, 16]), TypeError, r"block_sizes must be None, a block-size object "
+                                            r".* or a tuple of them, one per lowering; got list"),
+    (dict(block_sizes=16), TypeError, "block_sizes must be None, a block-size object"),
+    (dict(block_sizes=(fnattn.XlaBlockSizes(8, 8), 16)), TypeError, "got tuple"),
 ])
 def test_static_validation(kwargs, exc, match):
     with pytest.raises(exc, match=match):

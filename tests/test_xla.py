@@ -101,3 +101,72 @@ def test_dropout_uses_the_same_keep_mask_as_the_reference():
     # a different key gives a different result
     c = jax.jit(fnattn.attention)(spec.replace(dropout_key=jax.random.key(99)), q, k, v)
     assert not np.allclose(np.asarray(a.out), np.asarray(c.out))
+
+
+def _vjp(f, spec, q, k, v, d_out, d_lse):
+    """((out, lse), (dq, dk, dv, dbias, dsinks)) with explicit cotangents, one call."""
+    def g(q, k, v, bias, sinks):
+        r = f(spec.replace(bias=bias, sinks=sinks), q, k, v)
+        return r.out, r.lse
+
+    def run(q, k, v, bias, sinks, d_out, d_lse):
+        res, vjp = jax.vjp(g, q, k, v, bias, sinks)
+        return res, vjp((d_out.astype(res[0].dtype), d_lse.astype(res[1].dtype)))
+
+    return jax.jit(run)(q, k, v, spec.bias, spec.sinks, d_out, d_lse)
+
+
+def test_float16_gradients_do_not_overflow_with_large_cotangents():
+    # dO.V beyond float16's 65504 (loss scaling): the backward accumulates in float32
+    # and only the gradients are rounded to float16.
+    rs = np.random.default_rng(5)
+    q, k = (jnp.asarray(rs.standard_normal(s), jnp.float32) for s in ((2, 7, 6, 5), (2, 11, 2, 5)))
+    v = jnp.asarray(rs.standard_normal((2, 11, 2, 3)) * 2, jnp.float32)
+    d_out = jnp.asarray(rs.standard_normal((2, 7, 6, 3)) * 8e3, jnp.float32)
+    d_lse = jnp.asarray(rs.standard_normal((2, 6, 7)) * 8e3, jnp.float32)
+    bias = jnp.asarray(rs.standard_normal((6, 7, 11)), jnp.float32)
+    spec = AttentionSpec(mask=masks.causal(), bias=bias, sinks=jnp.zeros(6), impl="xla")
+    h = jnp.float16
+    _, g = _vjp(fnattn.attention, spec.replace(bias=bias.astype(h)),
+                *(x.astype(h) for x in (q, k, v, d_out)), d_lse)
+    _, r = _vjp(fnattn.reference, spec,
+                *(x.astype(h).astype(jnp.float32) for x in (q, k, v, d_out)), d_lse)
+    for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsinks"), g, r):
+        a = f64(a)
+        assert np.isfinite(a).all(), name
+        np.testing.assert_allclose(a / np.abs(b).max(), f64(b) / np.abs(b).max(), atol=2e-3,
+                                   err_msg=name)
+
+
+def test_float64_inputs_compute_in_float64_under_x64():
+    rs = np.random.default_rng(6)
+    q, k, v, d_out = (rs.standard_normal(s) for s in ((2, 7, 6, 5), (2, 11, 2, 5), (2, 11, 2, 3),
+                                                       (2, 7, 6, 3)))
+    d_lse = rs.standard_normal((2, 6, 7))
+    bias, sinks = rs.standard_normal((6, 7, 11)), rs.standard_normal(6)
+    mask = masks.lengths(kv_lengths=jnp.array([5, 11])) & masks.causal()
+    allowed = np.tril(np.ones((7, 11), bool), 4)[None, None] & (np.arange(11) < np.array(
+        [5, 11])[:, None, None, None])
+    want = np_attention_grads(q, k, v, d_out, d_lse, bias=bias[None], sinks=sinks, mask=allowed,
+                              softcap=2.0)
+    with jax.enable_x64(True):
+        spec = AttentionSpec(mask=mask, bias=jnp.asarray(bias), sinks=jnp.asarray(sinks),
+                             softcap=2.0, impl="xla")
+        (out, lse), g = _vjp(fnattn.attention, spec, *(jnp.asarray(x) for x in
+                                                       (q, k, v, d_out, d_lse)))
+        # float32 inputs: float32 arithmetic, as without x64
+        spec32 = spec.replace(bias=jnp.asarray(bias, jnp.float32),
+                              sinks=jnp.asarray(sinks, jnp.float32))
+        args32 = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, d_out, d_lse))
+        x32 = _vjp(fnattn.attention, spec32, *args32)
+    base = _vjp(fnattn.attention, spec32, *args32)
+    assert out.dtype == lse.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(out), want["out"], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(lse), want["lse"], rtol=1e-12, atol=1e-12)
+    for name, x in zip(("dq", "dk", "dv", "dbias", "dsinks"), g):
+        assert x.dtype == jnp.float64, name
+        w = reduce_to(want[name], x.shape) if name == "dbias" else want[name]
+        np.testing.assert_allclose(np.asarray(x), w, rtol=1e-10, atol=1e-10, err_msg=name)
+    for a, b in zip(jax.tree_util.tree_leaves(x32), jax.tree_util.tree_leaves(base)):
+        assert a.dtype == b.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)

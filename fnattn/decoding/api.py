@@ -36,10 +36,14 @@ other     XLA (fnattn/decoding/xla.py)               Triton kernel, interpreted
 
 ``impl="xla"`` is the XLA lowering everywhere. On TPU, ``impl="auto"`` reads
 float16 caches with the XLA lowering (the kernel would first copy them to
-float32) and float64 ones too (the kernel refuses them,
-:func:`fnattn.decoding.mosaic.unsupported`); ``impl="pallas"`` raises
-``NotImplementedError`` for float64 (at trace time, on every platform, since
-every branch is traced).
+float32). float64 inputs are refused at trace time (``TypeError``): every
+lowering computes in float32; cast them.
+
+**Bad run-time values** (a length past the cache, a negative start) are
+clipped to the cache (``0 <= start``, ``start + length <= S``), never read out
+of bounds; ``checked=True`` reports them as ``jax.experimental.checkify``
+errors (:func:`check_inputs`). Cache slots outside a sequence's range may hold
+anything, NaN included: they contribute nothing to its result or gradients.
 
 The XLA lowering reads every cached key once: decode is bound by memory
 bandwidth, and XLA fuses the products, softmax and split merge into a few
@@ -53,6 +57,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 from beartype import beartype
+from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import _checks, _dispatch, masks
@@ -60,7 +65,7 @@ from fnattn._varying import varying_like
 from fnattn.decoding import xla
 from fnattn.spec import AttentionOutput, AttentionSpec
 
-__all__ = ["Cfg", "DecodeBlockSizes", "decode", "lowering_table"]
+__all__ = ["Cfg", "DecodeBlockSizes", "check_inputs", "decode", "lowering_table"]
 
 I32 = jnp.int32
 
@@ -106,6 +111,8 @@ def _given_splits(spec, S) -> Optional[int]:
 def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
     fn = "decode"
     dims = _checks.check_qkv(q, k_cache, v_cache, spec.layout, fn=fn)
+    from fnattn.paged.api import refuse_float64
+    refuse_float64(fn, q=q, k_cache=k_cache, v_cache=v_cache)
     B = dims.batch
     for name, x in (("kv_lengths", kv_lengths), ("kv_starts", kv_starts)):
         if x is None:
@@ -135,10 +142,56 @@ def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
     return dims
 
 
+def check_inputs(cache_len: int, new_tokens: int, kv_lengths, kv_starts=None) -> None:
+    """Reports the run-time values that :func:`decode` would clip, as
+    ``jax.experimental.checkify`` errors.
+
+    ``decode`` never reads outside the cache whatever these values are (it clips
+    them: ``0 <= start <= S``, ``0 <= length <= S - start``); this says *that* a
+    value was wrong. Call it inside a function transformed by
+    ``checkify.checkify`` (or pass ``checked=True`` to :func:`decode`, which calls
+    it with the cache length ``S`` and the ``Tq`` new tokens).
+
+    Checks, for every sequence ``b``: ``kv_lengths[b] >= 0``; ``0 <= kv_starts[b]
+    <= S``; ``kv_starts[b] + kv_lengths[b] <= S``; and ``kv_lengths[b]`` is 0 (an
+    empty sequence) or at least ``Tq`` (the length includes the new tokens).
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.experimental import checkify
+    >>> from fnattn.decoding.api import check_inputs
+    >>> f = lambda lengths, starts: check_inputs(16, 1, lengths, starts)
+    >>> err, _ = jax.jit(checkify.checkify(f))(jnp.array([4, 9]), jnp.array([0, 10]))
+    >>> print(err.get())  # doctest: +ELLIPSIS
+    kv_starts[1] + kv_lengths[1] = 10 + 9 is past the cache's S=16 slots...
+    """
+    S = cache_len
+    lengths = kv_lengths.astype(I32)
+    B = lengths.shape[0]
+    starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts.astype(I32)
+    neg = lengths < 0
+    b = jnp.argmax(neg)
+    checkify.check(~neg.any(), "kv_lengths[{b}] = {x} is negative", b=b, x=lengths[b])
+    if kv_starts is not None:
+        out = (starts < 0) | (starts > S)
+        b = jnp.argmax(out)
+        checkify.check(~out.any(), "kv_starts[{b}] = {x} is outside the cache [0, S={S}]",
+                       b=b, x=starts[b], S=jnp.int32(S))
+    past = (starts >= 0) & (starts <= S) & (lengths > S - starts)  # (no int32 overflow)
+    b = jnp.argmax(past)
+    checkify.check(~past.any(), "kv_starts[{b}] + kv_lengths[{b}] = {a} + {x} is past the "
+                   "cache's S={S} slots", b=b, a=starts[b], x=lengths[b], S=jnp.int32(S))
+    short = (lengths > 0) & (lengths < new_tokens)
+    b = jnp.argmax(short)
+    checkify.check(~short.any(), "kv_lengths[{b}] = {x} is less than the Tq={n} new tokens "
+                   "(the length includes them; 0 marks an empty sequence)", b=b, x=lengths[b],
+                   n=jnp.int32(new_tokens))
+
+
 @jaxtyped(typechecker=beartype)
 def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, "..."],
            v_cache: Shaped[Array, "..."], *, kv_lengths: Shaped[Array, "..."],
-           kv_starts: Optional[Shaped[Array, "..."]] = None) -> AttentionOutput:
+           kv_starts: Optional[Shaped[Array, "..."]] = None,
+           checked: bool = False) -> AttentionOutput:
     """Attention of the newest ``Tq`` tokens of each sequence over its cached keys.
 
     Args:
@@ -152,6 +205,9 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
       kv_lengths: (B,) int, valid keys of each sequence (new tokens included).
         Values are clipped to the cache: ``0 <= start``, ``start + length <= S``.
       kv_starts: (B,) int, first valid slot of each sequence (default 0).
+      checked: also report the values that would be clipped (and lengths below
+        Tq) with ``checkify``: wrap the call in ``checkify.checkify``; see
+        :func:`check_inputs`.
 
     Returns:
       :class:`AttentionOutput`: ``out`` like q with head dim Dv, ``lse``
@@ -166,12 +222,23 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
     >>> ref = fnattn.reference(spec, q[1:], k[1:, :9], v[1:, :9])      # sequence 1's 9 keys
     >>> bool(jnp.allclose(res.out[1:], ref.out, atol=1e-5)), res.lse.shape
     (True, (2, 8, 1))
+
+    With ``checked=True`` a length past the cache is reported instead of clipped:
+
+    >>> from jax.experimental import checkify
+    >>> f = checkify.checkify(lambda q, k, v, L: fnattn.decode(spec, q, k, v, kv_lengths=L,
+    ...                                                         checked=True))
+    >>> err, res = jax.jit(f)(q, k, v, jnp.array([40, 70]))
+    >>> print(err.get())  # doctest: +ELLIPSIS
+    kv_starts[1] + kv_lengths[1] = 0 + 70 is past the cache's S=64 slots...
     """
     dims = _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts)
     B, _, S, _, Hkv, D, _ = dims
     qb, kb, vb = (_checks.to_bthd(x, spec.layout) for x in (q, k_cache, v_cache))
     scale = _checks.resolve_scale(spec, D)
     ns = _given_splits(spec, S)
+    if checked:
+        check_inputs(S, qb.shape[1], kv_lengths, kv_starts)
     starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts.astype(I32)
     starts = jnp.clip(starts, 0, S)
     lengths = jnp.clip(kv_lengths.astype(I32), 0, S - starts)
@@ -239,7 +306,7 @@ def _attend_bwd(table, cfg, res, cotangents):
     d_out, d_lse = cotangents
 
     def f(q, k, v, sinks):
-        return xla.forward(cfg, q, k, v, starts, lengths, sinks)
+        return xla.forward(cfg, q, k, v, starts, lengths, sinks, sanitize=True)
 
     _, vjp = jax.vjp(f, q, k, v, sinks)
     dq, dk, dv, dsinks = vjp((d_out.astype(q.dtype), d_lse.astype(jnp.float32)))

@@ -135,6 +135,17 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         k, v = k_ref[...], v_ref[...]
         vpos = j * K.bk + lax.broadcasted_iota(I32, v.shape, 0) - start
         v = jnp.where((vpos >= 0) & (vpos < length), v, jnp.zeros_like(v))
+        # Non-finite keys: zeroed, and their logits NaN before the masking (the rule
+        # of fnattn._online.finite_keys). Needed where a NaN could reach a row
+        # that may not see its key: keys the mask hides from some rows (K or V), and
+        # with hb > 1 the other heads' columns of K, which every head's product reads.
+        fk = fv = None
+        if mask is not None or K.hb > 1:
+            fk = jnp.isfinite(k.astype(F32))   # (TPUs test finiteness in float32 only)
+            k = jnp.where(fk, k, jnp.zeros_like(k))
+        if mask is not None:
+            fv = jnp.isfinite(v.astype(F32))
+            v = jnp.where(fv, v, jnp.zeros_like(v))
         shape = (K.M, K.bk)
         kpos = j * K.bk + lax.broadcasted_iota(I32, shape, 1) - start
         in_range = (kpos >= 0) & (kpos < length)
@@ -147,6 +158,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
             s = lax.dot_general(q_ref[hh], k, NT, preferred_element_type=F32) * K.scale
             if K.softcap is not None:
                 s = K.softcap * jnp.tanh(s / K.softcap)
+            if fk is not None:
+                s = jnp.where(_nonfinite(fk, fv, hh, K), jnp.nan, s)
             ok = in_range
             if mask is not None:
                 h = hg * K.hb + hh
@@ -172,6 +185,26 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
             o_ref[hh] = (acc / safe).astype(o_ref.dtype)
             lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
             lse_ref[hh] = jnp.broadcast_to(lse, (K.M, LANES))
+
+
+def _nonfinite(fk, fv, hh: int, K: _K):
+    """(M, bk) true in the columns of keys whose K (or, given ``fv``, V) holds a
+    non-finite value in head ``hh``'s columns of the block: a product of head hh's
+    column indicator with the non-finite indicators, which lands the per-key answer
+    along lanes without a transpose (0/1 counts are exact in bfloat16 operands with a
+    float32 result)."""
+    ind = jnp.bfloat16
+
+    def count(finite):
+        width = finite.shape[1] // K.hb
+        cols = lax.broadcasted_iota(I32, (K.M, finite.shape[1]), 1)
+        mine = ((cols >= hh * width) & (cols < (hh + 1) * width)).astype(ind)
+        return lax.dot_general(mine, (~finite).astype(ind), NT, preferred_element_type=F32)
+
+    n = count(fk)
+    if fv is not None:
+        n = n + count(fv)
+    return n > 0
 
 
 def unsupported(cfg, q, k, v) -> Optional[str]:

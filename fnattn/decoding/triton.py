@@ -155,17 +155,23 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         ok = kpos < length
         slot = (start + kpos)[:, None]
         k = plgpu.load(k_ref.at[b, slot, h, dcols], mask=both(ok[:, None], dmask), other=0.0)
+        load_v = lambda: plgpu.load(v_ref.at[b, slot, h, vcols],  # noqa: E731
+                                    mask=both(ok[:, None], vmask), other=0.0)
+        bad = None
+        if mask is not None:
+            # Slots outside the range are never loaded; keys of the sequence that the
+            # mask hides from some rows may still hold NaN (see _online.finite_keys).
+            k, v, bad = online.finite_keys(k, load_v())
+            load_v = lambda: v  # noqa: E731
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+        if bad is not None:
+            s = jnp.where(bad[None, :], jnp.nan, s)
         allowed = ok[None, :]
         if mask is not None:
             pos = masks.Positions(b=b, h=head_rows, q=raw_rows, q_pos=qpos_rows,
                                   k=kpos[None, :])
             allowed = allowed & mask.predicate(pos, [])
-        return online.step_exp2(
-            carry, s, allowed,
-            lambda: plgpu.load(v_ref.at[b, slot, h, vcols], mask=both(ok[:, None], vmask),
-                               other=0.0),
-            scale=K.scale, softcap=K.softcap)
+        return online.step_exp2(carry, s, allowed, load_v, scale=K.scale, softcap=K.softcap)
 
     acc = jnp.zeros((K.M, K.Dvp), F32)
     m = jnp.full((K.M,), -jnp.inf, F32)

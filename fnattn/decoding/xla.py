@@ -8,9 +8,12 @@ the products (see :func:`choose`) suit different numbers of query rows per kv
 head. Plain ``jnp``: differentiable.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
+from fnattn import _online as online
 from fnattn import masks
 from fnattn.merging import merge_stacked
 
@@ -40,21 +43,40 @@ def choose(cfg, rows: int, cache_len: int):
     return form, 1
 
 
-def forward(cfg, q, k, v, starts, lengths, sinks):
-    """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) q.dtype, lse (B, Hq, Tq)."""
+def forward(cfg, q, k, v, starts, lengths, sinks, *, sanitize=None):
+    """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) q.dtype, lse (B, Hq, Tq).
+
+    ``sanitize=None`` passes over the cache for non-finite keys only when it holds
+    some (``_online.clean_unless_garbage``); ``True`` always does, which is what
+    the backward differentiates (through a ``cond``, the untaken branch would
+    get zero cotangents, and 0 times the NaN of a poisoned slot is NaN).
+    """
     form, ns = choose(cfg, q.shape[1] * q.shape[2] // k.shape[2], k.shape[1])
-    out, lse = _attend(cfg, q, k, v, starts, lengths, sinks, num_splits=ns, form=form)
+    f = functools.partial(_attend, cfg, q, k, v, starts, lengths, sinks, num_splits=ns)
+    if sanitize is None:
+        # The rare garbage branch uses the "mixed" form, whose products with the
+        # zeroed values fuse into one reduction (no copy of the cache), and keeps
+        # K as it is (a non-finite K already gives its key a NaN logit).
+        out, lse = online.clean_unless_garbage(
+            lambda clean: (f(True, form="mixed", clean_keys=False) if clean
+                           else f(False, form=form)))
+    else:
+        out, lse = f(sanitize, form=form)[:2]
     return out.astype(q.dtype), lse
 
 
 def reference_forward(cfg, q, k, v, starts, lengths, sinks):
     """One split, plain batched products (impl="reference")."""
-    out, lse = _attend(cfg, q, k, v, starts, lengths, sinks, num_splits=1, form="dot")
+    out, lse = online.clean_unless_garbage(functools.partial(
+        _attend, cfg, q, k, v, starts, lengths, sinks, num_splits=1, form="dot"))
     return out.astype(q.dtype), lse
 
 
-def _attend(cfg, q, k, v, starts, lengths, sinks, *, num_splits, form):
-    """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) f32, lse (B, Hq, Tq)."""
+def _attend(cfg, q, k, v, starts, lengths, sinks, sanitize, *, num_splits, form,
+            clean_keys=True):
+    """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) f32, lse (B, Hq, Tq),
+    and whether everything was finite (see ``_online.clean_unless_garbage``).
+    ``clean_keys=False`` sanitises only V (enough for the forward)."""
     B, Tq, Hq, D = q.shape
     _, S, Hkv, Dv = v.shape
     G, ns = Hq // Hkv, num_splits
@@ -63,12 +85,23 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, *, num_splits, form):
     # q as (B, Hkv, R) rows, row r = t * G + g; scaled before the products.
     qr = (q.astype(F32) * cfg.scale).reshape(B, Tq, Hkv, G, D).transpose(0, 2, 1, 3, 4)
     qr = qr.reshape(B, Hkv, R, D)
+    # Slots outside a sequence's range may hold anything (NaN from an earlier
+    # request, never-written memory): when sanitising, their logits become NaN
+    # before the masking below (_online.finite_keys), so a key a row may not see
+    # contributes nothing to it (forward and gradients) and a row that sees a
+    # non-finite key gets NaN.
+    bad = False
+    if sanitize:
+        k_clean, v, bad = online.finite_keys(k, v)
+        k = k_clean if clean_keys else k
+        bad = bad.reshape(B, ns, C, Hkv, 1)      # (b, n, c, h, r)
     kr = k.reshape(B, ns, C, Hkv, D)             # free reshapes: no copy of the cache
     vr = v.reshape(B, ns, C, Hkv, Dv)
     if form == "mixed":   # s[b, n, c, h, r]: keys in the cache's own order
         s = jnp.einsum("bhrd,bnchd->bnchr", qr.astype(k.dtype), kr, preferred_element_type=F32)
     else:                 # s[b, n, h, r, c]: keys last
         s = jnp.einsum("bhrd,bnchd->bnhrc", qr.astype(k.dtype), kr, preferred_element_type=F32)
+    finite = sanitize or jnp.all(jnp.isfinite(s))    # before the cap hides an inf
     if cfg.softcap is not None:
         s = cfg.softcap * jnp.tanh(s / cfg.softcap)
     # Positions: key slot n*C + c is at logical position slot - start; row r is
@@ -86,20 +119,24 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, *, num_splits, form):
         pos = masks.Positions(b=b, h=h, q=t, q_pos=q_pos, k=kpos)
         ok = ok & mask.predicate(pos, [])
     kax = 2
-    if form == "dot":     # ok was built as (b, n, c, h, r)
+    if form == "dot":     # ok and bad were built as (b, n, c, h, r)
         ok, kax = jnp.moveaxis(ok, 2, -1), 4
+        bad = jnp.moveaxis(bad, 2, -1) if sanitize else bad
+    if sanitize:
+        s = jnp.where(bad, jnp.nan, s)
     s = jnp.where(ok, s, -jnp.inf)
     m = jnp.max(s, axis=kax)                     # (B, ns, Hkv, R)
-    m_safe = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    m_safe = jax.lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
     p = jnp.exp(s - jnp.expand_dims(m_safe, kax))
     l = jnp.sum(p, axis=kax)
     if form == "mixed":
         o = jnp.sum(p[..., None] * vr[:, :, :, :, None, :].astype(F32), axis=2)
     else:
         o = jnp.einsum("bnhrc,bnchd->bnhrd", p.astype(v.dtype), vr, preferred_element_type=F32)
-    seen = l > 0
-    part_lse = jnp.where(seen, m_safe + jnp.log(jnp.where(seen, l, 1.0)), -jnp.inf)
-    part_out = o / jnp.where(seen, l, 1.0)[..., None]
+    empty = l == 0                               # (a row that saw a NaN key stays NaN)
+    safe = jnp.where(empty, 1.0, l)
+    part_lse = jnp.where(empty, -jnp.inf, m_safe + jnp.log(safe))
+    part_out = o / safe[..., None]
     sink = None
     if sinks is not None:
         sinks = sinks.astype(F32).reshape(Hkv, G)
@@ -108,4 +145,6 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, *, num_splits, form):
     out, lse = merge_stacked(jnp.moveaxis(part_out, 1, 0), jnp.moveaxis(part_lse, 1, 0), sink)
     out = out.reshape(B, Hkv, Tq, G, Dv).transpose(0, 2, 1, 3, 4).reshape(B, Tq, Hq, Dv)
     lse = lse.reshape(B, Hkv, Tq, G).transpose(0, 1, 3, 2).reshape(B, Hq, Tq)
-    return out, lse
+    if not sanitize:
+        finite = finite & jnp.all(jnp.isfinite(part_out))
+    return out, lse, finite

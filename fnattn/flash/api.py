@@ -9,8 +9,13 @@ cuda      Pallas Triton kernels (fnattn/flash/triton)  the same
 tpu       Pallas Mosaic kernels (fnattn/flash/mosaic)  the same
 other     blockwise XLA loops (fnattn/flash/xla.py)    Triton kernels, interpreted
 ========  ===========================================  ============================
+
+float64 inputs (with ``jax_enable_x64``) are computed in float64 by the XLA
+lowering on every platform under impl="auto"; the Pallas kernels compute in
+float32, so impl="pallas" refuses float64.
 """
 
+import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
@@ -22,8 +27,16 @@ from fnattn.spec import AttentionOutput, AttentionSpec
 __all__ = ["flash", "lowering_table"]
 
 
-def lowering_table(impl: str):
-    """The (platform, lowering) pairs for ``impl``."""
+def lowering_table(impl: str, dtype=None):
+    """The (platform, lowering) pairs for ``impl`` (and the inputs' ``dtype``)."""
+    if dtype is not None and jnp.dtype(dtype) == jnp.float64:
+        if impl == "pallas":
+            raise NotImplementedError(
+                "flash: float64 inputs are not supported by impl='pallas' (the Triton and "
+                "Mosaic kernels compute in float32); impl='auto' or 'xla' compute float64 in "
+                "float64 on every platform, or cast q, k and v to float32.")
+        if impl in ("auto", "xla"):
+            return (("default", xla.LOWERING),)
     if impl == "auto":
         return (("default", xla.LOWERING), ("cuda", triton.LOWERING), ("tpu", mosaic.LOWERING))
     if impl == "xla":
@@ -64,4 +77,4 @@ def flash(spec: AttentionSpec, q: Shaped[Array, "_ _ _ _"], k: Shaped[Array, "_ 
     """
     if spec.impl == "reference":
         return reference(spec, q, k, v)
-    return core.run(spec, q, k, v, fn="flash", table=lowering_table(spec.impl))
+    return core.run(spec, q, k, v, fn="flash", table=lowering_table(spec.impl, q.dtype))

@@ -5,9 +5,11 @@ Three kernels, each a plain function below, in the style of splash attention:
 * ``_fwd_kernel``  grid (B, Hq, q-blocks, kv-steps): online softmax with the
   running max ``m`` and sum ``l`` kept lane-replicated in (block_q, 128) VMEM
   scratch and the output accumulated in a (block_q, Dv) f32 scratch; initialised
-  at the first kv-step and normalised at the last.
-* ``_dq_kernel``   grid (B, Hq, q-blocks, kv-steps): recomputes P from ``lse``;
-  dq, and dbias when the bias varies along the queries.
+  at the first kv-step and normalised at the last, where it writes ``lse`` and
+  ``lse_lo``, the rounding error of ``lse`` (:func:`fnattn._online.lse_parts`).
+* ``_dq_kernel``   grid (B, Hq, q-blocks, kv-steps): recomputes P as
+  ``exp((s - lse) - lse_lo)``, exact even when a row's logits are all near
+  -1e30; dq, and dbias when the bias varies along the queries.
 * ``_dkv_kernel``  grid (B, Hkv, kv-blocks, G * q-steps): works on transposed
   tiles (keys on sublanes, queries on lanes) so that every product is a plain
   or an RHS-transposed matmul; the G query heads of a GQA group run one after
@@ -21,9 +23,12 @@ int32 word per (row-block, step) packing the column block to visit and its
 class, plus the number of steps to take. The index maps read the schedule, so a
 step past the count points at the block visited last: the pipeline issues no
 DMA for it, and ``pl.when`` skips its compute. The mask is evaluated only on
-PARTIAL tiles. When the mask holds no arrays, the classes are computed at trace
-time and the grid is only as wide as the longest row of the schedule (a sliding
-window visits a few kv-blocks per q-block, not all of them). A schedule larger
+PARTIAL tiles, where non-finite K/V entries are also zeroed and a key holding
+one sets its logits to NaN before the mask: a key a row may not see adds
+nothing to it whatever its bits, a visible one makes the row NaN. When the mask
+holds no arrays, the classes are computed at trace time and the grid is only as
+wide as the longest row of the schedule (a sliding window visits a few
+kv-blocks per q-block, not all of them). A schedule larger
 than one call's share of SMEM (:data:`SCHEDULE_WORDS`; e.g. four 128k-token
 documents-masked sequences) is cut along its row-blocks into several calls, each
 writing its own rows, so neither batch size nor sequence length is limited.
@@ -32,7 +37,7 @@ Layout. q, k, v stay in "bthd" order, viewed as (B, T, H * D) with D padded to a
 multiple of 128 so that a (block, D) tile of one head is a legal TPU block; no
 transpose is needed when D is already a multiple of 128. Sequence lengths are
 padded to whole blocks (padded keys are masked, padded query rows dropped).
-Per-row statistics (``lse``, ``delta``) travel as (8, T) rows, queries on
+Per-row statistics (``lse``, ``lse_lo``, ``delta``) travel as (8, T) rows, queries on
 lanes. Mask operands and the bias become kernel inputs whose BlockSpec slices
 them to the tile along their non-1 axes: an operand varying along both axes is a
 (block, block) tile, one varying along the tile's rows only is stored
@@ -54,7 +59,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fnattn import _varying, dropout, masks
+from fnattn import _online, _varying, dropout, masks
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks
 
@@ -275,14 +280,48 @@ def _row_out(x):
     return jnp.transpose(x)[:SUBLANES, :]
 
 
+def _i32(x):
+    """A static int as an int32 scalar: ``lax.div``/``lax.rem`` take no weak
+    types, and a Python int is int64 under ``jax_enable_x64``."""
+    return np.int32(x)
+
+
+def _finite_kv(k, v, shape, *, keys_on_lanes):
+    """K and V tiles with non-finite entries zeroed (``where``, never a product),
+    and ``bad``, broadcast to the logits tile ``shape``: where a key's K or V
+    holds a non-finite value. On PARTIAL tiles only: a masked key must add
+    nothing whatever its bits, a visible one poisons its row honestly (the
+    caller sets its logits to NaN before the mask is applied).
+
+    ``keys_on_lanes``: keys are the columns of the logits (the forward and dq
+    kernels); the count of non-finite entries per key is then a small matmul,
+    which puts it on lanes without a transpose. Otherwise keys are rows (the
+    dk/dv kernel) and it is a lane reduction.
+    """
+    # In float32: Mosaic checks finiteness of float32 vectors only.
+    k32, v32 = k.astype(F32), v.astype(F32)
+    fk, fv = jnp.isfinite(k32), jnp.isfinite(v32)
+    nk, nv = (~fk).astype(F32), (~fv).astype(F32)
+    k = jnp.where(fk, k32, 0.0).astype(k.dtype)
+    v = jnp.where(fv, v32, 0.0).astype(v.dtype)
+    if keys_on_lanes:
+        ones_k = jnp.ones((SUBLANES, k.shape[1]), F32)
+        ones_v = jnp.ones((SUBLANES, v.shape[1]), F32)
+        cnt = (lax.dot_general(ones_k, nk, NT, preferred_element_type=F32)
+               + lax.dot_general(ones_v, nv, NT, preferred_element_type=F32))[0:1, :]
+    else:
+        cnt = jnp.max(nk, axis=1, keepdims=True) + jnp.max(nv, axis=1, keepdims=True)
+    return k, v, jnp.broadcast_to(cnt, shape) > 0.0
+
+
 # ----------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------
 
 
 def _fwd_kernel(code_ref, cnt_ref, *refs, K: _K):
-    (q_ref, k_ref, v_ref), bias_ref, sinks_ref, seed_ref, op_refs, (o_ref, lse_ref), \
-        (m_sc, l_sc, acc_sc) = _split(refs, K, 3, 2, 3)
+    (q_ref, k_ref, v_ref), bias_ref, sinks_ref, seed_ref, op_refs, (o_ref, lse_ref, lo_ref), \
+        (m_sc, l_sc, acc_sc) = _split(refs, K, 3, 3, 3)
     b, h, i, t = (pl.program_id(a) for a in range(4))
     row = K.sched_row(b, h, i)
     i = i + K.r0
@@ -296,8 +335,12 @@ def _fwd_kernel(code_ref, cnt_ref, *refs, K: _K):
         acc_sc[...] = jnp.zeros(acc_sc.shape, F32)
 
     def step(masked):
-        s, _ = _logits(K, q_ref[...], k_ref[...], NT, bias_ref, b, h)
+        k, v = k_ref[...], v_ref[...]
         if masked:
+            k, v, bad = _finite_kv(k, v, (K.br, K.bc), keys_on_lanes=True)
+        s, _ = _logits(K, q_ref[...], k, NT, bias_ref, b, h)
+        if masked:
+            s = jnp.where(bad, jnp.nan, s)
             s = jnp.where(_allowed(K, op_refs, b, h, i, j), s, -jnp.inf)
         m_prev = m_sc[...]
         m_next = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
@@ -311,7 +354,6 @@ def _fwd_kernel(code_ref, cnt_ref, *refs, K: _K):
         if K.rate > 0:
             keep = _keep(K, seed_ref, b, h, i, j)
             p = jnp.where(keep, p * (1.0 / (1.0 - K.rate)), 0.0)
-        v = v_ref[...]
         pv = lax.dot_general(p.astype(v.dtype), v, NN, preferred_element_type=F32)
         acc_sc[...] = acc_sc[...] * _lanes(alpha, acc_sc.shape[1]) + pv
 
@@ -321,24 +363,30 @@ def _fwd_kernel(code_ref, cnt_ref, *refs, K: _K):
     def _finish():
         m, l, acc = m_sc[...], l_sc[...], acc_sc[...]
         if sinks_ref is not None:
-            # Vector ops only: the scalar unit has no exp.
+            # _online.join_sink on lane-replicated statistics (vector ops only:
+            # the scalar unit has no exp). A sink of -inf is no sink; +inf
+            # takes all the mass (m = +inf, l = 1, acc = 0).
             sink = jnp.full(m.shape, sinks_ref[h], F32)
             m_fin = jnp.maximum(m, sink)
-            a = jnp.exp(m - m_fin)
-            l = l * a + jnp.exp(sink - m_fin)
+            m_use = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
+            a = jnp.exp(m - m_use)
+            l = l * a + jnp.where(sink == m_use, 1.0, jnp.exp(sink - m_use))
             acc = acc * _lanes(a, acc.shape[1])
             m = m_fin
-        ok = l > 0
-        safe = jnp.where(ok, l, 1.0)
+        lse, lo = _online.lse_parts(m, l)
+        # A row that saw a non-finite value has l = NaN: its lse is NaN, not -inf.
+        lse = jnp.where(jnp.isnan(l), jnp.nan, lse)
+        safe = jnp.where(l > 0, l, 1.0)
         o_ref[...] = (acc / _lanes(safe, acc.shape[1])).astype(o_ref.dtype)
-        lse_ref[...] = _row_out(jnp.where(ok, m + jnp.log(safe), -jnp.inf))
+        lse_ref[...] = _row_out(lse)
+        lo_ref[...] = _row_out(lo)
 
 
 def _dq_kernel(code_ref, cnt_ref, *refs, K: _K):
     n_out = 1 + (K.dbias is not None)
     n_scratch = 1 + (K.dbias == "row")
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), bias_ref, _, seed_ref, op_refs, outs, \
-        scratch = _split(refs, K, 6, n_out, n_scratch)
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, lo_ref, delta_ref), bias_ref, _, seed_ref, op_refs, \
+        outs, scratch = _split(refs, K, 7, n_out, n_scratch)
     dq_ref, dq_sc = outs[0], scratch[0]
     b, h, i, t = (pl.program_id(a) for a in range(4))
     row = K.sched_row(b, h, i)
@@ -353,14 +401,18 @@ def _dq_kernel(code_ref, cnt_ref, *refs, K: _K):
             scratch[1][...] = jnp.zeros(scratch[1].shape, F32)
 
     def step(masked):
-        k = k_ref[...]
+        k, v = k_ref[...], v_ref[...]
+        if masked:
+            k, v, bad = _finite_kv(k, v, (K.br, K.bc), keys_on_lanes=True)
         s, th = _logits(K, q_ref[...], k, NT, bias_ref, b, h)
         if masked:
+            s = jnp.where(bad, jnp.nan, s)
             s = jnp.where(_allowed(K, op_refs, b, h, i, j), s, -jnp.inf)
         lse = jnp.expand_dims(lse_ref[0], -1)
+        lo = jnp.expand_dims(lo_ref[0], -1)
         delta = jnp.expand_dims(delta_ref[0], -1)
-        p = jnp.exp(s - lse)
-        dp = lax.dot_general(do_ref[...], v_ref[...], NT, preferred_element_type=F32)
+        p = jnp.exp((s - lse) - lo)
+        dp = lax.dot_general(do_ref[...], v, NT, preferred_element_type=F32)
         if K.rate > 0:
             keep = _keep(K, seed_ref, b, h, i, j)
             dp = jnp.where(keep, dp * (1.0 / (1.0 - K.rate)), 0.0)
@@ -385,13 +437,13 @@ def _dq_kernel(code_ref, cnt_ref, *refs, K: _K):
 def _dkv_kernel(code_ref, cnt_ref, *refs, K: _K):
     n_out = 2 + (K.dbias is not None)
     n_scratch = 2 + (K.dbias is not None)
-    (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref), bias_ref, _, seed_ref, op_refs, outs, \
-        scratch = _split(refs, K, 6, n_out, n_scratch)
+    (q_ref, k_ref, v_ref, do_ref, lse_ref, lo_ref, delta_ref), bias_ref, _, seed_ref, op_refs, \
+        outs, scratch = _split(refs, K, 7, n_out, n_scratch)
     dk_ref, dv_ref = outs[:2]
     dk_sc, dv_sc = scratch[:2]
     b, hk, j, s_ = (pl.program_id(a) for a in range(4))
     # lax.div/rem: jnp's floor division lowers through sign, which needs a TPU.
-    g, t = lax.div(s_, K.W), lax.rem(s_, K.W)
+    g, t = lax.div(s_, _i32(K.W)), lax.rem(s_, _i32(K.W))
     h = hk * K.G + g
     row = K.sched_row(b, h, j)
     j = j + K.r0
@@ -410,11 +462,15 @@ def _dkv_kernel(code_ref, cnt_ref, *refs, K: _K):
 
     def step(masked):
         q, do = q_ref[...], do_ref[...]
-        st, th = _logits(K, k_ref[...], q, NT, bias_ref, b, h)
+        k, v = k_ref[...], v_ref[...]
         if masked:
+            k, v, bad = _finite_kv(k, v, (K.br, K.bc), keys_on_lanes=False)
+        st, th = _logits(K, k, q, NT, bias_ref, b, h)
+        if masked:
+            st = jnp.where(bad, jnp.nan, st)
             st = jnp.where(_allowed(K, op_refs, b, h, j, i), st, -jnp.inf)
-        pt = jnp.exp(st - lse_ref[0:1, :])
-        dpt = lax.dot_general(v_ref[...], do, NT, preferred_element_type=F32)
+        pt = jnp.exp((st - lse_ref[0:1, :]) - lo_ref[0:1, :])
+        dpt = lax.dot_general(v, do, NT, preferred_element_type=F32)
         pdt = pt
         if K.rate > 0:
             keep = _keep(K, seed_ref, b, h, j, i)
@@ -679,20 +735,21 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     _, chunks, W, sb, sh = _schedule(cfg, mask, P.bq, P.bk, transpose=False)
     cd = _compute_dtype(q.dtype)
     qf, kf, vf = _flat(q, P.Tqp, P.Dp, cd), _flat(k, P.Tkp, P.Dp, cd), _flat(v, P.Tkp, P.Dvp, cd)
-    outs, lses, extras = [], [], None
+    outs, lses, los, extras = [], [], [], None
     for chunk in chunks:
         K = _kernel_facts(cfg, mask, bias, sinks, br=P.bq, bc=P.bk, chunk=chunk, W=W, sb=sb,
                           sh=sh, transposed=False, dbias=None)
         if extras is None:
             extras = _extras(K, mask, bias, sinks, seed, P.Tqp, P.Tkp, with_sinks=True)
-        out, lse = _forward_call(K, P, cd, chunk, qf, kf, vf, extras, interpret=interpret)
+        out, lse, lo = _forward_call(K, P, cd, chunk, qf, kf, vf, extras, interpret=interpret)
         outs.append(out)
         lses.append(lse)
+        los.append(lo)
     out = jnp.concatenate(outs, axis=1) if len(outs) > 1 else outs[0]
     lse = jnp.concatenate(lses, axis=3) if len(lses) > 1 else lses[0]
+    lo = jnp.concatenate(los, axis=3) if len(los) > 1 else los[0]
     out = out.reshape(d.batch, -1, d.num_q_heads, P.Dvp)[:, :d.q_len, :, :d.v_head_dim]
-    lse = lse[:, :, 0, :d.q_len]
-    return out.astype(q.dtype), lse, jnp.zeros_like(lse)
+    return out.astype(q.dtype), lse[:, :, 0, :d.q_len], lo[:, :, 0, :d.q_len]
 
 
 def _q_row_maps(K: _K):
@@ -709,7 +766,7 @@ def _q_row_maps(K: _K):
 
     def kv_index(b, h, i, t, *refs):
         # lax.div: jnp's floor division lowers through sign, which needs a TPU.
-        return b, col(b, h, i, t, *refs), lax.div(h, G)
+        return b, col(b, h, i, t, *refs), lax.div(h, _i32(G))
 
     return col, coords, kv_index
 
@@ -725,10 +782,9 @@ def _forward_call(K: _K, P: _Plan, cd, chunk: _Chunk, qf, kf, vf, extras, *, int
         pl.BlockSpec((None, P.bk, P.Dp), kv_index),
         pl.BlockSpec((None, P.bk, P.Dvp), kv_index),
     ] + extra_specs
-    out_specs = [
-        pl.BlockSpec((None, P.bq, P.Dvp), lambda b, h, i, t, *_: (b, i, h)),
-        pl.BlockSpec((None, None, SUBLANES, P.bq), lambda b, h, i, t, *_: (b, h, 0, i)),
-    ]
+    row_spec = pl.BlockSpec((None, None, SUBLANES, P.bq), lambda b, h, i, t, *_: (b, h, 0, i))
+    out_specs = [pl.BlockSpec((None, P.bq, P.Dvp), lambda b, h, i, t, *_: (b, i, h)),
+                 row_spec, row_spec]
     rows = chunk.n * P.bq
     return _varying.pallas_call(
         functools.partial(_fwd_kernel, K=K),
@@ -738,6 +794,7 @@ def _forward_call(K: _K, P: _Plan, cd, chunk: _Chunk, qf, kf, vf, extras, *, int
             scratch_shapes=[pltpu.VMEM((P.bq, LANES), F32), pltpu.VMEM((P.bq, LANES), F32),
                             pltpu.VMEM((P.bq, P.Dvp), F32)]),
         out_shape=[jax.ShapeDtypeStruct((B, rows, Hq * P.Dvp), cd),
+                   jax.ShapeDtypeStruct((B, Hq, SUBLANES, rows), F32),
                    jax.ShapeDtypeStruct((B, Hq, SUBLANES, rows), F32)],
         name="fnattn_flash_mosaic_fwd",
         **_params(interpret),
@@ -768,15 +825,18 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     cd = _compute_dtype(q.dtype)
 
     delta = jnp.einsum("bthd,bthd->bht", out.astype(F32), d_out.astype(F32)) - d_lse.astype(F32)
-    # Rows without any visible key (lse = -inf) and padded rows get lse = +inf,
-    # so that exp(s - lse) = 0 there: no NaN, no contribution.
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
+    # Rows without any visible key (lse = -inf), rows an infinite sink took
+    # (+inf) and padded rows get lse = +inf and lse_lo = 0, so that
+    # exp((s - lse) - lse_lo) = 0 there: no NaN, no contribution. A NaN row
+    # (it saw a non-finite K or V) stays NaN.
+    lse_safe = jnp.where(jnp.isinf(lse), jnp.inf, lse)
+    lo_safe = jnp.where(jnp.isfinite(lse), lse_lo.astype(F32), 0.0)
 
     def rows8(x, fill):
         x = jnp.pad(x, ((0, 0), (0, 0), (0, P.Tqp - d.q_len)), constant_values=fill)
         return jnp.broadcast_to(x[:, :, None, :], (B, Hq, SUBLANES, P.Tqp))
 
-    lse8, delta8 = rows8(lse_safe, jnp.inf), rows8(delta, 0.0)
+    lse8, lo8, delta8 = rows8(lse_safe, jnp.inf), rows8(lo_safe, 0.0), rows8(delta, 0.0)
     qf, dof = _flat(q, P.Tqp, P.Dp, cd), _flat(d_out, P.Tqp, P.Dvp, cd)
     kf, vf = _flat(k, P.Tkp, P.Dp, cd), _flat(v, P.Tkp, P.Dvp, cd)
     dbias_dq, dbias_dkv = _dbias_forms(bias)
@@ -789,8 +849,8 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
                           sh=sh, transposed=False, dbias=dbias_dq)
         if extras is None:
             extras = _extras(K, mask, bias, None, seed, P.Tqp, P.Tkp, with_sinks=False)
-        res.append(_dq_call(K, P, cd, chunk, classes.shape[3], qf, kf, vf, dof, lse8, delta8,
-                            extras, interpret=interpret))
+        res.append(_dq_call(K, P, cd, chunk, classes.shape[3], qf, kf, vf, dof, lse8, lo8,
+                            delta8, extras, interpret=interpret))
     axes = (1, 2 if dbias_dq == "tile" else 3)  # the row axes of dq and dbias
     res = [jnp.concatenate(parts, axis=ax) if len(parts) > 1 else parts[0]
            for parts, ax in zip(zip(*res), axes)]
@@ -814,8 +874,8 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
                            sb=sbt, sh=sht, transposed=True, dbias=dbias_dkv)
         if extras is None:
             extras = _extras(Kt, mask, bias, None, seed, P.Tkp, P.Tqp, with_sinks=False)
-        res_t.append(_dkv_call(Kt, P, Pt, cd, chunk, qf, kf, vf, dof, lse8, delta8, extras,
-                               Hkv=Hkv, interpret=interpret))
+        res_t.append(_dkv_call(Kt, P, Pt, cd, chunk, qf, kf, vf, dof, lse8, lo8, delta8,
+                               extras, Hkv=Hkv, interpret=interpret))
     axes = (1, 1, 3)  # the row axis of dk, dv and a row dbias
     res_t = [jnp.concatenate(parts, axis=ax) if len(parts) > 1 else parts[0]
              for parts, ax in zip(zip(*res_t), axes)]
@@ -831,13 +891,12 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
         dbias = dbias_full.sum(axes, keepdims=True).reshape(bias.shape).astype(bias.dtype)
     dsinks = None
     if sinks is not None:
-        p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - lse_safe)
-        dsinks = -(p_sink * delta).sum((0, 2)).astype(sinks.dtype)
+        dsinks = _online.sink_grad(sinks, lse, lse_lo, delta).astype(sinks.dtype)
     return dq, dk, dv, dbias, dsinks
 
 
-def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, delta8, extras, *,
-             interpret):
+def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, lo8, delta8, extras,
+             *, interpret):
     """One pallas_call of the dq kernel over the q-blocks of ``chunk``."""
     B, Hq, W, r0 = K.B, K.Hq, K.W, K.r0
     bq, bk = P.bq, P.bk
@@ -850,7 +909,7 @@ def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, delt
         pl.BlockSpec((None, bk, P.Dp), kv_index),
         pl.BlockSpec((None, bk, P.Dvp), kv_index),
         pl.BlockSpec((None, bq, P.Dvp), lambda b, h, i, t, *_: (b, i + r0, h)),
-        row_spec, row_spec,
+        row_spec, row_spec, row_spec,
     ] + extra_specs
     rows = chunk.n * bq
     out_specs = [pl.BlockSpec((None, bq, P.Dp), lambda b, h, i, t, *_: (b, i, h))]
@@ -871,20 +930,20 @@ def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, delt
             num_scalar_prefetch=2, grid=(B, Hq, chunk.n, W), in_specs=in_specs,
             out_specs=out_specs, scratch_shapes=scratch),
         out_shape=out_shape, name="fnattn_flash_mosaic_dq", **_params(interpret),
-    )(chunk.code, chunk.count, qf, kf, vf, dof, lse8, delta8, *extra)
+    )(chunk.code, chunk.count, qf, kf, vf, dof, lse8, lo8, delta8, *extra)
 
 
-def _dkv_call(K: _K, P: _Plan, Pt: _Plan, cd, chunk: _Chunk, qf, kf, vf, dof, lse8, delta8,
-              extras, *, Hkv, interpret):
+def _dkv_call(K: _K, P: _Plan, Pt: _Plan, cd, chunk: _Chunk, qf, kf, vf, dof, lse8, lo8,
+              delta8, extras, *, Hkv, interpret):
     """One pallas_call of the dk/dv kernel over the kv-blocks of ``chunk``."""
     B, G, W, r0 = K.B, K.G, K.W, K.r0
     bqt, bkt = Pt.bq, Pt.bk
 
     def head(hk, s):
-        return hk * G + lax.div(s, W)
+        return hk * G + lax.div(s, _i32(W))
 
     def qcol(b, hk, j, s, code_ref, cnt_ref):
-        return code_ref[K.sched_row(b, head(hk, s), j) * W + lax.rem(s, W)] >> 2
+        return code_ref[K.sched_row(b, head(hk, s), j) * W + lax.rem(s, _i32(W))] >> 2
 
     def coords(b, hk, j, s, code_ref, cnt_ref):
         return b, head(hk, s), j + r0, qcol(b, hk, j, s, code_ref, cnt_ref)
@@ -901,7 +960,7 @@ def _dkv_call(K: _K, P: _Plan, Pt: _Plan, cd, chunk: _Chunk, qf, kf, vf, dof, ls
         return pl.BlockSpec((None, bkt, width), lambda b, hk, j, s, *_: (b, j + offset, hk))
 
     in_specs = [q_side(P.Dp), kv_side(P.Dp, r0), kv_side(P.Dvp, r0), q_side(P.Dvp),
-                row_spec, row_spec] + extra_specs
+                row_spec, row_spec, row_spec] + extra_specs
     rows = chunk.n * bkt
     out_specs = [kv_side(P.Dp, 0), kv_side(P.Dvp, 0)]
     out_shape = [jax.ShapeDtypeStruct((B, rows, Hkv * P.Dp), cd),
@@ -918,7 +977,7 @@ def _dkv_call(K: _K, P: _Plan, Pt: _Plan, cd, chunk: _Chunk, qf, kf, vf, dof, ls
             num_scalar_prefetch=2, grid=(B, Hkv, chunk.n, G * W), in_specs=in_specs,
             out_specs=out_specs, scratch_shapes=scratch),
         out_shape=out_shape, name="fnattn_flash_mosaic_dkv", **_params(interpret),
-    )(chunk.code, chunk.count, qf, kf, vf, dof, lse8, delta8, *extra)
+    )(chunk.code, chunk.count, qf, kf, vf, dof, lse8, lo8, delta8, *extra)
 
 
 LOWERING = Lowering("flash-mosaic", functools.partial(_forward, interpret=False),

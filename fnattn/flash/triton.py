@@ -32,6 +32,16 @@ mask there is no schedule: the loop runs over every kv-block with ``j = t``.
 Everything else is specialised at trace time: without bias, soft-cap, dropout
 or sinks the kernels contain no code for them.
 
+Extreme inputs. With a bias and no soft-cap (``_K.large``) a logit may be
+anything finite (-1e30 or ``finfo.min`` on whole rows, 1e10): the running max
+stays in natural units and P is ``exp2((s - m) * log2(e))``; the forward also
+returns ``lse_lo`` (``_online.lse_parts``) and the backward recomputes
+``P = exp2(((s - lse) - lse_lo) * log2(e))``, exact when every logit of a row
+is huge. Otherwise (logits from ``q.k`` or within the soft-cap) the fused
+``s * c - m`` stays. On PARTIAL tiles with a mask, non-finite K/V entries are
+zeroed and their keys' logits set to NaN before the mask (``online.finite_keys``), so a
+key a row may not see contributes nothing to it whatever its bits hold.
+
 >>> import jax, jax.numpy as jnp
 >>> from fnattn import AttentionSpec, core, masks, reference
 >>> from fnattn.flash.triton import INTERPRET_LOWERING
@@ -200,6 +210,16 @@ class _K:
     def has_mask(self) -> bool:
         return self.mask_treedef is not None
 
+    @property
+    def large(self) -> bool:
+        """Logits may be huge (a bias without soft-cap: -1e30 or ``finfo.min`` rows,
+        the additive padding mask): the running max is kept in natural units
+        and the softmax computes ``exp2((s - m) * log2(e))``, never ``s * log2(e)``
+        alone (``finfo.min * log2(e)`` overflows, and the rounding of a product
+        of 1e10 is larger than the softmax's whole range). Without a bias, or
+        with a soft-cap (logits within +-softcap), the fused ``s * c - m`` stays."""
+        return self.bias_varies is not None and self.softcap is None
+
 
 def _q_rows(i, K: _K):
     return pl.ds(pl.multiple_of(i * K.bq, K.bq), K.bq)
@@ -269,6 +289,14 @@ def _allowed(op_refs, head, pos, i, j, K: _K, transposed: bool):
     return ok
 
 
+def _masked(s, allowed, bad, transposed: bool):
+    """The logits of a PARTIAL tile: NaN at keys with non-finite K/V (``bad``,
+    or None), then -inf where not ``allowed``."""
+    if bad is not None:
+        s = jnp.where(bad[:, None] if transposed else bad[None, :], jnp.nan, s)
+    return jnp.where(allowed, s, -jnp.inf)
+
+
 def _keep(seed_ref, pos, K: _K):
     return dropout.keep_mask(dropout.seed_words(seed_ref), pos.b, pos.h, pos.q, pos.k, K.rate)
 
@@ -291,13 +319,15 @@ class _Refs:
             setattr(self, n, next(it, None))
 
 
-def _loops(R: _Refs, K: _K, n_static: int, body, carry, repeat: int = 1):
+def _loops(R: _Refs, K: _K, n_static: int, body, carry, repeat: int = 1,
+           between=None):
     """Runs ``body(j, g, carry, partial)`` over the scheduled blocks.
 
     With a schedule: the FULL blocks, then the PARTIAL ones. Without: blocks
     ``0 .. n_static-1`` with no mask, then (for a ragged last kv-block) one
     partial step. ``repeat`` > 1 visits every block once per head ``g`` of a
-    GQA group (the dk/dv pass).
+    GQA group (the dk/dv pass). ``between()``, if given, is traced between the
+    two loops (values the partial steps share, live only during them).
     """
     def step(index_of, partial):
         def f(t, c):
@@ -307,14 +337,20 @@ def _loops(R: _Refs, K: _K, n_static: int, body, carry, repeat: int = 1):
             return body(index_of(slot), g, c, partial)
         return f
 
+    i32 = jnp.int32  # loop bounds pinned to int32 (Python ints are int64 under x64)
     if R.sched is None:
-        carry = lax.fori_loop(0, n_static * repeat, step(lambda s: s, False), carry)
+        carry = lax.fori_loop(i32(0), i32(n_static * repeat), step(lambda s: s, False), carry)
         if K.ragged_k and n_static < K.nk:
-            carry = lax.fori_loop(0, repeat, step(lambda s: n_static + s, True), carry)
+            if between is not None:
+                between()
+            carry = lax.fori_loop(i32(0), i32(repeat), step(lambda s: n_static + s, True), carry)
         return carry
     n_full, n_part = R.sched[0], R.sched[1]
-    carry = lax.fori_loop(0, n_full * repeat, step(lambda s: R.sched[2 + s], False), carry)
-    return lax.fori_loop(0, n_part * repeat, step(lambda s: R.sched[2 + K.nk + s], True), carry)
+    carry = lax.fori_loop(i32(0), n_full * repeat, step(lambda s: R.sched[2 + s], False), carry)
+    if between is not None:
+        between()
+    return lax.fori_loop(i32(0), n_part * repeat, step(lambda s: R.sched[2 + K.nk + s], True),
+                         carry)
 
 
 # ----------------------------------------------------------------------------------
@@ -332,7 +368,7 @@ def _heavy_first(n_q_blocks):
 
 
 def _fwd_kernel(*refs, K: _K, sched: bool):
-    R = _Refs(refs, K, ("q", "k", "v"), ("o", "lse"), sched=sched)
+    R = _Refs(refs, K, ("q", "k", "v"), ("o", "lse", "lse_lo"), sched=sched)
     i, bh = _heavy_first(R.q.shape[0] // K.bq), pl.program_id(1)
     b, h = bh // K.Hq, bh % K.Hq
     rows = _q_rows(i, K)
@@ -342,21 +378,31 @@ def _fwd_kernel(*refs, K: _K, sched: bool):
     def body(j, _, carry, partial):
         acc, m, l = carry
         ks = _k_rows(j, K)
+        k, v, bad = R.k[ks, :], None, None
+        if partial and K.has_mask:  # keys a row may not see: their K/V bits never matter
+            k, v, bad = online.finite_keys(k, R.v[ks, :])
         bias_t = None if R.bias is None else _tile(R.bias, K.bias_varies, None, i, j, K, False)
-        s, c, _ = _scores(q, R.k[ks, :], bias_t, K)
+        s, c, _ = _scores(q, k, bias_t, K)
         pos = _positions(b, h, i, j, K, False) if partial or R.seed is not None else None
         if partial:
-            s = jnp.where(_allowed(R.ops, None, pos, i, j, K, False), s, -jnp.inf)
-        m_new = jnp.maximum(m, s.max(axis=1) * c)
+            s = _masked(s, _allowed(R.ops, None, pos, i, j, K, False), bad, False)
         # A row with no visible key so far keeps m = -inf; shifting by 0 instead
         # of -inf keeps exp2 at exp2(-inf) = 0 rather than NaN.
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
-        p = jnp.exp2(s * c - m_use[:, None])
-        alpha = jnp.exp2(m - m_use)
+        if K.large:  # m in natural units; (s - m) is exact where it matters
+            m_new = jnp.maximum(m, s.max(axis=1))
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+            p = jnp.exp2((s - m_use[:, None]) * c)
+            alpha = jnp.exp2((m - m_use) * c)
+        else:  # m in base-2 units, one fused multiply-add per logit
+            m_new = jnp.maximum(m, s.max(axis=1) * c)
+            m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
+            p = jnp.exp2(s * c - m_use[:, None])
+            alpha = jnp.exp2(m - m_use)
         l = l * alpha + p.sum(axis=1)
         if R.seed is not None:
             p = jnp.where(_keep(R.seed, pos, K), p * (1.0 / (1.0 - K.rate)), 0.0)
-        v = R.v[ks, :]
+        if v is None:
+            v = R.v[ks, :]
         acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)
         return acc, m_new, l
 
@@ -365,8 +411,17 @@ def _fwd_kernel(*refs, K: _K, sched: bool):
     l = jnp.zeros((K.bq,), F32)
     acc, m, l = _loops(R, K, K.Tk // K.bk, body, (acc, m, l))
     if R.sinks is not None:
-        acc, m, l = online.join_sink(acc, m, l, R.sinks[0].astype(F32) * LOG2E, exp=jnp.exp2)
-    out, R.lse[rows] = online.finish_exp2(acc, m, l)
+        sink = R.sinks[0].astype(F32)
+        if K.large:
+            acc, m, l = online.join_sink(acc, m, l, sink, exp=jnp.exp)
+        else:
+            acc, m, l = online.join_sink(acc, m, l, sink * LOG2E, exp=jnp.exp2)
+    out = acc * (1.0 / jnp.where(l > 0, l, 1.0))[:, None]
+    if K.large:
+        lse, lse_lo = online.lse_parts(m, l)
+    else:
+        lse, lse_lo = online.lse_parts(m, l, log=jnp.log2, scale=LN2)
+    R.lse[rows], R.lse_lo[rows] = lse, lse_lo
     R.o[rows, :] = out.astype(R.o.dtype)
 
 
@@ -388,25 +443,49 @@ def _ds(p, dp, delta, th, keep, K: _K):
     return pd, ds
 
 
+def _row_names(K: _K):
+    """The per-row inputs of the backward kernels: (B, H, Tq) float32 each.
+
+    ``lse`` is the forward's lse in the base the kernel recomputes P in: base 2
+    (``lse * log2(e)``, P = ``exp2(s * c - lse)``) or, for ``K.large``, natural
+    with ``lse_lo`` beside it (P = ``exp2(((s - lse) - lse_lo) * log2(e))``,
+    exact for rows whose logits are all huge). +inf where the forward's lse is
+    not finite (and on padding rows), so that P = 0 there.
+    """
+    return ("q", "k", "v", "do", "lse", "delta") + (("lse_lo",) if K.large else ())
+
+
+def _probs(s, c, lse, lse_lo, K: _K):
+    """P of a tile from its logits and the per-row lse (broadcast already)."""
+    if K.large:
+        return jnp.exp2(((s - lse) - lse_lo) * c)
+    return jnp.exp2(s * c - lse)
+
+
 def _dq_kernel(*refs, K: _K, sched: bool):
-    R = _Refs(refs, K, ("q", "k", "v", "do", "lse2", "delta"), ("dq", "dbias"), sched=sched,
+    R = _Refs(refs, K, _row_names(K), ("dq", "dbias"), sched=sched,
               aliased=K.bias_varies is not None)
     i, bh = _heavy_first(R.q.shape[0] // K.bq), pl.program_id(1)
     b, h = bh // K.Hq, bh % K.Hq
     rows = _q_rows(i, K)
     q, do = R.q[rows, :], R.do[rows, :]
-    lse2, delta = R.lse2[rows], R.delta[rows]
+    lse, delta = R.lse[rows][:, None], R.delta[rows]
+    lse_lo = R.lse_lo[rows][:, None] if K.large else None
 
     def body(j, _, dq, partial):
         ks = _k_rows(j, K)
-        k = R.k[ks, :]
+        k, v, bad = R.k[ks, :], None, None
+        if partial and K.has_mask:  # masked keys with NaN/inf K/V give exactly 0
+            k, v, bad = online.finite_keys(k, R.v[ks, :])
         bias_t = None if R.bias is None else _tile(R.bias, K.bias_varies, None, i, j, K, False)
         s, c, th = _scores(q, k, bias_t, K)
         pos = _positions(b, h, i, j, K, False) if partial or R.seed is not None else None
         if partial:
-            s = jnp.where(_allowed(R.ops, None, pos, i, j, K, False), s, -jnp.inf)
-        p = jnp.exp2(s * c - lse2[:, None])
-        dp = lax.dot_general(do, R.v[ks, :], (((1,), (1,)), ((), ())), preferred_element_type=F32)
+            s = _masked(s, _allowed(R.ops, None, pos, i, j, K, False), bad, False)
+        p = _probs(s, c, lse, lse_lo, K)
+        if v is None:
+            v = R.v[ks, :]
+        dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         keep = None if R.seed is None else _keep(R.seed, pos, K)
         _, ds = _ds(p, dp, delta[:, None], th, keep, K)
         if R.dbias is not None:
@@ -429,7 +508,10 @@ def _add_dbias(dbias_ref, ds, rows, ks, K: _K):
         ds = ds.sum(axis=0, keepdims=True)
     if not vk:
         ds = ds.sum(axis=1, keepdims=True)
-    idx = (rows if vq else slice(None), ks if vk else slice(None))
+    # A broadcast axis is sliced from an int32 0: the atomic add's interpret rule
+    # wants every start of one dtype (a bare ``slice`` starts at an int64 0 under x64).
+    whole = pl.ds(jnp.int32(0), 1)
+    idx = (rows if vq else whole, ks if vk else whole)
     if all(K.bias_varies):
         dbias_ref[idx] = ds
     else:
@@ -437,27 +519,36 @@ def _add_dbias(dbias_ref, ds, rows, ks, K: _K):
 
 
 def _dkdv_kernel(*refs, K: _K, sched: bool):
-    # Blocks hold Gp query heads: q, do (Tq, Gp, D); lse2, delta (Gp, Tq).
-    R = _Refs(refs, K, ("q", "k", "v", "do", "lse2", "delta"), ("dk", "dv"), sched=sched)
+    # Blocks hold Gp query heads: q, do (Tq, Gp, D); lse, delta, lse_lo (Gp, Tq).
+    R = _Refs(refs, K, _row_names(K), ("dk", "dv"), sched=sched)
     j, bp = pl.program_id(0), pl.program_id(1)
     nprog = K.Hq // K.Gp
     b, p_head = bp // nprog, bp % nprog
     ks = _k_rows(j, K)
-    k, v = R.k[ks, :], R.v[ks, :]
+    k_full, v_full = R.k[ks, :], R.v[ks, :]
+    # The PARTIAL steps use the tile with non-finite entries zeroed (masked keys
+    # contribute exactly nothing), loaded and cleaned between the two loops.
+    clean = {}
+
+    def between():
+        if K.has_mask:
+            clean["kvb"] = online.finite_keys(R.k[ks, :], R.v[ks, :])
 
     def body(i, g, carry, partial):
         dk, dv = carry
+        k, v, bad = clean["kvb"] if partial and K.has_mask else (k_full, v_full, None)
         rows = _q_rows(i, K)
         q, do = R.q[rows, g, :], R.do[rows, g, :]
-        lse2, delta = R.lse2[g, rows], R.delta[g, rows]
+        lse, delta = R.lse[g, rows][None, :], R.delta[g, rows]
+        lse_lo = R.lse_lo[g, rows][None, :] if K.large else None
         bias_t = None if R.bias is None else _tile(R.bias, K.bias_varies, g, i, j, K, True)
         st, c, th = _scores(k, q, bias_t, K)                      # (bk, bq) = S^T
         pos = None
         if partial or R.seed is not None:
             pos = _positions(b, p_head * K.Gp + g, i, j, K, True)
         if partial:
-            st = jnp.where(_allowed(R.ops, g, pos, i, j, K, True), st, -jnp.inf)
-        pt = jnp.exp2(st * c - lse2[None, :])
+            st = _masked(st, _allowed(R.ops, g, pos, i, j, K, True), bad, True)
+        pt = _probs(st, c, lse, lse_lo, K)
         dpt = lax.dot_general(v, do, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         keep = None if R.seed is None else _keep(R.seed, pos, K)
         pdt, dst = _ds(pt, dpt, delta[None, :], th, keep, K)
@@ -467,8 +558,8 @@ def _dkdv_kernel(*refs, K: _K, sched: bool):
 
     carry = (jnp.zeros((K.bk, R.k.shape[-1]), F32), jnp.zeros((K.bk, R.v.shape[-1]), F32))
     # Without a mask every q-block is visited and needs no bound: padded query
-    # rows have lse2 = +inf, so their P is 0.
-    dk, dv = _loops(R, K, K.nk, body, carry, repeat=K.Gp)
+    # rows have lse = +inf, so their P is 0.
+    dk, dv = _loops(R, K, K.nk, body, carry, repeat=K.Gp, between=between)
     R.dk[ks, :] = (dk * K.scale).astype(R.dk.dtype)
     R.dv[ks, :] = dv.astype(R.dv.dtype)
 
@@ -642,18 +733,20 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     table = _schedule(mask, cfg, K)
     extra, extra_specs = _extras(K, mask, bias, sinks, seed, (Tqp, Tkp), n_heads=Hq)
     sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, Hq, heavy_first=True)])
-    out, lse = _varying.pallas_call(
+    out, lse, lse_lo = _varying.pallas_call(
         functools.partial(_fwd_kernel, K=K, sched=table is not None),
         grid=(Tqp // bq, d.batch * Hq),
         in_specs=[_seq_spec(Tqp, Dp, Hq, lambda h: h), _seq_spec(Tkp, Dp, Hq, lambda h: h // G),
                   _seq_spec(Tkp, Dvp, Hq, lambda h: h // G)] + sched_specs + extra_specs,
-        out_specs=[_seq_spec(Tqp, Dvp, Hq, lambda h: h), _rows_spec(Tqp, Hq)],
+        out_specs=[_seq_spec(Tqp, Dvp, Hq, lambda h: h), _rows_spec(Tqp, Hq),
+                   _rows_spec(Tqp, Hq)],
         out_shape=[jax.ShapeDtypeStruct((d.batch, Tqp, Hq, Dvp), q.dtype),
+                   jax.ShapeDtypeStruct((d.batch, Hq, Tqp), F32),
                    jax.ShapeDtypeStruct((d.batch, Hq, Tqp), F32)],
         compiler_params=params, interpret=interpret, name="fnattn_flash_fwd",
     )(_pad_bthd(q, Tqp, Dp), _pad_bthd(k, Tkp, Dp), _pad_bthd(v, Tkp, Dvp), *sched, *extra)
-    lse = lse[:, :, :d.q_len]
-    return out[:, :d.q_len, :, :d.v_head_dim], lse, jnp.zeros_like(lse)
+    return (out[:, :d.q_len, :, :d.v_head_dim], lse[:, :, :d.q_len],
+            lse_lo[:, :, :d.q_len])
 
 
 def _heads_per_dkdv_program(d, n_kv_blocks):
@@ -669,8 +762,18 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     B, Hq, Hkv, G = d.batch, d.num_q_heads, d.num_kv_heads, d.group
     # delta folds in the lse cotangent: dS = P * (dP - (rowsum(dO * O) - d_lse)).
     delta = jnp.einsum("bthd,bthd->bht", out.astype(F32), d_out.astype(F32)) - d_lse.astype(F32)
-    # lse in base 2; +inf for fully masked rows (and padding) so that P = 0 there.
-    lse2 = jnp.where(jnp.isfinite(lse), lse * LOG2E, jnp.inf)
+    # The per-row statistics the kernels recompute P from (`_row_names`): +inf
+    # where lse is not finite (rows that saw nothing, an infinite sink) and on
+    # padding rows, so that P = 0 there.
+    fin = jnp.isfinite(lse)
+    if bias is not None and cfg.softcap is None:  # K.large: natural lse and lse_lo
+        rows = (jnp.where(fin, lse, jnp.inf), delta, jnp.where(fin, lse_lo, 0.0))
+    else:  # base 2 (the lse_lo folded in: it only matters for huge logits)
+        lse2 = lse * LOG2E + lse_lo * LOG2E
+        rows = (jnp.where(fin & jnp.isfinite(lse2), lse2, jnp.inf), delta)
+
+    def pad_rows(T):
+        return [_pad(x, 2, T, jnp.inf if n == 0 else 0.0) for n, x in enumerate(rows)]
 
     # dq and dbias.
     bq, bk, params = _blocks_for(cfg, q.dtype, "dq")
@@ -685,7 +788,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     if bias is not None:
         # dbias in the bias's broadcast shape, float32, starting from zeros.
         b4 = _pad_seq(_bias4(bias), (Tqp, Tkp)).shape
-        aliases = {6 + len(sched) + len(extra): 1}
+        aliases = {4 + len(rows) + len(sched) + len(extra): 1}
         extra, extra_specs = extra + [jnp.zeros(b4, F32)], extra_specs + [_bh_spec(b4, Hq, None)]
         out_specs.append(_bh_spec(b4, Hq, None))
         out_shape.append(jax.ShapeDtypeStruct(b4, F32))
@@ -693,13 +796,12 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
         functools.partial(_dq_kernel, K=K, sched=table is not None),
         grid=(Tqp // bq, B * Hq),
         in_specs=[_seq_spec(Tqp, Dp, Hq, lambda h: h), _seq_spec(Tkp, Dp, Hq, lambda h: h // G),
-                  _seq_spec(Tkp, Dvp, Hq, lambda h: h // G), _seq_spec(Tqp, Dvp, Hq, lambda h: h),
-                  _rows_spec(Tqp, Hq), _rows_spec(Tqp, Hq)] + sched_specs + extra_specs,
+                  _seq_spec(Tkp, Dvp, Hq, lambda h: h // G), _seq_spec(Tqp, Dvp, Hq, lambda h: h)]
+        + [_rows_spec(Tqp, Hq)] * len(rows) + sched_specs + extra_specs,
         out_specs=out_specs, out_shape=out_shape, compiler_params=params,
         input_output_aliases=aliases, interpret=interpret, name="fnattn_flash_dq",
     )(_pad_bthd(q, Tqp, Dp), _pad_bthd(k, Tkp, Dp), _pad_bthd(v, Tkp, Dvp),
-      _pad_bthd(d_out, Tqp, Dvp), _pad(lse2, 2, Tqp, jnp.inf), _pad(delta, 2, Tqp),
-      *sched, *extra)
+      _pad_bthd(d_out, Tqp, Dvp), *pad_rows(Tqp), *sched, *extra)
     dq = res[0][:, :d.q_len, :, :d.head_dim]
     dbias = None
     if bias is not None:
@@ -724,15 +826,14 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
         in_specs=[_seq_spec(Tqp, Dp, P, lambda p: p, Gp),
                   _seq_spec(Tkp, Dp, P, lambda p: p // (P // Hkv)),
                   _seq_spec(Tkp, Dvp, P, lambda p: p // (P // Hkv)),
-                  _seq_spec(Tqp, Dvp, P, lambda p: p, Gp),
-                  _rows_spec(Tqp, P, Gp), _rows_spec(Tqp, P, Gp)] + sched_specs + extra_specs,
+                  _seq_spec(Tqp, Dvp, P, lambda p: p, Gp)]
+        + [_rows_spec(Tqp, P, Gp)] * len(rows) + sched_specs + extra_specs,
         out_specs=[_seq_spec(Tkp, Dp, P, lambda p: p), _seq_spec(Tkp, Dvp, P, lambda p: p)],
         out_shape=[jax.ShapeDtypeStruct((B, Tkp, P, Dp), out_dtype[0]),
                    jax.ShapeDtypeStruct((B, Tkp, P, Dvp), out_dtype[1])],
         compiler_params=params, interpret=interpret, name="fnattn_flash_dkdv",
     )(_pad_bthd(q, Tqp, Dp), _pad_bthd(k, Tkp, Dp), _pad_bthd(v, Tkp, Dvp),
-      _pad_bthd(d_out, Tqp, Dvp), _pad(lse2, 2, Tqp, jnp.inf), _pad(delta, 2, Tqp),
-      *sched, *extra)
+      _pad_bthd(d_out, Tqp, Dvp), *pad_rows(Tqp), *sched, *extra)
 
     def finish(x, D, dtype):
         x = x[:, :d.kv_len, :, :D]
@@ -742,9 +843,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
 
     dsinks = None
     if sinks is not None:
-        # With sinks every row has a finite lse (at least the sink's logit).
-        p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - lse)
-        dsinks = -(p_sink * delta).sum((0, 2)).astype(sinks.dtype)
+        dsinks = online.sink_grad(sinks, lse, lse_lo, delta).astype(sinks.dtype)
     return (dq.astype(q.dtype), finish(dk, d.head_dim, k.dtype), finish(dv, d.v_head_dim, v.dtype),
             dbias, dsinks)
 

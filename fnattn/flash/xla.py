@@ -21,7 +21,9 @@ heads of a GQA group are stacked along the rows of one batched matrix product
 with their kv head, so K and V are never repeated. K is laid out once as
 transposed blocks ``(n_k, B, Hkv, D, block_k)`` and V as blocks, so every
 product in the loop is a plain (rows x D) @ (D x cols) with no per-tile copy
-or transpose. Logits and softmax statistics are float32.
+or transpose. Logits and softmax statistics are float32 (float64 for float64
+inputs); the forward also returns ``lse``'s rounding error ``lse_lo``
+(``_online.lse_parts``).
 
 **Backward.** One pass over kv-blocks (FlashAttention-2 style, recomputing the
 probabilities from ``lse``): for each kv-block it visits the q-blocks that see
@@ -30,11 +32,20 @@ block, and adds each tile's dq contribution into a dq buffer, so nothing is
 recomputed twice and the backward costs about 2.5 forward passes. Tiles are
 transposed, ``(k, q)``, and q, dO, K are also kept transposed, so all five
 products are plain matrix products. The cotangent of ``lse`` is honoured
-(``dS += P * d_lse``) and dbias / dsinks come out of the same pass.
+(``dS += P * d_lse``) and dbias / dsinks come out of the same pass. Probabilities
+are recomputed as ``exp((s - lse) - lse_lo)``, exact even for rows whose logits
+are all huge (a bias of -1e30 or ``finfo.min``, where ``lse`` cannot hold
+``log(l)``).
+
+**Masked keys contribute nothing, whatever their K/V hold.** On PARTIAL tiles
+(forward and backward) keys with a non-finite K or V entry are zeroed and their
+logits set to NaN before the mask: rows that may not see them are untouched,
+rows that see them are NaN. FULL tiles need no such pass (every key is seen by
+every row there) and EMPTY tiles are never read.
 """
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -130,9 +141,10 @@ class _Plan:
     softcap: Optional[float]
     rate: float
     offset: int  # aligned query position = raw row + offset
+    acc: Any = F32  # logits and accumulators: promote(float32, input dtype)
 
 
-def _plan(cfg, backward=False) -> _Plan:
+def _plan(cfg, backward=False, dtype=None) -> _Plan:
     d = cfg.dims
     bs = blocks.pick(cfg.block_sizes, XlaBlockSizes, XlaBlockSizes.default(d, None))
     bq, bk = bs.block_q, bs.block_k
@@ -145,7 +157,8 @@ def _plan(cfg, backward=False) -> _Plan:
     return _Plan(d.batch, d.q_len, d.kv_len, d.num_q_heads, d.num_kv_heads, d.group,
                  d.head_dim, d.v_head_dim, bq, bk, -(-d.q_len // bq), -(-d.kv_len // bk),
                  cfg.scale, cfg.softcap, cfg.dropout_rate,
-                 d.kv_len - d.q_len if cfg.q_offset is None else cfg.q_offset)
+                 d.kv_len - d.q_len if cfg.q_offset is None else cfg.q_offset,
+                 F32 if dtype is None else jnp.promote_types(F32, dtype))
 
 
 # ----------------------------------------------------------------------------------
@@ -197,7 +210,8 @@ def _tile(x, i, j, P: _Plan):
         start[2], size[2] = i * P.bq, P.bq
     if x.shape[3] > 1:
         start[3], size[3] = j * P.bk, P.bk
-    return lax.dynamic_slice(x, start, size)
+    # int32 throughout (Python ints would be int64 under jax_enable_x64)
+    return lax.dynamic_slice(x, [jnp.asarray(s, jnp.int32) for s in start], size)
 
 
 def _to5(x, P: _Plan, transposed):
@@ -286,9 +300,9 @@ def _bias4(bias):
 
 
 def _scaled(qb, P: _Plan):
-    # Scaling f32 queries once saves a pass over every logit tile; lower
+    # Scaling f32 (f64) queries once saves a pass over every logit tile; lower
     # precisions keep the scale in f32 on the logits instead.
-    return qb * jnp.asarray(P.scale, qb.dtype) if qb.dtype == F32 else qb
+    return qb * jnp.asarray(P.scale, qb.dtype) if qb.dtype == P.acc else qb
 
 
 def _by_batch(P: _Plan, per_row: bool, fn, batched, shared, carry=None):
@@ -321,13 +335,13 @@ def _by_batch(P: _Plan, per_row: bool, fn, batched, shared, carry=None):
 
 
 def _forward(cfg, q, k, v, bias, sinks, mask, seed):
-    P = _plan(cfg)
+    P = _plan(cfg, dtype=q.dtype)
     classes = _classes(mask, P)
     per_row = _batch_rows(P, classes)
     batched = dict(q=q, k=k, v=v, bias=_bias4(bias), classes=classes,
                    ops=tuple(mask.operands()) if mask is not None else ())
-    (out, lse), _ = _by_batch(P, per_row, _forward_rows, batched, (mask, sinks, seed))
-    return out.astype(q.dtype), lse, jnp.zeros_like(lse)
+    (out, lse, lse_lo), _ = _by_batch(P, per_row, _forward_rows, batched, (mask, sinks, seed))
+    return out.astype(q.dtype), lse, lse_lo
 
 
 def _forward_rows(P: _Plan, bidx, a, shared, carry):
@@ -340,22 +354,29 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
     ops = tuple(_pad4(op, P) for op in a["ops"])
     full_idx, full_n, part_idx, part_n = _split_schedule(a["classes"][0])
     rows = (B * P.Hkv, P.G * P.bq)
-    lowp = qb.dtype != F32
+    lowp = qb.dtype != P.acc
+    A = P.acc
 
     def tile_step(i, qi, partial):
         def step(t, carry, index):
             m, l, acc = carry
             j = index[t]
-            s = jnp.einsum("hqd,hdk->hqk", qi, kb[j], preferred_element_type=F32)
+            kj, vj = kb[j], vb[j]
+            if partial:
+                # Keys hidden from a row contribute nothing, whatever their bits:
+                # zeroed, and NaN logits for the rows that do see them.
+                kj, vj, bad = online.finite_keys(kj, vj, k_axis=1, v_axis=2)
+                bad = bad[:, None, :]
+            s = jnp.einsum("hqd,hdk->hqk", qi, kj, preferred_element_type=A)
             if lowp:
                 s = s * P.scale
             if bias4 is not None:
-                s = s + _flat(_to5(_tile(bias4, i, j, P), P, False), B, P, False).astype(F32)
+                s = s + _flat(_to5(_tile(bias4, i, j, P), P, False), B, P, False).astype(A)
             if P.softcap is not None:
                 s = P.softcap * jnp.tanh(s / P.softcap)
             if partial:
                 ok = _flat(_allowed(mask, ops, bidx, i, j, P, False), B, P, False)
-                s = jnp.where(ok, s, -jnp.inf)
+                s = jnp.where(ok, jnp.where(bad, jnp.nan, s), -jnp.inf)
             m_new = jnp.maximum(m, s.max(-1))
             # A row with nothing visible yet keeps m = -inf; 0 avoids inf - inf.
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -365,36 +386,39 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
             if P.rate > 0:
                 keep = _flat(_keep(seed, bidx, i, j, P, False), B, P, False)
                 p = jnp.where(keep, p * (1.0 / (1.0 - P.rate)), 0.0)
-            pv = jnp.einsum("hqk,hkd->hqd", p.astype(vb.dtype), vb[j],
-                            preferred_element_type=F32)
+            pv = jnp.einsum("hqk,hkd->hqd", p.astype(vb.dtype), vj,
+                            preferred_element_type=A)
             return m_new, l, acc * alpha[..., None] + pv
         return step
 
     def q_block(xs):
         qi, i, fidx, fn, pidx, pn = xs
-        carry = varying_like((jnp.full(rows, -jnp.inf, F32), jnp.zeros(rows, F32),
-                              jnp.zeros(rows + (P.Dv,), F32)), a, shared, bidx)
+        carry = varying_like((jnp.full(rows, -jnp.inf, A), jnp.zeros(rows, A),
+                              jnp.zeros(rows + (P.Dv,), A)), a, shared, bidx)
         full_step = tile_step(i, qi, False)
         part_step = tile_step(i, qi, True)
         carry = lax.fori_loop(0, fn, lambda t, c: full_step(t, c, fidx), carry)
         m, l, acc = lax.fori_loop(0, pn, lambda t, c: part_step(t, c, pidx), carry)
         if sinks is not None:
-            sk = jnp.broadcast_to(sinks.astype(F32).reshape(1, P.Hkv, P.G, 1),
+            sk = jnp.broadcast_to(sinks.astype(A).reshape(1, P.Hkv, P.G, 1),
                                   (B, P.Hkv, P.G, P.bq)).reshape(rows)
             acc, m, l = online.join_sink(acc, m, l, sk)
         safe = jnp.where(l > 0, l, 1.0)
         out = acc / safe[..., None]
-        lse = jnp.where(l > 0, m + jnp.log(safe), -jnp.inf)
-        return out.astype(qb.dtype), lse
+        # (a row that saw a non-finite key has a NaN state: NaN lse, not -inf)
+        lse, lse_lo = online.lse_parts(m, l)
+        return out.astype(qb.dtype), lse, lse_lo
 
-    outs, lses = lax.map(q_block, (qb, jnp.arange(P.nq, dtype=jnp.int32), full_idx, full_n,
-                                   part_idx, part_n))
+    outs, lses, los = lax.map(q_block, (qb, jnp.arange(P.nq, dtype=jnp.int32), full_idx,
+                                        full_n, part_idx, part_n))
     # (nq, B*Hkv, G*bq, Dv) -> (B, Tq, Hq, Dv)
     out = outs.reshape(P.nq, B, P.Hkv, P.G, P.bq, P.Dv).transpose(1, 0, 4, 2, 3, 5)
     out = out.reshape(B, P.nq * P.bq, P.Hq, P.Dv)[:, :P.Tq]
-    lse = lses.reshape(P.nq, B, P.Hq, P.bq).transpose(1, 2, 0, 3)
-    lse = lse.reshape(B, P.Hq, P.nq * P.bq)[..., :P.Tq]
-    return (out, lse), carry
+
+    def rows_out(x):  # (nq, B*Hkv, G*bq) -> (B, Hq, Tq)
+        x = x.reshape(P.nq, B, P.Hq, P.bq).transpose(1, 2, 0, 3)
+        return x.reshape(B, P.Hq, P.nq * P.bq)[..., :P.Tq]
+    return (out, rows_out(lses), rows_out(los)), carry
 
 
 # ----------------------------------------------------------------------------------
@@ -403,19 +427,23 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
 
 
 def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse):
-    P = _plan(cfg, backward=True)
+    P = _plan(cfg, backward=True, dtype=q.dtype)
+    A = P.acc
     classes = _classes(mask, P)
     per_row = _batch_rows(P, classes)
-    delta = jnp.einsum("bthd,bthd->bht", out.astype(F32), d_out.astype(F32))
-    delta = delta - d_lse.astype(F32)                        # (B, Hq, Tq)
-    # Rows with lse = -inf have no probability mass: p = exp(s - inf) = 0.
-    lse_safe = jnp.where(jnp.isfinite(lse), lse, jnp.inf)
+    delta = jnp.einsum("bthd,bthd->bht", out.astype(A), d_out.astype(A))
+    delta = delta - d_lse.astype(A)                          # (B, Hq, Tq)
+    # Rows with lse = -inf have no probability mass: p = exp(s - inf) = 0, and
+    # so do rows of a +inf sink; a NaN row (it saw a non-finite key) stays NaN.
+    lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(A)
+    lse_lo = lse_lo.astype(A)
     bias4 = _bias4(bias)
     shared_bias = bias4 is not None and per_row and bias4.shape[0] == 1
-    batched = dict(q=q, k=k, v=v, do=d_out, lse=lse_safe, delta=delta, classes=classes,
+    batched = dict(q=q, k=k, v=v, do=d_out, lse=lse_safe, lse_lo=lse_lo, delta=delta,
+                   classes=classes,
                    bias=None if shared_bias else bias4,
                    ops=tuple(mask.operands()) if mask is not None else ())
-    dbias0 = jnp.zeros(_pad4(bias4, P).shape, F32) if shared_bias else None
+    dbias0 = jnp.zeros(_pad4(bias4, P).shape, A) if shared_bias else None
     dbias0 = varying_like(dbias0, batched, mask, seed)
     (dq, dk, dv, dbias), dbias_shared = _by_batch(
         P, per_row, _backward_rows, batched, (mask, seed, bias4 if shared_bias else None),
@@ -427,8 +455,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
         dbias = dbias.reshape(bias.shape).astype(bias.dtype)
     dsinks = None
     if sinks is not None:
-        p_sink = jnp.exp(sinks.astype(F32)[None, :, None] - lse_safe)
-        dsinks = -(p_sink * delta).sum((0, 2)).astype(sinks.dtype)
+        dsinks = online.sink_grad(sinks, lse, lse_lo, delta).astype(sinks.dtype)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, dsinks
 
 
@@ -443,33 +470,36 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
     ktb = _k_blocks(a["k"], P, transposed=True)                 # (nk, B*Hkv, D, bk)
     vb = _k_blocks(a["v"], P)                                   # (nk, B*Hkv, bk, Dv)
     lseb = _rows_blocks(a["lse"], P, jnp.inf)[:, :, None]       # (nq, B*Hkv, 1, G*bq)
+    lolb = _rows_blocks(a["lse_lo"], P)[:, :, None]
     deltab = _rows_blocks(a["delta"], P)[:, :, None]
     bias = bias_shared if bias_shared is not None else a["bias"]
     bias4 = None if bias is None else _pad4(bias, P)
     ops = tuple(_pad4(op, P) for op in a["ops"])
     full_idx, full_n, part_idx, part_n = _split_schedule(a["classes"][0], transpose=True)
-    lowp = qb.dtype != F32
+    lowp = qb.dtype != P.acc
     dtype = qb.dtype
+    A = P.acc
 
-    def tile_step(j, kj, ktj, vj, partial):
+    def tile_step(j, kj, ktj, vj, partial, bad):
         # Tiles are (B*Hkv, bk, G*bq): every product below is a plain matmul.
         def step(t, carry, index):
             dqt, dbias, dkj, dvj = carry
             i = index[t]
-            s = jnp.einsum("hkd,hdq->hkq", kj, qtb[i], preferred_element_type=F32)
+            s = jnp.einsum("hkd,hdq->hkq", kj, qtb[i], preferred_element_type=A)
             if lowp:
                 s = s * P.scale
             if bias4 is not None:
-                s = s + _flat(_to5(_tile(bias4, i, j, P), P, True), B, P, True).astype(F32)
+                s = s + _flat(_to5(_tile(bias4, i, j, P), P, True), B, P, True).astype(A)
             th = None
             if P.softcap is not None:
                 th = jnp.tanh(s / P.softcap)
                 s = P.softcap * th
             if partial:
                 ok = _flat(_allowed(mask, ops, bidx, i, j, P, True), B, P, True)
-                s = jnp.where(ok, s, -jnp.inf)
-            p = jnp.exp(s - lseb[i])
-            dp = jnp.einsum("hkd,hdq->hkq", vj, dotb[i], preferred_element_type=F32)
+                s = jnp.where(ok, jnp.where(bad, jnp.nan, s), -jnp.inf)
+            # lse's rounding error restores the row sum that |lse| >> log(l) lost.
+            p = jnp.exp((s - lseb[i]) - lolb[i])
+            dp = jnp.einsum("hkd,hdq->hkq", vj, dotb[i], preferred_element_type=A)
             if P.rate > 0:
                 keep = _flat(_keep(seed, bidx, i, j, P, True), B, P, True)
                 inv = 1.0 / (1.0 - P.rate)
@@ -478,15 +508,15 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
             else:
                 pd = p
             dvj = dvj + jnp.einsum("hkq,hqd->hkd", pd.astype(dtype), dob[i],
-                                   preferred_element_type=F32)
+                                   preferred_element_type=A)
             ds = p * (dp - deltab[i])
             if th is not None:
                 ds = ds * (1.0 - th * th)
             if dbias is not None:
                 dbias = _add_dbias(dbias, ds, i, j, P)
             dsc = ds.astype(dtype)
-            dkj = dkj + jnp.einsum("hkq,hqd->hkd", dsc, qb[i], preferred_element_type=F32)
-            dqi = jnp.einsum("hdk,hkq->hdq", ktj, dsc, preferred_element_type=F32)
+            dkj = dkj + jnp.einsum("hkq,hqd->hkd", dsc, qb[i], preferred_element_type=A)
+            dqi = jnp.einsum("hdk,hkq->hdq", ktj, dsc, preferred_element_type=A)
             dqt = lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqi, i, 0)
             return dqt, dbias, dkj, dvj
         return step
@@ -494,10 +524,14 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
     def kv_block(carry, xs):
         dqt, dbias = carry
         kj, ktj, vj, j, fidx, fn, pidx, pn = xs
-        full_step = tile_step(j, kj, ktj, vj, False)
-        part_step = tile_step(j, kj, ktj, vj, True)
+        full_step = tile_step(j, kj, ktj, vj, False, None)
+        # PARTIAL tiles: keys with a non-finite K or V are zeroed (so that dp = dO.v
+        # and dq = dS.k stay finite where dS is 0) and NaN for the rows that see them.
+        kjs, vjs, bad = online.finite_keys(kj, vj)
+        ktjs = jnp.where(jnp.isfinite(ktj), ktj, jnp.zeros((), ktj.dtype))
+        part_step = tile_step(j, kjs, ktjs, vjs, True, bad[:, :, None])
         inner = (dqt, dbias) + varying_like(
-            (jnp.zeros((B * P.Hkv, P.bk, P.D), F32), jnp.zeros((B * P.Hkv, P.bk, P.Dv), F32)),
+            (jnp.zeros((B * P.Hkv, P.bk, P.D), A), jnp.zeros((B * P.Hkv, P.bk, P.Dv), A)),
             a, shared, bidx)
         inner = lax.fori_loop(0, fn, lambda t, c: full_step(t, c, fidx), inner)
         dqt, dbias, dkj, dvj = lax.fori_loop(0, pn, lambda t, c: part_step(t, c, pidx), inner)
@@ -505,8 +539,8 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
 
     dbias0 = dbias_shared
     if dbias0 is None and bias4 is not None:
-        dbias0 = jnp.zeros(bias4.shape, F32)
-    dqt0 = jnp.zeros((P.nq, B * P.Hkv, P.D, P.G * P.bq), F32)
+        dbias0 = jnp.zeros(bias4.shape, A)
+    dqt0 = jnp.zeros((P.nq, B * P.Hkv, P.D, P.G * P.bq), A)
     dqt0, dbias0 = varying_like((dqt0, dbias0), a, shared, bidx)
     (dqt, dbias), (dk, dv) = lax.scan(
         kv_block, (dqt0, dbias0),
@@ -535,7 +569,8 @@ def _add_dbias(dbias, ds, i, j, P: _Plan):
     axes = tuple(a for a, n in enumerate((Bb, Hb, Tqb, Tkb)) if n == 1 and g.shape[a] > 1)
     if axes:
         g = g.sum(axes, keepdims=True)
-    start = (0, 0, i * P.bq if Tqb > 1 else 0, j * P.bk if Tkb > 1 else 0)
+    start = tuple(jnp.asarray(s, jnp.int32)
+                  for s in (0, 0, i * P.bq if Tqb > 1 else 0, j * P.bk if Tkb > 1 else 0))
     cur = lax.dynamic_slice(dbias, start, g.shape)
     return lax.dynamic_update_slice(dbias, cur + g, start)
 

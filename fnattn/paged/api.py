@@ -129,7 +129,7 @@ def _attend_bwd(table, cfg, res, cotangents):
     d_out, d_lse = cotangents
 
     def f(q, k_pages, v_pages, sinks):
-        return xla.attend(cfg, q, k_pages, v_pages, sinks, meta)
+        return xla.attend(cfg, q, k_pages, v_pages, sinks, meta, sanitize=True)
 
     _, vjp = jax.vjp(f, q, k_pages, v_pages, sinks)
     dq, dk, dv, dsinks = vjp((d_out, d_lse.astype(jnp.float32)))
@@ -202,6 +202,18 @@ def _check_pools(fn, q_heads, head_dim, dtype, k_pages, v_pages, q_desc):
     return Hkv, N, ps, v_pages.shape[3]
 
 
+def refuse_float64(fn, **arrays):
+    """A ``TypeError`` at trace time for float64 q/k/v: every serving lowering (the
+    kernels, and the XLA ones that share their float32 statistics) computes in
+    float32, and silently rounding float64 inputs would be a wrong number."""
+    wide = [name for name, x in arrays.items() if getattr(x, "dtype", None) == jnp.float64]
+    if wide:
+        names = ", ".join(arrays)
+        raise TypeError(f"{fn}: float64 inputs are not supported ({', '.join(wide)} "
+                        f"{'is' if len(wide) == 1 else 'are'} float64): the serving variants "
+                        f"compute in float32; cast {names} to float32 (x.astype(jnp.float32)).")
+
+
 def _check_spec(fn, spec: AttentionSpec, num_q_heads):
     if spec.bias is not None:
         raise NotImplementedError(f"{fn}: spec.bias is not supported by paged attention (no "
@@ -249,8 +261,9 @@ def check_inputs(k_pages, *, page_table, context_lengths, query_start_loc=None, 
     pass ``checked=True`` to the paged functions, which call it).
 
     Checks, for the live sequences ``s < num_seqs``: ``0 <= num_seqs <= max_seqs``;
-    ``query_start_loc`` starts at >= 0, never decreases and ends at most at
-    ``total_tokens``; ``new tokens <= context_lengths[s] <= pages_per_seq *
+    ``query_start_loc`` starts at 0 (no token before the first sequence's is left
+    uncovered), never decreases and ends at most at ``total_tokens`` (the tokens
+    after it are padding); ``new tokens <= context_lengths[s] <= pages_per_seq *
     page_size``; every page-table entry that holds a position ``< context_lengths[s]``
     is in ``[0, num_pages)``. Without ``query_start_loc`` (``paged_attention``)
     every sequence is live and has ``new_tokens`` queries.
@@ -279,6 +292,12 @@ def check_inputs(k_pages, *, page_table, context_lengths, query_start_loc=None, 
         n_live = jnp.clip(n_live, 0, S)
         loc = query_start_loc.astype(I32)
         checkify.check(loc[0] >= 0, "query_start_loc[0] = {x} is negative", x=loc[0])
+        # Tokens after query_start_loc[num_seqs] are padding (documented: zeros and
+        # lse = -inf); tokens before query_start_loc[0] are a gap no sequence covers.
+        checkify.check((loc[0] <= 0) | (n_live == 0),
+                       "query_start_loc[0] = {x}: the packed query tokens 0 to {y} belong to "
+                       "no sequence (the first sequence starts at token 0; padding tokens "
+                       "go after query_start_loc[num_seqs])", x=loc[0], y=loc[0] - 1)
         idx = jnp.arange(S, dtype=I32)
         dec = (loc[1:] < loc[:-1]) & (idx < n_live)
         bad = jnp.argmax(dec)
@@ -374,6 +393,7 @@ def paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table, kv_len
     """:func:`paged_attention` with an explicit lowering table (None: ``spec.impl``'s)."""
     fn = "paged_attention"
     _checks.check_float(f"{fn}: q", q)
+    refuse_float64(fn, q=q, k_pages=k_pages, v_pages=v_pages)
     if q.ndim != 4:
         want = "(B, Tq, Hq, D)" if spec.layout == "bthd" else "(B, Hq, Tq, D)"
         raise ValueError(f"{fn}: q must have 4 axes {want} for layout {spec.layout!r}; "
@@ -404,8 +424,9 @@ def paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table, kv_len
 
 
 def _ragged_checks(fn, spec, q, k_pages, v_pages, page_table, context_lengths,
-                   query_start_loc, num_seqs):
+                   query_start_loc, num_seqs, **new_kv):
     _checks.check_float(f"{fn}: q", q)
+    refuse_float64(fn, q=q, **new_kv, k_pages=k_pages, v_pages=v_pages)
     if spec.layout != "bthd":
         raise ValueError(f"{fn}: q is packed (total_tokens, Hq, D); spec.layout must be "
                          f"'bthd'; got {spec.layout!r}")
@@ -557,7 +578,8 @@ def ragged_paged_attention_with_update_with(table, spec, q, k, v, k_pages, v_pag
     """:func:`ragged_paged_attention_with_update` with an explicit lowering table."""
     fn = "ragged_paged_attention_with_update"
     T, Hq, D, Hkv, N, ps, Dv, S, P = _ragged_checks(
-        fn, spec, q, k_pages, v_pages, page_table, context_lengths, query_start_loc, num_seqs)
+        fn, spec, q, k_pages, v_pages, page_table, context_lengths, query_start_loc, num_seqs,
+        k=k, v=v)
     for name, x, want in (("k", k, (T, Hkv, D)), ("v", v, (T, Hkv, Dv))):
         _checks.check_float(f"{fn}: {name}", x)
         if _shape(x) != want:

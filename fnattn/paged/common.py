@@ -273,16 +273,9 @@ def merge_splits(out, lse, sink=None):
     """Merges split-K partial results: out (S, ..., Dv) and lse (S, ...) float32.
 
     ``sink`` (broadcastable to ``lse[0]``) joins the denominator once. Rows with
-    no visible key in any split and no sink give 0 and -inf.
+    no visible key in any split and no sink give 0 and -inf; infinite sinks and
+    empty splits are handled as by :func:`fnattn.merging.merge_stacked` (which
+    this is).
     """
-    m = lse.max(axis=0)
-    if sink is not None:
-        m = jnp.maximum(m, sink)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    w = jnp.exp(lse - m)
-    denom = w.sum(axis=0)
-    if sink is not None:
-        denom = denom + jnp.exp(sink - m)
-    safe = jnp.where(denom > 0, denom, 1.0)
-    merged = jnp.einsum("s...,s...d->...d", w, out) / safe[..., None]
-    return merged, jnp.where(denom > 0, m + jnp.log(safe), -jnp.inf)
+    from fnattn.merging import merge_stacked
+    return merge_stacked(out, lse, sink)

@@ -91,27 +91,37 @@ def _attn_kernel(work_ref, pt_ref, *refs, K: _K):
         for i in range(K.ppb):
             page = jnp.maximum(page_of(b, i), 0)
             rows = pl.ds(i * K.ps, K.ps)
-            out.append(pltpu.make_async_copy(k_hbm.at[h, page], kbuf.at[slot, rows], sem.at[0, slot]))
-            out.append(pltpu.make_async_copy(v_hbm.at[h, page], vbuf.at[slot, rows], sem.at[1, slot]))
+            out.append(pltpu.make_async_copy(k_hbm.at[h, page], kbuf.at[slot, rows],
+                                             sem.at[I32(0), slot]))
+            out.append(pltpu.make_async_copy(v_hbm.at[h, page], vbuf.at[slot, rows],
+                                             sem.at[I32(1), slot]))
         return out
 
     def start(b, slot):
         for c in copies(b, slot):
             c.start()
 
+    def key_valid(b, shape):
+        """Which rows of a (keys, ...) tile of block b hold a key of the sequence."""
+        r = lax.broadcasted_iota(I32, shape, 0)
+        ok = b * K.C + r < kv_len
+        for i in range(K.ppb):
+            ok = ok & ((lax.div(r, I32(K.ps)) != i) | (page_of(b, i) >= 0))
+        return ok
+
     @pl.when(lo < hi)
     def _():
-        start(lo, 0)
+        start(lo, I32(0))   # (int32 indices: Python ints are int64 under x64)
 
     q = q_ref[...]
     shape = (K.M, K.C)
     r_i = lax.broadcasted_iota(I32, shape, 0)
-    t_i, g_i = lax.div(r_i, K.Gp), lax.rem(r_i, K.Gp)
+    t_i, g_i = lax.div(r_i, I32(K.Gp)), lax.rem(r_i, I32(K.Gp))
     c_i = lax.broadcasted_iota(I32, shape, 1)
     mask = K.mask()
 
     def body(b, carry):
-        slot = lax.rem(b - lo, 2)
+        slot = lax.rem(b - lo, I32(2))
 
         @pl.when(b + 1 < hi)
         def _():
@@ -120,13 +130,25 @@ def _attn_kernel(work_ref, pt_ref, *refs, K: _K):
         for c in copies(b, slot):
             c.wait()
         k, v = kbuf[slot], vbuf[slot]
+        # Slots past the length and pages the sequence does not own (copied from
+        # page 0 or another sequence's page) may hold anything, NaN included: their
+        # values are zeroed, so that p = 0 gives 0 (0 * NaN would be NaN).
+        v = jnp.where(key_valid(b, v.shape), v, jnp.zeros_like(v))
+        bad = None
+        if mask is not None:
+            # Keys of the sequence that the mask hides from some rows: the rule of
+            # fnattn._online.finite_keys, with the non-finite keys counted per
+            # row by a product (a per-key vector would need a lane transpose).
+            k, v, bad = _nonfinite_logits(k, v, K.M)
         s = lax.dot_general(q, k, NT, preferred_element_type=F32) * K.scale
         if K.softcap is not None:
             s = K.softcap * jnp.tanh(s / K.softcap)
+        if bad is not None:
+            s = jnp.where(bad, jnp.nan, s)
         kpos = b * K.C + c_i
         ok = kpos < kv_len
         for i in range(K.ppb):  # keys of invalid pages are masked
-            ok = ok & ((lax.div(c_i, K.ps) != i) | (page_of(b, i) >= 0))
+            ok = ok & ((lax.div(c_i, I32(K.ps)) != i) | (page_of(b, i) >= 0))
         if mask is not None:
             pos = common.positions(seq, h * K.G + g_i, f["row0"] + t_i, f["q_pos"] + t_i, kpos)
             ok = ok & mask.predicate(pos, [])
@@ -147,6 +169,22 @@ def _attn_kernel(work_ref, pt_ref, *refs, K: _K):
     lse_ref[...] = jnp.broadcast_to(lse, lse_ref.shape)
 
 
+def _nonfinite_logits(k, v, rows: int):
+    """``(k, v, bad)`` for a tile of keys (C, D) and values (C, Dv): non-finite
+    entries zeroed, and ``bad`` (rows, C) true in the columns of keys whose K or V
+    held one (the same for every row: a product of ones with the indicators, which
+    lands the per-key answer along lanes without a transpose; 0/1 counts are exact
+    in bfloat16 operands with a float32 result)."""
+    # (TPUs test finiteness in float32 only)
+    fk, fv = jnp.isfinite(k.astype(F32)), jnp.isfinite(v.astype(F32))
+    ind = jnp.bfloat16
+    bad = lax.dot_general(jnp.ones((rows, k.shape[1]), ind), (~fk).astype(ind), NT,
+                          preferred_element_type=F32)
+    bad = bad + lax.dot_general(jnp.ones((rows, v.shape[1]), ind), (~fv).astype(ind), NT,
+                                preferred_element_type=F32)
+    return jnp.where(fk, k, jnp.zeros_like(k)), jnp.where(fv, v, jnp.zeros_like(v)), bad > 0
+
+
 def _write_kernel(work_ref, pt_ref, nk_hbm, nv_hbm, kp_hbm, vp_hbm, ko_hbm, vo_hbm, sem, *,
                   ps: int, P: int, Hkv: int):
     del kp_hbm, vp_hbm  # aliased to ko_hbm, vo_hbm
@@ -156,18 +194,18 @@ def _write_kernel(work_ref, pt_ref, nk_hbm, nv_hbm, kp_hbm, vp_hbm, ko_hbm, vo_h
     def write(t, carry):
         pos = f["q_pos"] + t
         posc = jnp.maximum(pos, 0)
-        page = pt_ref[f["seq"] * P + jnp.minimum(lax.div(posc, ps), P - 1)]
+        page = pt_ref[f["seq"] * P + jnp.minimum(lax.div(posc, I32(ps)), P - 1)]
         ok = (pos >= 0) & (pos < P * ps) & (page >= 0)
 
         @pl.when(ok)
         def _():
-            off = lax.rem(posc, ps)
+            off = lax.rem(posc, I32(ps))
             cs = []
-            for h in range(Hkv):
+            for h in map(I32, range(Hkv)):  # (int32 indices: Python ints are int64 in x64)
                 cs.append(pltpu.make_async_copy(nk_hbm.at[f["tok"] + t, h],
-                                                ko_hbm.at[h, page, off], sem.at[0]))
+                                                ko_hbm.at[h, page, off], sem.at[I32(0)]))
                 cs.append(pltpu.make_async_copy(nv_hbm.at[f["tok"] + t, h],
-                                                vo_hbm.at[h, page, off], sem.at[1]))
+                                                vo_hbm.at[h, page, off], sem.at[I32(1)]))
             for c in cs:
                 c.start()
             for c in cs:

@@ -9,6 +9,8 @@ sanitised metadata (:func:`fnattn.paged.common.sanitize`) with the lowerings.
 
 import jax.numpy as jnp
 
+from fnattn.merging import shifted_exp
+from fnattn import _online as online
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -24,10 +26,12 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
     pages = meta.page_table[seq]                                        # (T, P)
     k = k_pages[:, jnp.maximum(pages, 0)].reshape(Hkv, T, cfg.capacity, D)
     v = v_pages[:, jnp.maximum(pages, 0)].reshape(Hkv, T, cfg.capacity, -1)
+    k, v, bad = online.finite_keys(k, v)     # (Hkv, T, capacity) bad keys
     qg = q.reshape(T, Hkv, G, D).astype(F32)
     s = jnp.einsum("thgd,htkd->thgk", qg, k.astype(F32)) * cfg.scale
     if cfg.softcap is not None:
         s = cfg.softcap * jnp.tanh(s / cfg.softcap)
+    s = jnp.where(jnp.transpose(bad, (1, 0, 2))[:, :, None, :], jnp.nan, s)
     kpos = jnp.arange(cfg.capacity, dtype=I32)
     ok = (kpos[None, :] < L[:, None]) & jnp.repeat(pages >= 0, ps, axis=1) & valid[:, None]
     ok = ok[:, None, None, :]
@@ -40,17 +44,18 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
         ok = ok & mask.predicate(pos, [])
     s = jnp.where(ok, s, -jnp.inf)
     m = s.max(-1)
-    if sinks is not None:
+    if sinks is not None:   # infinite sinks: as fnattn._online.join_sink
         sink = sinks.astype(F32).reshape(1, Hkv, G)
         m = jnp.maximum(m, sink)
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    e = jnp.exp(s - m[..., None])
+    m = jnp.where(m == -jnp.inf, 0.0, m)
+    e = shifted_exp(s, m[..., None])
     denom = e.sum(-1)
     if sinks is not None:
-        denom = denom + jnp.exp(sink - m)
-    safe = jnp.where(denom > 0, denom, 1.0)
+        denom = denom + shifted_exp(sink, m)
+    empty = denom == 0
+    safe = jnp.where(empty, 1.0, denom)
     out = jnp.einsum("thgk,htkd->thgd", e / safe[..., None], v.astype(F32))
-    lse = jnp.where(denom > 0, m + jnp.log(safe), -jnp.inf)
+    lse = jnp.where(empty, -jnp.inf, m + jnp.log(safe))
     out = jnp.where(valid[:, None, None, None], out, 0.0)
     lse = jnp.where(valid[:, None, None], lse, -jnp.inf)
     return out.reshape(T, Hq, -1).astype(q.dtype), lse.reshape(T, Hq).T

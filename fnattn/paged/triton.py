@@ -123,7 +123,7 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
     seq, tok, rows, kv_len = f["seq"], f["tok"], f["rows"], f["kv_len"]
 
     m_i = lax.broadcasted_iota(I32, (K.M,), 0)
-    t_i, g_i = lax.div(m_i, K.Gp), lax.rem(m_i, K.Gp)
+    t_i, g_i = lax.div(m_i, I32(K.Gp)), lax.rem(m_i, I32(K.Gp))
     row_ok = t_i < rows
     dcols = lax.broadcasted_iota(I32, (K.Dp,), 0)[None, :]
     vcols = lax.broadcasted_iota(I32, (K.Dvp,), 0)[None, :]
@@ -154,19 +154,26 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
 
     def body(j, carry):
         kpos = j * K.bk + lax.broadcasted_iota(I32, (K.bk,), 0)
-        lpage = jnp.minimum(lax.div(kpos, K.ps), K.P - 1)
+        lpage = jnp.minimum(lax.div(kpos, I32(K.ps)), K.P - 1)
         page = plgpu.load(pt_ref.at[seq, lpage])
         ok = (kpos < kv_len) & (page >= 0)
-        slot = jnp.maximum(page, 0) * K.ps + lax.rem(kpos, K.ps)
+        slot = jnp.maximum(page, 0) * K.ps + lax.rem(kpos, I32(K.ps))
         k = load_kv(k_ref, nk_ref, dcols, dmask, slot, ok, kpos)
+        load_v = lambda: load_kv(v_ref, nv_ref, vcols, vmask, slot, ok, kpos)  # noqa: E731
+        bad = None
+        if mask is not None:
+            # Slots past the length and invalid pages are never loaded; keys of the
+            # sequence that the mask hides from some rows may still hold NaN.
+            k, v, bad = online.finite_keys(k, load_v())
+            load_v = lambda: v  # noqa: E731
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+        if bad is not None:
+            s = jnp.where(bad[None, :], jnp.nan, s)
         allowed = ok[None, :]
         if mask is not None:
             pos = common.positions(seq, head_rows, raw_rows, qpos_rows, kpos[None, :])
             allowed = allowed & mask.predicate(pos, [])
-        return online.step_exp2(carry, s, allowed,
-                                lambda: load_kv(v_ref, nv_ref, vcols, vmask, slot, ok, kpos),
-                                scale=K.scale, softcap=K.softcap)
+        return online.step_exp2(carry, s, allowed, load_v, scale=K.scale, softcap=K.softcap)
 
     lo, hi = common.split_range(f["k_lo"], f["k_hi"], sp, K.splits)
     acc = jnp.zeros((K.M, K.Dvp), F32)
@@ -179,11 +186,13 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         acc, m, l = online.join_sink(acc, m, l, sink, exp=jnp.exp2)
     out, lse = online.finish_exp2(acc, m, l)
     rows_ds = pl.ds(tok * K.Gp, K.M)
+    cols_ds = pl.ds(I32(0), K.Dvp)   # (not `:`, whose start is int64 under x64)
     if K.splits == 1:
-        plgpu.store(o_ref.at[h, rows_ds, :], out.astype(o_ref.dtype), mask=row_ok[:, None])
+        plgpu.store(o_ref.at[h, rows_ds, cols_ds], out.astype(o_ref.dtype),
+                    mask=row_ok[:, None])
         plgpu.store(lse_ref.at[h, rows_ds], lse, mask=row_ok)
     else:
-        plgpu.store(o_ref.at[sp, h, rows_ds, :], out, mask=row_ok[:, None])
+        plgpu.store(o_ref.at[sp, h, rows_ds, cols_ds], out, mask=row_ok[:, None])
         plgpu.store(lse_ref.at[sp, h, rows_ds], lse, mask=row_ok)
 
     if K.update:
@@ -196,9 +205,9 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
                 pos = f["q_pos"] + t
                 ok = (pos >= 0) & (pos < K.P * K.ps)
                 pos = jnp.maximum(pos, 0)
-                page = pt_ref[seq, jnp.minimum(lax.div(pos, K.ps), K.P - 1)]
+                page = pt_ref[seq, jnp.minimum(lax.div(pos, I32(K.ps)), K.P - 1)]
                 ok = ok & (page >= 0)
-                slot = jnp.maximum(page, 0) * K.ps + lax.rem(pos, K.ps)
+                slot = jnp.maximum(page, 0) * K.ps + lax.rem(pos, I32(K.ps))
                 for new_ref, out_ref, n, cols in ((nk_ref, ko_ref, K.D, dcols[0]),
                                                   (nv_ref, vo_ref, K.Dv, vcols[0])):
                     wmask = ok & (cols < n)

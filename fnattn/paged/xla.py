@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnattn._varying import varying_like
+from fnattn.merging import shifted_exp
+from fnattn import _online as online
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -73,8 +75,19 @@ def _token_gather_index(cfg: Cfg, meta: Meta, block_q: int):
     return jnp.where(valid, item * block_q + row % block_q, 0), valid
 
 
-def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
-    """Attention of packed q (T, Hq, D) over the pools; (out (T, Hq, Dv) q.dtype, lse (Hq, T))."""
+def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, *, sanitize=None):
+    """Attention of packed q (T, Hq, D) over the pools; (out (T, Hq, Dv) q.dtype, lse (Hq, T)).
+
+    ``sanitize=None`` sanitises keys (``_online.finite_keys``) only when the pools
+    hold a non-finite value where this call looked (``_online.clean_unless_garbage``);
+    ``True`` always does, which is what the backward differentiates (through a
+    ``cond`` the untaken branch gets zero cotangents, and 0 * NaN is NaN).
+    """
+    f = functools.partial(_attend, cfg, q, k_pages, v_pages, sinks, meta)
+    return online.clean_unless_garbage(f) if sanitize is None else f(sanitize)[:2]
+
+
+def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
     bs = cfg.block_sizes
     T, Hq, D = q.shape
     Hkv, G, Dv, ps = cfg.num_kv_heads, cfg.group, cfg.v_head_dim, cfg.page_size
@@ -118,20 +131,27 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
         safe = jnp.maximum(pages, 0)
         kc = k_pages[:, safe].reshape(Hkv, W, C, D)
         vc = v_pages[:, safe].reshape(Hkv, W, C, Dv)
+        # Slots past a sequence's length and pages it does not own may hold anything
+        # (NaN from a released request, never-written memory): see _online.finite_keys.
+        if sanitize:
+            kc, vc, bad = online.finite_keys(kc, vc)
         s = jnp.einsum("hwmd,hwkd->hwmk", qw, kc, preferred_element_type=F32) * cfg.scale
+        finite = sanitize or jnp.all(jnp.isfinite(s))    # before the cap hides an inf
         if cfg.softcap is not None:
             s = cfg.softcap * jnp.tanh(s / cfg.softcap)
+        if sanitize:
+            s = jnp.where(bad[:, :, None, :], jnp.nan, s)
         kpos = j * C + jnp.arange(C, dtype=I32)
         ok = (kpos[None, :] < work.kv_len[:, None]) & jnp.repeat(pages >= 0, ps, axis=1)
         ok = ok[None, :, None, :]
         if mask is not None:
             pos = common.positions(seq4, head4, raw_q, q_pos, kpos[None, None, None, :])
             ok = ok & mask.predicate(pos, [])
-        return jnp.where(ok, s, -jnp.inf), vc
+        return jnp.where(ok, s, -jnp.inf), vc, finite
 
     def fold(j, carry):
-        m, l, acc = carry
-        s, vc = scores(j)
+        m, l, acc, finite = carry
+        s, vc, finite_j = scores(j)
         # The running max is only a shift: no gradient flows through it (the result
         # does not depend on it), which keeps the backward exact and NaN-free.
         m_new = lax.stop_gradient(jnp.maximum(m, s.max(-1)))
@@ -142,14 +162,15 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
         l = l * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + jnp.einsum(
             "hwmk,hwkd->hwmd", p.astype(vc.dtype), vc, preferred_element_type=F32)
-        return m_new, l, acc
+        return m_new, l, acc, finite & finite_j
 
     m = jnp.full((Hkv, W, M), -jnp.inf, F32)
     l = jnp.zeros((Hkv, W, M), F32)
     acc = jnp.zeros((Hkv, W, M, Dv), F32)
-    m, l, acc = varying_like((m, l, acc), q, k_pages, v_pages, sinks, meta)
+    m, l, acc, finite = varying_like((m, l, acc, jnp.bool_(True)), q, k_pages, v_pages, sinks,
+                                     meta)
     if n_chunks == 1:
-        m, l, acc = fold(0, (m, l, acc))
+        m, l, acc, finite = fold(0, (m, l, acc, finite))
     else:
         lo, hi = work.k_lo, work.k_hi
         live = work.rows > 0
@@ -158,18 +179,22 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
             needed = jnp.any(live & (lo <= j) & (j < hi))
             return lax.cond(needed, functools.partial(fold, j), lambda c: c, carry)
 
-        m, l, acc = lax.fori_loop(0, n_chunks, step, (m, l, acc))
+        m, l, acc, finite = lax.fori_loop(0, n_chunks, step, (m, l, acc, finite))
 
     if sinks is not None:
+        # Infinite sinks as in fnattn._online.join_sink: -inf is no sink, +inf takes all
+        # the mass (out 0, lse +inf, d(sink) = d(lse): shifted_exp's derivative is 1).
         sink = sinks.astype(F32).reshape(Hkv, G)[:, g_of][:, None, :]   # (Hkv, 1, M)
         m_fin = lax.stop_gradient(jnp.maximum(m, sink))
-        a = jnp.exp(m - m_fin)
-        l = l * a + jnp.exp(sink - m_fin)
+        m_use = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
+        a = shifted_exp(m, m_use)
+        l = l * a + shifted_exp(sink, m_use)
         acc = acc * a[..., None]
         m = m_fin
-    safe = jnp.where(l > 0, l, 1.0)
+    empty = l == 0                        # (a row that saw a NaN key stays NaN)
+    safe = jnp.where(empty, 1.0, l)
     out = acc / safe[..., None]
-    lse = jnp.where(l > 0, jnp.where(jnp.isfinite(m), m, 0.0) + jnp.log(safe), -jnp.inf)
+    lse = jnp.where(empty, -jnp.inf, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe))
 
     # Items' rows back to packed tokens; tokens of no sequence get 0 and -inf.
     out = out.reshape(Hkv, W, bq, G, Dv).transpose(1, 2, 0, 3, 4).reshape(W * bq, Hq, Dv)
@@ -177,7 +202,7 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
     index, valid = _token_gather_index(cfg, meta, bq)
     out = jnp.where(valid[:, None, None], out[index], 0.0).astype(q.dtype)
     lse = jnp.where(valid[:, None], lse[index], -jnp.inf).T
-    return out, lse
+    return out, lse, finite & jnp.all(jnp.isfinite(acc))
 
 
 def forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v=None):

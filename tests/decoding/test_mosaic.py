@@ -166,9 +166,32 @@ def test_float64_is_refused():
         q = jnp.zeros((1, 1, 4, 8), jnp.float64)
         kv = jnp.zeros((1, 16, 2, 8), jnp.float64)
         L = jnp.ones((1,), jnp.int32)
-        msg = (r"decode: the Mosaic \(TPU\) kernel needs a float32, bfloat16 or float16 cache "
-               r"\(got float64: .*\)\. impl='auto' runs such a cache with the XLA lowering")
-        with pytest.raises(NotImplementedError, match=msg):
-            jax.jit(fnattn.decode)(AttentionSpec(impl="pallas"), q, kv, kv, kv_lengths=L)
-        res = jax.jit(fnattn.decode)(AttentionSpec(impl="auto"), q, kv, kv, kv_lengths=L)
-        assert res.out.dtype == jnp.float64
+        for impl in ("auto", "pallas"):  # refused by decode itself, before any lowering
+            with pytest.raises(TypeError, match=r"decode: float64 inputs are not supported"):
+                jax.jit(fnattn.decode)(AttentionSpec(impl=impl), q, kv, kv, kv_lengths=L)
+
+
+def test_poisoned_slots_the_window_hides_under_x64(monkeypatch):
+    """NaN in the sequence's own slots that a window hides from every query (as well as
+    outside its range), two kv heads per block (D=64: each head's product reads the
+    other's columns), infinite sinks: the kernel's answer is the clean cache's, also
+    with x64 on."""
+    from test_decoding import WINDOW, hide_before_window
+    q, k, v, L, a = make(Hq=4, Hkv=2, D=64, Dv=64)
+    pk, pv = hide_before_window(k, v, L, a, q.shape[1])
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(WINDOW),
+                         sinks=jnp.array([0.0, jnp.inf, -jnp.inf, 1.0]))
+    want = jax.jit(lambda q, k, v: fnattn.decode(spec.replace(impl="xla"), q, k, v,
+                                                 kv_lengths=L, kv_starts=a))(q, k, v)
+    route(monkeypatch)
+    with jax.enable_x64(True):
+        res = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L,
+                                                    kv_starts=a))(q, pk, pv)
+    np.testing.assert_allclose(res.out, want.out, atol=2e-6)
+    np.testing.assert_allclose(res.lse, want.lse, atol=2e-6)
+    assert np.isfinite(np.asarray(res.out)).all()
+
+
+def test_lowers_for_tpu_under_x64():
+    with jax.enable_x64(True):
+        test_lowers_for_tpu(*LOWER[1])

@@ -211,3 +211,26 @@ def test_gpu_matches_xla(dtype):
         np.testing.assert_allclose(np.asarray(got.out, np.float32),
                                    np.asarray(want.out, np.float32), atol=tol, rtol=tol)
         np.testing.assert_allclose(got.lse, want.lse, atol=tol, rtol=tol)
+
+
+def test_poisoned_slots_the_window_hides_under_x64(kernel):
+    """NaN in the sequence's own slots that a window hides from every query (as well as
+    outside its range): the kernel's answer is the clean cache's, also with x64 on."""
+    from test_decoding import WINDOW, hide_before_window
+    q, k, v, L, a = make()
+    pk, pv = hide_before_window(k, v, L, a, q.shape[1])
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(WINDOW),
+                         sinks=jnp.array([0.0, jnp.inf, -jnp.inf, 1.0, -jnp.inf, 0.5]))
+    want = jax.jit(lambda q, k, v: fnattn.decode(spec.replace(impl="xla"), q, k, v,
+                                                 kv_lengths=L, kv_starts=a))(q, k, v)
+    with jax.enable_x64(True):
+        res = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L,
+                                                    kv_starts=a))(q, pk, pv)
+    np.testing.assert_allclose(res.out, want.out, atol=2e-6)
+    np.testing.assert_allclose(res.lse, want.lse, atol=2e-6)
+    assert np.isfinite(np.asarray(res.out)).all()
+
+
+def test_lowers_for_cuda_under_x64():
+    with jax.enable_x64(True):
+        test_lowers_for_cuda(*LOWER[1])

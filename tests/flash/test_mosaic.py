@@ -420,3 +420,153 @@ def test_lowers_for_tpu(params):
         return
     # v5e has 128 MiB of VMEM: the kernels ask for 96 MiB of scoped VMEM
     assert len(re.findall(r"scoped_memory_configs.{0,60}size.{0,10}: 100663296", text)) == 3
+
+
+# ----------------------------------------------------------------------------------
+# Extreme inputs (issue 9): huge logits on whole rows, infinite sinks, non-finite
+# K/V in masked keys, x64. One compiled call each, reused across the values.
+# ----------------------------------------------------------------------------------
+
+_grads = jax.jit(outputs_and_grads, static_argnums=0)
+
+
+def _vjp(attn, spec, q, k, v, d_out, d_lse):
+    """(out, lse) and the pullback of the cotangents (d_out, d_lse) as given (the
+    cotangent of an infinite lse too) w.r.t. q, k, v, bias, sinks."""
+    def f(q, k, v, bias, sinks):
+        res = attn(spec.replace(bias=bias, sinks=sinks), q, k, v)
+        return res.out, res.lse
+
+    (out, lse), pull = jax.vjp(f, q, k, v, spec.bias, spec.sinks)
+    return out, lse, pull((d_out.astype(out.dtype), d_lse))
+
+
+_vjp_jit = jax.jit(_vjp, static_argnums=0)
+
+
+def _check_all(got, want, tol=2e-5, gtol=1e-4):
+    out, lse, grads = got
+    r_out, r_lse, r_grads = want
+    _close("out", out, r_out, tol)
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(r_lse))
+    _close("lse", jnp.where(jnp.isfinite(lse), lse, 0), jnp.where(jnp.isfinite(r_lse), r_lse, 0),
+           tol)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads, r_grads):
+        if r is not None:
+            _close(name, g, r, gtol)
+
+
+def test_extreme_bias_rows_match_reference():
+    """A bias of -1e30, finfo.min or -1e9 on whole rows (the additive padding
+    mask): the rows' lse absorbs log(l), which the backward restores from
+    lse_lo; without it their gradients were up to Tk times too large. Rows in
+    both q-blocks, on FULL and PARTIAL tiles (causal, ragged ends)."""
+    case = Case("extreme_rows", B=1, Tq=130, Tk=250, Hq=2, Hkv=1, mask="causal",
+                bias=(1, "H", "Q", "K"))
+    spec, q, k, v, d_out, d_lse = make(case, seed=1)
+    rows = np.zeros((1, 2, case.Tq, 1), bool)
+    rows[:, 0, 2:5] = True
+    rows[:, 1, 100:] = True
+    for val in (-1e30, float(np.finfo(np.float32).min), -1e9):
+        s = spec.replace(bias=jnp.where(rows, jnp.float32(val), spec.bias))
+        got = _grads(flash, s, q, k, v, d_out, d_lse)
+        want = _grads(fnattn.reference, s, q, k, v, d_out, d_lse)
+        assert np.all(np.abs(np.asarray(got[1])[rows[..., 0]]) >= 1e8), val
+        _check_all(got, want)
+
+
+def test_infinite_sinks_with_fully_masked_rows():
+    """A sink of -inf is no sink (a fully masked row gives out 0 and lse -inf);
+    +inf takes all the mass: out 0, lse +inf, no gradient from its rows but
+    d(sink) = the sum of their d_lse. Heads: sinks -inf, +inf, finite."""
+    case = Case("inf_sinks", B=1, Tq=130, Tk=250, Hq=3, Hkv=1, mask="lengths",
+                bias=(1, "H", "Q", "K"), sinks=True)
+    spec, q, k, v, d_out, d_lse = make(case, seed=2)  # rows 60.. see no key
+    dead = np.arange(case.Tq) >= 60
+    d_lse = d_lse.at[:, 0, dead].set(0.0)  # lse -inf there
+    sinks = jnp.array([-np.inf, np.inf, spec.sinks[2]], F32)
+    out, lse, grads = _vjp_jit(flash, spec.replace(sinks=sinks), q, k, v, d_out, d_lse)
+    # The reference without head 1's sink and cotangents: the other heads' answer.
+    r_out, r_lse, r_grads = _vjp_jit(
+        fnattn.reference, spec.replace(sinks=sinks.at[1].set(-np.inf)), q, k, v,
+        d_out.at[:, :, 1].set(0.0), d_lse.at[:, 1].set(0.0))
+    names = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks")
+    for name, x in zip(names, (out, lse, *grads)):
+        assert not np.isnan(np.asarray(x)).any(), name
+    assert np.all(np.asarray(out[:, :, 1]) == 0.0)
+    assert np.all(np.asarray(lse[:, 1]) == np.inf)
+    assert np.all(np.asarray(out[:, dead]) == 0.0)
+    assert np.all(np.asarray(lse[:, 0, dead]) == -np.inf)
+    heads = np.array([0, 2])
+    _close("out", out[:, :, heads], r_out[:, :, heads], 2e-5)
+    lse_h, r_lse_h = np.asarray(lse[:, heads]), np.asarray(r_lse[:, heads])
+    np.testing.assert_array_equal(np.isfinite(lse_h), np.isfinite(r_lse_h))
+    fin = np.isfinite(r_lse_h)
+    _close("lse", np.where(fin, lse_h, 0), np.where(fin, r_lse_h, 0), 2e-5)
+    for name, g, r in zip(("dq", "dk", "dv", "dbias"), grads, r_grads):
+        _close(name, g, r, 1e-4)
+    dsinks = np.asarray(grads[4])
+    assert dsinks[0] == 0.0
+    np.testing.assert_allclose(dsinks[1], float(d_lse[:, 1].sum()), rtol=1e-5)
+    np.testing.assert_allclose(dsinks[2], float(r_grads[4][2]), rtol=1e-4, atol=1e-5)
+    # The reference defines infinite sinks the same way.
+    ref = _vjp_jit(fnattn.reference, spec.replace(sinks=sinks), q, k, v, d_out, d_lse)
+    _check_all((out, lse, grads), ref)
+
+
+def test_masked_keys_with_non_finite_kv_contribute_nothing():
+    """NaN and inf in the K/V of keys a row may not see (past kv_lengths, on
+    PARTIAL and EMPTY tiles) change nothing, forward or backward; a row that
+    does see a NaN value gets NaN."""
+    case = Case("poison", B=2, Tq=250, Tk=250, Hq=2, Hkv=1, bias=("B", 1, 1, "K"))
+    spec, q, k, v, d_out, d_lse = make(case, seed=3)
+    spec = spec.replace(mask=masks.causal() & masks.lengths(kv_lengths=jnp.array([100, 200])))
+    kp, vp = np.array(k), np.array(v)
+    kp[0, 100:], vp[0, 110:] = np.nan, np.inf
+    kp[1, 200:], vp[1, 220:240, :, 3] = -np.inf, np.nan
+    got = _grads(flash, spec, q, jnp.asarray(kp), jnp.asarray(vp), d_out, d_lse)
+    want = _grads(fnattn.reference, spec, q, k, v, d_out, d_lse)
+    _check_all(got, want)
+    _check_all(got, _grads(fnattn.reference, spec, q, jnp.asarray(kp), jnp.asarray(vp), d_out,
+                           d_lse))
+    # Key 150 of batch row 1 is visible to its rows 150.. only (causal).
+    vp[1, 150, 0, 0] = np.nan
+    out, lse, _ = _grads(flash, spec, q, jnp.asarray(kp), jnp.asarray(vp), d_out, d_lse)
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert np.isnan(out[1, 150:]).all() and np.isnan(lse[1, :, 150:]).all()
+    r_out, r_lse, _ = _grads(fnattn.reference, spec, q, jnp.asarray(kp), jnp.asarray(vp), d_out,
+                             d_lse)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(np.asarray(r_out)))
+    np.testing.assert_array_equal(np.isnan(lse), np.isnan(np.asarray(r_lse)))
+    _close("out clean rows", out[1, :150], want[0][1, :150], 2e-5)
+    _close("out batch 0", out[0], want[0][0], 2e-5)
+
+
+def test_x64_traces_runs_and_lowers_for_tpu():
+    """Under jax_enable_x64 Python ints and user arrays (here the lengths) are
+    64-bit: the schedule, index maps and kernels pin int32. The public API
+    traces, the interpret kernels give the reference's answer, and the kernels
+    lower for TPU."""
+    small = Case("x64", B=1, Tq=130, Tk=130, Hq=2, Hkv=1, D=8, Dv=8, mask="lengths",
+                 bias=(1, "H", "Q", "K"), sinks=True, dropout=0.2)
+    big = Case("x64_tpu", B=2, Tq=640, Tk=640, Hq=4, Hkv=2, D=64, Dv=64, mask="lengths",
+               bias=(1, "H", "Q", "K"), sinks=True, dropout=0.1, dtype="bfloat16", blocks=None)
+    want = _grads(fnattn.reference, *make(small))
+    with jax.enable_x64(True):
+        spec, q, k, v, d_out, d_lse = make(small)
+        assert jnp.asarray(spec.mask.operands()[0]).dtype == jnp.int64  # x64 is on
+        for impl in ("pallas",):  # "auto" also traces the flash XLA lowering
+            s = spec.replace(impl=impl)
+            shapes = jax.eval_shape(jax.jit(lambda q: jax.grad(
+                lambda q: fnattn.attention(s, q, k, v).out.sum())(q)), q)
+            assert shapes.shape == q.shape and shapes.dtype == q.dtype
+        got = jax.jit(outputs_and_grads, static_argnums=0)(flash, spec, q, k, v, d_out, d_lse)
+        assert got[0].dtype == F32 and got[1].dtype == F32
+        spec, q, k, v, d_out, d_lse = make(big)
+        attn = lambda s, q, k, v: flash(s, q, k, v, table=ON_TPU)  # noqa: E731
+        with tpu_target():
+            text = jax.jit(outputs_and_grads, static_argnums=0).trace(
+                attn, spec, q, k, v, d_out, d_lse).lower(lowering_platforms=("tpu",)).as_text()
+    assert set(re.findall(r'kernel_name = "(\w+)"', text)) == {
+        "fnattn_flash_mosaic_fwd", "fnattn_flash_mosaic_dq", "fnattn_flash_mosaic_dkv"}
+    _check_all(got, want)

@@ -197,6 +197,191 @@ def test_impl_pallas_runs_the_interpreted_kernels_off_gpu():
 
 
 # ----------------------------------------------------------------------------------
+# Extreme inputs: huge logits, infinite sinks, poisoned masked keys, x64
+# ----------------------------------------------------------------------------------
+
+F32_MIN = float(np.finfo(np.float32).min)
+
+
+def _extreme_bias(Hq, Tq, Tk):
+    """A (1, Hq, Tq, Tk) bias whose rows hold the logits that broke the kernels:
+    whole rows of -1e30, finfo.min, -1e9 and -1e8 (uniform softmax in float32),
+    a single logit of 1e10, a row of -inf, a row half -1e30 (a tile boundary
+    inside), the rest small."""
+    b = np.random.default_rng(7).standard_normal((1, Hq, Tq, Tk)).astype(np.float32)
+    b[:, :, 1] = -1e30
+    b[:, :, 3] = F32_MIN
+    b[:, :, 5] = -1e9
+    b[:, :, 7] = -1e8
+    b[:, :, 9, 20] = 1e10
+    b[:, :, 11] = -np.inf
+    b[:, :, 13, 10:] = -1e30
+    b[:, 1, 15] = F32_MIN  # one head only
+    return jnp.asarray(b)
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["plain", "causal-sinks"])
+def test_extreme_bias_rows_match_reference(masked):
+    # The large-logit path (bias, no soft-cap) keeps the running max in natural
+    # units and the backward recomputes P from lse and lse_lo: forward and every
+    # gradient equal the float32 reference's (uniform rows at -1e9 included).
+    rs = np.random.default_rng(8)
+    B, Tq, Tk, Hq, Hkv, D = 1, 21, 37, 2, 1, 8
+    q = jnp.asarray(rs.standard_normal((B, Tq, Hq, D)), jnp.float32)
+    k = jnp.asarray(rs.standard_normal((B, Tk, Hkv, D)), jnp.float32)
+    v = jnp.asarray(rs.standard_normal((B, Tk, Hkv, D)), jnp.float32)
+    spec = AttentionSpec(bias=_extreme_bias(Hq, Tq, Tk), block_sizes=SMALL)
+    if masked:
+        spec = spec.replace(mask=masks.causal(), sinks=jnp.array([0.5, -1.0]))
+    res = assert_matches_reference(spec, q, k, v, tol=2e-5)
+    lse = np.asarray(res.lse)
+    np.testing.assert_allclose(lse[0, :, 9], 1e10, rtol=1e-6)
+    if not masked:  # (with sinks, the sink's logit dominates these rows)
+        assert (lse[0, :, 1] == -1e30).all() and (lse[0, 0, 3] == F32_MIN)
+
+
+def vjp_all(f, spec, q, k, v, d_out, d_lse):
+    """(out, lse) of ``f`` and its VJP for the cotangents (d_out, d_lse), under jit;
+    the VJP w.r.t. q, k, v, bias, sinks. d_lse reaches rows whose lse is infinite."""
+    def go(q, k, v, bias, sinks):
+        res = f(spec.replace(bias=bias, sinks=sinks), q, k, v)
+        return res.out, res.lse
+    return jax.jit(lambda *a: (lambda o, vjp: (o, vjp((d_out, d_lse))))(
+        *jax.vjp(go, *a)))(q, k, v, spec.bias, spec.sinks)
+
+
+def test_infinite_sinks():
+    # Head 0 has a -inf sink ("no sink"), head 1 +inf (takes all the mass), head
+    # 2 a finite one; batch row 1 has q_length 0 (fully masked rows).
+    rs = np.random.default_rng(9)
+    B, Tq, Tk, Hq, D = 2, 21, 37, 3, 8
+    q = jnp.asarray(rs.standard_normal((B, Tq, Hq, D)), jnp.float32)
+    k = jnp.asarray(rs.standard_normal((B, Tk, 1, D)), jnp.float32)
+    v = jnp.asarray(rs.standard_normal((B, Tk, 1, D)), jnp.float32)
+    d_out = jnp.asarray(rs.standard_normal((B, Tq, Hq, D)), jnp.float32)
+    d_lse = jnp.asarray(rs.standard_normal((B, Hq, Tq)), jnp.float32)
+    spec = AttentionSpec(mask=masks.lengths(jnp.array([Tq, 0]), jnp.array([Tk, 30])),
+                         sinks=jnp.array([-jnp.inf, jnp.inf, 0.25]), block_sizes=SMALL)
+    (out, lse), grads = vjp_all(run(INTERPRET), spec, q, k, v, d_out, d_lse)
+    out, lse = np.asarray(out), np.asarray(lse)
+    for x in (out, *grads):
+        assert x is None or not np.isnan(np.asarray(x)).any()
+    # -inf: no sink; fully masked rows give 0 and lse -inf.
+    assert (out[1, :, 0] == 0).all() and np.isneginf(lse[1, 0]).all()
+    # +inf: out 0, lse +inf, nothing flows back to q, k, v; d(sink) = sum of d_lse.
+    assert (out[:, :, 1] == 0).all() and np.isposinf(lse[:, 1]).all()
+    dsinks = np.asarray(grads[4])
+    np.testing.assert_allclose(dsinks[1], np.asarray(d_lse[:, 1]).sum(), rtol=1e-5)
+    # And the reference.
+    (ref_out, ref_lse), ref_grads = vjp_all(fnattn.reference, spec, q, k, v, d_out, d_lse)
+    np.testing.assert_allclose(out, np.asarray(ref_out), atol=2e-5)
+    np.testing.assert_array_equal(np.isfinite(lse), np.isfinite(np.asarray(ref_lse)))
+    np.testing.assert_allclose(lse, np.asarray(ref_lse), rtol=2e-5)
+    for name, g, gr in zip(("dq", "dk", "dv"), grads[:3], ref_grads[:3]):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(gr), atol=1e-4, err_msg=name)
+    np.testing.assert_allclose(dsinks, np.asarray(ref_grads[4]), rtol=1e-4, atol=1e-4)
+
+
+def _poison(x, where, values=(np.nan, np.inf, -np.inf)):
+    """x with non-finite values written into the (b, t) slots ``where`` selects."""
+    x = np.array(x)
+    idx = np.argwhere(where)
+    for n, (b, t) in enumerate(idx):
+        x[b, t, :, n % x.shape[-1]] = values[n % len(values)]
+    return jnp.asarray(x)
+
+
+def test_poisoned_keys_past_kv_lengths_contribute_nothing():
+    # Keys past kv_lengths (a cache slot another request left NaN/inf) sit on
+    # PARTIAL tiles of all three kernels: out, lse and every gradient equal the
+    # reference on clean values, and dk/dv are exactly 0 there.
+    rs = np.random.default_rng(10)
+    B, Tq, Tk, Hq, Hkv, D = 2, 21, 37, 4, 2, 8
+    q = jnp.asarray(rs.standard_normal((B, Tq, Hq, D)), jnp.float32)
+    k = jnp.asarray(rs.standard_normal((B, Tk, Hkv, D)), jnp.float32)
+    v = jnp.asarray(rs.standard_normal((B, Tk, Hkv, D)), jnp.float32)
+    kv_len = np.array([19, 30])
+    dead = np.arange(Tk)[None, :] >= kv_len[:, None]
+    spec = AttentionSpec(mask=masks.causal() & masks.lengths(kv_lengths=jnp.asarray(kv_len)),
+                         bias=jnp.asarray(rs.standard_normal((Tk,)), jnp.float32),
+                         sinks=jnp.array([0.1, -0.3, 0.2, 0.0]), block_sizes=SMALL)
+    d_out = jnp.asarray(rs.standard_normal((B, Tq, Hq, D)), jnp.float32)
+    d_lse = jnp.asarray(rs.standard_normal((B, Hq, Tq)), jnp.float32)
+    kp, vp = _poison(k, dead), _poison(v, dead, (np.inf, np.nan))
+    (out, lse), grads = vjp_all(run(INTERPRET), spec, q, kp, vp, d_out, d_lse)
+    (ref_out, ref_lse), ref_grads = vjp_all(fnattn.reference, spec, q, k, v, d_out, d_lse)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref_out), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-5)
+    for name, g, gr in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads, ref_grads):
+        g, gr = np.asarray(g), np.asarray(gr)
+        assert np.isfinite(g).all(), name
+        np.testing.assert_allclose(g, gr, atol=1e-4, rtol=1e-4, err_msg=name)
+    for g in grads[1:3]:
+        assert (np.asarray(g)[dead] == 0).all()
+
+
+def test_poisoned_future_key_reaches_only_the_rows_that_see_it():
+    # Causal: a NaN key at position 9 is masked for rows 0-8 (on the diagonal's
+    # PARTIAL tile), which equal the clean reference, dq included; rows 9- see
+    # it and are NaN.
+    rs = np.random.default_rng(11)
+    B, T, H, D = 1, 21, 2, 8
+    q, k, v = (jnp.asarray(rs.standard_normal((B, T, H, D)), jnp.float32) for _ in range(3))
+    bad = np.zeros((B, T), bool)
+    bad[0, 9] = True
+    spec = AttentionSpec(mask=masks.causal(), block_sizes=SMALL)
+    d_out = jnp.asarray(rs.standard_normal((B, T, H, D)), jnp.float32)
+    d_lse = jnp.zeros((B, H, T), jnp.float32)
+    (out, lse), grads = vjp_all(run(INTERPRET), spec, q, _poison(k, bad),
+                                _poison(v, bad, (np.inf,)), d_out, d_lse)
+    (ref_out, ref_lse), ref_grads = vjp_all(fnattn.reference, spec, q, k, v, d_out, d_lse)
+    out, dq = np.asarray(out), np.asarray(grads[0])
+    np.testing.assert_allclose(out[:, :9], np.asarray(ref_out)[:, :9], atol=2e-5)
+    np.testing.assert_allclose(np.asarray(lse)[..., :9], np.asarray(ref_lse)[..., :9],
+                               atol=2e-5)
+    np.testing.assert_allclose(dq[:, :9], np.asarray(ref_grads[0])[:, :9], atol=1e-4)
+    assert np.isnan(out[:, 9:]).all(axis=(0, 2, 3)).all()
+
+
+def test_x64_traces_and_interprets():
+    # Under jax_enable_x64 Python ints and loop counters are int64: every index
+    # the kernels build is pinned to int32. A broadcast bias takes the dbias
+    # atomic-add path, whose interpret rule wants one index dtype.
+    rs = np.random.default_rng(12)
+    q = jnp.asarray(rs.standard_normal((1, 21, 2, 8)), jnp.float32)
+    k = jnp.asarray(rs.standard_normal((1, 37, 1, 8)), jnp.float32)
+    spec = AttentionSpec(mask=masks.causal(), bias=jnp.asarray(rs.standard_normal((37,)),
+                                                               jnp.float32),
+                         sinks=jnp.array([0.3, -0.2]), block_sizes=SMALL)
+    with jax.enable_x64(True):
+        res = assert_matches_reference(spec, q, k, k, tol=2e-5)
+    assert res.out.dtype == res.lse.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("x64", [False, True], ids=["x32", "x64"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_large_logit_and_poison_paths_lower_for_cuda(x64, dtype):
+    # Bias without soft-cap (natural-unit max, lse_lo), sinks, a mask (PARTIAL
+    # tiles with the K/V cleaning), a broadcast bias (atomic dbias).
+    B, T, Hq, Hkv, D = 2, 300, 4, 2, 64
+    q = jax.ShapeDtypeStruct((B, T, Hq, D), dtype)
+    kv = jax.ShapeDtypeStruct((B, T, Hkv, D), dtype)
+    bias = jax.ShapeDtypeStruct((1, Hq, 1, T), jnp.float32)
+    sinks = jax.ShapeDtypeStruct((Hq,), jnp.float32)
+    mask = masks.causal() & masks.lengths(kv_lengths=jnp.array([T, 200]))
+
+    def loss(q, k, v, bias, sinks):
+        res = run(CUDA)(AttentionSpec(mask=mask, bias=bias, sinks=sinks), q, k, v)
+        return jnp.sum(res.out.astype(jnp.float32)) + jnp.sum(res.lse)
+
+    with jax.enable_x64(x64), gpu_target():
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4))).trace(
+            q, kv, kv, bias, sinks).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("fnattn_flash_fwd", "fnattn_flash_dq", "fnattn_flash_dkdv"):
+        assert name in text
+
+
+# ----------------------------------------------------------------------------------
 # Schedules, block sizes
 # ----------------------------------------------------------------------------------
 

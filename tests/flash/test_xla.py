@@ -9,6 +9,7 @@ import fnattn
 from fnattn import AttentionSpec, XlaBlockSizes, masks
 from fnattn.flash import blocks, xla
 from cases import CASES, make, tolerance
+from lowering import cheap_compiles
 from np_attention import np_attention, np_attention_grads, reduce_to
 
 # Blocks that do not divide the test sizes (7, 11): ragged last tiles everywhere.
@@ -278,3 +279,142 @@ def test_low_precision_gradients_follow_the_reference(dtype):
         assert a.dtype == b.dtype
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                    atol=6e-2, rtol=6e-2)
+
+
+# --- issue 9: extreme logits, infinite sinks, non-finite masked keys, x64 -------------
+
+
+def _vjp(f, spec, q, k, v, d_out, d_lse):
+    """((out, lse), (dq, dk, dv, dbias, dsinks)) with explicit cotangents, one compiled
+    call (lse's cotangent reaches rows whose lse is infinite)."""
+    def g(q, k, v, bias, sinks):
+        r = f(spec.replace(bias=bias, sinks=sinks), q, k, v)
+        return r.out, r.lse
+
+    def run(q, k, v, bias, sinks, d_out, d_lse):
+        res, vjp = jax.vjp(g, q, k, v, bias, sinks)
+        return res, vjp((d_out.astype(res[0].dtype), d_lse.astype(res[1].dtype)))
+
+    return jax.jit(run)(q, k, v, spec.bias, spec.sinks, d_out, d_lse)
+
+
+def _inputs(seed, B=2, Tq=13, Tk=11, Hq=4, Hkv=2, D=3, dtype=jnp.float32):
+    rs = np.random.default_rng(seed)
+    q, k, v, d_out = (jnp.asarray(rs.standard_normal(s), dtype) for s in
+                      ((B, Tq, Hq, D), (B, Tk, Hkv, D), (B, Tk, Hkv, D), (B, Tq, Hq, D)))
+    return rs, q, k, v, d_out, jnp.asarray(rs.standard_normal((B, Hq, Tq)), dtype)
+
+
+def _assert_same(a, b, names, atol=2e-5):
+    for name, x, y in zip(names, a, b):
+        if x is None:
+            assert y is None, name
+            continue
+        x, y = np.asarray(x), np.asarray(y)
+        assert not np.isnan(x).any(), name
+        np.testing.assert_allclose(x, y, atol=atol, rtol=atol, err_msg=name)
+
+
+NAMES = ("out", "lse", "dq", "dk", "dv", "dbias", "dsinks")
+
+
+@pytest.fixture
+def _cheap():
+    # compiling, not running, is most of these tests' time
+    with cheap_compiles():
+        yield
+
+
+def test_huge_logits_on_whole_rows_match_the_reference(_cheap):
+    # Whole rows of -1e30, finfo.min and -1e9 bias (the additive padding mask: all of a
+    # row's float32 logits are equal, a uniform softmax) and one logit of +1e10; the
+    # backward must not give "Tk times too large" gradients (lse's rounding error).
+    rs, q, k, v, d_out, d_lse = _inputs(0)
+    bias = np.asarray(rs.standard_normal((2, 4, 13, 11)), np.float32)
+    bias[:, :, 1] = -1e30
+    bias[0, :, 4] = np.finfo(np.float32).min
+    bias[1, 1:3, 6] = -1e9
+    bias[:, 0, 9] = -1e8
+    bias[1, 2, 11, 5] = 1e10
+    spec = AttentionSpec(mask=masks.causal(), bias=jnp.asarray(bias), block_sizes=SMALL)
+    (out, lse), g = _vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
+    (out_r, lse_r), g_r = _vjp(fnattn.reference, spec, q, k, v, d_out, d_lse)
+    _assert_same((out, lse) + g[:4], (out_r, lse_r) + g_r[:4], NAMES, atol=1e-5)
+    # with sinks the huge rows give all their mass to the sink
+    sinks = jnp.asarray(rs.standard_normal(4), jnp.float32)
+    (out, lse), g = _vjp(fnattn.flash, spec.replace(sinks=sinks), q, k, v, d_out, d_lse)
+    (out_r, lse_r), g_r = _vjp(fnattn.reference, spec.replace(sinks=sinks), q, k, v, d_out,
+                               d_lse)
+    _assert_same((out, lse) + g, (out_r, lse_r) + g_r, NAMES, atol=1e-5)
+
+
+def test_infinite_sinks_with_fully_masked_rows(_cheap):
+    # +inf takes all the mass (out 0, lse +inf, d(sink) = sum of d_lse over its rows);
+    # -inf is no sink (a fully masked row: out 0, lse -inf); no NaN anywhere.
+    rs, q, k, v, d_out, d_lse = _inputs(1)
+    mask = masks.lengths(jnp.array([13, 5]), jnp.array([7, 0]))
+    bias = jnp.asarray(rs.standard_normal((4, 13, 11)), jnp.float32)
+    sinks = jnp.array([jnp.inf, -jnp.inf, 0.5, -jnp.inf], jnp.float32)
+    spec = AttentionSpec(mask=mask, bias=bias, sinks=sinks, block_sizes=SMALL)
+    (out, lse), g = _vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
+    (out_r, lse_r), g_r = _vjp(fnattn.reference, spec, q, k, v, d_out, d_lse)
+    _assert_same((out, lse) + g, (out_r, lse_r) + g_r, NAMES)
+    assert np.isposinf(np.asarray(lse)[:, 0]).all()
+    assert np.isneginf(np.asarray(lse)[1, 1]).all()
+    np.testing.assert_allclose(np.asarray(g[4])[0], np.asarray(d_lse)[:, 0].sum(), rtol=1e-6)
+
+
+def test_non_finite_masked_keys_contribute_nothing(_cheap):
+    # NaN / inf in K or V of keys past kv_lengths (batch 0) and of keys no query's
+    # segment holds (batch 1), in tiles that are PARTIAL, FULL and EMPTY for
+    # different q-blocks (causal, 4 x 8 / 8 x 4 tiles).
+    rs, q, k, v, d_out, d_lse = _inputs(2)
+    seg_q = jnp.array([[0] * 13, [0] * 6 + [1] * 7])
+    seg_k = jnp.array([[0] * 11, [0] * 4 + [2] * 2 + [1] * 5])
+    mask = masks.lengths(kv_lengths=jnp.array([6, 11])) & masks.segments(seg_q, seg_k) \
+        & masks.causal()
+    k = k.at[0, 6, 0, 1].set(jnp.nan).at[0, 9:, 1].set(jnp.inf).at[1, 4, 0].set(-jnp.inf)
+    v = v.at[0, 7, 1, 2].set(jnp.nan).at[0, 10, 0].set(-jnp.inf).at[1, 5, 1, 0].set(jnp.nan)
+    bias = jnp.asarray(rs.standard_normal((2, 1, 13, 11)), jnp.float32)
+    spec = AttentionSpec(mask=mask, bias=bias, sinks=jnp.zeros(4), block_sizes=SMALL)
+    (out, lse), g = _vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
+    (out_r, lse_r), g_r = _vjp(fnattn.reference, spec, q, k, v, d_out, d_lse)
+    _assert_same((out, lse) + g, (out_r, lse_r) + g_r, NAMES)
+    # a key that some rows see: those rows are NaN (out and lse), the others are not
+    # touched. Batch 1's key 2 (kv head 0) is seen by rows 4 and 5 of query heads 0, 1
+    # (segment 0 is rows 0..5; causal with Tq - Tk = 2 hides it from rows 0..3).
+    v = v.at[1, 2, 0, 1].set(jnp.nan)
+    res = jax.jit(fnattn.flash)(spec, q, k, v)
+    ref = jax.jit(fnattn.reference)(spec, q, k, v)
+    bad = np.zeros((2, 4, 13), bool)
+    bad[1, :2, 4:6] = True
+    np.testing.assert_array_equal(np.isnan(np.asarray(ref.lse)), bad)
+    np.testing.assert_array_equal(~np.isfinite(np.asarray(res.out)).all(-1),
+                                  bad.transpose(0, 2, 1))
+    np.testing.assert_array_equal(np.isnan(np.asarray(res.lse)), bad)
+    np.testing.assert_allclose(np.asarray(res.lse)[~bad], np.asarray(ref.lse)[~bad], atol=2e-6)
+
+
+def test_x64_float32_unchanged_and_float64_in_float64(_cheap):
+    rs, q, k, v, d_out, d_lse = _inputs(3, dtype=jnp.float32)
+    mask = masks.segments(jnp.array([[0] * 6 + [1] * 7, [0] * 13]),
+                          jnp.array([[0] * 5 + [1] * 6, [0] * 11])) & masks.causal()
+    bias = rs.standard_normal((2, 4, 13, 11))
+    sinks = rs.standard_normal(4)
+    spec = AttentionSpec(mask=mask, bias=jnp.asarray(bias, jnp.float32),
+                         sinks=jnp.asarray(sinks, jnp.float32), softcap=3.0, block_sizes=SMALL)
+    base = _vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
+    with jax.enable_x64(True):
+        x32 = _vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
+        f64 = lambda x: jnp.asarray(np.asarray(x), jnp.float64)  # noqa: E731
+        spec64 = spec.replace(bias=jnp.asarray(bias), sinks=jnp.asarray(sinks))
+        args64 = tuple(f64(x) for x in (q, k, v, d_out, d_lse))
+        (out, lse), g = _vjp(fnattn.flash, spec64, *args64)
+        (out_r, lse_r), g_r = _vjp(fnattn.reference, spec64, *args64)
+    assert x32[0][0].dtype == x32[0][1].dtype == jnp.float32
+    for a, b in zip(jax.tree_util.tree_leaves(x32), jax.tree_util.tree_leaves(base)):
+        assert a.dtype == b.dtype
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
+    assert out.dtype == lse.dtype == jnp.float64
+    assert all(x.dtype == jnp.float64 for x in g)
+    _assert_same((out, lse) + g, (out_r, lse_r) + g_r, NAMES, atol=1e-12)

@@ -96,6 +96,30 @@ def make(seqs, *, Hq=4, Hkv=2, D=8, Dv=None, page_size=4, pages_per_seq=None, nu
                    num_seqs=jnp.int32(len(seqs)), used_pages=used)
 
 
+def poisoned(p: Problem, value=np.nan, *, old=False, hidden=None) -> Problem:
+    """The problem with every pool slot that holds no live token set to ``value``
+    (NaN: a released request's pages, never-written memory; slots past a
+    sequence's length in its own last page). A lowering that lets an unowned slot
+    reach a result, an lse or a gradient fails. ``old``: the pools of the update
+    form (``k_old``/``v_old``) too, with the new tokens' slots poisoned as well.
+    ``hidden(L, n, pos)``: also poison the live keys it is true for (keys the
+    mask hides from every query of their sequence, e.g. before a window)."""
+    Hkv, N, ps, _ = p.k_pages.shape
+    live = np.zeros((N, ps), bool)
+    live_old = np.zeros((N, ps), bool)
+    table = np.asarray(p.page_table)
+    for s, (L, n) in enumerate(p.seqs):
+        for pos in range(L):
+            keep = hidden is None or not hidden(L, n, pos)
+            live[table[s, pos // ps], pos % ps] = keep
+            live_old[table[s, pos // ps], pos % ps] = keep and pos < L - n
+    put = lambda x, keep: jnp.where(jnp.asarray(keep)[None, :, :, None], x, value)  # noqa: E731
+    return dataclasses.replace(
+        p, k_pages=put(p.k_pages, live), v_pages=put(p.v_pages, live),
+        k_old=put(p.k_old, live_old) if old else p.k_old,
+        v_old=put(p.v_old, live_old) if old else p.v_old)
+
+
 _reference = jax.jit(fnattn.reference)
 
 

@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import fnattn  # noqa: E402
 from fnattn import AttentionSpec, masks  # noqa: E402
-from problems import dense_packed, make, to_pool  # noqa: E402
+from problems import dense_packed, expected, make, poisoned, to_pool  # noqa: E402
+from problems import ragged as ragged_with  # noqa: E402
 
 # ----------------------------------------------------------------------------------
 # (a) Trace-time messages
@@ -323,6 +324,10 @@ BAD = {
     "num_seqs negative": (
         spoil(num_seqs=[((), -1)]),
         "num_seqs = -1 is outside [0, max_seqs=4]"),
+    "query tokens no sequence covers": (
+        spoil(query_start_loc=[(0, 2)]),
+        "query_start_loc[0] = 2: the packed query tokens 0 to 1 belong to no sequence (the "
+        "first sequence starts at token 0; padding tokens go after query_start_loc[num_seqs])"),
 }
 GOOD = {
     "good": spoil(),
@@ -608,3 +613,151 @@ def test_the_update_form_is_not_differentiable():
         with pytest.raises(NotImplementedError, match="^" + re.escape(message)) as info:
             jax.jit(jax.grad(loss, argnums=argnums))(p.q, p.k_old)
         assert str(info.value) == message
+
+
+# ----------------------------------------------------------------------------------
+# Poisoned pools, infinite sinks, x64, float64
+# ----------------------------------------------------------------------------------
+
+WIN = 4
+
+
+def _hidden(L, n, pos):
+    """Keys a causal window of WIN keys hides from all n new queries of a sequence."""
+    return pos < L - n - WIN
+
+
+POISON_SPEC = AttentionSpec(mask=masks.causal() & masks.sliding_window(WIN), softcap=3.0,
+                            sinks=jnp.array([0.1, -1.0, 2.0, 0.0]))
+
+
+def test_poisoned_pools_reach_neither_results_nor_gradients():
+    """NaN in every pool slot that holds no live token (unowned pages, slots past a
+    length) and in the keys the window hides: the ragged result (impl="auto") is the
+    dense problem's on the clean tokens, the gradients are the dense gradients, and
+    every poisoned slot gets exactly 0."""
+    p = make([(12, 2), (9, 1), (4, 4)], Hq=4, Hkv=2, D=5, page_size=3, max_seqs=4,
+             pad_tokens=1, seed=6)
+    pp = poisoned(p, hidden=_hidden)
+    spec = POISON_SPEC
+    res = ragged_with(None, spec, pp)
+    want_out, want_lse = expected(spec, p)
+    np.testing.assert_allclose(res.out, want_out, atol=1e-5)
+    np.testing.assert_allclose(res.lse, want_lse, atol=1e-5)
+
+    def loss(q, kp, vp, sinks):
+        r = fnattn.ragged_paged_attention(spec.replace(sinks=sinks), q, kp, vp,
+                                          page_table=p.page_table,
+                                          context_lengths=p.context_lengths,
+                                          query_start_loc=p.query_start_loc,
+                                          num_seqs=p.num_seqs)
+        return _loss(r.out, r.lse)
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(pp.q, pp.k_pages, pp.v_pages,
+                                                        spec.sinks)
+    dense = _dense_grads(p, spec)
+    for g, w in zip(got, dense):
+        assert np.isfinite(np.asarray(g)).all()
+        np.testing.assert_allclose(np.asarray(g), w, atol=1e-4, rtol=1e-4)
+    bad = np.isnan(np.asarray(pp.k_pages))
+    for g in got[1:3]:
+        np.testing.assert_array_equal(np.asarray(g)[bad], 0.0)
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_poisoned_pools_paged_attention_and_update(impl):
+    """paged_attention and the update form on pools whose unowned slots are NaN."""
+    p = make([(7, 2), (2, 2), (9, 2)], Hq=4, Hkv=2, D=8, page_size=PS, max_seqs=3, seed=8)
+    pp = poisoned(p, old=True)
+    spec = SPEC.replace(impl=impl)
+    want_out, want_lse = expected(spec, p)
+    res = jax.jit(lambda q, kp, vp: fnattn.paged_attention(
+        spec, q, kp, vp, page_table=p.page_table, kv_lengths=p.context_lengths))(
+        pp.q.reshape(3, 2, 4, 8), pp.k_pages, pp.v_pages)
+    np.testing.assert_allclose(res.out.reshape(6, 4, 8), want_out, atol=1e-5)
+    np.testing.assert_allclose(res.lse.transpose(1, 0, 2).reshape(4, 6), want_lse, atol=1e-5)
+    res, kp, _ = jax.jit(lambda q, k, v, kp, vp: fnattn.ragged_paged_attention_with_update(
+        spec, q, k, v, kp, vp, page_table=p.page_table, context_lengths=p.context_lengths,
+        query_start_loc=p.query_start_loc, num_seqs=p.num_seqs))(
+        pp.q, pp.k_new, pp.v_new, pp.k_old, pp.v_old)
+    np.testing.assert_allclose(res.out, want_out, atol=1e-5)
+    np.testing.assert_allclose(res.lse, want_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_infinite_sinks(impl):
+    """-inf: no sink (a sequence of no keys gives 0 and -inf); +inf: out 0, lse +inf, no
+    gradient to q/k/v from those rows, d(sink) = the sum of d(lse) over its rows."""
+    p = make([(6, 2), (0, 1), (4, 4)], Hq=4, Hkv=2, D=5, page_size=3, max_seqs=3, seed=3)
+    sinks = jnp.array([0.5, jnp.inf, -jnp.inf, jnp.inf])
+    spec = AttentionSpec(mask=masks.causal(), impl=impl)
+    rs = np.random.default_rng(2)
+    d_out = jnp.asarray(rs.standard_normal((7, 4, 5)), jnp.float32)
+    d_lse = jnp.asarray(rs.standard_normal((4, 7)), jnp.float32)
+
+    @jax.jit
+    def run(q, kp, vp, sinks):
+        def f(q, kp, vp, sinks):
+            r = fnattn.ragged_paged_attention(spec.replace(sinks=sinks), q, kp, vp,
+                                              page_table=p.page_table,
+                                              context_lengths=p.context_lengths,
+                                              query_start_loc=p.query_start_loc,
+                                              num_seqs=p.num_seqs)
+            return r.out, r.lse
+        res, vjp = jax.vjp(f, q, kp, vp, sinks)
+        return res, vjp((d_out, d_lse))
+
+    (out, lse), (dq, dk, dv, ds) = run(p.q, p.k_pages, p.v_pages, sinks)
+    for x in (out, dq, dk, dv, ds):
+        assert np.isfinite(np.asarray(x)).all()
+    out, lse = np.asarray(out), np.asarray(lse)
+    assert (out[:, [1, 3]] == 0).all() and (lse[[1, 3]] == np.inf).all()
+    np.testing.assert_array_equal(np.asarray(dq)[:, [1, 3]], 0.0)
+    np.testing.assert_allclose(np.asarray(ds)[[1, 3]], np.asarray(d_lse)[[1, 3]].sum(1),
+                               rtol=1e-6)
+    assert np.asarray(ds)[2] == 0.0
+    want_out, want_lse = expected(spec.replace(sinks=sinks.at[1:].set(0.0)), p)
+    np.testing.assert_allclose(out[:, 0], want_out[:, 0], atol=1e-5)
+    none_out, none_lse = expected(spec, p)
+    np.testing.assert_allclose(out[:, 2], none_out[:, 2], atol=1e-5)
+    np.testing.assert_array_equal(lse[2, 2], -np.inf)   # the sequence of no keys
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference", "auto"])
+def test_x64_float32_inputs(impl):
+    """With jax_enable_x64 every paged variant traces and gives the float32 answer."""
+    spec = SPEC.replace(impl=impl)
+    want = ATTEND["xla"](P0.q, P0.k_pages, P0.v_pages, GOOD["good"])
+    with jax.enable_x64(True):
+        m = {k: jnp.asarray(v, jnp.int64) for k, v in GOOD["good"].items()}
+        res = jax.jit(lambda q, kp, vp, m: fnattn.ragged_paged_attention(
+            spec, q, kp, vp, **m))(P0.q, P0.k_pages, P0.v_pages, m)
+        upd, _, _ = jax.jit(lambda q, k, v, kp, vp, m: fnattn.ragged_paged_attention_with_update(
+            spec, q, k, v, kp, vp, **m))(P0.q, P0.k_new, P0.v_new, P0.k_old, P0.v_old, m)
+        paged = jax.jit(lambda q, kp, vp: fnattn.paged_attention(
+            spec, q, kp, vp, page_table=P0.page_table[:2], kv_lengths=jnp.array([7, 5])))(
+            P0.q[:2, None], P0.k_pages, P0.v_pages)
+    for r in (res, upd):
+        assert r.out.dtype == jnp.float32
+        np.testing.assert_allclose(r.out, want.out, atol=1e-6)
+        np.testing.assert_allclose(r.lse, want.lse, atol=1e-6)
+    assert paged.out.shape == (2, 1, 4, 8) and np.isfinite(np.asarray(paged.out)).all()
+
+
+def test_float64_is_refused():
+    with jax.enable_x64(True):
+        q64 = jnp.zeros((5, 6, 7), jnp.float64)
+        with pytest.raises(TypeError) as info:
+            jax.jit(lambda q: ragged(PLAIN, q=q))(q64)
+        assert str(info.value) == (
+            "ragged_paged_attention: float64 inputs are not supported (q is float64): the "
+            "serving variants compute in float32; cast q, k_pages, v_pages to float32 "
+            "(x.astype(jnp.float32)).")
+        kp64 = KP.astype(jnp.float64)
+        with pytest.raises(TypeError, match=r"^paged_attention: float64 inputs are not "
+                                            r"supported \(k_pages is float64\)"):
+            jax.jit(lambda kp: paged(kp=kp, vp=VP))(kp64)
+        with pytest.raises(TypeError, match=r"^ragged_paged_attention_with_update: float64 "
+                                            r"inputs are not supported \(k, v are float64\)"):
+            jax.jit(lambda k, v: update(k=k, v=v))(KNEW.astype(jnp.float64),
+                                                   VNEW.astype(jnp.float64))

@@ -224,11 +224,12 @@ def no_races(capfd):
 
 
 def test_tpu_interpreter_update_splits_window(no_races):
-    """Eager DMAs: the double-buffered page copies (the (21, 1) item's split 0 has two
+    """Eager DMAs, pools NaN wherever no live token is: the double-buffered page copies (the (21, 1) item's split 0 has two
     one-page key blocks, so block 1 is copied while block 0 is computed on), copies
     from the pools (an out-of-bounds page raises), HBM-to-HBM cache writes, empty
     splits, padding sequences and tokens."""
-    p = mixed(4, 2, D=8, Dv=8, max_seqs=7, pad_tokens=2, seed=7)
+    from problems import poisoned
+    p = poisoned(mixed(4, 2, D=8, Dv=8, max_seqs=7, pad_tokens=2, seed=7), old=True)
     spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(17),
                          sinks=jnp.arange(4.0) - 1,
                          block_sizes=PagedBlockSizes(block_q=8, block_k=8, num_splits=2))
@@ -357,3 +358,23 @@ def test_lowers_for_tpu(dtype, D, Dv, Hq, Hkv, mask, upd, splits, ps, block_k):
     if upd:  # donated pools alias the outputs: the update is in place
         assert len(re.findall(r"tf\.aliasing_output", text)) == 2
     assert re.findall(r'kernel_name = "(\w+)"', decode_text) == [KERNEL]
+
+
+def test_interpret_poisoned_pools_under_x64():
+    """NaN in every unowned slot and in the keys a window hides, with x64 on: the
+    kernels (attention and the update form) give the dense problem's answer."""
+    from problems import poisoned
+    p = make([(12, 2), (9, 1), (4, 4)], Hq=4, Hkv=2, D=8, page_size=8, max_seqs=4,
+             pad_tokens=1, seed=6)
+    pp = poisoned(p, old=True, hidden=lambda L, n, pos: pos < L - n - 4)
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(4),
+                         sinks=jnp.array([0.5, jnp.inf, -jnp.inf, 0.0]),
+                         block_sizes=PagedBlockSizes(block_k=8))
+    with jax.enable_x64(True):
+        check_ragged(INTERPRET, spec, pp)     # expected: the clean tokens of each sequence
+        check_update(INTERPRET, spec, pp)
+
+
+def test_lowers_for_tpu_under_x64():
+    with jax.enable_x64(True):
+        test_lowers_for_tpu(*LOWER[1])

@@ -139,3 +139,23 @@ def test_gpu_matches_xla(dtype):
     tol = 2e-3 if dtype == jnp.float32 else 3e-2
     check_ragged(None, spec, p, tol=tol)
     check_update(None, spec.replace(block_sizes=PagedBlockSizes(num_splits=4)), p, tol=tol)
+
+
+def test_interpret_poisoned_pools_under_x64():
+    """NaN in every unowned slot and in the keys a window hides, with x64 on: the
+    kernels (attention and the update form) give the dense problem's answer."""
+    from problems import poisoned
+    p = make([(12, 2), (9, 1), (4, 4)], Hq=4, Hkv=2, D=8, page_size=4, max_seqs=4,
+             pad_tokens=1, seed=6)
+    pp = poisoned(p, old=True, hidden=lambda L, n, pos: pos < L - n - 4)
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(4),
+                         sinks=jnp.array([0.5, jnp.inf, -jnp.inf, 0.0]),
+                         block_sizes=PagedBlockSizes(block_k=16))
+    with jax.enable_x64(True):
+        check_ragged(INTERPRET, spec, pp)     # expected: the clean tokens of each sequence
+        check_update(INTERPRET, spec, pp)
+
+
+def test_lowers_for_cuda_under_x64():
+    with jax.enable_x64(True):
+        test_lowers_for_cuda(*LOWER[1])
