@@ -4,7 +4,6 @@ must give the reference's out, lse and gradients, with no NaN (see
 ``tests/test_reliability.py`` for the hand-built cases and why the float32
 reference, not float64 NumPy, is the yardstick here)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from hypothesis import given, settings, strategies as st

@@ -211,3 +211,18 @@ def np_mask(mask, b, Hq, n, L):
     k = np.arange(L)[None, None, None, :]
     pos = masks.Positions(b=np.full((1, 1, 1, 1), b), h=h, q=q, q_pos=q + (L - n), k=k)
     return np.broadcast_to(np.asarray(mask.predicate(pos, [])), (1, Hq, n, L))
+
+
+def vjp(f, spec, q, k, v, d_out, d_lse):
+    """``((out, lse), (dq, dk, dv, dbias, dsinks))`` of ``f(spec, q, k, v)`` with
+    explicit cotangents, in one jitted call (so ``lse``'s cotangent reaches rows
+    whose ``lse`` is infinite, which a scalar loss would turn into inf or NaN)."""
+    def g(q, k, v, bias, sinks):
+        r = f(spec.replace(bias=bias, sinks=sinks), q, k, v)
+        return r.out, r.lse
+
+    def run(q, k, v, bias, sinks, d_out, d_lse):
+        res, pullback = jax.vjp(g, q, k, v, bias, sinks)
+        return res, pullback((d_out.astype(res[0].dtype), d_lse.astype(res[1].dtype)))
+
+    return jax.jit(run)(q, k, v, spec.bias, spec.sinks, d_out, d_lse)

@@ -230,6 +230,25 @@ def hide_before_window(k, v, lengths, starts, Tq):
     return jnp.where(hidden, jnp.nan, k), jnp.where(hidden, jnp.nan, v)
 
 
+def check_poisoned_window_under_x64(q, k, v, lengths, starts, sinks, route):
+    """A kernel (``route()`` sends fnattn.decode to it) with NaN in every slot
+    outside each range and in the own slots the window hides, under x64, gives
+    the XLA lowering's answer, finite."""
+    pk, pv = hide_before_window(k, v, lengths, starts, q.shape[1])
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(WINDOW), sinks=sinks)
+
+    def f(impl):
+        return jax.jit(lambda q, k, v: fnattn.decode(spec.replace(impl=impl), q, k, v,
+                                                     kv_lengths=lengths, kv_starts=starts))
+    want = f("xla")(q, k, v)
+    route()
+    with jax.enable_x64(True):
+        res = f("auto")(q, pk, pv)
+    np.testing.assert_allclose(res.out, want.out, atol=2e-6)
+    np.testing.assert_allclose(res.lse, want.lse, atol=2e-6)
+    assert np.isfinite(np.asarray(res.out)).all()
+
+
 @pytest.mark.parametrize("impl,mask,splits", [("xla", "none", 4), ("xla", "window", 1),
                                               ("reference", "window", 1)])
 def test_poisoned_slots_reach_neither_results_nor_gradients(impl, mask, splits):

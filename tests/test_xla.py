@@ -11,7 +11,7 @@ import pytest
 
 import fnattn
 from fnattn import AttentionSpec, _dispatch, core, masks, xla
-from cases import CASES, EXTRA_CASES, check_case, make
+from cases import CASES, EXTRA_CASES, check_case, make, vjp
 from np_attention import np_attention_grads, reduce_to
 
 ALL = CASES + EXTRA_CASES
@@ -103,19 +103,6 @@ def test_dropout_uses_the_same_keep_mask_as_the_reference():
     assert not np.allclose(np.asarray(a.out), np.asarray(c.out))
 
 
-def _vjp(f, spec, q, k, v, d_out, d_lse):
-    """((out, lse), (dq, dk, dv, dbias, dsinks)) with explicit cotangents, one call."""
-    def g(q, k, v, bias, sinks):
-        r = f(spec.replace(bias=bias, sinks=sinks), q, k, v)
-        return r.out, r.lse
-
-    def run(q, k, v, bias, sinks, d_out, d_lse):
-        res, vjp = jax.vjp(g, q, k, v, bias, sinks)
-        return res, vjp((d_out.astype(res[0].dtype), d_lse.astype(res[1].dtype)))
-
-    return jax.jit(run)(q, k, v, spec.bias, spec.sinks, d_out, d_lse)
-
-
 def test_float16_gradients_do_not_overflow_with_large_cotangents():
     # dO.V beyond float16's 65504 (loss scaling): the backward accumulates in float32
     # and only the gradients are rounded to float16.
@@ -127,9 +114,9 @@ def test_float16_gradients_do_not_overflow_with_large_cotangents():
     bias = jnp.asarray(rs.standard_normal((6, 7, 11)), jnp.float32)
     spec = AttentionSpec(mask=masks.causal(), bias=bias, sinks=jnp.zeros(6), impl="xla")
     h = jnp.float16
-    _, g = _vjp(fnattn.attention, spec.replace(bias=bias.astype(h)),
+    _, g = vjp(fnattn.attention, spec.replace(bias=bias.astype(h)),
                 *(x.astype(h) for x in (q, k, v, d_out)), d_lse)
-    _, r = _vjp(fnattn.reference, spec,
+    _, r = vjp(fnattn.reference, spec,
                 *(x.astype(h).astype(jnp.float32) for x in (q, k, v, d_out)), d_lse)
     for name, a, b in zip(("dq", "dk", "dv", "dbias", "dsinks"), g, r):
         a = f64(a)
@@ -152,14 +139,14 @@ def test_float64_inputs_compute_in_float64_under_x64():
     with jax.enable_x64(True):
         spec = AttentionSpec(mask=mask, bias=jnp.asarray(bias), sinks=jnp.asarray(sinks),
                              softcap=2.0, impl="xla")
-        (out, lse), g = _vjp(fnattn.attention, spec, *(jnp.asarray(x) for x in
+        (out, lse), g = vjp(fnattn.attention, spec, *(jnp.asarray(x) for x in
                                                        (q, k, v, d_out, d_lse)))
         # float32 inputs: float32 arithmetic, as without x64
         spec32 = spec.replace(bias=jnp.asarray(bias, jnp.float32),
                               sinks=jnp.asarray(sinks, jnp.float32))
         args32 = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, d_out, d_lse))
-        x32 = _vjp(fnattn.attention, spec32, *args32)
-    base = _vjp(fnattn.attention, spec32, *args32)
+        x32 = vjp(fnattn.attention, spec32, *args32)
+    base = vjp(fnattn.attention, spec32, *args32)
     assert out.dtype == lse.dtype == jnp.float64
     np.testing.assert_allclose(np.asarray(out), want["out"], rtol=1e-12, atol=1e-12)
     np.testing.assert_allclose(np.asarray(lse), want["lse"], rtol=1e-12, atol=1e-12)

@@ -21,7 +21,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from test_decoding import MASKS, NAN_SLOTS as S, check, nan_problem as make
+from test_decoding import (MASKS, check, check_poisoned_window_under_x64,
+                           nan_problem as make)
 from lowering import cheap_compiles, tpu_target
 
 import fnattn
@@ -174,22 +175,10 @@ def test_float64_is_refused():
 def test_poisoned_slots_the_window_hides_under_x64(monkeypatch):
     """NaN in the sequence's own slots that a window hides from every query (as well as
     outside its range), two kv heads per block (D=64: each head's product reads the
-    other's columns), infinite sinks: the kernel's answer is the clean cache's, also
-    with x64 on."""
-    from test_decoding import WINDOW, hide_before_window
+    other's columns), infinite sinks, x64 on: the kernel gives the XLA lowering's answer."""
     q, k, v, L, a = make(Hq=4, Hkv=2, D=64, Dv=64)
-    pk, pv = hide_before_window(k, v, L, a, q.shape[1])
-    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(WINDOW),
-                         sinks=jnp.array([0.0, jnp.inf, -jnp.inf, 1.0]))
-    want = jax.jit(lambda q, k, v: fnattn.decode(spec.replace(impl="xla"), q, k, v,
-                                                 kv_lengths=L, kv_starts=a))(q, k, v)
-    route(monkeypatch)
-    with jax.enable_x64(True):
-        res = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L,
-                                                    kv_starts=a))(q, pk, pv)
-    np.testing.assert_allclose(res.out, want.out, atol=2e-6)
-    np.testing.assert_allclose(res.lse, want.lse, atol=2e-6)
-    assert np.isfinite(np.asarray(res.out)).all()
+    check_poisoned_window_under_x64(q, k, v, L, a, jnp.array([0.0, jnp.inf, -jnp.inf, 1.0]),
+                                    lambda: route(monkeypatch))
 
 
 def test_lowers_for_tpu_under_x64():

@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decoding import MASKS, NAN_SLOTS as S, check, nan_problem as make
+from test_decoding import (MASKS, check, check_poisoned_window_under_x64,
+                           nan_problem as make)
 from lowering import cheap_compiles, gpu_target
 
 import fnattn
@@ -32,11 +33,15 @@ def _cheap_compiles():
         yield
 
 
-@pytest.fixture
-def kernel(monkeypatch):
+def route(monkeypatch):
     """Routes fnattn.decode to the interpreted kernel, with key blocks of 16."""
     fwd = functools.partial(triton._forward, interpret=True, block_k=16)
     monkeypatch.setattr(api, "lowering_table", lambda impl: (("default", fwd),))
+
+
+@pytest.fixture
+def kernel(monkeypatch):
+    route(monkeypatch)
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -213,22 +218,13 @@ def test_gpu_matches_xla(dtype):
         np.testing.assert_allclose(got.lse, want.lse, atol=tol, rtol=tol)
 
 
-def test_poisoned_slots_the_window_hides_under_x64(kernel):
+def test_poisoned_slots_the_window_hides_under_x64(monkeypatch):
     """NaN in the sequence's own slots that a window hides from every query (as well as
-    outside its range): the kernel's answer is the clean cache's, also with x64 on."""
-    from test_decoding import WINDOW, hide_before_window
+    outside its range), infinite sinks, x64 on: the kernel gives the XLA lowering's answer."""
     q, k, v, L, a = make()
-    pk, pv = hide_before_window(k, v, L, a, q.shape[1])
-    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(WINDOW),
-                         sinks=jnp.array([0.0, jnp.inf, -jnp.inf, 1.0, -jnp.inf, 0.5]))
-    want = jax.jit(lambda q, k, v: fnattn.decode(spec.replace(impl="xla"), q, k, v,
-                                                 kv_lengths=L, kv_starts=a))(q, k, v)
-    with jax.enable_x64(True):
-        res = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L,
-                                                    kv_starts=a))(q, pk, pv)
-    np.testing.assert_allclose(res.out, want.out, atol=2e-6)
-    np.testing.assert_allclose(res.lse, want.lse, atol=2e-6)
-    assert np.isfinite(np.asarray(res.out)).all()
+    check_poisoned_window_under_x64(
+        q, k, v, L, a, jnp.array([0.0, jnp.inf, -jnp.inf, 1.0, -jnp.inf, 0.5]),
+        lambda: route(monkeypatch))
 
 
 def test_lowers_for_cuda_under_x64():

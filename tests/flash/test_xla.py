@@ -8,7 +8,7 @@ import pytest
 import fnattn
 from fnattn import AttentionSpec, XlaBlockSizes, masks
 from fnattn.flash import blocks, xla
-from cases import CASES, make, tolerance
+from cases import CASES, make, tolerance, vjp
 from lowering import cheap_compiles
 from np_attention import np_attention, np_attention_grads, reduce_to
 
@@ -284,20 +284,6 @@ def test_low_precision_gradients_follow_the_reference(dtype):
 # --- issue 9: extreme logits, infinite sinks, non-finite masked keys, x64 -------------
 
 
-def _vjp(f, spec, q, k, v, d_out, d_lse):
-    """((out, lse), (dq, dk, dv, dbias, dsinks)) with explicit cotangents, one compiled
-    call (lse's cotangent reaches rows whose lse is infinite)."""
-    def g(q, k, v, bias, sinks):
-        r = f(spec.replace(bias=bias, sinks=sinks), q, k, v)
-        return r.out, r.lse
-
-    def run(q, k, v, bias, sinks, d_out, d_lse):
-        res, vjp = jax.vjp(g, q, k, v, bias, sinks)
-        return res, vjp((d_out.astype(res[0].dtype), d_lse.astype(res[1].dtype)))
-
-    return jax.jit(run)(q, k, v, spec.bias, spec.sinks, d_out, d_lse)
-
-
 def _inputs(seed, B=2, Tq=13, Tk=11, Hq=4, Hkv=2, D=3, dtype=jnp.float32):
     rs = np.random.default_rng(seed)
     q, k, v, d_out = (jnp.asarray(rs.standard_normal(s), dtype) for s in
@@ -337,13 +323,13 @@ def test_huge_logits_on_whole_rows_match_the_reference(_cheap):
     bias[:, 0, 9] = -1e8
     bias[1, 2, 11, 5] = 1e10
     spec = AttentionSpec(mask=masks.causal(), bias=jnp.asarray(bias), block_sizes=SMALL)
-    (out, lse), g = _vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
-    (out_r, lse_r), g_r = _vjp(fnattn.reference, spec, q, k, v, d_out, d_lse)
+    (out, lse), g = vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
+    (out_r, lse_r), g_r = vjp(fnattn.reference, spec, q, k, v, d_out, d_lse)
     _assert_same((out, lse) + g[:4], (out_r, lse_r) + g_r[:4], NAMES, atol=1e-5)
     # with sinks the huge rows give all their mass to the sink
     sinks = jnp.asarray(rs.standard_normal(4), jnp.float32)
-    (out, lse), g = _vjp(fnattn.flash, spec.replace(sinks=sinks), q, k, v, d_out, d_lse)
-    (out_r, lse_r), g_r = _vjp(fnattn.reference, spec.replace(sinks=sinks), q, k, v, d_out,
+    (out, lse), g = vjp(fnattn.flash, spec.replace(sinks=sinks), q, k, v, d_out, d_lse)
+    (out_r, lse_r), g_r = vjp(fnattn.reference, spec.replace(sinks=sinks), q, k, v, d_out,
                                d_lse)
     _assert_same((out, lse) + g, (out_r, lse_r) + g_r, NAMES, atol=1e-5)
 
@@ -356,8 +342,8 @@ def test_infinite_sinks_with_fully_masked_rows(_cheap):
     bias = jnp.asarray(rs.standard_normal((4, 13, 11)), jnp.float32)
     sinks = jnp.array([jnp.inf, -jnp.inf, 0.5, -jnp.inf], jnp.float32)
     spec = AttentionSpec(mask=mask, bias=bias, sinks=sinks, block_sizes=SMALL)
-    (out, lse), g = _vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
-    (out_r, lse_r), g_r = _vjp(fnattn.reference, spec, q, k, v, d_out, d_lse)
+    (out, lse), g = vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
+    (out_r, lse_r), g_r = vjp(fnattn.reference, spec, q, k, v, d_out, d_lse)
     _assert_same((out, lse) + g, (out_r, lse_r) + g_r, NAMES)
     assert np.isposinf(np.asarray(lse)[:, 0]).all()
     assert np.isneginf(np.asarray(lse)[1, 1]).all()
@@ -377,8 +363,8 @@ def test_non_finite_masked_keys_contribute_nothing(_cheap):
     v = v.at[0, 7, 1, 2].set(jnp.nan).at[0, 10, 0].set(-jnp.inf).at[1, 5, 1, 0].set(jnp.nan)
     bias = jnp.asarray(rs.standard_normal((2, 1, 13, 11)), jnp.float32)
     spec = AttentionSpec(mask=mask, bias=bias, sinks=jnp.zeros(4), block_sizes=SMALL)
-    (out, lse), g = _vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
-    (out_r, lse_r), g_r = _vjp(fnattn.reference, spec, q, k, v, d_out, d_lse)
+    (out, lse), g = vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
+    (out_r, lse_r), g_r = vjp(fnattn.reference, spec, q, k, v, d_out, d_lse)
     _assert_same((out, lse) + g, (out_r, lse_r) + g_r, NAMES)
     # a key that some rows see: those rows are NaN (out and lse), the others are not
     # touched. Batch 1's key 2 (kv head 0) is seen by rows 4 and 5 of query heads 0, 1
@@ -403,14 +389,14 @@ def test_x64_float32_unchanged_and_float64_in_float64(_cheap):
     sinks = rs.standard_normal(4)
     spec = AttentionSpec(mask=mask, bias=jnp.asarray(bias, jnp.float32),
                          sinks=jnp.asarray(sinks, jnp.float32), softcap=3.0, block_sizes=SMALL)
-    base = _vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
+    base = vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
     with jax.enable_x64(True):
-        x32 = _vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
+        x32 = vjp(fnattn.flash, spec, q, k, v, d_out, d_lse)
         f64 = lambda x: jnp.asarray(np.asarray(x), jnp.float64)  # noqa: E731
         spec64 = spec.replace(bias=jnp.asarray(bias), sinks=jnp.asarray(sinks))
         args64 = tuple(f64(x) for x in (q, k, v, d_out, d_lse))
-        (out, lse), g = _vjp(fnattn.flash, spec64, *args64)
-        (out_r, lse_r), g_r = _vjp(fnattn.reference, spec64, *args64)
+        (out, lse), g = vjp(fnattn.flash, spec64, *args64)
+        (out_r, lse_r), g_r = vjp(fnattn.reference, spec64, *args64)
     assert x32[0][0].dtype == x32[0][1].dtype == jnp.float32
     for a, b in zip(jax.tree_util.tree_leaves(x32), jax.tree_util.tree_leaves(base)):
         assert a.dtype == b.dtype

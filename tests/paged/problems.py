@@ -120,6 +120,20 @@ def poisoned(p: Problem, value=np.nan, *, old=False, hidden=None) -> Problem:
         v_old=put(p.v_old, live_old) if old else p.v_old)
 
 
+def poisoned_window_case(page_size: int, block_k: int):
+    """(spec, poisoned problem) for a kernel under x64: a causal window of 4 that
+    hides the older keys, NaN in every unowned slot, in the hidden keys and in
+    the update form's pools, sinks of every kind (finite, +inf, -inf)."""
+    from fnattn import AttentionSpec, PagedBlockSizes, masks
+    p = make([(12, 2), (9, 1), (4, 4)], Hq=4, Hkv=2, D=8, page_size=page_size, max_seqs=4,
+             pad_tokens=1, seed=6)
+    pp = poisoned(p, old=True, hidden=lambda L, n, pos: pos < L - n - 4)
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(4),
+                         sinks=jnp.array([0.5, jnp.inf, -jnp.inf, 0.0]),
+                         block_sizes=PagedBlockSizes(block_k=block_k))
+    return spec, pp
+
+
 _reference = jax.jit(fnattn.reference)
 
 

@@ -144,13 +144,8 @@ def test_gpu_matches_xla(dtype):
 def test_interpret_poisoned_pools_under_x64():
     """NaN in every unowned slot and in the keys a window hides, with x64 on: the
     kernels (attention and the update form) give the dense problem's answer."""
-    from problems import poisoned
-    p = make([(12, 2), (9, 1), (4, 4)], Hq=4, Hkv=2, D=8, page_size=4, max_seqs=4,
-             pad_tokens=1, seed=6)
-    pp = poisoned(p, old=True, hidden=lambda L, n, pos: pos < L - n - 4)
-    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(4),
-                         sinks=jnp.array([0.5, jnp.inf, -jnp.inf, 0.0]),
-                         block_sizes=PagedBlockSizes(block_k=16))
+    from problems import poisoned_window_case
+    spec, pp = poisoned_window_case(page_size=4, block_k=16)
     with jax.enable_x64(True):
         check_ragged(INTERPRET, spec, pp)     # expected: the clean tokens of each sequence
         check_update(INTERPRET, spec, pp)
