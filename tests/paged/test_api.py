@@ -550,6 +550,24 @@ def _dense_grads(p, spec, uniform=False):
             np.asarray(dsinks))
 
 
+def _ragged_grads(spec, p, pools=None):
+    """Gradients (dq, dk_pages, dv_pages, dsinks) of the packed loss through
+    fnattn.ragged_paged_attention on ``p``'s metadata, over ``pools`` (a problem
+    whose q and pools to use; default ``p``)."""
+    pools = p if pools is None else pools
+
+    def loss(q, kp, vp, sinks):
+        r = fnattn.ragged_paged_attention(spec.replace(sinks=sinks), q, kp, vp,
+                                          page_table=p.page_table,
+                                          context_lengths=p.context_lengths,
+                                          query_start_loc=p.query_start_loc,
+                                          num_seqs=p.num_seqs)
+        return _loss(r.out, r.lse)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(pools.q, pools.k_pages,
+                                                         pools.v_pages, spec.sinks)
+
+
 def _assert_grads(got, want, used_pages):
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g), w, atol=1e-4, rtol=1e-4)
@@ -563,18 +581,7 @@ def test_ragged_gradients_match_dense_gradients():
     p = make([(6, 2), (9, 1), (4, 4)], Hq=4, Hkv=2, D=5, page_size=3, max_seqs=4,
              pad_tokens=1, seed=6)
     spec = GRAD_SPEC
-
-    def paged_loss(q, kp, vp, sinks):
-        r = fnattn.ragged_paged_attention(spec.replace(sinks=sinks), q, kp, vp,
-                                          page_table=p.page_table,
-                                          context_lengths=p.context_lengths,
-                                          query_start_loc=p.query_start_loc,
-                                          num_seqs=p.num_seqs)
-        return _loss(r.out, r.lse)
-
-    got = jax.jit(jax.grad(paged_loss, argnums=(0, 1, 2, 3)))(p.q, p.k_pages, p.v_pages,
-                                                             spec.sinks)
-    _assert_grads(got, _dense_grads(p, spec), p.used_pages)
+    _assert_grads(_ragged_grads(spec, p), _dense_grads(p, spec), p.used_pages)
 
 
 def test_paged_attention_gradients_match_dense_gradients():
@@ -645,16 +652,7 @@ def test_poisoned_pools_reach_neither_results_nor_gradients():
     np.testing.assert_allclose(res.out, want_out, atol=1e-5)
     np.testing.assert_allclose(res.lse, want_lse, atol=1e-5)
 
-    def loss(q, kp, vp, sinks):
-        r = fnattn.ragged_paged_attention(spec.replace(sinks=sinks), q, kp, vp,
-                                          page_table=p.page_table,
-                                          context_lengths=p.context_lengths,
-                                          query_start_loc=p.query_start_loc,
-                                          num_seqs=p.num_seqs)
-        return _loss(r.out, r.lse)
-
-    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(pp.q, pp.k_pages, pp.v_pages,
-                                                        spec.sinks)
+    got = _ragged_grads(spec, p, pp)
     dense = _dense_grads(p, spec)
     for g, w in zip(got, dense):
         assert np.isfinite(np.asarray(g)).all()
