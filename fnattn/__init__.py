@@ -6,7 +6,7 @@
 (1, 4, 2, 8)
 """
 
-from fnattn import dropout, masks
+from fnattn import context, dropout, masks
 from fnattn.core import attention
 from fnattn.decoding import DecodeBlockSizes, decode
 from fnattn.flash.api import flash
@@ -31,6 +31,7 @@ __all__ = [
     "XlaBlockSizes",
     "flash",
     "attention",
+    "context",
     "decode",
     "dropout",
     "masks",

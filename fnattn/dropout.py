@@ -21,7 +21,10 @@ The hash is MurmurHash3's 32-bit finaliser applied after adding each index,
 times its own odd constant, and one seed word; it only uses uint32 multiply,
 add, xor and shift, which every backend supports. Since the indices enter by
 addition, ``seed word + offset * constant`` is the same as adding the offset to
-every index.
+every index; and the query and key constants are seed words too, so that
+``constant * stride`` makes local row ``i`` hash as global position
+``offset + stride * i`` (the striped layout of context parallelism, where a
+device holds every N-th token; see :mod:`fnattn.context`).
 
 >>> import jax, jax.numpy as jnp
 >>> seed = seed_from_key(jax.random.key(0))
@@ -40,7 +43,8 @@ from jax import lax
 __all__ = ["seed_from_key", "keep_mask", "threshold", "shard_offsets", "SEED_WORDS"]
 
 _C = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)
-SEED_WORDS = 4
+# Words 0-3 are added to the (b, h, q, k) terms, words 4-5 multiply q and k.
+SEED_WORDS = 6
 
 
 def _u32(x):
@@ -78,19 +82,25 @@ def _key_words(key) -> jax.Array:
     return jnp.asarray(key)[:2]
 
 
-def seed_from_key(key, offsets=None) -> jax.Array:
+def seed_from_key(key, offsets=None, strides=None) -> jax.Array:
     """The kernels' seed: ``SEED_WORDS`` uint32 words from a PRNG key (typed, or
-    raw uint32 of shape (2,)) and optional global ``offsets`` (4,) integers,
-    the index of the first (batch row, query head, query, key) of this call.
+    raw uint32 of shape (2,)), optional global ``offsets`` (4,) integers, the
+    index of the first (batch row, query head, query, key) of this call, and
+    optional ``strides`` (2,) integers: local query row ``i`` and key ``j`` are
+    global positions ``offsets[2] + strides[0] * i`` and
+    ``offsets[3] + strides[1] * j`` (default 1).
 
     >>> import jax
     >>> seed_from_key(jax.random.key(0)).shape
-    (4,)
+    (6,)
     """
     words = jnp.concatenate([_key_words(key), jnp.zeros((2,), jnp.uint32)])
     if offsets is not None:
         words = words + _u32(offsets) * jnp.asarray(_C[:4], jnp.uint32)
-    return words
+    mult = jnp.asarray(_C[2:4], jnp.uint32)
+    if strides is not None:
+        mult = mult * _u32(strides)
+    return jnp.concatenate([words, mult])
 
 
 def seed_words(seed) -> tuple:
@@ -108,8 +118,8 @@ def random_bits(seed, b, h, q, k):
     s = [_u32(seed[i]) for i in range(SEED_WORDS)]
     x = _fmix32(s[0] + _u32(b) * jnp.uint32(_C[0]))
     x = _fmix32(x + s[1] + _u32(h) * jnp.uint32(_C[1]))
-    x = _fmix32(x + s[2] + _u32(q) * jnp.uint32(_C[2]))
-    x = _fmix32(x + s[3] + _u32(k) * jnp.uint32(_C[3]))
+    x = _fmix32(x + s[2] + _u32(q) * s[4])
+    x = _fmix32(x + s[3] + _u32(k) * s[5])
     return x
 
 

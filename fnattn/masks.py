@@ -69,6 +69,7 @@ __all__ = [
     "prefix_lm",
     "from_array",
     "from_fn",
+    "at_positions",
     "full",
     "materialize",
     "block_classes",
@@ -597,11 +598,80 @@ class FromFn(Mask):
         return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
 
 
+class AtPositions(Mask):
+    mask: Mask
+    q_positions: Array
+    kv_positions: Array
+
+    def operands(self):
+        def batched(x):  # (T,) is shared by the batch: (1, T)
+            x = jnp.asarray(x)
+            return x[None] if x.ndim == 1 else x
+        return self.mask.operands() + (_to4d(batched(self.q_positions), "bq"),
+                                       _to4d(batched(self.kv_positions), "bk"))
+
+    def predicate(self, pos, ops):
+        *inner, qp, kp = ops
+        gpos = Positions(b=pos.b, h=pos.h, q=qp, q_pos=qp, k=kp)
+        ok = self.mask.predicate(gpos, tuple(inner))
+        return jnp.broadcast_to(ok, jnp.broadcast_shapes(
+            jnp.shape(ok), jnp.shape(pos.q), jnp.shape(pos.k)))
+
+    def tile_bounds(self, t, ops):
+        *inner, qp, kp = ops
+        # Per-tile minimum and maximum of the positions bound every positional
+        # mask's test (each is monotone in q_pos and k), whatever their order.
+        g = t._replace(q_lo=qp.lo, q_hi=qp.hi, pos_lo=qp.lo, pos_hi=qp.hi,
+                       k_lo=kp.lo, k_hi=kp.hi)
+        return self.mask.tile_bounds(g, tuple(inner))
+
+    def validate(self, batch, num_heads, q_len, kv_len):
+        for name, arr, n in (("q_positions", self.q_positions, q_len),
+                             ("kv_positions", self.kv_positions, kv_len)):
+            shape = tuple(jnp.shape(arr))
+            if not jnp.issubdtype(jnp.result_type(arr), jnp.integer):
+                raise TypeError(f"at_positions: {name} must be integer; got "
+                                f"{jnp.result_type(arr)}")
+            if shape not in ((n,), (1, n), (batch, n)):
+                raise ValueError(
+                    f"at_positions: {name} must have shape (T,)=({n},) or (batch, T)="
+                    f"{(batch, n)}; got {shape}")
+        self.mask.validate(batch, num_heads, q_len, kv_len)
+
+    def __repr__(self):
+        return f"at_positions({self.mask!r})"
+
+
+class Canonical(Mask):
+    """A mask whose arrays are already its canonical 4-D operands (internal:
+    what context parallelism slices and sends between devices)."""
+
+    ops: tuple
+    treedef: Any
+
+    def _inner(self):
+        return jax.tree_util.tree_unflatten(self.treedef, [0] * self.treedef.num_leaves)
+
+    def operands(self):
+        return tuple(self.ops)
+
+    def predicate(self, pos, ops):
+        return self._inner().predicate(pos, ops)
+
+    def tile_bounds(self, t, ops):
+        return self._inner().tile_bounds(t, ops)
+
+    def __repr__(self):
+        return f"canonical({self._inner()!r})"
+
+
 Segments = _register(Segments, data=("q_segment_ids", "kv_segment_ids"))
 Lengths = _register(Lengths, data=("q_lengths", "kv_lengths"))
 PrefixLM = _register(PrefixLM, data=("prefix_lengths",))
 FromArray = _register(FromArray, data=("mask",))
 FromFn = _register(FromFn, meta=("fn",))
+AtPositions = _register(AtPositions, data=("mask", "q_positions", "kv_positions"))
+Canonical = _register(Canonical, data=("ops",), meta=("treedef",))
 
 
 def _array(fn: str, name: str, x):
@@ -708,6 +778,40 @@ def from_fn(predicate: Callable) -> Mask:
     if not callable(predicate):
         raise TypeError(f"from_fn: predicate must be callable; got {type(predicate).__name__}")
     return FromFn(predicate)
+
+
+def at_positions(mask: Mask | None, q_positions, kv_positions) -> Mask:
+    """``mask`` evaluated at given token positions instead of row and key indices.
+
+    Positional masks (causal, sliding window, chunked, prefix-LM, lengths,
+    ``from_fn``) compare *positions*: by default query row ``q`` is at
+    ``q + Tk - Tq`` and key ``k`` at ``k``. With explicit positions, query row
+    ``q`` is at ``q_positions[..., q]`` and key ``k`` at ``kv_positions[..., k]``
+    (no alignment is added), so a call on one shard of a long sequence (tokens
+    8192-12287, or the two chunks of a zigzag layout) gets exactly its rows of
+    the whole sequence's mask. ``lengths`` compare positions with the lengths,
+    ``from_fn`` receives positions. Masks that hold per-token arrays
+    (segments, ``from_array``) still index them by the call's own rows and keys.
+    Block skipping keeps working: tile bounds come from the minimum and maximum
+    position of each tile.
+
+    Args:
+      mask: the mask to move (None: full attention, which positions do not change).
+      q_positions: int array (Tq,) shared by the batch, or (batch, Tq).
+      kv_positions: int array (Tk,) or (batch, Tk).
+
+    >>> import jax.numpy as jnp
+    >>> m = at_positions(causal(), jnp.array([4, 5]), jnp.arange(8))
+    >>> print(render(m, 2, 8))
+    x x x x x . . .
+    x x x x x x . .
+    """
+    mask = Full() if mask is None else mask
+    if not isinstance(mask, Mask):
+        raise TypeError(f"at_positions: mask must be an fnattn.masks mask or None; got "
+                        f"{type(mask).__name__}")
+    return AtPositions(mask, _array("at_positions", "q_positions", q_positions),
+                       _array("at_positions", "kv_positions", kv_positions))
 
 
 # ---------------------------------------------------------------------------------

@@ -26,17 +26,17 @@ def _np_fmix32(h):
 
 
 def np_random_bits(seed, b, h, q, k):
-    """MurmurHash3's finaliser after adding each index, times its own odd constant,
-    and one seed word."""
-    s0, s1, s2, s3 = (np.uint64(int(x)) for x in np.asarray(seed))
+    """MurmurHash3's finaliser after adding each index, times its own odd constant
+    (for q and k: seed words 4 and 5, the constant times a stride), and one seed word."""
+    s0, s1, s2, s3, cq, ck = (np.uint64(int(x)) for x in np.asarray(seed))
 
     def mul(x, c):
         return (np.asarray(x, np.uint64) * np.uint64(c)) & M32
 
     x = _np_fmix32((s0 + mul(b, 0x9E3779B1)) & M32)
     x = _np_fmix32((x + s1 + mul(h, 0x85EBCA77)) & M32)
-    x = _np_fmix32((x + s2 + mul(q, 0xC2B2AE3D)) & M32)
-    x = _np_fmix32((x + s3 + mul(k, 0x27D4EB2F)) & M32)
+    x = _np_fmix32((x + s2 + mul(q, cq)) & M32)
+    x = _np_fmix32((x + s3 + mul(k, ck)) & M32)
     return x.astype(np.uint32)
 
 
@@ -56,7 +56,8 @@ def test_bits_match_the_documented_hash():
 
 
 def test_large_indices_wrap_like_uint32():
-    seed = jnp.array([0xDEADBEEF, 0x12345678, 0x0BADF00D, 0x7], jnp.uint32)
+    seed = jnp.array([0xDEADBEEF, 0x12345678, 0x0BADF00D, 0x7, 0xC2B2AE3D, 0x27D4EB2F],
+                     jnp.uint32)
     idx = np.array([0, 1, 2**20 + 3, 2**31 - 1])
     bits = jax.jit(lambda s: dropout.random_bits(s, idx, idx[::-1], idx, idx[::-1]))(seed)
     np.testing.assert_array_equal(np.asarray(bits),
@@ -90,7 +91,7 @@ def test_seed_from_typed_and_raw_keys(key):
     assert seed.shape == (dropout.SEED_WORDS,) and seed.dtype == jnp.uint32
     data = key if key.dtype == jnp.uint32 else jax.random.key_data(key)
     np.testing.assert_array_equal(seed, np.concatenate([np.asarray(data).reshape(-1)[:2],
-                                                        [0, 0]]))
+                                                        [0, 0, 0xC2B2AE3D, 0x27D4EB2F]]))
 
 
 @pytest.mark.parametrize("key, message", [
@@ -192,3 +193,16 @@ def test_bad_offsets_are_refused(offsets, message):
     with pytest.raises(ValueError, match="dropout_offsets must be an integer array of shape "
                                          "\\(4,\\).*" + message):
         jax.jit(fnattn.attention)(spec, q, q, q)
+
+
+def test_offsets_and_strides_hash_global_positions():
+    # Local row i and key j of a call with offsets (b0, h0, q0, k0) and strides
+    # (sq, sk) draw the bits of global (b0 + b, h0 + h, q0 + sq * i, k0 + sk * j):
+    # what a device holding every 4th token (the striped layout) needs.
+    key = jax.random.key(5)
+    b, h, q, k = _grid(B=2, H=2, Tq=6, Tk=5)
+    offsets, strides = jnp.array([1, 2, 3, 7]), jnp.array([4, 3])
+    local = jax.jit(lambda o, s: dropout.random_bits(dropout.seed_from_key(key, o, s),
+                                                     b, h, q, k))(offsets, strides)
+    whole = np_random_bits(dropout.seed_from_key(key), b + 1, h + 2, 3 + 4 * q, 7 + 3 * k)
+    np.testing.assert_array_equal(np.asarray(local), whole)

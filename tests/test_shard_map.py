@@ -1,4 +1,5 @@
-"""fnattn's functions inside ``jax.shard_map``, on a mesh of 4 CPU devices.
+"""fnattn's functions inside ``jax.shard_map``, on a 2x2 mesh of 4 CPU devices;
+then every multi-device check of ``tests/multi_device`` on 8 devices.
 
 Data parallel along the batch and tensor parallel along the heads, under
 ``shard_map``'s default varying-axes check: each device runs flash (forward and
@@ -13,7 +14,8 @@ kernels of all three, inside ``shard_map``, lower for GPU and TPU.
 
 The host device count is fixed when JAX starts, so the checks run in a fresh
 Python process (this file run as a script) with
-``--xla_force_host_platform_device_count=4``.
+``--xla_force_host_platform_device_count=8`` (one subprocess for every
+multi-device check).
 """
 
 import os
@@ -243,13 +245,22 @@ def main():
     check_ragged_paged(mesh)
     check_dropout(mesh)
     check_kernels_lower(mesh)
+    # Every tests/multi_device/*_checks.py module's CHECKS, on all 8 devices.
+    import importlib
+    import pkgutil
+    import multi_device
+    for info in sorted(pkgutil.iter_modules(multi_device.__path__), key=lambda m: m.name):
+        if info.name.endswith("_checks"):
+            for check in importlib.import_module(f"multi_device.{info.name}").CHECKS:
+                check()
+                print(f"passed {info.name}.{check.__name__}", flush=True)
     print("shard_map checks passed")
 
 
-def test_shard_map_on_four_host_devices():
+def test_shard_map_on_eight_host_devices():
     env = dict(os.environ)
     env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        " --xla_force_host_platform_device_count=4").strip()
+                        " --xla_force_host_platform_device_count=8").strip()
     env["JAX_PLATFORMS"] = "cpu"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
@@ -257,6 +268,8 @@ def test_shard_map_on_four_host_devices():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "shard_map checks passed" in proc.stdout
+    # The figures the checks measured (collective counts, work balance) in the log.
+    print(proc.stdout)
 
 
 if __name__ == "__main__":
