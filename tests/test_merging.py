@@ -7,6 +7,7 @@ import pytest
 
 import fnattn
 from fnattn import AttentionSpec, masks
+from fnattn.merging import merge_across
 from np_attention import np_attention
 
 B, Tq, Tk, Hq, Hkv, D, Dv = 2, 5, 13, 6, 2, 7, 3
@@ -225,3 +226,95 @@ def test_infinite_sinks(sink):
         assert np.isneginf(np.asarray(lse)[:, 1:, 0]).all()
         np.testing.assert_array_equal(out[:, 0, 1:], 0.0)
         np.testing.assert_array_equal(g_sinks[1:], 0.0)
+
+
+# ---------------------------------------------------------------------------------
+# merge_across: the parts held along a named axis. Under vmap the mapped axis plays
+# the mesh axis (tests/multi_device/decode_checks.py runs it across 8 devices).
+# ---------------------------------------------------------------------------------
+
+
+def _across(outs, lses, sinks=None, layout="bthd"):
+    return jax.vmap(lambda o, l: merge_across(o, l, "parts", layout=layout, sinks=sinks),
+                    axis_name="parts")(outs, lses)
+
+
+def _stacked_parts(seed):
+    """Three parts along the keys (in stacked form); in the last part heads 1, 2 see
+    nothing (lse -inf, out NaN), and row 0 of sequence 1 is seen by no part."""
+    q, k, v = _inputs(seed)
+    parts = _parts(AttentionSpec(mask=masks.causal(), impl="xla"), q, k, v, (0, 4, 9, 13))
+    outs = jnp.stack([p.out for p in parts])
+    lses = jnp.stack([p.lse for p in parts])
+    outs = outs.at[2, :, :, 1:3].set(jnp.nan).at[:, 1, 0].set(jnp.nan)
+    lses = lses.at[2, :, 1:3].set(-jnp.inf).at[:, 1, :, 0].set(-jnp.inf)
+    return outs, lses
+
+
+def test_merge_across_equals_merge_with_gradients():
+    outs, lses = _stacked_parts(6)
+    sinks = jnp.linspace(-1.0, 1.0, Hq).at[3].set(-jnp.inf)
+    rs = np.random.default_rng(1)
+    d_out = jnp.asarray(rs.standard_normal(outs.shape[1:]), jnp.float32)
+    d_lse = jnp.asarray(rs.standard_normal(lses.shape[1:]), jnp.float32)
+
+    def loss(res):
+        return jnp.sum(res.out * d_out) + jnp.sum(jnp.where(jnp.isfinite(res.lse), res.lse,
+                                                            0) * d_lse)
+
+    def across(outs, lses, sinks):
+        res = _across(outs, lses, sinks)
+        return loss(fnattn.AttentionOutput(res.out[1], res.lse[1])), res
+
+    def whole(outs, lses, sinks):
+        res = fnattn.merge([(outs[i], lses[i]) for i in range(3)], sinks=sinks)
+        return loss(res), res
+
+    grad = lambda f: jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))  # noqa
+    (_, res), g = grad(across)(outs, lses, sinks)
+    (_, ref), g_ref = grad(whole)(outs, lses, sinks)
+    for i in range(3):   # every part holds the merged result
+        np.testing.assert_allclose(res.out[i], ref.out, atol=1e-6)
+        np.testing.assert_array_equal(res.lse[i], ref.lse)
+    assert np.isneginf(np.asarray(ref.lse)[1, 3, 0])        # no part, sink -inf
+    np.testing.assert_allclose(np.asarray(ref.lse)[1, 0, 0], -1.0)  # no part: the sink
+    for a, b in zip(g, g_ref):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_allclose(a, b, atol=1e-6, rtol=1e-5)
+    np.testing.assert_array_equal(g[0][2, :, :, 1:3], 0.0)   # the empty part: no gradient
+
+
+@pytest.mark.parametrize("layout", ["bhtd", "thd"])
+def test_merge_across_layouts_and_infinite_sink(layout):
+    outs, lses = _stacked_parts(7)
+    sinks = jnp.zeros((Hq,)).at[2].set(jnp.inf)              # head 2 takes all the mass
+    if layout == "bhtd":
+        outs = jnp.swapaxes(outs, 2, 3)
+    else:
+        outs, lses = outs[:, 0], lses[:, 0]
+    res = jax.jit(lambda o, l, s: _across(o, l, s, layout))(outs, lses, sinks)
+    ref = fnattn.merge([(outs[i], lses[i]) for i in range(3)], layout=layout, sinks=sinks)
+    np.testing.assert_allclose(res.out[0], ref.out, atol=1e-6)
+    np.testing.assert_array_equal(res.lse[2], ref.lse)
+    assert (np.asarray(ref.lse)[..., 2, :] == np.inf).all()
+
+
+def test_merge_across_keeps_low_precision_dtype():
+    outs, lses = _stacked_parts(8)
+    res = jax.jit(_across)(outs.astype(jnp.bfloat16), lses)
+    ref = fnattn.merge([(outs[i], lses[i]) for i in range(3)])
+    assert res.out.dtype == jnp.bfloat16 and res.lse.dtype == jnp.float32
+    np.testing.assert_allclose(res.out[0].astype(np.float32), ref.out, atol=2e-2)
+
+
+def test_merge_across_bad_input_messages():
+    out, lse = jnp.zeros((2, 5, 6, 3)), jnp.zeros((2, 6, 5))
+    with pytest.raises(ValueError, match=r"merge_across: lse must have shape \(2, 6, 5\) to "
+                                         r"go with out \(2, 5, 6, 3\).*got \(2, 5, 6\)"):
+        merge_across(out, jnp.zeros((2, 5, 6)), "seq")
+    with pytest.raises(ValueError, match=r"merge_across: sinks must have shape \(H,\)=\(6,\)"):
+        merge_across(out, lse, "seq", sinks=jnp.zeros((5,)))
+    with pytest.raises(ValueError, match=r"merge_across: layout must be one of"):
+        merge_across(out, lse, "seq", layout="tbhd")
+    with pytest.raises(TypeError, match=r"merge_across: axis_name must be a mesh axis name"):
+        merge_across(out, lse, ())

@@ -789,7 +789,9 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
         # dbias in the bias's broadcast shape, float32, starting from zeros.
         b4 = _pad_seq(_bias4(bias), (Tqp, Tkp)).shape
         aliases = {4 + len(rows) + len(sched) + len(extra): 1}
-        extra, extra_specs = extra + [jnp.zeros(b4, F32)], extra_specs + [_bh_spec(b4, Hq, None)]
+        # (typed to vary like the inputs inside shard_map: the output aliases it)
+        zeros = _varying.varying_like(jnp.zeros(b4, F32), q, k, v, bias, d_out)
+        extra, extra_specs = extra + [zeros], extra_specs + [_bh_spec(b4, Hq, None)]
         out_specs.append(_bh_spec(b4, Hq, None))
         out_shape.append(jax.ShapeDtypeStruct(b4, F32))
     res = _varying.pallas_call(
