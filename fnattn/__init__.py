@@ -6,7 +6,7 @@
 (1, 4, 2, 8)
 """
 
-from fnattn import context, dropout, masks
+from fnattn import context, dropout, masks, sharding
 from fnattn.core import attention
 from fnattn.decoding import DecodeBlockSizes, decode
 from fnattn.flash.api import flash
@@ -40,6 +40,7 @@ __all__ = [
     "ragged_paged_attention",
     "ragged_paged_attention_with_update",
     "reference",
+    "sharding",
 ]
 
 __version__ = "0.1.0"

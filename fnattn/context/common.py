@@ -129,10 +129,13 @@ def prepare(spec, q, k, v, *, axis_name, strategy: str, layout: str, fn: str):
         base = (jnp.zeros((4,), I32) if spec.dropout_offsets is None
                 else jnp.asarray(spec.dropout_offsets).astype(I32))
 
-    from fnattn import core
+    from fnattn.flash import api as flash_api
     q, k, v = (_checks.to_bthd(x, spec.layout) for x in (q, k, v))
+    # The flash lowerings (impl="xla": the blockwise XLA loops, not the dense
+    # one): a ring step's backward must take its probabilities from the global
+    # lse it is given, which the dense lowering's recomputing backward does not.
     problem = Problem(
-        table=core.lowering_table(spec.impl, q.dtype), axis_name=axis_name, axis_size=N,
+        table=flash_api.lowering_table(spec.impl, q.dtype), axis_name=axis_name, axis_size=N,
         layout=layout, dims=dims, scale=_checks.resolve_scale(spec, dims.head_dim),
         softcap=spec.softcap, dropout_rate=float(spec.dropout_rate),
         block_sizes=spec.block_sizes, mask_treedef=treedef, op_kinds=kinds,

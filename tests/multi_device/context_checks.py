@@ -160,7 +160,7 @@ def run_case(c: Case):
 CAUSAL_DOCS = lambda a: masks.causal() & masks.segments(a["ids"])  # noqa: E731
 
 CASES = [
-    Case("ring", "contiguous", CAUSAL_DOCS, sinks=True, softcap=20.0),
+    Case("ring", "contiguous", CAUSAL_DOCS, sinks=True, softcap=20.0, impl="xla"),
     Case("ring", "zigzag", lambda a: masks.sliding_window(20) | masks.prefix_lm(
         a["prefix"]), Hkv=1, tensor_layout="bhtd", bias="full"),
     Case("ring", "striped", lambda a: masks.chunked(16) & masks.causal() & masks.lengths(

@@ -1,0 +1,133 @@
+"""Fuzzed global positions and context parallelism.
+
+* ``masks.at_positions`` with random (unsorted, repeated) positions: the tile
+  classes that block skipping uses are sound (an EMPTY tile holds no allowed
+  pair, a FULL tile no masked one), and flash at those positions equals the
+  reference.
+* ``fnattn.context.attention`` over random axis sizes, layouts, strategies,
+  mask compositions (segments, lengths, prefix-LM, array masks, windows...),
+  GQA ratios, sinks, soft-cap and dropout equals ``fnattn.attention`` on the
+  whole sequence. The mesh axis is emulated with ``jax.vmap(axis_name=...)``,
+  under which ``ppermute``, ``all_gather`` and ``axis_index`` mean what they
+  mean inside ``shard_map``, so hundreds of "devices" cost one process (the
+  gradients, whose ``custom_vjp`` needs a real axis, are checked on 8 devices
+  in ``tests/multi_device/context_checks.py``).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings, strategies as st
+
+import fnattn
+from fnattn import AttentionSpec, masks
+from strategies import gqa_heads, mask_trees
+
+MASKS = ("causal", "full", "window", "chunked", "segments", "lengths", "prefix", "array", "fn")
+
+
+@st.composite
+def positioned_masks(draw):
+    B, Tq, Tk = draw(st.integers(1, 2)), draw(st.integers(1, 12)), draw(st.integers(1, 12))
+    rs = np.random.default_rng(draw(st.integers(0, 2**16)))
+    span = draw(st.sampled_from([4, 16, 64]))
+    q_pos = rs.integers(0, span, (B, Tq) if draw(st.booleans()) else (Tq,))
+    kv_pos = rs.integers(0, span, (B, Tk) if draw(st.booleans()) else (Tk,))
+    if draw(st.booleans()):  # sorted positions, as shards of a sequence have
+        q_pos, kv_pos = np.sort(q_pos, -1), np.sort(kv_pos, -1)
+    inner = draw(mask_trees(B, Tq, Tk, H=2, kinds=MASKS))
+    m = masks.at_positions(inner, jnp.asarray(q_pos, jnp.int32), jnp.asarray(kv_pos, jnp.int32))
+    return m, B, Tq, Tk, draw(st.integers(1, 5)), draw(st.integers(1, 5))
+
+
+@given(positioned_masks())
+def test_tile_classes_at_positions_are_sound(problem):
+    m, B, Tq, Tk, bq, bk = problem
+    dense = np.broadcast_to(np.asarray(masks.materialize(m, B, 2, Tq, Tk)), (B, 2, Tq, Tk))
+    classes = np.asarray(masks.block_classes(m, B, 2, Tq, Tk, bq, bk))
+    classes = np.broadcast_to(classes, (B, 2) + classes.shape[2:])
+    for i in range(classes.shape[2]):
+        for j in range(classes.shape[3]):
+            tile = dense[:, :, i * bq:(i + 1) * bq, j * bk:(j + 1) * bk]
+            c = classes[:, :, i, j]
+            assert not tile[c == masks.EMPTY].any()
+            assert tile[c == masks.FULL].all()
+
+
+@settings(max_examples=6)
+@given(positioned_masks(), st.integers(0, 100))
+def test_flash_at_positions_equals_the_reference(problem, seed):
+    m, B, Tq, Tk, bq, bk = problem
+    rs = np.random.default_rng(seed)
+    q = jnp.asarray(rs.standard_normal((B, Tq, 2, 4)), jnp.float32)
+    k = jnp.asarray(rs.standard_normal((B, Tk, 1, 4)), jnp.float32)
+    spec = AttentionSpec(mask=m, block_sizes=fnattn.XlaBlockSizes(bq, bk))
+    res = jax.jit(fnattn.attention)(spec, q, k, k)
+    ref = fnattn.reference(spec, q, k, k)
+    np.testing.assert_allclose(res.out, ref.out, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(res.lse, ref.lse, atol=2e-5, rtol=2e-5)
+
+
+def _split(x, N, layout, axes, split_axis):
+    """A global array reordered along ``axes`` and cut into N shards along
+    ``split_axis``, stacked on a new leading axis."""
+    for a in axes:
+        x = fnattn.context.reorder(x, N, layout, axis=a)
+    return jnp.stack(jnp.split(x, N, axis=split_axis))
+
+
+@st.composite
+def context_problems(draw):
+    N = draw(st.sampled_from([1, 2, 3, 4]))
+    layout = draw(st.sampled_from(fnattn.context.LAYOUTS))
+    strategy = draw(st.sampled_from(["ring", "all_gather"]))
+    per = 2 * draw(st.integers(1, 4)) if layout == "zigzag" else draw(st.integers(2, 7))
+    B, T = draw(st.integers(1, 2)), N * per
+    Hq, Hkv = draw(gqa_heads(max_kv=2, max_group=3))
+    mask = draw(st.one_of(st.none(), mask_trees(B, T, T, H=Hq, kinds=MASKS)))
+    return dict(N=N, layout=layout, strategy=strategy, B=B, T=T, Hq=Hq, Hkv=Hkv, mask=mask,
+                sinks=draw(st.booleans()), softcap=draw(st.sampled_from([None, 5.0])),
+                dropout=draw(st.sampled_from([0.0, 0.3])), seed=draw(st.integers(0, 100)),
+                block=draw(st.integers(1, 8)))
+
+
+@settings(max_examples=12)
+@given(context_problems())
+def test_context_parallel_forward_equals_one_device(p):
+    N, layout, B, T = p["N"], p["layout"], p["B"], p["T"]
+    rs = np.random.default_rng(p["seed"])
+    q = jnp.asarray(rs.standard_normal((B, T, p["Hq"], 4)), jnp.float32)
+    k = jnp.asarray(rs.standard_normal((B, T, p["Hkv"], 4)), jnp.float32)
+    v = jnp.asarray(rs.standard_normal((B, T, p["Hkv"], 4)), jnp.float32)
+    sinks = jnp.asarray(rs.standard_normal((p["Hq"],)), jnp.float32) if p["sinks"] else None
+    spec = AttentionSpec(mask=p["mask"], sinks=sinks, softcap=p["softcap"],
+                         dropout_rate=p["dropout"],
+                         dropout_key=jax.random.key(3) if p["dropout"] else None,
+                         block_sizes=fnattn.XlaBlockSizes(p["block"], p["block"]))
+    whole = jax.jit(fnattn.attention)(spec, q, k, v)
+
+    # Per-device mask leaves: (B, T) ids and (B, H, T, T) arrays are cut along
+    # the sequence (an array mask keeps every key column); (B,) lengths are global.
+    leaves, treedef = jax.tree_util.tree_flatten(p["mask"])
+    local, axes = [], []
+    for x in leaves:
+        if x.ndim == 2:
+            local.append(_split(x, N, layout, (1,), 1))
+        elif x.ndim == 4:
+            local.append(_split(x, N, layout, (2, 3), 2))
+        else:
+            local.append(x)
+        axes.append(0 if x.ndim in (2, 4) else None)
+
+    def device(q, k, v, leaves):
+        s = spec.replace(mask=jax.tree_util.tree_unflatten(treedef, leaves))
+        return fnattn.context.attention(s, q, k, v, axis_name="seq", strategy=p["strategy"],
+                                        layout=layout)
+
+    shard = lambda x: _split(x, N, layout, (1,), 1)  # noqa: E731
+    res = jax.jit(jax.vmap(device, in_axes=(0, 0, 0, axes), axis_name="seq"))(
+        shard(q), shard(k), shard(v), local)
+    out = fnattn.context.restore(jnp.concatenate(list(res.out), axis=1), N, layout)
+    lse = fnattn.context.restore(jnp.concatenate(list(res.lse), axis=2), N, layout, axis=2)
+    np.testing.assert_allclose(out, whole.out, atol=3e-5, rtol=3e-5)
+    np.testing.assert_allclose(lse, whole.lse, atol=3e-5, rtol=3e-5)
