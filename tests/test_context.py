@@ -1,0 +1,158 @@
+"""fnattn.context on one device: layouts, positions, work counts, the errors of
+context-parallel attention, and masks.at_positions. (Several devices:
+tests/multi_device/context_checks.py; random problems:
+property_tests/test_context_props.py.)"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import fnattn
+from fnattn import AttentionSpec, masks
+from fnattn.context import layouts
+
+F32 = jnp.float32
+
+
+@pytest.mark.parametrize("layout, order", [
+    ("contiguous", list(range(12))),
+    ("zigzag", [0, 1, 10, 11, 2, 3, 8, 9, 4, 5, 6, 7]),
+    ("striped", [0, 3, 6, 9, 1, 4, 7, 10, 2, 5, 8, 11]),
+])
+def test_reorder_restore_and_positions(layout, order):
+    x = jnp.arange(12)[None, :, None]
+    r = fnattn.context.reorder(x, 3, layout)
+    assert r[0, :, 0].tolist() == order
+    assert (fnattn.context.restore(r, 3, layout) == x).all()
+    # device r's global positions are its slice of the order
+    for rank in range(3):
+        got = fnattn.context.positions(layout, 4, rank, 3).tolist()
+        assert got == order[4 * rank:4 * rank + 4]
+
+
+def test_layout_errors():
+    with pytest.raises(ValueError, match="divisible by 6"):
+        fnattn.context.reorder(jnp.zeros((1, 8)), 3, "zigzag")
+    with pytest.raises(ValueError, match="layout must be one of"):
+        fnattn.context.reorder(jnp.zeros((1, 8)), 2, "spiral")
+
+
+def test_work_counts_tiles_per_device():
+    # contiguous causal, 2 tile rows per device: device r computes its rows
+    # against the 2r tile columns before it (4r tiles) and its diagonal (3)
+    w = fnattn.context.work(masks.causal(), 512, 4, "contiguous", block=64)
+    assert w.tolist() == [3, 7, 11, 15]
+    for layout in ("zigzag", "striped"):
+        w = fnattn.context.work(masks.causal(), 4096, 4, layout, block=128)
+        assert w.max() / w.min() <= 1.1, (layout, w)
+    # without a mask every tile is work, in every layout
+    assert fnattn.context.work(None, 512, 4, "zigzag", block=64).tolist() == [16] * 4
+
+
+def _one_device(fn):
+    mesh = Mesh(np.array(jax.devices()[:1]), ("seq",))
+    return jax.jit(jax.shard_map(fn, mesh=mesh, in_specs=P(None, "seq"),
+                                 out_specs=P(None, "seq")))
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_one_device_equals_attention_with_gradients(strategy):
+    rs = np.random.default_rng(0)
+    q = jnp.asarray(rs.standard_normal((2, 16, 4, 8)), F32)
+    k = jnp.asarray(rs.standard_normal((2, 16, 2, 8)), F32)
+    ids = jnp.asarray(np.sort(rs.integers(0, 3, (2, 16)), 1), jnp.int32)
+    sinks = jnp.asarray(rs.standard_normal((4,)), F32)
+
+    def spec(ids):
+        return AttentionSpec(mask=masks.causal() & masks.segments(ids), sinks=sinks,
+                             softcap=10.0, block_sizes=fnattn.XlaBlockSizes(8, 8))
+
+    def loss_cp(q, k, ids):
+        res = fnattn.context.attention(spec(ids), q, k, k, axis_name="seq", strategy=strategy,
+                                       layout="zigzag")
+        return res.out.sum() + res.lse.sum()
+
+    def grads(q, k, ids):
+        return jax.grad(loss_cp, argnums=(0, 1))(q, k, ids)
+
+    got = _one_device(grads)(q, k, ids)
+    want = jax.grad(lambda q, k: (lambda r: r.out.sum() + r.lse.sum())(
+        fnattn.attention(spec(ids), q, k, k)), argnums=(0, 1))(q, k)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def _call(spec, q, k, v=None, **kw):
+    v = k if v is None else v
+    return _one_device(lambda q, k, v: fnattn.context.attention(spec, q, k, v, axis_name="seq",
+                                                                **kw).out)(q, k, v)
+
+
+@pytest.mark.parametrize("spec, shapes, kw, error, message", [
+    (AttentionSpec(), ((1, 8, 2, 4), (1, 8, 2, 4)), dict(strategy="tree"), ValueError,
+     "strategy must be one of"),
+    (AttentionSpec(), ((1, 8, 2, 4), (1, 8, 2, 4)), dict(layout="spiral"), ValueError,
+     "layout must be one of"),
+    (AttentionSpec(impl="cudnn"), ((1, 8, 2, 4), (1, 8, 2, 4)), {}, NotImplementedError,
+     "impl='cudnn' has no context-parallel lowering"),
+    (AttentionSpec(), ((1, 8, 2, 4), (1, 6, 2, 4)), {}, ValueError,
+     "equally long shards.*8 query and 6 key"),
+    (AttentionSpec(), ((1, 7, 2, 4), (1, 7, 2, 4)), dict(layout="zigzag"), ValueError,
+     "must be even; got 7"),
+    (AttentionSpec(bias=jnp.zeros((1, 2, 8, 5))), ((1, 8, 2, 4), (1, 8, 2, 4)), {},
+     ValueError, "bias .* has 5 key columns; expected 1, the local key count L=8"),
+    (AttentionSpec(mask=masks.segments(jnp.zeros((1, 8), jnp.int32), jnp.zeros((1, 3),
+                                                                          jnp.int32))),
+     ((1, 8, 2, 4), (1, 8, 2, 4)), {}, ValueError, "kv_segment_ids must have shape"),
+])
+def test_errors_name_what_is_wrong(spec, shapes, kw, error, message):
+    q = jnp.zeros(shapes[0], F32)
+    k = jnp.zeros(shapes[1], F32)
+    with pytest.raises(error, match=message):
+        _call(spec, q, k, **kw)
+
+
+def test_at_positions_reproduces_the_default_alignment_and_shifts_it():
+    Tq, Tk = 3, 7
+    m = masks.causal() & masks.sliding_window(2)
+    default = masks.materialize(m, 1, 1, Tq, Tk)
+    explicit = masks.at_positions(m, jnp.arange(Tq) + Tk - Tq, jnp.arange(Tk))
+    np.testing.assert_array_equal(masks.materialize(explicit, 1, 1, Tq, Tk), default)
+    # a shard of queries 10..12 against keys 8..14: the rows of the whole mask
+    whole = np.asarray(masks.materialize(m, 1, 1, 16, 16))[0, 0]
+    shard = masks.at_positions(m, jnp.arange(10, 13), jnp.arange(8, 15))
+    np.testing.assert_array_equal(masks.materialize(shard, 1, 1, 3, 7)[0, 0],
+                                  whole[10:13, 8:15])
+
+
+def test_at_positions_passes_positions_to_lengths_and_from_fn():
+    m = masks.lengths(q_lengths=jnp.array([11]), kv_lengths=jnp.array([9])) & masks.from_fn(
+        lambda b, h, q, k: (q + k) % 2 == 0)
+    got = masks.materialize(masks.at_positions(m, jnp.array([9, 10, 11]), jnp.array([6, 7, 8, 9])),
+                            1, 1, 3, 4)
+    # query 11 and key 9 fail the lengths; (q + k) even elsewhere
+    assert np.asarray(got)[0, 0].astype(int).tolist() == [[0, 1, 0, 0], [1, 0, 1, 0],
+                                                           [0, 0, 0, 0]]
+
+
+@pytest.mark.parametrize("q_pos, kv_pos, error, message", [
+    (jnp.arange(3.0), jnp.arange(4), TypeError, "q_positions must be integer"),
+    (jnp.arange(3), jnp.arange(5), ValueError, r"kv_positions must have shape \(T,\)=\(4,\)"),
+    (jnp.zeros((2, 3), jnp.int32), jnp.arange(4), ValueError, r"\(batch, T\)=\(1, 3\)"),
+])
+def test_at_positions_errors(q_pos, kv_pos, error, message):
+    q = jnp.zeros((1, 3, 1, 4), F32)
+    k = jnp.zeros((1, 4, 1, 4), F32)
+    spec = AttentionSpec(mask=masks.at_positions(masks.causal(), q_pos, kv_pos))
+    with pytest.raises(error, match=message):
+        jax.jit(fnattn.attention)(spec, q, k, k)
+
+
+def test_pieces_of_each_layout():
+    assert layouts.pieces("contiguous", 4, 2, 3) == (layouts.Piece(0, 4, 8, 1),)
+    assert layouts.pieces("striped", 4, 2, 3) == (layouts.Piece(0, 4, 2, 3),)
+    assert layouts.pieces("zigzag", 4, 2, 3) == (layouts.Piece(0, 2, 4, 1),
+                                                 layouts.Piece(2, 2, 6, 1))
