@@ -793,7 +793,10 @@ def at_positions(mask: Mask | None, q_positions, kv_positions) -> Mask:
     ``from_fn`` receives positions. Masks that hold per-token arrays
     (segments, ``from_array``) still index them by the call's own rows and keys.
     Block skipping keeps working: tile bounds come from the minimum and maximum
-    position of each tile.
+    position of each tile. Dropout is not a mask: it hashes the call's own
+    indices shifted by ``AttentionSpec.dropout_offsets`` (enough for a
+    contiguous shard); :func:`fnattn.context.attention` gives every layout
+    its global dropout positions.
 
     Args:
       mask: the mask to move (None: full attention, which positions do not change).
