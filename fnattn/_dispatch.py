@@ -18,7 +18,10 @@ alone would be off by a factor up to ``exp(ulp(lse) / 2)``. Only ``out`` and
 ``jax.lax.platform_dependent`` traces every branch and lowering for a platform
 keeps one. The forward and the backward are each one ``platform_dependent``,
 inside a single ``custom_vjp``, which is what makes ``jit``, ``grad``, ``vmap``,
-``checkpoint`` and ``scan`` compose with Pallas kernels.
+``checkpoint`` and ``scan`` compose with Pallas kernels. Under ``jit`` with
+inputs sharded along the batch or the heads, each of them runs on every device
+on its own batch rows and heads (:mod:`fnattn._partition`), with no collective;
+``_select`` itself (what code inside ``shard_map`` calls) is never split.
 """
 
 import dataclasses
@@ -28,6 +31,7 @@ from typing import Any, Callable, Optional
 import jax
 from jax import lax
 
+from fnattn import _partition
 from fnattn._checks import Dims
 from fnattn._varying import varying_like
 
@@ -83,6 +87,13 @@ def _select(table, fn_name, cfg, *args):
     return select(tuple((plat, getattr(low, fn_name)) for plat, low in table), cfg, *args)
 
 
+def _select_split(table, fn_name, cfg, *args):
+    """``_select`` run by every device on its batch rows and heads when the
+    inputs are sharded along them under ``jit`` (:mod:`fnattn._partition`);
+    exactly ``_select`` on one device, inside ``shard_map`` and under ``vmap``."""
+    return _partition.flash(functools.partial(_select, _wrap(table), fn_name), cfg, *args)
+
+
 def _with_mask(fn):
     @functools.wraps(fn)
     def wrapped(cfg, q, k, v, bias, sinks, mask_leaves, seed, *rest):
@@ -107,21 +118,21 @@ def attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
-    out, lse, _ = _select(_wrap(table), "fwd", cfg, q, k, v, bias, sinks, mask_leaves, seed)
+    out, lse, _ = _select_split(table, "fwd", cfg, q, k, v, bias, sinks, mask_leaves, seed)
     return out, lse
 
 
 def _attend_fwd(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
-    out, lse, lse_lo = _select(_wrap(table), "fwd", cfg, q, k, v, bias, sinks, mask_leaves,
-                               seed)
+    out, lse, lse_lo = _select_split(table, "fwd", cfg, q, k, v, bias, sinks, mask_leaves,
+                                     seed)
     return (out, lse), (q, k, v, bias, sinks, mask_leaves, seed, out, lse, lse_lo)
 
 
 def _attend_bwd(table, cfg, res, cotangents):
     q, k, v, bias, sinks, mask_leaves, seed, out, lse, lse_lo = res
     d_out, d_lse = cotangents
-    dq, dk, dv, dbias, dsinks = _select(_wrap(table), "bwd", cfg, q, k, v, bias, sinks,
-                                        mask_leaves, seed, out, lse, lse_lo, d_out, d_lse)
+    dq, dk, dv, dbias, dsinks = _select_split(table, "bwd", cfg, q, k, v, bias, sinks,
+                                              mask_leaves, seed, out, lse, lse_lo, d_out, d_lse)
     none_like = jax.tree_util.tree_map(lambda _: None, mask_leaves)
     return (dq, dk, dv, dbias, dsinks, none_like, None)
 

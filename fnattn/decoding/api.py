@@ -60,7 +60,7 @@ from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch, masks
+from fnattn import _checks, _dispatch, _partition, masks
 from fnattn._varying import varying_like
 from fnattn.decoding import xla
 from fnattn.spec import AttentionOutput, AttentionSpec
@@ -293,24 +293,33 @@ def lowering_table(impl: str):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(table, cfg, q, k, v, starts, lengths, sinks):
-    return _dispatch.select(table, cfg, q, k, v, starts, lengths, sinks)
+    return _forward(table, cfg, q, k, v, starts, lengths, sinks)
+
+
+def _forward(table, cfg, *args):
+    # split along the batch and heads of sharded inputs under jit (fnattn._partition)
+    return _partition.decode(functools.partial(_dispatch.select, table, cfg), *args)
 
 
 def _attend_fwd(table, cfg, q, k, v, starts, lengths, sinks):
     res = (q, k, v, starts, lengths, sinks)
-    return _dispatch.select(table, cfg, *res), res
+    return _forward(table, cfg, *res), res
 
 
 def _attend_bwd(table, cfg, res, cotangents):
     q, k, v, starts, lengths, sinks = res
     d_out, d_lse = cotangents
+    dq, dk, dv, dsinks = _partition.decode(functools.partial(_grads, cfg), q, k, v, starts,
+                                           lengths, sinks, d_out, d_lse)
+    return dq, dk, dv, None, None, dsinks
 
+
+def _grads(cfg, q, k, v, starts, lengths, sinks, d_out, d_lse):
     def f(q, k, v, sinks):
         return xla.forward(cfg, q, k, v, starts, lengths, sinks, sanitize=True)
 
     _, vjp = jax.vjp(f, q, k, v, sinks)
-    dq, dk, dv, dsinks = vjp((d_out.astype(q.dtype), d_lse.astype(jnp.float32)))
-    return dq, dk, dv, None, None, dsinks
+    return vjp((d_out.astype(q.dtype), d_lse.astype(jnp.float32)))
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)

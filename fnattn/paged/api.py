@@ -63,7 +63,7 @@ from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch
+from fnattn import _checks, _dispatch, _partition
 from fnattn._varying import varying_like
 from fnattn.paged import common, reference, xla
 from fnattn.paged.common import I32, Cfg
@@ -116,24 +116,36 @@ def _reference_forward(cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v=
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend(table, cfg, q, k_pages, v_pages, sinks, meta):
-    return _dispatch.select(table, cfg, q, k_pages, v_pages, sinks, meta, None, None)
+    return _forward(table, cfg, q, k_pages, v_pages, sinks, meta)
+
+
+def _forward(table, cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v=None):
+    # split along the kv heads of sharded pools under jit (fnattn._partition)
+    return _partition.paged(functools.partial(_dispatch.select, table), cfg, q, k_pages,
+                            v_pages, sinks, meta, new_k, new_v)
 
 
 def _attend_fwd(table, cfg, q, k_pages, v_pages, sinks, meta):
-    res = _dispatch.select(table, cfg, q, k_pages, v_pages, sinks, meta, None, None)
+    res = _forward(table, cfg, q, k_pages, v_pages, sinks, meta)
     return res, (q, k_pages, v_pages, sinks, meta)
 
 
 def _attend_bwd(table, cfg, res, cotangents):
     q, k_pages, v_pages, sinks, meta = res
     d_out, d_lse = cotangents
+    dq, dk, dv, dsinks = _partition.paged(_grads, cfg, q, k_pages, v_pages, sinks, meta, None,
+                                          None, d_out, d_lse)
+    return dq, dk, dv, dsinks, jax.tree_util.tree_map(lambda _: None, meta)
+
+
+def _grads(cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v, d_out, d_lse):
+    del new_k, new_v
 
     def f(q, k_pages, v_pages, sinks):
         return xla.attend(cfg, q, k_pages, v_pages, sinks, meta, sanitize=True)
 
     _, vjp = jax.vjp(f, q, k_pages, v_pages, sinks)
-    dq, dk, dv, dsinks = vjp((d_out, d_lse.astype(jnp.float32)))
-    return dq, dk, dv, dsinks, jax.tree_util.tree_map(lambda _: None, meta)
+    return vjp((d_out, d_lse.astype(jnp.float32)))
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -141,7 +153,7 @@ _attend.defvjp(_attend_fwd, _attend_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _attend_update(table, cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v):
-    return _dispatch.select(table, cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v)
+    return _forward(table, cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v)
 
 
 def _update_fwd(table, cfg, *args):
