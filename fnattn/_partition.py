@@ -42,7 +42,7 @@ older GSPMD propagation reads the same decision through
 (a mesh of ``AxisType.Explicit`` axes) are split at trace time instead, by
 ``jax.shard_map`` with the same choice. Where it does nothing:
 
-* on one device (the call is compiled as it is);
+* in a process with one device (the call is traced as it is);
 * inside ``jax.shard_map`` (the values are already per device);
 * under ``jax.vmap``, which runs the lowering unpartitioned
   (``jax.custom_batching.custom_vmap``): correct, and gathered;
@@ -249,7 +249,10 @@ def partitioned(body: Callable, args: Sequence[Any], in_roles: Sequence[Optional
     Returns:
       ``body``'s outputs (a tuple), equal to ``body(Shard(*sizes), *args)``.
     """
-    if _manual_axes():
+    if _manual_axes() or jax.device_count() == 1:
+        # Inside shard_map the values are per device already; with one device
+        # there is nothing to split (and custom_partitioning's inline lowering
+        # cannot carry the ordered effects of Pallas's TPU interpreter).
         return tuple(body(_full(sizes), *args))
     present = [i for i, a in enumerate(args) if a is not None]
     arrays = tuple(args[i] for i in present)
