@@ -48,6 +48,8 @@ import time
 
 import numpy as np
 
+from flash import _cpu_name  # the sibling benchmark (this directory is on sys.path)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 N_DEV = 8
@@ -424,17 +426,6 @@ def _fmt(r):
             s += (" | vs flash: " + " ".join(f"{n} {e:.1e}" for n, e in r["err"].items())
                   + (" MATCH" if r["match"] else " MISMATCH"))
     return s
-
-
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _find(rows, impl, T):

@@ -54,6 +54,22 @@ def _lse_from_out_order(x, layout):
     return jnp.transpose(x, MERGE_LAYOUTS[layout])
 
 
+def _check_pair(prefix, out, lse, layout):
+    """Validates one partial result; ``prefix`` names it ("merge: parts[2]",
+    "merge_across: "), the messages add ".out" / "out"."""
+    sep = "" if prefix.endswith(" ") else "."
+    _checks.check_float(f"{prefix}{sep}out", out)
+    _checks.check_float(f"{prefix}{sep}lse", lse)
+    rank = len(MERGE_LAYOUTS[layout]) + 1
+    if out.ndim != rank:
+        raise ValueError(f"{prefix}{sep}out must have {rank} axes for layout {layout!r}; got "
+                         f"shape {tuple(out.shape)}")
+    want = tuple(_lse_from_out_order(jnp.zeros(out.shape[:-1], jnp.int8), layout).shape)
+    if tuple(lse.shape) != want:
+        raise ValueError(f"{prefix}{sep}lse must have shape {want} to go with out "
+                         f"{tuple(out.shape)} in layout {layout!r}; got {tuple(lse.shape)}")
+
+
 def _sink_in_out_order(sinks, lse_shape_out_order, layout):
     """sinks (H,) broadcast to lse's shape in out's axis order."""
     h_axis = {"bthd": 2, "bhtd": 1, "thd": 1}[layout]
@@ -151,7 +167,6 @@ def merge(parts: Sequence, *, layout: str = "bthd",
     if len(parts) == 0:
         raise ValueError("merge: parts must hold at least one (out, lse) part; got none")
     outs, lses = [], []
-    rank = len(MERGE_LAYOUTS[layout]) + 1
     for i, part in enumerate(parts):
         if isinstance(part, AttentionOutput):
             out, lse = part.out, part.lse
@@ -163,15 +178,7 @@ def merge(parts: Sequence, *, layout: str = "bthd",
         if lse is None:
             raise ValueError(f"merge: parts[{i}] has no lse; compute it with "
                              "AttentionSpec(return_lse=True)")
-        _checks.check_float(f"merge: parts[{i}].out", out)
-        _checks.check_float(f"merge: parts[{i}].lse", lse)
-        if out.ndim != rank:
-            raise ValueError(f"merge: parts[{i}].out must have {rank} axes for layout "
-                             f"{layout!r}; got shape {tuple(out.shape)}")
-        want = tuple(_lse_from_out_order(jnp.zeros(out.shape[:-1], jnp.int8), layout).shape)
-        if tuple(lse.shape) != want:
-            raise ValueError(f"merge: parts[{i}].lse must have shape {want} to go with out "
-                             f"{tuple(out.shape)} in layout {layout!r}; got {tuple(lse.shape)}")
+        _check_pair(f"merge: parts[{i}]", out, lse, layout)
         if i and (out.shape != outs[0].shape or out.dtype != outs[0].dtype):
             raise ValueError(f"merge: parts[{i}].out has shape {tuple(out.shape)} and dtype "
                              f"{out.dtype}; parts[0].out has {tuple(outs[0].shape)} and "
@@ -264,16 +271,7 @@ def merge_across(out: Shaped[Array, "..."], lse: Shaped[Array, "..."], axis_name
     fn = "merge_across"
     if layout not in MERGE_LAYOUTS:
         raise ValueError(f"{fn}: layout must be one of {tuple(MERGE_LAYOUTS)}; got {layout!r}")
-    _checks.check_float(f"{fn}: out", out)
-    _checks.check_float(f"{fn}: lse", lse)
-    rank = len(MERGE_LAYOUTS[layout]) + 1
-    if out.ndim != rank:
-        raise ValueError(f"{fn}: out must have {rank} axes for layout {layout!r}; got shape "
-                         f"{tuple(out.shape)}")
-    want = tuple(_lse_from_out_order(jnp.zeros(out.shape[:-1], jnp.int8), layout).shape)
-    if tuple(lse.shape) != want:
-        raise ValueError(f"{fn}: lse must have shape {want} to go with out {tuple(out.shape)} "
-                         f"in layout {layout!r}; got {tuple(lse.shape)}")
+    _check_pair(f"{fn}: ", out, lse, layout)
     names = _axis_names(axis_name)
     if not names or not all(isinstance(n, str) for n in names):
         raise TypeError(f"{fn}: axis_name must be a mesh axis name or a non-empty tuple of "

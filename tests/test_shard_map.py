@@ -21,6 +21,7 @@ multi-device check).
 import os
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -252,8 +253,10 @@ def main():
     for info in sorted(pkgutil.iter_modules(multi_device.__path__), key=lambda m: m.name):
         if info.name.endswith("_checks"):
             for check in importlib.import_module(f"multi_device.{info.name}").CHECKS:
+                start = time.perf_counter()
                 check()
-                print(f"passed {info.name}.{check.__name__}", flush=True)
+                print(f"passed {info.name}.{check.__name__} "
+                      f"({time.perf_counter() - start:.0f} s)", flush=True)
     print("shard_map checks passed")
 
 
