@@ -2,7 +2,9 @@
 
 For each variant and lowering: whether it matches the reference on a small case
 (forward and gradient), then its median time and peak memory on a moderate case
-next to ``jax.nn.dot_product_attention`` measured in the same run. Peak memory
+next to ``jax.nn.dot_product_attention`` measured in the same run. Ring
+attention splits the sequence over every local device (checked against flash
+on one device). Peak memory
 is XLA's compiled temporary-buffer size for the call (inputs and outputs
 excluded), the same measure for every row. Exits with status 1 if any check
 fails.
@@ -139,6 +141,43 @@ def serving(gpu, dtype, tol):
     return failed
 
 
+def context_parallel(dtype, tol, shape, base_t):
+    """Ring attention (zigzag) over every local device, checked against flash on
+    one device and timed next to jax.nn. Returns True on failure."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    n = len(jax.devices())
+    mesh = Mesh(np.array(jax.devices()), ("seq",))
+    spec = AttentionSpec(mask=masks.causal())
+    print(f"\ncontext parallelism: ring attention, zigzag layout, the sequence split over "
+          f"{n} device(s) with jax.shard_map" + (
+              " (one device: one ring step; on a CPU try XLA_FLAGS="
+              "--xla_force_host_platform_device_count=8)" if n == 1 else ""))
+
+    def ring(q, k, v):
+        zig = lambda x: fnattn.context.reorder(x, n, "zigzag")  # noqa: E731
+        f = jax.shard_map(lambda q, k, v: fnattn.context.attention(
+            spec, q, k, v, axis_name="seq", layout="zigzag").out, mesh=mesh,
+            in_specs=P(None, "seq"), out_specs=P(None, "seq"))
+        return fnattn.context.restore(f(zig(q), zig(k), zig(v)), n, "zigzag")
+
+    q, k, v = _inputs(2, 32 * n, 4, 2, 32, dtype)
+    loss = lambda f: lambda q: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)  # noqa: E731
+    flash = lambda q, k, v: fnattn.attention(spec, q, k, v).out  # noqa: E731
+    out, ref = jax.jit(ring)(q, k, v), jax.jit(flash)(q, k, v)
+    g, gr = jax.jit(jax.grad(loss(ring)))(q), jax.jit(jax.grad(loss(flash)))(q)
+    f32 = lambda x: x.astype(jnp.float32)  # noqa: E731
+    err = max(float(jnp.max(jnp.abs(f32(out) - f32(ref)))),
+              float(jnp.max(jnp.abs(f32(g) - f32(gr)))) / max(1.0, float(jnp.max(jnp.abs(f32(gr))))))
+    status = "PASS" if err <= tol else "FAIL"
+    B, T, H, D = shape
+    T -= T % (2 * n)
+    t, m = timeit(lambda s, q, k, v: ring(q, k, v), None, *_inputs(B, T, H, H, D, dtype, 1),
+                  reps=5)
+    print(f"{'ring (zigzag), causal':32s} {status + f' ({err:.1e})':18s} {t * 1e3:8.1f}ms "
+          f"{m / 2**20:8.1f}MB {base_t / t:8.2f}x  (vs jax.nn causal above; memory per device)")
+    return status == "FAIL"
+
+
 def main():
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
@@ -178,6 +217,9 @@ def main():
     for name, causal, verdict, t, m, speed in rows:
         print(f"{name:32s} {'causal' if causal else 'full':7s} {verdict:18s} "
               f"{t * 1e3:8.1f}ms {m / 2**20:8.1f}MB {speed:8.2f}x")
+    causal_base = next(t for name, causal, _, t, _, _ in rows
+                       if name.startswith("jax.nn") and causal)
+    failed |= context_parallel(dtype, tol, (B, T, H, D), causal_base)
     failed |= serving(gpu, dtype, tol)
     if failed:
         print("\nSOME CHECKS FAILED")
