@@ -156,3 +156,19 @@ def test_pieces_of_each_layout():
     assert layouts.pieces("striped", 4, 2, 3) == (layouts.Piece(0, 4, 2, 3),)
     assert layouts.pieces("zigzag", 4, 2, 3) == (layouts.Piece(0, 2, 4, 1),
                                                  layouts.Piece(2, 2, 6, 1))
+
+
+@pytest.mark.parametrize("what, spec", [
+    ("bias", AttentionSpec(bias=jnp.zeros((1, 1, 4, 4)))),
+    ("mask operand 0", AttentionSpec(mask=masks.from_array(jnp.ones((1, 1, 4, 4), bool)))),
+])
+def test_local_query_by_key_blocks_are_refused_on_several_devices(what, spec):
+    # With 2 devices, an array of this device's 4 query rows against only 4 key
+    # columns cannot say which of the other device's keys its rows see: refused
+    # (not sliced as if it held all 8). The mesh axis is emulated by vmap.
+    q = jnp.zeros((2, 1, 4, 2, 4), F32)
+    f = jax.vmap(lambda q: fnattn.context.attention(spec, q, q, q, axis_name="seq").out,
+                 axis_name="seq")
+    with pytest.raises(ValueError, match=f"{what} .* has 4 key columns; expected 1, the "
+                                         "local key count L=4"):
+        jax.jit(f)(q)

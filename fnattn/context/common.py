@@ -53,12 +53,14 @@ class Problem:
 def _key_kind(n: int, L: int, N: int, what: str, fn: str, q_varies: bool) -> str:
     if n == 1:
         return "none"
-    if n == N * L and (N > 1 or not q_varies):
-        return "columns" if N > 1 else "travel"
+    if N == 1 and n == L:
+        return "travel"  # one device: its keys are every key, sliced alike
+    if n == N * L:
+        return "columns"
     if n == L and not q_varies:
         return "travel"
-    if n == L:
-        return "columns"  # N == 1: the local keys are every key
+    # An array with query rows and only L key columns (a local (L, L) block)
+    # cannot say which keys of the other devices its rows see.
     raise ValueError(
         f"{fn}: {what} has {n} key columns; expected 1, the local key count L={L} (an "
         f"array of the keys' own values, like key segment ids, sent with K and V), or "

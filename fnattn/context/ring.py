@@ -145,10 +145,7 @@ def _add_rows(acc, x, lo: int, size: int):
 
 def _add_bias(P: Problem, acc, g, qp, kp, src):
     """Adds a pair's bias gradient at the bias rows and key columns it came from."""
-    if acc.shape[2] > 1:
-        start = [0, 0, qp.lo, 0]
-    else:
-        start = [0, 0, 0, 0]
+    start = [0, 0, qp.lo if acc.shape[2] > 1 else 0, 0]
     if P.bias_kind == "columns":
         start[3] = src * P.L + kp.lo
     elif P.bias_kind == "travel":
@@ -165,7 +162,6 @@ def _ring_bwd(P, res, cts):
     rank = lax.axis_index(P.axis_name)
     qps = pieces(P.layout, L, rank, N)
     perm = _ring_perm(N)
-    d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
 
     def pair_backward(qp, kp, src, inputs):
         cfg, qx, kx, vx, bx, leaves, seed, nonempty = pair_call(P, qp, kp, src, **inputs)
