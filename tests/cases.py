@@ -226,3 +226,17 @@ def vjp(f, spec, q, k, v, d_out, d_lse):
         return res, pullback((d_out.astype(res[0].dtype), d_lse.astype(res[1].dtype)))
 
     return jax.jit(run)(q, k, v, spec.bias, spec.sinks, d_out, d_lse)
+
+
+def assert_float64_equals(out, lse, grads, want):
+    """``out``, ``lse`` and ``grads`` (dq, dk, dv, dbias, dsinks) are float64 and
+    equal the float64 NumPy model ``want`` (np_attention_grads) to 1e-12 (values)
+    and 1e-10 (gradients; dbias reduced to its broadcast shape)."""
+    from np_attention import reduce_to
+    assert out.dtype == lse.dtype == jnp.float64
+    np.testing.assert_allclose(np.asarray(out), want["out"], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(np.asarray(lse), want["lse"], rtol=1e-12, atol=1e-12)
+    for name, g in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads):
+        assert g.dtype == jnp.float64, name
+        w = reduce_to(want[name], g.shape) if name == "dbias" else want[name]
+        np.testing.assert_allclose(np.asarray(g), w, rtol=1e-10, atol=1e-10, err_msg=name)

@@ -12,8 +12,8 @@ import pytest
 
 import fnattn
 from fnattn import AttentionSpec, masks
-from cases import CASES, EXTRA_CASES, check_case, make, to_bthd
-from np_attention import np_attention, np_attention_grads, reduce_to
+from cases import CASES, EXTRA_CASES, assert_float64_equals, check_case, make, to_bthd
+from np_attention import np_attention, np_attention_grads
 
 ALL = CASES + EXTRA_CASES
 
@@ -322,13 +322,7 @@ def test_float64_inputs_compute_in_float64():
         spec = AttentionSpec(mask=_SEG_MASK, bias=jnp.asarray(bias), softcap=2.0)
         (out, lse), grads = _vjp(spec, *(jnp.asarray(x) for x in (q, k, v, d_out, d_lse)),
                                  sinks=jnp.asarray(sinks))
-        assert out.dtype == lse.dtype == jnp.float64
-        np.testing.assert_allclose(np.asarray(out), want["out"], rtol=1e-12, atol=1e-12)
-        np.testing.assert_allclose(np.asarray(lse), want["lse"], rtol=1e-12, atol=1e-12)
-        for name, g in zip(("dq", "dk", "dv", "dbias", "dsinks"), grads):
-            assert g.dtype == jnp.float64, name
-            w = reduce_to(want[name], g.shape) if name == "dbias" else want[name]
-            np.testing.assert_allclose(np.asarray(g), w, rtol=1e-10, atol=1e-10, err_msg=name)
+        assert_float64_equals(out, lse, grads, want)
         # float32 inputs under x64: float32 arithmetic, lse float32, as without x64
         q32, k32, v32 = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
         r = jax.jit(fnattn.reference)(AttentionSpec(mask=_SEG_MASK), q32, k32, v32)

@@ -11,7 +11,7 @@ import pytest
 
 import fnattn
 from fnattn import AttentionSpec, _dispatch, core, masks, xla
-from cases import CASES, EXTRA_CASES, check_case, make, vjp
+from cases import CASES, EXTRA_CASES, assert_float64_equals, check_case, make, vjp
 from np_attention import np_attention_grads, reduce_to
 
 ALL = CASES + EXTRA_CASES
@@ -147,13 +147,7 @@ def test_float64_inputs_compute_in_float64_under_x64():
         args32 = tuple(jnp.asarray(x, jnp.float32) for x in (q, k, v, d_out, d_lse))
         x32 = vjp(fnattn.attention, spec32, *args32)
     base = vjp(fnattn.attention, spec32, *args32)
-    assert out.dtype == lse.dtype == jnp.float64
-    np.testing.assert_allclose(np.asarray(out), want["out"], rtol=1e-12, atol=1e-12)
-    np.testing.assert_allclose(np.asarray(lse), want["lse"], rtol=1e-12, atol=1e-12)
-    for name, x in zip(("dq", "dk", "dv", "dbias", "dsinks"), g):
-        assert x.dtype == jnp.float64, name
-        w = reduce_to(want[name], x.shape) if name == "dbias" else want[name]
-        np.testing.assert_allclose(np.asarray(x), w, rtol=1e-10, atol=1e-10, err_msg=name)
+    assert_float64_equals(out, lse, g, want)
     for a, b in zip(jax.tree_util.tree_leaves(x32), jax.tree_util.tree_leaves(base)):
         assert a.dtype == b.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 import fnattn  # noqa: E402
 from fnattn import AttentionSpec, masks  # noqa: E402
 from problems import dense_packed, expected, make, poisoned, to_pool  # noqa: E402
+from problems import meta as metadata  # noqa: E402
 from problems import ragged as ragged_with  # noqa: E402
 
 # ----------------------------------------------------------------------------------
@@ -557,11 +558,7 @@ def _ragged_grads(spec, p, pools=None):
     pools = p if pools is None else pools
 
     def loss(q, kp, vp, sinks):
-        r = fnattn.ragged_paged_attention(spec.replace(sinks=sinks), q, kp, vp,
-                                          page_table=p.page_table,
-                                          context_lengths=p.context_lengths,
-                                          query_start_loc=p.query_start_loc,
-                                          num_seqs=p.num_seqs)
+        r = fnattn.ragged_paged_attention(spec.replace(sinks=sinks), q, kp, vp, **metadata(p))
         return _loss(r.out, r.lse)
 
     return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(pools.q, pools.k_pages,
@@ -697,10 +694,7 @@ def test_infinite_sinks(impl):
     def run(q, kp, vp, sinks):
         def f(q, kp, vp, sinks):
             r = fnattn.ragged_paged_attention(spec.replace(sinks=sinks), q, kp, vp,
-                                              page_table=p.page_table,
-                                              context_lengths=p.context_lengths,
-                                              query_start_loc=p.query_start_loc,
-                                              num_seqs=p.num_seqs)
+                                              **metadata(p))
             return r.out, r.lse
         res, vjp = jax.vjp(f, q, kp, vp, sinks)
         return res, vjp((d_out, d_lse))
