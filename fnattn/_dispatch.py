@@ -29,9 +29,10 @@ import functools
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
-from fnattn import _partition
+from fnattn import _linear, _partition
 from fnattn._checks import Dims
 from fnattn._varying import varying_like
 
@@ -43,6 +44,7 @@ class Lowering:
     name: str
     fwd: Callable
     bwd: Callable
+    jvp: Optional[Callable] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,34 +115,93 @@ def attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
     """
     q, k, v, bias, sinks = varying_like((q, k, v, bias, sinks), q, k, v, bias, sinks,
                                         mask_leaves, seed)
-    return _attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
-    out, lse, _ = _select_split(table, "fwd", cfg, q, k, v, bias, sinks, mask_leaves, seed)
+    out, lse, _ = _attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed)
     return out, lse
 
 
-def _attend_fwd(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
-    out, lse, lse_lo = _select_split(table, "fwd", cfg, q, k, v, bias, sinks, mask_leaves,
-                                     seed)
-    return (out, lse), (q, k, v, bias, sinks, mask_leaves, seed, out, lse, lse_lo)
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
+def _attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
+    return _select_split(table, "fwd", cfg, q, k, v, bias, sinks, mask_leaves, seed)
 
 
-def _attend_bwd(table, cfg, res, cotangents):
-    q, k, v, bias, sinks, mask_leaves, seed, out, lse, lse_lo = res
-    d_out, d_lse = cotangents
-    dq, dk, dv, dbias, dsinks = _select_split(table, "bwd", cfg, q, k, v, bias, sinks,
-                                              mask_leaves, seed, out, lse, lse_lo, d_out, d_lse)
-    none_like = jax.tree_util.tree_map(lambda _: None, mask_leaves)
-    return (dq, dk, dv, dbias, dsinks, none_like, None)
+@_attend.defjvp
+def _attend_jvp(table, cfg, primals, tangents):
+    q, k, v, bias, sinks, mask_leaves, seed = primals
+    # the primal through _attend itself, so that a derivative of this rule
+    # (second order) comes back here instead of differentiating a kernel
+    out, lse, lse_lo = _attend(table, cfg, *primals)
+    res = (q, k, v, bias, sinks, seed, out, lse, lse_lo, *mask_leaves)
+    t_out, t_lse = _linear.tangent(Derivatives(table, cfg), res, tangents[:5], (out, lse))
+    # lse_lo is a rounding error, a residual only: no tangent of its own
+    return (out, lse, lse_lo), (t_out, t_lse, jnp.zeros_like(lse_lo))
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
+@dataclasses.dataclass(frozen=True)
+class Derivatives(_linear.Rule):
+    """The tangent and cotangent maps of a flash or dense lowering table.
+
+    Residuals ``(q, k, v, bias, sinks, seed, out, lse, lse_lo, *mask_leaves)``;
+    tangents of ``(q, k, v, bias, sinks)``; cotangents of ``(out, lse)``. The
+    tangent is each lowering's ``jvp``, the cotangent its ``bwd`` (what
+    reverse mode runs), and derivatives of either with respect to the
+    residuals (second order) come from the dense formulation.
+    """
+
+    table: Any
+    cfg: Config
+
+    def tangent(self, res, lin):
+        q, k, v, bias, sinks, seed, out, lse, lse_lo, *mask_leaves = res
+        return _select_tangent(self.table, self.cfg, q, k, v, bias, sinks, tuple(mask_leaves),
+                               seed, out, lse, lse_lo, *lin)
+
+    def cotangent(self, res, cts):
+        q, k, v, bias, sinks, seed, out, lse, lse_lo, *mask_leaves = res
+        return tuple(_select_split(self.table, "bwd", self.cfg, q, k, v, bias, sinks,
+                                   tuple(mask_leaves), seed, out, lse, lse_lo, *cts))
+
+    def smooth(self, res):
+        from fnattn.reference import dense_attention
+        q, k, v, bias, sinks, seed, _, _, _, *mask_leaves = res
+        cfg = self.cfg
+        acc = jnp.promote_types(jnp.float32, q.dtype)
+
+        def f(q, k, v, bias, sinks):
+            up = [None if x is None else x.astype(acc) for x in (q, k, v, bias, sinks)]
+            out, lse = dense_attention(*up[:3], bias=up[3], sinks=up[4],
+                                       mask=cfg.mask(mask_leaves), seed=seed, scale=cfg.scale,
+                                       softcap=cfg.softcap, dropout_rate=cfg.dropout_rate,
+                                       upcast=True, q_offset=cfg.q_offset)
+            return out.astype(q.dtype), lse.astype(jnp.float32)
+
+        return f, (q, k, v, bias, sinks)
+
+
+def _select_tangent(table, cfg, *args):
+    """The tangent pass of the lowering ``table`` picks: one call when every
+    platform shares it (the blockwise XLA pass of the flash tables), a
+    ``platform_dependent`` choice otherwise."""
+    table = _wrap(table)
+    missing = [low.name for _, low in table if low.jvp is None]
+    if missing:
+        raise NotImplementedError(
+            f"forward-mode differentiation (jvp) is not implemented by the lowerings "
+            f"{missing}; the flash lowerings (impl='auto', 'xla', 'pallas') and the dense "
+            "one (fnattn.attention with impl='xla') implement it")
+    fns = {low.jvp for _, low in table}
+    if len(fns) == 1:
+        return fns.pop()(cfg, *args)
+    return select(tuple((plat, low.jvp) for plat, low in table), cfg, *args)
 
 
 @functools.lru_cache(maxsize=None)
 def _wrap(table):
-    return tuple((plat, Lowering(low.name, _with_mask(low.fwd), _with_mask(low.bwd)))
+    return tuple((plat, Lowering(low.name, _with_mask(low.fwd), _with_mask(low.bwd),
+                                 _with_mask_cached(low.jvp)))
                  for plat, low in table)
+
+
+@functools.lru_cache(maxsize=None)
+def _with_mask_cached(fn):
+    # one wrapper per function, so that platforms sharing a tangent pass share it
+    return None if fn is None else _with_mask(fn)

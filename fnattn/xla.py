@@ -2,7 +2,7 @@
 
 Straightforward and exact; memory grows as Tq * Tk. The backward recomputes the
 forward in the accumulation dtype (float32, or float64 for float64 inputs) and
-differentiates it with ``jax.vjp``, so that low-precision inputs never see a
+differentiates it with ``jax.vjp`` (the tangent pass with ``jax.jvp``), so that low-precision inputs never see a
 gradient product (dO.V under loss scaling) overflow their dtype.
 ``fnattn.flash`` is the O(T) memory alternative.
 """
@@ -39,4 +39,20 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     return tuple(None if g is None else g.astype(x.dtype) for g, x in zip(grads, primals))
 
 
-DENSE = Lowering("xla-dense", _forward, _backward)
+def _tangent(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, *tangents):
+    """(d_out, d_lse): ``jax.jvp`` of the forward, in the accumulation dtype."""
+    del out, lse, lse_lo
+    acc = jnp.promote_types(jnp.float32, q.dtype)
+
+    def f(q, k, v, bias, sinks):
+        return dense_attention(q, k, v, bias=bias, sinks=sinks, mask=mask, seed=seed,
+                               scale=cfg.scale, softcap=cfg.softcap,
+                               dropout_rate=cfg.dropout_rate, upcast=True,
+                               q_offset=cfg.q_offset)
+
+    up = lambda xs: tuple(None if x is None else x.astype(acc) for x in xs)  # noqa: E731
+    _, (d_out, d_lse) = jax.jvp(f, up((q, k, v, bias, sinks)), up(tangents))
+    return d_out.astype(q.dtype), d_lse.astype(jnp.float32)
+
+
+DENSE = Lowering("xla-dense", _forward, _backward, _tangent)

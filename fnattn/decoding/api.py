@@ -22,9 +22,9 @@ head, split) programs to fill the GPU (:func:`fnattn.decoding.triton.launch_plan
 the Mosaic kernel one.
 
 **Lowerings**, chosen at trace time by ``jax.lax.platform_dependent`` inside one
-``jax.custom_vjp`` (whose backward is ``jax.vjp`` of the XLA lowering, so
-``decode`` is differentiable with respect to q, the caches and the sinks on
-every platform):
+``jax.custom_jvp`` (whose tangent and backward are ``jax.jvp`` and ``jax.vjp``
+of the XLA lowering, so ``decode`` is differentiable, in either mode and to any
+order, with respect to q, the caches and the sinks on every platform):
 
 ========  =========================================  ==========================
 platform  impl="auto"                                impl="pallas"
@@ -60,7 +60,7 @@ from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch, _partition, masks
+from fnattn import _checks, _dispatch, _linear, _partition, masks
 from fnattn._varying import varying_like
 from fnattn.decoding import xla
 from fnattn.spec import AttentionOutput, AttentionSpec
@@ -291,7 +291,7 @@ def lowering_table(impl: str):
     raise ValueError(f"decode: no lowering for impl={impl!r}")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _attend(table, cfg, q, k, v, starts, lengths, sinks):
     return _forward(table, cfg, q, k, v, starts, lengths, sinks)
 
@@ -301,17 +301,41 @@ def _forward(table, cfg, *args):
     return _partition.decode(functools.partial(_dispatch.select, table, cfg), *args)
 
 
-def _attend_fwd(table, cfg, q, k, v, starts, lengths, sinks):
-    res = (q, k, v, starts, lengths, sinks)
-    return _forward(table, cfg, *res), res
+@_attend.defjvp
+def _attend_jvp(table, cfg, primals, tangents):
+    q, k, v, starts, lengths, sinks = primals
+    tq, tk, tv, _, _, tsinks = tangents
+    out, lse = _attend(table, cfg, *primals)  # second order comes back here
+    t_out, t_lse = _linear.tangent(_Derivatives(cfg), (q, k, v, sinks, starts, lengths),
+                                   (tq, tk, tv, tsinks), (out, lse))
+    return (out, lse), (t_out, t_lse)
 
 
-def _attend_bwd(table, cfg, res, cotangents):
-    q, k, v, starts, lengths, sinks = res
-    d_out, d_lse = cotangents
-    dq, dk, dv, dsinks = _partition.decode(functools.partial(_grads, cfg), q, k, v, starts,
-                                           lengths, sinks, d_out, d_lse)
-    return dq, dk, dv, None, None, dsinks
+@dataclasses.dataclass(frozen=True)
+class _Derivatives(_linear.Rule):
+    """Derivatives of decode on every platform: those of the XLA lowering (its
+    ``jax.jvp`` forward, its ``jax.vjp`` backward), which reads the cache
+    once per pass, like the forward. Residuals (q, k, v, sinks, starts,
+    lengths); tangents of (q, k, v, sinks)."""
+
+    cfg: Any
+
+    def smooth(self, res):
+        q, k, v, sinks, starts, lengths = res
+
+        def f(q, k, v, sinks):
+            return xla.forward(self.cfg, q, k, v, starts, lengths, sinks, sanitize=True)
+
+        return f, (q, k, v, sinks)
+
+    def tangent(self, res, lin):
+        return self.smooth_tangent(res, lin)
+
+    def cotangent(self, res, cts):
+        q, k, v, sinks, starts, lengths = res
+        d_out, d_lse = cts
+        return _partition.decode(functools.partial(_grads, self.cfg), q, k, v, starts, lengths,
+                                 sinks, d_out, d_lse)
 
 
 def _grads(cfg, q, k, v, starts, lengths, sinks, d_out, d_lse):
@@ -320,6 +344,3 @@ def _grads(cfg, q, k, v, starts, lengths, sinks, d_out, d_lse):
 
     _, vjp = jax.vjp(f, q, k, v, sinks)
     return vjp((d_out.astype(q.dtype), d_lse.astype(jnp.float32)))
-
-
-_attend.defvjp(_attend_fwd, _attend_bwd)

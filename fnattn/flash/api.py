@@ -15,6 +15,9 @@ lowering on every platform under impl="auto"; the Pallas kernels compute in
 float32, so impl="pallas" refuses float64.
 """
 
+import dataclasses
+import functools
+
 import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
@@ -28,7 +31,20 @@ __all__ = ["flash", "lowering_table"]
 
 
 def lowering_table(impl: str, dtype=None):
-    """The (platform, lowering) pairs for ``impl`` (and the inputs' ``dtype``)."""
+    """The (platform, lowering) pairs for ``impl`` (and the inputs' ``dtype``).
+
+    Every lowering's tangent pass (forward-mode differentiation) is the blockwise
+    XLA one (:func:`fnattn.flash.xla.tangent`), on every platform.
+    """
+    return tuple((plat, _with_tangent(low)) for plat, low in _table(impl, dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def _with_tangent(low):
+    return low if low.jvp is not None else dataclasses.replace(low, jvp=xla.tangent)
+
+
+def _table(impl: str, dtype):
     if dtype is not None and jnp.dtype(dtype) == jnp.float64:
         if impl == "pallas":
             raise NotImplementedError(

@@ -575,4 +575,26 @@ def _add_dbias(dbias, ds, i, j, P: _Plan):
     return lax.dynamic_update_slice(dbias, cur + g, start)
 
 
-LOWERING = Lowering("flash-xla", _forward, _backward)
+# ----------------------------------------------------------------------------------
+# Tangent (forward-mode differentiation)
+# ----------------------------------------------------------------------------------
+
+
+def tangent(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, tq, tk, tv, tbias,
+            tsinks):
+    """(d_out, d_lse) for the tangents of (q, k, v, bias, sinks): ``jax.jvp`` of
+    the blockwise forward, one pass over the same tiles (empty ones skipped)
+    carrying each tile's tangent beside its values, in O(T) memory. It is plain
+    XLA, so every flash lowering uses it as its tangent pass, on every platform.
+    """
+    del out, lse, lse_lo
+
+    def f(q, k, v, bias, sinks):
+        out, lse, _ = _forward(cfg, q, k, v, bias, sinks, mask, seed)
+        return out, lse
+
+    _, (d_out, d_lse) = jax.jvp(f, (q, k, v, bias, sinks), (tq, tk, tv, tbias, tsinks))
+    return d_out, d_lse
+
+
+LOWERING = Lowering("flash-xla", _forward, _backward, tangent)

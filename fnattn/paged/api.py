@@ -44,8 +44,9 @@ platform, since every branch is traced).
 gather-everything implementation (:mod:`fnattn.paged.reference`).
 
 **Gradients.** The attention-only forms are differentiable with respect to q,
-the pools and ``spec.sinks`` on every lowering: one ``jax.custom_vjp`` wraps the
-platform choice and its backward is ``jax.vjp`` of the XLA lowering. The form
+the pools and ``spec.sinks`` on every lowering, in either mode and to any order:
+one ``jax.custom_jvp`` wraps the platform choice, and its tangent and backward
+are ``jax.jvp`` and ``jax.vjp`` of the XLA lowering. The form
 that writes the cache (:func:`ragged_paged_attention_with_update`) is for
 inference and is not differentiable.
 
@@ -54,8 +55,9 @@ inference and is not differentiable.
 ``jax.experimental.checkify`` errors.
 """
 
+import dataclasses
 import functools
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -63,7 +65,7 @@ from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch, _partition
+from fnattn import _checks, _dispatch, _linear, _partition
 from fnattn._varying import varying_like
 from fnattn.paged import common, reference, xla
 from fnattn.paged.common import I32, Cfg
@@ -114,7 +116,7 @@ def _reference_forward(cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v=
     return reference.attend(cfg, q, k_pages, v_pages, sinks, meta)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _attend(table, cfg, q, k_pages, v_pages, sinks, meta):
     return _forward(table, cfg, q, k_pages, v_pages, sinks, meta)
 
@@ -125,17 +127,48 @@ def _forward(table, cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v=Non
                             v_pages, sinks, meta, new_k, new_v)
 
 
-def _attend_fwd(table, cfg, q, k_pages, v_pages, sinks, meta):
-    res = _forward(table, cfg, q, k_pages, v_pages, sinks, meta)
-    return res, (q, k_pages, v_pages, sinks, meta)
+@_attend.defjvp
+def _attend_jvp(table, cfg, primals, tangents):
+    q, k_pages, v_pages, sinks, meta = primals
+    tq, tk, tv, tsinks, _ = tangents
+    out, lse = _attend(table, cfg, *primals)  # second order comes back here
+    leaves, treedef = jax.tree_util.tree_flatten(meta)
+    t_out, t_lse = _linear.tangent(_Derivatives(cfg, treedef),
+                                   (q, k_pages, v_pages, sinks, *leaves),
+                                   (tq, tk, tv, tsinks), (out, lse))
+    return (out, lse), (t_out, t_lse)
 
 
-def _attend_bwd(table, cfg, res, cotangents):
-    q, k_pages, v_pages, sinks, meta = res
-    d_out, d_lse = cotangents
-    dq, dk, dv, dsinks = _partition.paged(_grads, cfg, q, k_pages, v_pages, sinks, meta, None,
-                                          None, d_out, d_lse)
-    return dq, dk, dv, dsinks, jax.tree_util.tree_map(lambda _: None, meta)
+@dataclasses.dataclass(frozen=True)
+class _Derivatives(_linear.Rule):
+    """Derivatives of paged attention on every platform: those of the XLA
+    lowering (``jax.jvp`` and ``jax.vjp`` of it). Residuals (q, k_pages,
+    v_pages, sinks, *meta leaves); tangents of (q, k_pages, v_pages, sinks)."""
+
+    cfg: Any
+    meta_treedef: Any
+
+    def _split(self, res):
+        q, k_pages, v_pages, sinks, *leaves = res
+        return q, k_pages, v_pages, sinks, jax.tree_util.tree_unflatten(self.meta_treedef,
+                                                                         leaves)
+
+    def smooth(self, res):
+        q, k_pages, v_pages, sinks, meta = self._split(res)
+
+        def f(q, k_pages, v_pages, sinks):
+            return xla.attend(self.cfg, q, k_pages, v_pages, sinks, meta, sanitize=True)
+
+        return f, (q, k_pages, v_pages, sinks)
+
+    def tangent(self, res, lin):
+        return self.smooth_tangent(res, lin)
+
+    def cotangent(self, res, cts):
+        q, k_pages, v_pages, sinks, meta = self._split(res)
+        d_out, d_lse = cts
+        return _partition.paged(_grads, self.cfg, q, k_pages, v_pages, sinks, meta, None, None,
+                                d_out, d_lse)
 
 
 def _grads(cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v, d_out, d_lse):
@@ -148,26 +181,17 @@ def _grads(cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v, d_out, d_lse):
     return vjp((d_out, d_lse.astype(jnp.float32)))
 
 
-_attend.defvjp(_attend_fwd, _attend_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
 def _attend_update(table, cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v):
     return _forward(table, cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v)
 
 
-def _update_fwd(table, cfg, *args):
-    return _attend_update(table, cfg, *args), None
-
-
-def _update_bwd(table, cfg, res, cotangents):
+@_attend_update.defjvp
+def _update_jvp(table, cfg, primals, tangents):
     raise NotImplementedError(
-        "ragged_paged_attention_with_update is not differentiable (it is the inference "
-        "form that writes the cache); differentiate ragged_paged_attention instead, on a "
-        "pool that already holds the new tokens.")
-
-
-_attend_update.defvjp(_update_fwd, _update_bwd)
+        "ragged_paged_attention_with_update is not differentiable, in either mode (it is the "
+        "inference form that writes the cache); differentiate ragged_paged_attention "
+        "instead, on a pool that already holds the new tokens.")
 
 
 # ----------------------------------------------------------------------------------

@@ -610,13 +610,15 @@ def test_the_update_form_is_not_differentiable():
             num_seqs=p.num_seqs)
         return res.out.sum() + kp.sum()
 
-    message = ("ragged_paged_attention_with_update is not differentiable (it is the inference "
-               "form that writes the cache); differentiate ragged_paged_attention instead, on a "
-               "pool that already holds the new tokens.")
+    message = ("ragged_paged_attention_with_update is not differentiable, in either mode (it "
+               "is the inference form that writes the cache); differentiate "
+               "ragged_paged_attention instead, on a pool that already holds the new tokens.")
     for argnums in (0, 1):
         with pytest.raises(NotImplementedError, match="^" + re.escape(message)) as info:
             jax.jit(jax.grad(loss, argnums=argnums))(p.q, p.k_old)
         assert str(info.value) == message
+    with pytest.raises(NotImplementedError, match="^" + re.escape(message)):
+        jax.jit(lambda q: jax.jvp(lambda q: loss(q, p.k_old), (q,), (q,)))(p.q)
 
 
 # ----------------------------------------------------------------------------------
