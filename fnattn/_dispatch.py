@@ -1,10 +1,12 @@
-"""One ``custom_vjp`` around the choice of lowering.
+"""One ``custom_jvp`` around the choice of lowering.
 
-A *lowering* is a pair of functions::
+A *lowering* is a forward, a backward and a tangent pass::
 
     fwd(cfg, q, k, v, bias, sinks, mask, seed) -> (out, lse, lse_lo)
     bwd(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse)
         -> (dq, dk, dv, dbias, dsinks)
+    jvp(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo,
+        tq, tk, tv, tbias, tsinks) -> (t_out, t_lse)
 
 on "bthd" inputs, with ``out`` in q's dtype and ``lse`` and ``lse_lo`` float32
 (B, Hq, Tq), so that every branch has the same output types. ``lse_lo`` is the
@@ -13,15 +15,24 @@ rounding error of ``lse`` (see :func:`fnattn._online.lse_parts`): the pair
 backward that recomputes probabilities as ``exp((s - lse) - lse_lo)`` stays
 exact when ``|lse|`` is so large (a row of -1e30 bias) that ``exp(s - lse)``
 alone would be off by a factor up to ``exp(ulp(lse) / 2)``. Only ``out`` and
-``lse`` reach the user; ``lse_lo`` is a residual of the backward. A *table* maps platform names
-("default", "cuda", "rocm", "tpu", "cpu") to lowerings; at trace time
-``jax.lax.platform_dependent`` traces every branch and lowering for a platform
-keeps one. The forward and the backward are each one ``platform_dependent``,
-inside a single ``custom_vjp``, which is what makes ``jit``, ``grad``, ``vmap``,
-``checkpoint`` and ``scan`` compose with Pallas kernels. Under ``jit`` with
-inputs sharded along the batch or the heads, each of them runs on every device
-on its own batch rows and heads (:mod:`fnattn._partition`), with no collective;
-``_select`` itself (what code inside ``shard_map`` calls) is never split.
+``lse`` reach the user; ``lse_lo`` is a residual of the backward. A *table*
+maps platform names ("default", "cuda", "rocm", "tpu", "cpu") to lowerings;
+at trace time ``jax.lax.platform_dependent`` traces every branch and lowering
+for a platform keeps one.
+
+**Derivatives.** The forward is one ``platform_dependent`` inside a single
+``jax.custom_jvp``. Its tangent is :func:`fnattn._linear.tangent` of
+:class:`Derivatives`: a primitive running the ``jvp`` pass, whose transpose
+is the ``bwd`` pass (again one ``platform_dependent``). So forward mode
+(``jvp``, ``linearize``, ``jacfwd``) runs the tangent pass; reverse mode
+linearises, transposes the tangent away without tracing it, and runs the
+backward kernels with the residuals a ``custom_vjp`` would keep; second-order
+derivatives differentiate the dense formulation. ``jit``, ``vmap``,
+``checkpoint``, ``scan`` and ``shard_map`` compose with all of it. Under
+``jit`` with inputs sharded along the batch or the heads, each pass runs on
+every device on its own batch rows and heads (:mod:`fnattn._partition`),
+with no collective; ``_select`` itself (what code inside ``shard_map``
+calls) is never split.
 """
 
 import dataclasses

@@ -11,23 +11,29 @@ whose tiles are all masked (a ``lax.cond`` on the mask's tile bounds). The
 partial results are folded into a running ``(acc, m, l)`` state with the exact
 merge; the sinks join once, at the end.
 
-**Backward.** One ``custom_vjp``: the residuals are the inputs, the output and
+**Backward.** One ``custom_jvp`` whose tangent (:mod:`fnattn._linear`) is
+transposed into the ring backward: the residuals are the inputs, the output and
 the global ``lse`` (with its rounding error ``lse_lo``); each step recomputes its
 pairs' probabilities from the global ``lse`` with the flash lowering's backward.
 dQ stays on the device; dK and dV are accumulated in float32 and travel with K
 and V (``N - 1`` K/V transfers and ``N`` dK/dV transfers: the last one brings
 them home). The sink gradient comes from the global statistics; the gradient
 of inputs replicated along the axis (sinks, a replicated bias) is summed over
-it by JAX, since they are made to vary like q first.
+it by JAX, since they are made to vary like q first. Forward mode
+(``jvp``, ``jacfwd``) and second-order derivatives are those of all-gather
+attention, which computes the same function: they gather K and V (and their
+tangents) instead of passing them around.
 """
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fnattn import _dispatch, _online
+from fnattn import _dispatch, _linear, _online
+from fnattn.context import gather
 from fnattn._varying import varying_like
 from fnattn.context.common import Problem, pair_call
 from fnattn.context.layouts import pieces
@@ -52,7 +58,8 @@ def attention(P: Problem, q, k, v, bias4, sinks, ops, key, base):
     """``(out, lse)`` of ring attention on this device's shard ("bthd")."""
     q, k, v, bias4, sinks = varying_like((q, k, v, bias4, sinks), q, k, v, bias4, sinks, ops,
                                          key, base)
-    return _ring(P, q, k, v, bias4, sinks, ops, key, base)
+    out, lse, _ = _ring(P, q, k, v, bias4, sinks, ops, key, base)
+    return out, lse
 
 
 def _fold(state, out, lse, lo):
@@ -127,15 +134,47 @@ def _forward(P: Problem, q, k, v, bias4, sinks, ops, key, base):
     return out, jnp.concatenate(lses, axis=2), jnp.concatenate(los, axis=2)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+@functools.partial(jax.custom_jvp, nondiff_argnums=(0,))
 def _ring(P, q, k, v, bias4, sinks, ops, key, base):
-    out, lse, _ = _forward(P, q, k, v, bias4, sinks, ops, key, base)
-    return out, lse
+    return _forward(P, q, k, v, bias4, sinks, ops, key, base)
 
 
-def _ring_fwd(P, q, k, v, bias4, sinks, ops, key, base):
-    out, lse, lo = _forward(P, q, k, v, bias4, sinks, ops, key, base)
-    return (out, lse), (q, k, v, bias4, sinks, ops, key, base, out, lse, lo)
+@_ring.defjvp
+def _ring_jvp(P, primals, tangents):
+    q, k, v, bias4, sinks, ops, key, base = primals
+    out, lse, lo = _ring(P, *primals)  # second order comes back here
+    res = (q, k, v, bias4, sinks, key, base, out, lse, lo, *ops)
+    t_out, t_lse = _linear.tangent(_Derivatives(P), res, tangents[:5], (out, lse))
+    return (out, lse, lo), (t_out, t_lse, jnp.zeros_like(lo))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Derivatives(_linear.Rule):
+    """Reverse mode runs the ring backward; forward mode and the derivatives of
+    either with respect to their inputs (second order) differentiate all-gather
+    attention (:mod:`fnattn.context.gather`), which computes the same function
+    and gathers K, V and their tangents."""
+
+    P: Problem
+
+    def _split(self, res):
+        q, k, v, bias4, sinks, key, base, out, lse, lo, *ops = res
+        return (q, k, v, bias4, sinks, tuple(ops), key, base), (out, lse, lo)
+
+    def smooth(self, res):
+        (q, k, v, bias4, sinks, ops, key, base), _ = self._split(res)
+
+        def f(q, k, v, bias4, sinks):
+            return gather.attention(self.P, q, k, v, bias4, sinks, ops, key, base)
+
+        return f, (q, k, v, bias4, sinks)
+
+    def tangent(self, res, lin):
+        return self.smooth_tangent(res, lin)
+
+    def cotangent(self, res, cts):
+        inputs, outputs = self._split(res)
+        return _ring_bwd(self.P, inputs + outputs, cts)[:5]
 
 
 def _add_rows(acc, x, lo: int, size: int):
@@ -220,4 +259,3 @@ def _ring_bwd(P, res, cts):
             none(key), none(base))
 
 
-_ring.defvjp(_ring_fwd, _ring_bwd)
