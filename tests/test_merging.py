@@ -109,6 +109,27 @@ def test_gradients_through_merge_match_the_whole():
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
 
 
+def test_forward_mode_through_merge_matches_the_whole():
+    q, k, v = _inputs(4)
+    spec = AttentionSpec(mask=masks.causal(), impl="auto")
+    tangents = tuple(jax.random.normal(jax.random.key(i), x.shape)
+                     for i, x in enumerate((q, k, v)))
+
+    def merged(q, k, v):
+        res = fnattn.merge(_parts(spec, q, k, v, (0, 5, 13)))
+        return res.out, res.lse
+
+    def whole(q, k, v):
+        res = fnattn.attention(spec, q, k, v)
+        return res.out, res.lse
+
+    t1 = jax.jit(lambda: jax.jvp(merged, (q, k, v), tangents)[1])()
+    t2 = jax.jit(lambda: jax.jvp(whole, (q, k, v), tangents)[1])()
+    for a, b in zip(t1, t2):
+        assert np.isfinite(np.asarray(a)).all()
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("layout", ["bhtd", "thd"])
 def test_layouts(layout):
     q, k, v = _inputs(4)
