@@ -132,3 +132,59 @@ def resolve_scale(spec, head_dim: int) -> float:
 
 def is_array(x) -> bool:
     return isinstance(x, jax.Array)
+
+
+# ----------------------------------------------------------------------------------
+# Symbolic sizes (jax.export shape polymorphism)
+# ----------------------------------------------------------------------------------
+
+
+def is_static(n) -> bool:
+    """Whether the size ``n`` is a number at trace time, not a symbolic dimension
+    of ``jax.export`` (``jax.export.symbolic_shape``).
+
+    >>> b, = jax.export.symbolic_shape("b")
+    >>> is_static(4), is_static(b), is_static(2 * b)
+    (True, False, False)
+    """
+    return not jax.export.is_symbolic_dim(n)
+
+
+def static_or(n, default):
+    """``n`` if it is static (:func:`is_static`), else ``default``: the stand-in
+    size a heuristic (tile or split sizes) uses for a symbolic dimension.
+
+    >>> b, = jax.export.symbolic_shape("b")
+    >>> static_or(4, 1), static_or(b, 1)
+    (4, 1)
+    """
+    return n if is_static(n) else default
+
+
+def symbolic_sizes(**sizes) -> list:
+    """The names of the ``sizes`` that are symbolic (:func:`is_static`)."""
+    return [name for name, n in sizes.items() if not is_static(n)]
+
+
+def refuse_symbolic(lowering: str, why: str, alternative: str, **sizes) -> None:
+    """Raises ``NotImplementedError`` if one of ``sizes`` is symbolic (``jax.export``
+    with ``jax.export.symbolic_shape``), for a kernel that needs it static.
+
+    ``why`` says what is sized by them (e.g. "its grid"), ``alternative``
+    names the lowerings that take symbolic sizes.
+
+    >>> b, = jax.export.symbolic_shape("b")
+    >>> refuse_symbolic("decode: the Triton kernel", "its grid", "impl='xla'", B=b, S=64)
+    Traceback (most recent call last):
+    ...
+    NotImplementedError: decode: the Triton kernel cannot take symbolic sizes (jax.export): B=b
+    (its grid is sized by them); impl='xla' takes symbolic sizes, or export with static shapes.
+    """
+    names = symbolic_sizes(**sizes)
+    if names:
+        given = ", ".join(f"{n}={sizes[n]}" for n in names)
+        verb = "are" if " and " in why else "is"
+        takes = "take" if " and " in alternative else "takes"
+        raise NotImplementedError(
+            f"{lowering} cannot take symbolic sizes (jax.export): {given} ({why} {verb} sized "
+            f"by them); {alternative} {takes} symbolic sizes, or export with static shapes.")

@@ -17,13 +17,14 @@ exact when ``|lse|`` is so large (a row of -1e30 bias) that ``exp(s - lse)``
 alone would be off by a factor up to ``exp(ulp(lse) / 2)``. Only ``out`` and
 ``lse`` reach the user; ``lse_lo`` is a residual of the backward. A *table*
 maps platform names ("default", "cuda", "rocm", "tpu", "cpu") to lowerings;
-at trace time ``jax.lax.platform_dependent`` traces every branch and lowering
-for a platform keeps one.
+:func:`fnattn._platforms.dependent` (a ``lax.platform_dependent`` whose
+branches are traced and lowered only for their own platform) chooses one per
+platform when the program is lowered.
 
-**Derivatives.** The forward is one ``platform_dependent`` inside a single
+**Derivatives.** The forward is one platform choice inside a single
 ``jax.custom_jvp``. Its tangent is :func:`fnattn._linear.tangent` of
 :class:`Derivatives`: a primitive running the ``jvp`` pass, whose transpose
-is the ``bwd`` pass (again one ``platform_dependent``). So forward mode
+is the ``bwd`` pass (again one platform choice). So forward mode
 (``jvp``, ``linearize``, ``jacfwd``) runs the tangent pass; reverse mode
 linearises, transposes the tangent away without tracing it, and runs the
 backward kernels with the residuals a ``custom_vjp`` would keep; second-order
@@ -43,7 +44,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fnattn import _linear, _partition
+from fnattn import _linear, _partition, _platforms
 from fnattn._checks import Dims
 from fnattn._varying import varying_like
 
@@ -78,8 +79,9 @@ def select(table, cfg, *args):
     """Calls ``fn(cfg, *args)`` of the platform being lowered for.
 
     ``table`` holds (platform, fn) pairs with a "default" entry; with only that
-    entry it is called directly, otherwise ``lax.platform_dependent`` traces every
-    entry and lowering keeps one. Shared by every variant's dispatch.
+    entry it is called directly, otherwise :func:`fnattn._platforms.dependent`
+    lowers each platform's entry for it (tracing it only then). Shared by every
+    variant's dispatch.
     """
     branches = {plat: functools.partial(fn, cfg) for plat, fn in table}
     if "default" not in branches:
@@ -89,7 +91,7 @@ def select(table, cfg, *args):
     default = branches.pop("default")
     if not branches:
         return default(*args)
-    return lax.platform_dependent(*args, default=default, **branches)
+    return _platforms.dependent(*args, default=default, **branches)
 
 
 def _select(table, fn_name, cfg, *args):
@@ -120,7 +122,7 @@ def attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
 
     Inside ``jax.shard_map`` the differentiable inputs are first made to vary
     over the same mesh axes (:func:`fnattn._varying.varying_like`): the
-    gradients then have the types the ``custom_vjp`` must return, and the
+    cotangents then have the types the backward must return, and the
     gradient of an input that was replicated along an axis is summed over it
     (the transpose of that broadcast), as plain JAX code would have it.
     """
@@ -201,8 +203,10 @@ def _select_tangent(table, cfg, *args):
             "one (fnattn.attention with impl='xla') implement it")
     fns = {low.jvp for _, low in table}
     if len(fns) == 1:
-        return fns.pop()(cfg, *args)
-    return select(tuple((plat, low.jvp) for plat, low in table), cfg, *args)
+        fn = fns.pop()
+    else:
+        fn = functools.partial(select, tuple((plat, low.jvp) for plat, low in table))
+    return _partition.flash(fn, cfg, *args)
 
 
 @functools.lru_cache(maxsize=None)

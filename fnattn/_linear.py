@@ -154,16 +154,26 @@ def _function(prim, rule, vmaps, keep, smooth=False):
 def _bind(prim, rule, vmaps, res, lin, out_avals, keep_out):
     """Binds ``prim`` on ``res`` and ``lin`` (tuples with None for absent
     operands); ``out_avals`` are the types of its present outputs and
-    ``keep_out`` says which outputs are present. Knowing the types, the map is
-    traced only where it is evaluated or lowered: in reverse mode the tangent
-    is transposed away before that and costs no tracing at all."""
+    ``keep_out`` says which outputs are present.
+
+    The tangent is traced only where it is evaluated or lowered: in reverse
+    mode it is transposed away before that and costs no tracing at all. The
+    cotangent (the backward, which reverse mode always runs) is traced here,
+    once, on the values themselves, so that its types and effects (a Pallas
+    interpreter's) are the primitive's."""
     keep = (tuple(x is not None for x in res), tuple(x is not None for x in lin),
             tuple(keep_out))
-    return prim.bind(*_present(res), *_present(lin), rule=rule, vmaps=tuple(vmaps),
-                     keep=keep, out_avals=tuple(out_avals))
+    args = _present(res) + _present(lin)
+    callee = None
+    if prim is _COTANGENT:
+        callee = jax.make_jaxpr(_function(prim, rule, vmaps, keep))(*args)
+    return prim.bind(*args, rule=rule, vmaps=tuple(vmaps), keep=keep,
+                     out_avals=tuple(out_avals), callee=callee)
 
 
-def _call(prim, *args, rule, vmaps, keep, out_avals):
+def _call(prim, *args, rule, vmaps, keep, out_avals, callee):
+    if callee is not None:
+        return jex_core.jaxpr_as_fun(callee)(*args)
     outs = _function(prim, rule, vmaps, keep)(*args)
     if len(outs) != len(out_avals) or any(
             o.shape != a.shape or o.dtype != a.dtype for o, a in zip(outs, out_avals)):
@@ -173,12 +183,15 @@ def _call(prim, *args, rule, vmaps, keep, out_avals):
     return outs
 
 
-def _abstract_eval(*args, out_avals, **params):
+def _abstract_eval(*args, out_avals, callee, **params):
     del args, params
-    return list(out_avals)
+    if callee is not None:
+        return callee.out_avals, callee.effects
+    return list(out_avals), jex_core.no_effects
 
 
-def _transpose(prim, cts, *args, rule, vmaps, keep, out_avals):
+def _transpose(prim, cts, *args, rule, vmaps, keep, out_avals, callee):
+    del callee
     keep_res, keep_lin, keep_out = keep
     n_res = sum(keep_res)
     res, lin = args[:n_res], args[n_res:]
@@ -196,7 +209,8 @@ def _transpose(prim, cts, *args, rule, vmaps, keep, out_avals):
                              for x, ct in zip(lin, back)]
 
 
-def _batch(prim, args, dims, *, rule, vmaps, keep, out_avals):
+def _batch(prim, args, dims, *, rule, vmaps, keep, out_avals, callee):
+    del callee
     keep_res, keep_lin, keep_out = keep
     n_res = sum(keep_res)
     size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
@@ -215,10 +229,11 @@ def _batch(prim, args, dims, *, rule, vmaps, keep, out_avals):
     return outs, [0] * len(outs)
 
 
-def _jvp(prim, primals, tangents, *, rule, vmaps, keep, out_avals):
+def _jvp(prim, primals, tangents, *, rule, vmaps, keep, out_avals, callee):
     keep_res, keep_lin, keep_out = keep
     n_res = sum(keep_res)
-    outs = prim.bind(*primals, rule=rule, vmaps=vmaps, keep=keep, out_avals=out_avals)
+    outs = prim.bind(*primals, rule=rule, vmaps=vmaps, keep=keep, out_avals=out_avals,
+                     callee=callee)
     res, lin = list(primals[:n_res]), list(primals[n_res:])
     res_dot, lin_dot = tangents[:n_res], tangents[n_res:]
     parts = []
@@ -253,7 +268,7 @@ def _jvp(prim, primals, tangents, *, rule, vmaps, keep, out_avals):
 for _p in (_TANGENT, _COTANGENT):
     _p.multiple_results = True
     _p.def_impl(functools.partial(_call, _p))
-    _p.def_abstract_eval(_abstract_eval)
+    _p.def_effectful_abstract_eval(_abstract_eval)
     mlir.register_lowering(_p, mlir.lower_fun(functools.partial(_call, _p),
                                               multiple_results=True))
     ad.primitive_jvps[_p] = functools.partial(_jvp, _p)

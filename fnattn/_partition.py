@@ -123,6 +123,10 @@ def choose(roles: Sequence[Roles], specs: Sequence[Any], sizes: Sizes,
     >>> choose([("b", None, "h", None)], [P(("data", "fsdp"))], Sizes(2, 8, 1),
     ...        {"data": 2, "fsdp": 2})  # a batch of 2 splits 2 ways, not 4
     (('data',), ())
+    >>> b, = jax.export.symbolic_shape("b")
+    >>> choose([("b", None, "h", None)], [P("data", None, "model")], Sizes(b, 8, 2),
+    ...        {"data": 2, "model": 2})  # a symbolic batch (jax.export) stays whole
+    ((), ('model',))
     """
     batch, heads = None, None
     for r, spec in zip(roles, specs):
@@ -139,6 +143,8 @@ def choose(roles: Sequence[Roles], specs: Sequence[Any], sizes: Sizes,
                 heads = axes
 
     def dividing(axes, n):  # the longest leading run of axes whose size divides n
+        if jax.export.is_symbolic_dim(n):
+            return ()  # a symbolic size (jax.export) may not divide: keep it whole
         while axes and n % math.prod(mesh_shape[a] for a in axes):
             axes = axes[:-1]
         return axes
@@ -498,18 +504,22 @@ def flash(fn: Callable, cfg, q, k, v, bias, sinks, mask_leaves, seed, *residuals
     """``fn(cfg, q, k, v, bias, sinks, mask_leaves, seed, *residuals)`` of a flash
     lowering (forward: no residuals, returns (out, lse, lse_lo); backward:
     residuals (out, lse, lse_lo, d_out, d_lse), returns (dq, dk, dv, dbias,
-    dsinks)), split along the batch and the heads."""
+    dsinks); tangent: residuals (out, lse, lse_lo, tq, tk, tv, tbias, tsinks),
+    returns (t_out, t_lse)), split along the batch and the heads."""
     d = cfg.dims
     sizes = Sizes(d.batch, d.num_q_heads, d.num_kv_heads)
     leaf_roles, allow = mask_roles(cfg.mask(mask_leaves), sizes)
     bias_r, bias_summed = bias_roles(jnp.shape(bias), sizes) if bias is not None else (None, "")
     n = len(mask_leaves)
     in_roles = [Q4, KV4, KV4, bias_r, ("h",), *leaf_roles, (None,)]
-    if residuals:
+    if len(residuals) == 5:  # backward: out, lse, lse_lo, d_out, d_lse
         in_roles += [Q4, ROWS, ROWS, Q4, ROWS]
         outs = [Out(Q4), Out(KV4), Out(KV4),
                 None if bias is None else Out(bias_r, bias_summed),
                 None if sinks is None else Out(("h",), "b")]
+    elif residuals:  # tangent: out, lse, lse_lo and the tangents of q, k, v, bias, sinks
+        in_roles += [Q4, ROWS, ROWS, Q4, KV4, KV4, bias_r, ("h",)]
+        outs = [Out(Q4), Out(ROWS)]
     else:
         outs = [Out(Q4), Out(ROWS), Out(ROWS)]
 

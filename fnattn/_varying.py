@@ -5,8 +5,8 @@ mesh axes it varies over, and three places in fnattn must state it:
 
 * a loop's initial carry built from constants must vary like the values the
   loop body mixes into it (:func:`varying_like`);
-* a ``custom_vjp``'s cotangents must vary like its primal inputs, so fnattn
-  makes the differentiable inputs vary alike before the ``custom_vjp`` (the
+* a derivative's cotangents must vary like its primal inputs, so fnattn
+  makes the differentiable inputs vary alike before each ``custom_jvp`` (the
   transpose of that broadcast sums the gradient of a replicated input over the
   axes it was replicated along, as plain JAX code would);
 * a ``pallas_call``'s ``out_shape`` must say how its outputs vary

@@ -22,7 +22,7 @@ def lowering_table(impl: str, dtype=None):
 
 
 def run(spec: AttentionSpec, q, k, v, *, fn: str, table=None) -> AttentionOutput:
-    """Validates, dispatches through the custom_vjp, and restores the layout."""
+    """Validates, dispatches through the custom_jvp, and restores the layout."""
     dims, qb, kb, vb, scale, seed = prepare(spec, q, k, v, fn)
     if spec.impl == "cudnn":
         res = cudnn.attention(spec, dims, qb, kb, vb, scale=scale)

@@ -49,6 +49,7 @@ Example:
 """
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple, Sequence
 
 import jax
@@ -73,6 +74,7 @@ __all__ = [
     "full",
     "materialize",
     "block_classes",
+    "block_classes_static",
     "render",
     "EMPTY",
     "PARTIAL",
@@ -301,12 +303,20 @@ Not = _register(Not, data=("a",))
 # ---------------------------------------------------------------------------------
 
 
+def _tile_const(t: TileBounds, value: bool):
+    """A constant per tile; a NumPy array when the bounds are (the static
+    classes of :func:`block_classes_static`, computed without JAX)."""
+    if isinstance(t.pos_lo, np.ndarray) and isinstance(t.k_lo, np.ndarray):
+        return np.full(np.broadcast_shapes(t.pos_lo.shape, t.k_lo.shape), value)
+    return jnp.full(jnp.broadcast_shapes(jnp.shape(t.pos_lo), jnp.shape(t.k_lo)), value, bool)
+
+
 class Full(Mask):
     def predicate(self, pos, ops):
         return jnp.ones(jnp.broadcast_shapes(jnp.shape(pos.q_pos), jnp.shape(pos.k)), bool)
 
     def tile_bounds(self, t, ops):
-        x = jnp.ones(jnp.broadcast_shapes(jnp.shape(t.pos_lo), jnp.shape(t.k_lo)), bool)
+        x = _tile_const(t, True)
         return x, x
 
     def __repr__(self):
@@ -591,8 +601,7 @@ class FromFn(Mask):
 
     def tile_bounds(self, t, ops):
         # An arbitrary predicate gives no tile information: every tile is partial.
-        shape = jnp.broadcast_shapes(jnp.shape(t.pos_lo), jnp.shape(t.k_lo))
-        return jnp.ones(shape, bool), jnp.zeros(shape, bool)
+        return _tile_const(t, True), _tile_const(t, False)
 
     def __repr__(self):
         return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
@@ -923,6 +932,84 @@ def block_classes(mask: Mask | None, batch: int, num_heads: int, q_len: int, kv_
     # EMPTY=0, PARTIAL=1, FULL=2 as a sum of two predicates. (A nested jnp.where
     # here was miscompiled by XLA:CPU in jax 0.10.2 for some shapes.)
     return (may | all_).astype(jnp.int8) + all_.astype(jnp.int8)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def block_classes_static(mask: Mask | None, batch: int, num_heads: int, q_len: int,
+                         kv_len: int, block_q: int, block_k: int, *,
+                         q_offset: int | None = None) -> np.ndarray | None:
+    """:func:`block_classes` computed with NumPy at trace time, or None.
+
+    The tile classes of a mask that holds no arrays (or of no mask) depend only
+    on static sizes: this returns them as a read-only NumPy int8 array equal to
+    ``block_classes(...)``, without running a JAX operation (eager JAX
+    operations each compile a small program: slow on a first call). Lowerings
+    use it to size their grids to the schedule at trace time. Returns None
+    when the classes are not static: the mask holds arrays, or a size is not a
+    Python int (a symbolic dimension under ``jax.export``); call
+    :func:`block_classes` then. Results are cached per mask structure and sizes.
+
+    >>> block_classes_static(causal(), 1, 1, 8, 8, 4, 4)[0, 0].tolist()
+    [[1, 0], [2, 1]]
+    >>> same = [np.array_equal(block_classes_static(m, 2, 3, 13, 21, 4, 8, q_offset=off),
+    ...                        block_classes(m, 2, 3, 13, 21, 4, 8, q_offset=off))
+    ...         for m in (None, full(), causal(), sliding_window(3, 1), ~causal(),
+    ...                   chunked(4) & causal(), from_fn(lambda b, h, q, k: k < q) | causal())
+    ...         for off in (None, 5)]
+    >>> all(same)
+    True
+    >>> block_classes_static(segments(jnp.zeros((1, 8), jnp.int32)), 1, 1, 8, 8, 4, 4) is None
+    True
+    """
+    if mask is not None and mask.num_operands:
+        return None
+    sizes = (batch, num_heads, q_len, kv_len, block_q, block_k)
+    if not all(_is_int(x) for x in sizes) or not (q_offset is None or _is_int(q_offset)):
+        return None
+    treedef = None if mask is None else jax.tree_util.tree_structure(mask)
+    return _block_classes_np(treedef, *(int(x) for x in sizes),
+                             None if q_offset is None else int(q_offset))
+
+
+@functools.lru_cache(maxsize=256)
+def _block_classes_np(treedef, batch, num_heads, q_len, kv_len, block_q, block_k, q_offset):
+    """NumPy :func:`block_classes` of the array-free mask ``treedef`` (None: no
+    mask), or None if its ``tile_bounds`` needs JAX arrays."""
+    nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
+    off = kv_len - q_len if q_offset is None else q_offset
+    i64 = np.int64
+    qb = np.arange(nq, dtype=i64)[None, None, :, None]
+    kb = np.arange(nk, dtype=i64)[None, None, None, :]
+    q_lo = qb * block_q
+    q_hi = np.minimum(q_lo + block_q, q_len) - 1
+    k_lo = kb * block_k
+    k_hi = np.minimum(k_lo + block_k, kv_len) - 1
+    in_range = ((qb + 1) * block_q <= q_len) & ((kb + 1) * block_k <= kv_len)
+    if treedef is None:
+        out = np.broadcast_to(1 + in_range.astype(np.int8), (1, 1, nq, nk)).copy()
+    else:
+        mask = from_treedef(treedef)
+        mask.validate(batch, num_heads, q_len, kv_len)
+        t = TileBounds(b=np.arange(batch, dtype=i64)[:, None, None, None],
+                       h=np.arange(num_heads, dtype=i64)[None, :, None, None],
+                       q_lo=q_lo, q_hi=q_hi, pos_lo=q_lo + off, pos_hi=q_hi + off,
+                       k_lo=k_lo, k_hi=k_hi)
+        try:
+            # A mask's bounds written with jnp functions run eagerly here.
+            with jax.ensure_compile_time_eval():
+                may, all_ = mask.tile_bounds(t, [])
+            may, all_ = np.asarray(may, bool), np.asarray(all_, bool)
+        except Exception:  # e.g. bounds that cannot run outside a trace
+            return None
+        shape = np.broadcast_shapes(may.shape, all_.shape, (1, 1, nq, nk))
+        may = np.broadcast_to(may, shape)
+        all_ = np.broadcast_to(all_ & in_range, shape)
+        out = (may | all_).astype(np.int8) + all_.astype(np.int8)
+    out.flags.writeable = False
+    return out
 
 
 def render(mask: Mask | None, q_len: int, kv_len: int, *, batch: int = 0, head: int = 0) -> str:

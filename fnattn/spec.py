@@ -182,3 +182,8 @@ class AttentionOutput:
 
 
 jax.tree_util.register_dataclass(AttentionOutput, data_fields=["out", "lse"], meta_fields=[])
+# A function that returns an AttentionOutput can be serialized by jax.export
+# (its result tree is part of the artifact); the node has no static data.
+jax.export.register_pytree_node_serialization(
+    AttentionOutput, serialized_name="fnattn.AttentionOutput",
+    serialize_auxdata=lambda aux: b"", deserialize_auxdata=lambda data: ())

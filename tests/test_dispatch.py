@@ -1,4 +1,4 @@
-"""One custom_vjp around lax.platform_dependent: the branch lowered is the platform's.
+"""One custom_jvp around the platform choice: the branch lowered is the platform's.
 
 A table with fake "cuda" and "tpu" lowerings (the dense XLA lowering with its
 forward output or its gradients scaled by a recognisable constant) shows that
@@ -13,6 +13,7 @@ import pytest
 
 import fnattn
 from fnattn import AttentionSpec, _dispatch, core, masks, xla
+from lowering import target
 
 # Distinctive factors, so that their constants cannot appear in HLO by accident.
 CUDA_FWD, CUDA_BWD, TPU_FWD, TPU_BWD = 1237.0, 1279.0, 1249.0, 1291.0
@@ -82,7 +83,7 @@ def test_default_branch_runs_on_cpu_under_jit_and_grad():
 
 
 def test_integer_and_key_leaves_get_no_cotangent():
-    # segment ids, lengths and the dropout seed ride through the custom_vjp as
+    # segment ids, lengths and the dropout seed ride through the custom_jvp as
     # primal inputs; grad must not ask for their cotangents
     rs = np.random.default_rng(1)
     q = jnp.asarray(rs.standard_normal((2, 5, 3, 7)), jnp.float32)
@@ -116,8 +117,10 @@ def test_every_branch_must_return_the_same_types():
 
     table = (("default", xla.DENSE), ("cuda", _dispatch.Lowering("bad", bad_fwd, xla.DENSE.bwd)))
     q = jnp.ones((1, 3, 2, 4))
-    with pytest.raises(TypeError, match="branches must have equal output types"):
-        jax.jit(lambda q: core.run(AttentionSpec(), q, q, q, fn="test", table=table).out)(q)
+    f = jax.jit(lambda q: core.run(AttentionSpec(), q, q, q, fn="test", table=table).out)
+    f(q)  # a branch is traced where it is lowered: on a CPU, only the default
+    with target("cuda"), pytest.raises(TypeError, match="branches must have equal output types"):
+        f.trace(q).lower(lowering_platforms=("cuda",))
 
 
 def test_lowerings_get_static_config():
@@ -137,4 +140,4 @@ def test_lowerings_get_static_config():
     assert cfg.dims == (2, 5, 7, 6, 3, 4, 3)
     assert cfg.dims.group == 2
     assert cfg.scale == 0.5 and cfg.softcap == 2.0 and cfg.dropout_rate == 0.0
-    hash(cfg)  # a custom_vjp nondiff argument must be hashable
+    hash(cfg)  # a custom_jvp nondiff argument must be hashable

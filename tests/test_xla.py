@@ -1,6 +1,6 @@
 """The dense XLA lowering (``impl="xla"``) against float64 NumPy and the reference.
 
-It runs behind the dispatch's custom_vjp, so gradients here exercise the
+It runs behind the dispatch's custom_jvp, so gradients here exercise the
 lowering's own backward (``xla._backward``), including the ``lse`` cotangent.
 """
 

@@ -21,7 +21,7 @@ otherwise each lowering picks its own: the XLA lowering two ranges
 head, split) programs to fill the GPU (:func:`fnattn.decoding.triton.launch_plan`),
 the Mosaic kernel one.
 
-**Lowerings**, chosen at trace time by ``jax.lax.platform_dependent`` inside one
+**Lowerings**, chosen per platform (:func:`fnattn._dispatch.select`) inside one
 ``jax.custom_jvp`` (whose tangent and backward are ``jax.jvp`` and ``jax.vjp``
 of the XLA lowering, so ``decode`` is differentiable, in either mode and to any
 order, with respect to q, the caches and the sinks on every platform):
@@ -277,7 +277,7 @@ def lowering_table(impl: str):
     if impl in ("auto", "pallas"):
         from fnattn.decoding import mosaic, triton  # Pallas is imported only when needed
     if impl == "auto":
-        return (("default", xla.forward), ("cuda", triton.forward), ("tpu", mosaic.auto_forward))
+        return (("default", xla.forward), ("cuda", triton.auto_forward), ("tpu", mosaic.auto_forward))
     if impl == "pallas":
         return (("default", triton.forward_interpret), ("cuda", triton.forward),
                 ("tpu", mosaic.forward))

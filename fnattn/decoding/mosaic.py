@@ -39,7 +39,8 @@ sinks joined there once; with one split the kernel applies the sinks itself.
 to float32 first (TPUs have no float16 arithmetic; the conversion copies the
 cache, so ``impl="auto"`` reads float16 with the XLA lowering instead); float64
 is refused (:func:`unsupported`): ``impl="auto"`` runs it with the XLA
-lowering, ``impl="pallas"`` raises ``NotImplementedError``.
+lowering, ``impl="pallas"`` raises ``NotImplementedError``. So are symbolic
+sizes (``jax.export``): the scalar-prefetched metadata must have a static shape.
 """
 
 import dataclasses
@@ -52,6 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from fnattn import _checks
 from fnattn import _online as online
 from fnattn import _varying, masks
 from fnattn.decoding import common, xla
@@ -212,9 +214,13 @@ def unsupported(cfg, q, k, v) -> Optional[str]:
 
     ``impl="auto"`` then uses the XLA lowering on TPU; ``impl="pallas"`` raises.
     """
-    del cfg, q, v
+    del cfg, v
     if k.dtype == jnp.float64:
         return "a float32, bfloat16 or float16 cache (got float64: TPUs have no float64)"
+    names = _checks.symbolic_sizes(B=q.shape[0], Tq=q.shape[1], S=k.shape[1])
+    if names:
+        return (f"static sizes (got symbolic {', '.join(names)} under jax.export: its grid and "
+                "its scalar-prefetched metadata are sized by them)")
     return None
 
 

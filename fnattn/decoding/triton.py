@@ -30,6 +30,11 @@ partial outputs with their ``lse``, merged afterwards by
 :func:`fnattn.merging.merge_stacked`, where the sinks join the denominator
 once. With one split the kernel applies the sinks and writes the output in q's
 dtype.
+
+**Symbolic sizes** (``jax.export`` shape polymorphism) are refused
+(``NotImplementedError``): the Triton backend has no dynamic grid, and the
+grid is sized by the batch. ``impl="auto"`` runs such calls with the XLA
+lowering on GPUs (:func:`auto_forward`).
 """
 
 import dataclasses
@@ -42,13 +47,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fnattn import _checks
 from fnattn import _online as online
 from fnattn import _varying, masks
-from fnattn.decoding import common
+from fnattn.decoding import common, xla
 from fnattn.decoding.common import F32, I32
 from fnattn.merging import merge_stacked
 
-__all__ = ["KERNEL_NAME", "Plan", "forward", "forward_interpret", "launch_plan"]
+__all__ = ["KERNEL_NAME", "Plan", "auto_forward", "forward", "forward_interpret", "launch_plan",
+           "symbolic"]
 
 KERNEL_NAME = "fnattn_decode_triton"
 LOG2E, LN2 = online.LOG2E, online.LN2
@@ -196,6 +203,10 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
     ``block_k`` overrides :func:`launch_plan`'s key block size (tests)."""
     B, Tq, Hq, D = q.shape
     _, S, Hkv, Dv = v.shape
+    _checks.refuse_symbolic(
+        "decode: the Pallas Triton kernel", "its grid (B, Hkv, splits) and its operand "
+        "blocks", "impl='auto' (the XLA lowering for such calls) and impl='xla'",
+        B=B, S=S, Tq=Tq)
     G = Hq // Hkv
     R = Tq * G
     M = max(MIN_ROWS, common.pow2(R))
@@ -238,3 +249,16 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
 
 forward = functools.partial(_forward, interpret=False)
 forward_interpret = functools.partial(_forward, interpret=True)
+
+
+def symbolic(q, k) -> list:
+    """The sizes of a call that are symbolic (``jax.export``), which the kernel
+    cannot take (see :func:`fnattn._checks.refuse_symbolic`)."""
+    return _checks.symbolic_sizes(B=q.shape[0], Tq=q.shape[1], S=k.shape[1])
+
+
+def auto_forward(cfg, q, k, v, starts, lengths, sinks):
+    """impl="auto" on NVIDIA GPUs: the Triton kernel, or the XLA lowering for
+    symbolic sizes (``jax.export``), which no Triton grid can take."""
+    fwd = xla.forward if symbolic(q, k) else forward
+    return fwd(cfg, q, k, v, starts, lengths, sinks)

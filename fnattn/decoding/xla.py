@@ -13,6 +13,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from fnattn import _checks
 from fnattn import _online as online
 from fnattn import masks
 from fnattn.merging import merge_stacked
@@ -38,6 +39,8 @@ def choose(cfg, rows: int, cache_len: int):
     form = "mixed" if 2 <= rows <= MIXED_MAX_ROWS else "dot"
     if cfg.num_splits is not None:
         return form, cfg.num_splits
+    if not _checks.is_static(cache_len):  # symbolic (jax.export): one range
+        return form, 1
     if form == "mixed" and cache_len % MIXED_SPLITS == 0 and cache_len >= 256:
         return form, MIXED_SPLITS
     return form, 1

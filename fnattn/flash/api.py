@@ -1,6 +1,7 @@
 """``fnattn.flash``: O(T)-memory attention with block-sparse skipping.
 
-Lowerings, chosen at trace time by ``jax.lax.platform_dependent``:
+Lowerings, chosen per platform when the program is lowered
+(:func:`fnattn._dispatch.select`; each branch is traced only for its platform):
 
 ========  ===========================================  ============================
 platform  impl="auto"                                  impl="pallas"
@@ -54,7 +55,8 @@ def _table(impl: str, dtype):
         if impl in ("auto", "xla"):
             return (("default", xla.LOWERING),)
     if impl == "auto":
-        return (("default", xla.LOWERING), ("cuda", triton.LOWERING), ("tpu", mosaic.LOWERING))
+        return (("default", xla.LOWERING), ("cuda", _auto(triton.LOWERING, triton.symbolic)),
+                ("tpu", _auto(mosaic.LOWERING, mosaic.symbolic)))
     if impl == "xla":
         return (("default", xla.LOWERING),)
     if impl == "pallas":
@@ -67,6 +69,16 @@ def _table(impl: str, dtype):
             "flash: impl='cudnn' is not a flash lowering; use "
             "fnattn.attention(AttentionSpec(impl='cudnn'), ...).")
     raise ValueError(f"flash: no lowering for impl={impl!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _auto(kernel, symbolic):
+    """impl="auto" on a GPU or TPU: the ``kernel`` lowering, or the XLA one for the
+    symbolic sizes (``jax.export``) that ``symbolic(cfg)`` says the kernel cannot take."""
+    def pick(cfg):
+        return xla.LOWERING if symbolic(cfg) else kernel
+    return dataclasses.replace(kernel, fwd=lambda cfg, *a: pick(cfg).fwd(cfg, *a),
+                               bwd=lambda cfg, *a: pick(cfg).bwd(cfg, *a))
 
 
 @jaxtyped(typechecker=beartype)

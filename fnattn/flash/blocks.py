@@ -18,6 +18,7 @@ see it) drives the dk/dv backward pass.
 from typing import Any, NamedTuple
 
 import jax.numpy as jnp
+import numpy as np
 
 from fnattn.masks import EMPTY
 
@@ -43,18 +44,40 @@ def schedule(classes, *, transpose: bool = False) -> Schedule:
 
     With ``transpose=True`` the rows are kv-blocks and the columns q-blocks.
     """
-    c = jnp.swapaxes(classes, -1, -2) if transpose else classes
+    return _schedule(jnp, classes, transpose)
+
+
+def schedule_static(classes, *, transpose: bool = False) -> Schedule:
+    """:func:`schedule` of concrete classes, computed with NumPy at trace time.
+
+    For the classes of :func:`fnattn.masks.block_classes_static`: no JAX
+    operation runs (an eager one compiles a small program each), and the
+    result holds read-only NumPy arrays with the values :func:`schedule` gives.
+
+    >>> from fnattn import masks
+    >>> s = schedule_static(masks.block_classes_static(masks.causal(), 1, 1, 12, 12, 4, 4))
+    >>> s.count[0, 0].tolist(), s.index[0, 0, 2].tolist(), s.kind[0, 0, 2].tolist()
+    ([1, 2, 3], [0, 1, 2], [2, 2, 1])
+    """
+    s = _schedule(np, np.asarray(classes), transpose)
+    for x in s:
+        x.flags.writeable = False
+    return s
+
+
+def _schedule(xp, classes, transpose):
+    c = xp.swapaxes(classes, -1, -2) if transpose else classes
     n = c.shape[-1]
-    cols = jnp.arange(n, dtype=jnp.int32)
+    cols = xp.arange(n, dtype=xp.int32)
     nonempty = c != EMPTY
-    key = jnp.where(nonempty, cols, n + cols)
-    order = jnp.argsort(key, axis=-1).astype(jnp.int32)
-    count = nonempty.sum(-1).astype(jnp.int32)
-    kind = jnp.take_along_axis(c, order, axis=-1)
-    last = jnp.take_along_axis(order, jnp.maximum(count - 1, 0)[..., None], axis=-1)
+    key = xp.where(nonempty, cols, n + cols)
+    order = xp.argsort(key, axis=-1).astype(xp.int32)
+    count = nonempty.sum(-1).astype(xp.int32)
+    kind = xp.take_along_axis(c, order, axis=-1)
+    last = xp.take_along_axis(order, xp.maximum(count - 1, 0)[..., None], axis=-1)
     listed = cols < count[..., None]
-    index = jnp.where(listed, order, jnp.where(count[..., None] > 0, last, 0))
-    kind = jnp.where(listed, kind, EMPTY).astype(jnp.int8)
+    index = xp.where(listed, order, xp.where(count[..., None] > 0, last, 0))
+    kind = xp.where(listed, kind, EMPTY).astype(xp.int8)
     return Schedule(index, kind, count)
 
 

@@ -26,9 +26,11 @@ DMA for it, and ``pl.when`` skips its compute. The mask is evaluated only on
 PARTIAL tiles, where non-finite K/V entries are also zeroed and a key holding
 one sets its logits to NaN before the mask: a key a row may not see adds
 nothing to it whatever its bits, a visible one makes the row NaN. When the mask
-holds no arrays, the classes are computed at trace time and the grid is only as
-wide as the longest row of the schedule (a sliding window visits a few
-kv-blocks per q-block, not all of them). A schedule larger
+holds no arrays, the classes and the schedule are computed at trace time with
+NumPy (:func:`fnattn.masks.block_classes_static`, cached per configuration, so
+tracing this branch on a machine that never runs it costs no compilation) and
+the grid is only as wide as the longest row of the schedule (a sliding window
+visits a few kv-blocks per q-block, not all of them). A schedule larger
 than one call's share of SMEM (:data:`SCHEDULE_WORDS`; e.g. four 128k-token
 documents-masked sequences) is cut along its row-blocks into several calls, each
 writing its own rows, so neither batch size nor sequence length is limited.
@@ -59,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fnattn import _online, _varying, dropout, masks
+from fnattn import _checks, _online, _varying, dropout, masks
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks
 
@@ -522,15 +524,15 @@ class _Chunk(NamedTuple):
     r0: int
     n: int
     code: jax.Array   # int32 (Bv * Hv * n * W,): index << 2 | kind per (row, step)
-    count: jax.Array  # int32 (Bv * Hv * n,): steps per row
+    count: jax.Array  # int32 (Bv * Hv * n,): steps per row (both NumPy when static)
 
 
-def _union(classes):
+def _union(classes, xp=jnp):
     """One class per tile for every batch row and head: EMPTY where all are empty,
     FULL where all are full, PARTIAL otherwise (the mask is then evaluated)."""
-    empty = jnp.all(classes == masks.EMPTY, axis=(0, 1), keepdims=True)
-    full = jnp.all(classes == masks.FULL, axis=(0, 1), keepdims=True)
-    return jnp.where(empty, masks.EMPTY, jnp.where(full, masks.FULL, masks.PARTIAL)).astype(
+    empty = xp.all(classes == masks.EMPTY, axis=(0, 1), keepdims=True)
+    full = xp.all(classes == masks.FULL, axis=(0, 1), keepdims=True)
+    return xp.where(empty, masks.EMPTY, xp.where(full, masks.FULL, masks.PARTIAL)).astype(
         classes.dtype)
 
 
@@ -544,49 +546,63 @@ def _schedule(cfg, mask, bq, bk, *, transpose):
     per-example or per-head variants of a very long mask), the variants are
     merged into one schedule by :func:`_union`: fewer tiles are skipped, none
     wrongly.
+
+    The classes of a mask holding no arrays are known at trace time: they and
+    the schedule are then computed with NumPy (:func:`_static_schedule`, cached
+    per configuration; no JAX operation, so nothing to compile) and the grid is
+    only as wide as the longest row of the schedule. Otherwise they are traced.
     """
     d = cfg.dims
-
-    def classes_of():
-        return masks.block_classes(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len, bq, bk,
-                                   q_offset=cfg.q_offset)
-
-    def sched_of(classes):
-        return blocks.schedule(classes, transpose=transpose)
-
-    def one_row_fits(classes, width):
-        return classes.shape[0] * classes.shape[1] * (width + 1) <= SCHEDULE_WORDS
-
-    static = False
     if mask is None or mask.num_operands == 0:
-        # The classes of an array-free mask are known at trace time, so the grid
-        # can be as narrow as the longest row of the schedule.
-        try:
-            with jax.ensure_compile_time_eval():
-                classes = classes_of()
-                sched = sched_of(classes)
-                width = max(1, int(np.asarray(sched.count).max()))
-            static = True
-        except Exception:
-            # Eager evaluation can be refused (e.g. when tracing under an
-            # abstract mesh only); the traced schedule below is as correct.
-            pass
-    if not static:
-        classes = classes_of()
-        sched = sched_of(classes)
-        width = sched.index.shape[-1]
-    if not one_row_fits(classes, width):
+        treedef = None if mask is None else jax.tree_util.tree_structure(mask)
+        static = _static_schedule(treedef, d.batch, d.num_q_heads, d.q_len, d.kv_len, bq, bk,
+                                  cfg.q_offset, transpose)
+        if static is not None:
+            return static
+    classes = masks.block_classes(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len, bq, bk,
+                                  q_offset=cfg.q_offset)
+    sched = blocks.schedule(classes, transpose=transpose)
+    width = sched.index.shape[-1]
+    if not _one_row_fits(classes, width):
         classes = _union(classes)
-        sched = sched_of(classes)
-    if not one_row_fits(classes, width):
+        sched = blocks.schedule(classes, transpose=transpose)
+    return _pack(classes, sched, width, bq, bk, jnp)
+
+
+@functools.lru_cache(maxsize=256)
+def _static_schedule(treedef, batch, num_heads, q_len, kv_len, bq, bk, q_offset, transpose):
+    """:func:`_schedule` of the array-free mask ``treedef`` (None: no mask) in
+    NumPy, or None when its classes are not static (a symbolic size)."""
+    mask = masks.from_treedef(treedef)
+    classes = masks.block_classes_static(mask, batch, num_heads, q_len, kv_len, bq, bk,
+                                         q_offset=q_offset)
+    if classes is None:
+        return None
+    sched = blocks.schedule_static(classes, transpose=transpose)
+    width = max(1, int(sched.count.max()))
+    if not _one_row_fits(classes, width):
+        classes = _union(classes, np)
+        sched = blocks.schedule_static(classes, transpose=transpose)
+        width = max(1, int(sched.count.max()))
+    return _pack(classes, sched, width, bq, bk, np)
+
+
+def _one_row_fits(classes, width):
+    return classes.shape[0] * classes.shape[1] * (width + 1) <= SCHEDULE_WORDS
+
+
+def _pack(classes, sched, width, bq, bk, xp):
+    """The schedule's first ``width`` steps packed as ``index << 2 | kind``, cut
+    into chunks of row-blocks that fit SMEM; the result of :func:`_schedule`."""
+    if not _one_row_fits(classes, width):
         raise NotImplementedError(
             f"flash-mosaic: one row of the block-sparse schedule needs {width + 1} int32 "
             f"words of SMEM, more than the {SCHEDULE_WORDS} a kernel call may take "
             f"({width} steps with blocks ({bq}, {bk})). Use larger MosaicBlockSizes, or "
             "impl='xla' (the flash-xla lowering has no such limit).")
-    code = sched.index[..., :width] * 4 + sched.kind[..., :width].astype(jnp.int32)
-    code = code.astype(jnp.int32)
-    count = sched.count.astype(jnp.int32)
+    code = sched.index[..., :width] * 4 + sched.kind[..., :width].astype(xp.int32)
+    code = code.astype(xp.int32)
+    count = sched.count.astype(xp.int32)
     n_rows = code.shape[2]
     per_row = classes.shape[0] * classes.shape[1] * (width + 1)
     step = max(1, SCHEDULE_WORDS // per_row)
@@ -728,8 +744,22 @@ def _params(interpret):
         interpret=interpret)
 
 
+def symbolic(cfg) -> list:
+    """The sizes of ``cfg`` that are symbolic (``jax.export``) and that the kernels
+    cannot take: the sequence lengths, which size the block-sparse schedule
+    (a symbolic batch is a dynamic grid axis, which Mosaic takes)."""
+    return _checks.symbolic_sizes(Tq=cfg.dims.q_len, Tk=cfg.dims.kv_len)
+
+
+def _refuse_symbolic(cfg):
+    _checks.refuse_symbolic(
+        "flash: the Pallas Mosaic kernels", "their block-sparse schedule", "impl='auto' (the "
+        "XLA lowering for such calls) and impl='xla'", Tq=cfg.dims.q_len, Tk=cfg.dims.kv_len)
+
+
 def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     d = cfg.dims
+    _refuse_symbolic(cfg)
     bs = blocks.pick(cfg.block_sizes, MosaicBlockSizes, MosaicBlockSizes.default(d, q.dtype))
     P = _plan(cfg, bs.block_q, bs.block_k)
     _, chunks, W, sb, sh = _schedule(cfg, mask, P.bq, P.bk, transpose=False)
@@ -818,6 +848,7 @@ def _dbias_forms(bias):
 
 def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, *, interpret):
     d = cfg.dims
+    _refuse_symbolic(cfg)
     B, Hq, Hkv = d.batch, d.num_q_heads, d.num_kv_heads
     bs = blocks.pick(cfg.block_sizes, MosaicBlockSizes, MosaicBlockSizes.default(d, q.dtype))
     P = _plan(cfg, bs.block_q_dq, bs.block_k_dq, bs.block_q_dkv, bs.block_k_dkv)

@@ -21,7 +21,8 @@ inside the kernels. The wrapper pads sequence lengths to whole blocks and head
 dims to powers of two (a Triton rule), so no load is out of bounds.
 
 Block-sparse skipping. ``masks.block_classes`` and ``blocks.schedule`` run in
-the wrapper, inside ``jit``; each (batch, head, row-block) gets one int32 row
+the wrapper, inside ``jit`` (with NumPy at trace time when the mask holds no
+arrays: the table is then a constant); each (batch, head, row-block) gets one int32 row
 ``[n_full, n_partial, full kv-blocks..., partial kv-blocks...]`` that the kernel
 reads as an ordinary input (Triton has no scalar prefetch). A kernel runs two
 loops: the FULL tiles with no mask code at all, then the PARTIAL tiles, where
@@ -60,10 +61,12 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fnattn import _checks
 from fnattn import _online as online
 from fnattn import _varying, dropout, masks
 from fnattn._dispatch import Lowering
@@ -627,24 +630,51 @@ def _schedule(mask, cfg, K: _K, *, transpose=False, heads_per_row=1):
 
     With ``heads_per_row`` > 1 the rows of consecutive query heads are merged
     (a tile is FULL only if FULL for every head, visited if any head sees it).
+    A mask holding no arrays has static classes: the table is then computed
+    with NumPy at trace time (cached per configuration) and reaches the kernel
+    as a constant, so tracing this branch compiles nothing and the program
+    sorts nothing; otherwise it is traced.
     """
     if mask is None:
         return None
     d = cfg.dims
-    off = cfg.q_offset
+    if mask.num_operands == 0:
+        table = _static_table(jax.tree_util.tree_structure(mask), d.batch, d.num_q_heads,
+                              d.q_len, d.kv_len, K.bq, K.bk, cfg.q_offset, transpose,
+                              heads_per_row)
+        if table is not None:
+            return table
     cls = masks.block_classes(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len, K.bq, K.bk,
-                              q_offset=off)
+                              q_offset=cfg.q_offset)
+    return _table(jnp, blocks.schedule, cls, transpose, heads_per_row)
+
+
+@functools.lru_cache(maxsize=256)
+def _static_table(treedef, batch, num_heads, q_len, kv_len, bq, bk, q_offset, transpose,
+                  heads_per_row):
+    """:func:`_schedule`'s table of the array-free mask ``treedef`` in NumPy, or
+    None when its classes are not static (a symbolic size)."""
+    cls = masks.block_classes_static(masks.from_treedef(treedef), batch, num_heads, q_len,
+                                     kv_len, bq, bk, q_offset=q_offset)
+    if cls is None:
+        return None
+    table = _table(np, blocks.schedule_static, cls, transpose, heads_per_row)
+    table.flags.writeable = False
+    return table
+
+
+def _table(xp, schedule, cls, transpose, heads_per_row):
     if transpose:
-        cls = jnp.swapaxes(cls, -1, -2)
+        cls = xp.swapaxes(cls, -1, -2)
     if heads_per_row > 1 and cls.shape[1] > 1:
         c = cls.reshape(cls.shape[0], -1, heads_per_row, *cls.shape[2:])
-        full = jnp.all(c == masks.FULL, axis=2)
-        seen = jnp.any(c != masks.EMPTY, axis=2)
-        cls = full.astype(jnp.int8) + seen.astype(jnp.int8)
-    full = blocks.schedule(jnp.where(cls == masks.FULL, cls, masks.EMPTY).astype(jnp.int8))
-    part = blocks.schedule(jnp.where(cls == masks.PARTIAL, cls, masks.EMPTY).astype(jnp.int8))
-    return jnp.concatenate([full.count[..., None], part.count[..., None],
-                            full.index, part.index], axis=-1).astype(jnp.int32)
+        full = xp.all(c == masks.FULL, axis=2)
+        seen = xp.any(c != masks.EMPTY, axis=2)
+        cls = full.astype(xp.int8) + seen.astype(xp.int8)
+    full = schedule(xp.where(cls == masks.FULL, cls, masks.EMPTY).astype(xp.int8))
+    part = schedule(xp.where(cls == masks.PARTIAL, cls, masks.EMPTY).astype(xp.int8))
+    return xp.concatenate([full.count[..., None], part.count[..., None],
+                           full.index, part.index], axis=-1).astype(xp.int32)
 
 
 def _sched_spec(table, n_heads_total, *, heavy_first):
@@ -724,8 +754,29 @@ def _pad_bthd(x, T, D):
     return _pad(_pad(x, 1, T), 3, D)
 
 
+def _sizes(cfg, interpret):
+    # The sizes the kernels need static: all on a GPU (the Triton backend has no
+    # dynamic grid), the sequence lengths when interpreted (whole-row blocks).
+    d = cfg.dims
+    sizes = dict(Tq=d.q_len, Tk=d.kv_len)
+    return sizes if interpret else dict(B=d.batch, **sizes)
+
+
+def symbolic(cfg, *, interpret=False) -> list:
+    """The sizes of ``cfg`` that are symbolic (``jax.export``) and that the kernels
+    cannot take."""
+    return _checks.symbolic_sizes(**_sizes(cfg, interpret))
+
+
+def _refuse_symbolic(cfg, interpret):
+    _checks.refuse_symbolic("flash: the Pallas Triton kernels", "their grids and blocks",
+                            "impl='auto' (the XLA lowering for such calls) and impl='xla'",
+                            **_sizes(cfg, interpret))
+
+
 def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     d = cfg.dims
+    _refuse_symbolic(cfg, interpret)
     bq, bk, params = _blocks_for(cfg, q.dtype, "fwd")
     Tqp, Tkp, Dp, Dvp = _dims_padded(cfg, bq, bk)
     K = _make_k(cfg, mask, bias, sinks, bq, bk)
@@ -752,13 +803,15 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
 def _heads_per_dkdv_program(d, n_kv_blocks):
     """The largest divisor Gp of the GQA group that leaves enough programs."""
     for Gp in sorted((g for g in range(1, d.group + 1) if d.group % g == 0), reverse=True):
-        if d.batch * d.num_kv_heads * (d.group // Gp) * n_kv_blocks >= MIN_DKDV_PROGRAMS:
+        batch = _checks.static_or(d.batch, 1)  # (symbolic under jax.export: assume 1)
+        if batch * d.num_kv_heads * (d.group // Gp) * n_kv_blocks >= MIN_DKDV_PROGRAMS:
             return Gp
     return 1
 
 
 def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, *, interpret):
     d = cfg.dims
+    _refuse_symbolic(cfg, interpret)
     B, Hq, Hkv, G = d.batch, d.num_q_heads, d.num_kv_heads, d.group
     # delta folds in the lse cotangent: dS = P * (dP - (rowsum(dO * O) - d_lse)).
     delta = jnp.einsum("bthd,bthd->bht", out.astype(F32), d_out.astype(F32)) - d_lse.astype(F32)

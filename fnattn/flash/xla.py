@@ -49,8 +49,10 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
+from fnattn import _checks
 from fnattn import _online as online
 from fnattn import dropout, masks
 from fnattn._dispatch import Lowering
@@ -100,7 +102,8 @@ class XlaBlockSizes:
         larger tiles are no faster.
         """
         del dtype  # logits are float32 whatever the input dtype
-        rows = max(dims.batch * dims.num_q_heads, 1)
+        # (a symbolic batch, under jax.export, sizes the tiles as a batch of 1)
+        rows = max(_checks.static_or(dims.batch, 1) * dims.num_q_heads, 1)
         bk = 256
         bq = _pow2_floor(max(64, min(512, 2**20 // (rows * bk))))
         return cls(block_q=bq, block_k=bk, block_q_bwd=max(64, bq // 2), block_k_bwd=2 * bk)
@@ -116,7 +119,7 @@ def _round_up(x, m):
 
 def _pad_axis(x, axis, size, value=0):
     pad = size - x.shape[axis]
-    if pad <= 0:
+    if _checks.is_static(pad) and pad <= 0:
         return x
     widths = [(0, 0)] * x.ndim
     widths[axis] = (0, pad)
@@ -152,8 +155,11 @@ def _plan(cfg, backward=False, dtype=None) -> _Plan:
         bq = bs.block_q_bwd or bq
         bk = bs.block_k_bwd or bk
     # Short sequences: one block, rounded up to a multiple of 8 rows.
-    bq = min(bq, _round_up(d.q_len, 8))
-    bk = min(bk, _round_up(d.kv_len, 8))
+    # (a symbolic length, under jax.export, keeps the block sizes)
+    if _checks.is_static(d.q_len):
+        bq = min(bq, _round_up(d.q_len, 8))
+    if _checks.is_static(d.kv_len):
+        bk = min(bk, _round_up(d.kv_len, 8))
     return _Plan(d.batch, d.q_len, d.kv_len, d.num_q_heads, d.num_kv_heads, d.group,
                  d.head_dim, d.v_head_dim, bq, bk, -(-d.q_len // bq), -(-d.kv_len // bk),
                  cfg.scale, cfg.softcap, cfg.dropout_rate,
@@ -168,6 +174,11 @@ def _plan(cfg, backward=False, dtype=None) -> _Plan:
 
 def _classes(mask, P: _Plan):
     """Tile classes (B|1, nq, nk), shared by the heads (conservative union)."""
+    st = masks.block_classes_static(mask, P.B, P.Hq, P.Tq, P.Tk, P.bq, P.bk, q_offset=P.offset)
+    if st is not None:
+        nonempty = np.any(st != masks.EMPTY, axis=1)
+        full = np.all(st == masks.FULL, axis=1)
+        return (nonempty | full).astype(np.int8) + full.astype(np.int8)
     cls = masks.block_classes(mask, P.B, P.Hq, P.Tq, P.Tk, P.bq, P.bk, q_offset=P.offset)
     nonempty = jnp.any(cls != masks.EMPTY, axis=1)
     full = jnp.all(cls == masks.FULL, axis=1)
@@ -176,6 +187,12 @@ def _classes(mask, P: _Plan):
 
 def _split_schedule(classes, transpose=False):
     """(index, count) of the FULL tiles and of the PARTIAL tiles, per row-block."""
+    if isinstance(classes, np.ndarray):
+        full = blocks.schedule_static(np.where(classes == masks.FULL, classes, masks.EMPTY)
+                                      .astype(np.int8), transpose=transpose)
+        part = blocks.schedule_static(np.where(classes == masks.PARTIAL, classes, masks.EMPTY)
+                                      .astype(np.int8), transpose=transpose)
+        return full.index, full.count, part.index, part.count
     full = blocks.schedule(jnp.where(classes == masks.FULL, classes, masks.EMPTY)
                            .astype(jnp.int8), transpose=transpose)
     part = blocks.schedule(jnp.where(classes == masks.PARTIAL, classes, masks.EMPTY)
@@ -183,9 +200,14 @@ def _split_schedule(classes, transpose=False):
     return full.index, full.count, part.index, part.count
 
 
+def _never(n):
+    """Whether a static count is zero everywhere (the loop need not be traced)."""
+    return isinstance(n, np.ndarray) and not n.any()
+
+
 def _batch_rows(P: _Plan, classes):
     """Whether each batch row runs with its own schedule (mask varies along B)."""
-    return P.B > 1 and classes.shape[0] > 1
+    return P.B != 1 and classes.shape[0] != 1
 
 
 # ----------------------------------------------------------------------------------
@@ -195,9 +217,9 @@ def _batch_rows(P: _Plan, classes):
 
 def _pad4(x, P: _Plan):
     """A 4-D (b, h, q|1, k|1) array padded along q and k to whole blocks."""
-    if x.shape[2] > 1:
+    if x.shape[2] != 1:  # (!= 1, not > 1: also for a symbolic length)
         x = _pad_axis(x, 2, P.nq * P.bq)
-    if x.shape[3] > 1:
+    if x.shape[3] != 1:
         x = _pad_axis(x, 3, P.nk * P.bk)
     return x
 
@@ -206,9 +228,9 @@ def _tile(x, i, j, P: _Plan):
     """Slices a padded 4-D (b, h, q|1, k|1) array to the tile (i, j)."""
     start = [0, 0, 0, 0]
     size = list(x.shape)
-    if x.shape[2] > 1:
+    if x.shape[2] != 1:
         start[2], size[2] = i * P.bq, P.bq
-    if x.shape[3] > 1:
+    if x.shape[3] != 1:
         start[3], size[3] = j * P.bk, P.bk
     # int32 throughout (Python ints would be int64 under jax_enable_x64)
     return lax.dynamic_slice(x, [jnp.asarray(s, jnp.int32) for s in start], size)
@@ -353,6 +375,7 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
     bias4 = None if a["bias"] is None else _pad4(a["bias"], P)
     ops = tuple(_pad4(op, P) for op in a["ops"])
     full_idx, full_n, part_idx, part_n = _split_schedule(a["classes"][0])
+    skip_full, skip_part = _never(full_n), _never(part_n)
     rows = (B * P.Hkv, P.G * P.bq)
     lowp = qb.dtype != P.acc
     A = P.acc
@@ -397,8 +420,11 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
                               jnp.zeros(rows + (P.Dv,), A)), a, shared, bidx)
         full_step = tile_step(i, qi, False)
         part_step = tile_step(i, qi, True)
-        carry = lax.fori_loop(0, fn, lambda t, c: full_step(t, c, fidx), carry)
-        m, l, acc = lax.fori_loop(0, pn, lambda t, c: part_step(t, c, pidx), carry)
+        if not skip_full:
+            carry = lax.fori_loop(0, fn, lambda t, c: full_step(t, c, fidx), carry)
+        if not skip_part:
+            carry = lax.fori_loop(0, pn, lambda t, c: part_step(t, c, pidx), carry)
+        m, l, acc = carry
         if sinks is not None:
             sk = jnp.broadcast_to(sinks.astype(A).reshape(1, P.Hkv, P.G, 1),
                                   (B, P.Hkv, P.G, P.bq)).reshape(rows)
@@ -476,6 +502,7 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
     bias4 = None if bias is None else _pad4(bias, P)
     ops = tuple(_pad4(op, P) for op in a["ops"])
     full_idx, full_n, part_idx, part_n = _split_schedule(a["classes"][0], transpose=True)
+    skip_full, skip_part = _never(full_n), _never(part_n)
     lowp = qb.dtype != P.acc
     dtype = qb.dtype
     A = P.acc
@@ -533,8 +560,11 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
         inner = (dqt, dbias) + varying_like(
             (jnp.zeros((B * P.Hkv, P.bk, P.D), A), jnp.zeros((B * P.Hkv, P.bk, P.Dv), A)),
             a, shared, bidx)
-        inner = lax.fori_loop(0, fn, lambda t, c: full_step(t, c, fidx), inner)
-        dqt, dbias, dkj, dvj = lax.fori_loop(0, pn, lambda t, c: part_step(t, c, pidx), inner)
+        if not skip_full:
+            inner = lax.fori_loop(0, fn, lambda t, c: full_step(t, c, fidx), inner)
+        if not skip_part:
+            inner = lax.fori_loop(0, pn, lambda t, c: part_step(t, c, pidx), inner)
+        dqt, dbias, dkj, dvj = inner
         return (dqt, dbias), (dkj, dvj)
 
     dbias0 = dbias_shared

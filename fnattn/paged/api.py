@@ -24,8 +24,8 @@ context (for one query token per sequence that is the same as causal). Masks
 that hold arrays (segments, lengths, from_array) are refused: the page table and
 the lengths already say which keys exist.
 
-**Lowerings** (``spec.impl``), chosen at trace time by
-``jax.lax.platform_dependent``:
+**Lowerings** (``spec.impl``), chosen per platform when the program is lowered
+(:func:`fnattn._dispatch.select`):
 
 ========  =====================================  ==============================
 platform  impl="auto"                            impl="pallas"
@@ -86,7 +86,7 @@ def lowering_table(impl: str):
     if impl in ("auto", "pallas"):
         from fnattn.paged import mosaic, triton  # Pallas is imported only when needed
     if impl == "auto":
-        return (("default", xla.forward), ("cuda", triton.forward), ("tpu", _tpu_auto))
+        return (("default", xla.forward), ("cuda", triton.auto_forward), ("tpu", _tpu_auto))
     if impl == "xla":
         return (("default", xla.forward),)
     if impl == "pallas":

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple, Optional
 import jax.numpy as jnp
 from jax import lax
 
-from fnattn import masks
+from fnattn import _checks, masks
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -168,7 +168,7 @@ def token_owner(cfg: Cfg, meta: Meta):
     # q_start is non-decreasing and each range ends before the next starts, so
     # the ends are sorted: the owner of t is the first sequence ending after t.
     ends = meta.q_start + meta.q_len
-    seq = jnp.searchsorted(ends, t, side="right", method="compare_all").astype(I32)
+    seq = _count_le(ends, t)
     seq_c = jnp.minimum(seq, cfg.max_seqs - 1)
     row = t - meta.q_start[seq_c]
     valid = (seq < cfg.max_seqs) & (row >= 0) & (row < meta.q_len[seq_c])
@@ -201,7 +201,17 @@ def num_work_items(cfg: Cfg, block_q: int) -> int:
         return cfg.max_seqs
     # Each live sequence needs ceil(q_len / block_q) items: at most one partial
     # item per sequence that has tokens.
-    return cdiv(cfg.total_tokens, block_q) + min(cfg.max_seqs, cfg.total_tokens)
+    S, T = cfg.max_seqs, cfg.total_tokens
+    if not (_checks.is_static(S) and _checks.is_static(T)):
+        return cdiv(T, block_q) + S   # symbolic (jax.export): no min, and S bounds it
+    return cdiv(T, block_q) + min(S, T)
+
+
+def _count_le(sorted_values, x):
+    """``searchsorted(sorted_values, x, side="right")`` as int32: for every entry of
+    ``x`` the number of values <= it, by comparing all pairs (the values are few:
+    one per sequence), which also holds for symbolic sizes under ``jax.export``."""
+    return jnp.sum(sorted_values[:, None] <= x[None, :], axis=0, dtype=I32)
 
 
 def work_list(cfg: Cfg, meta: Meta, block_q: int, block_k: int) -> Work:
@@ -215,7 +225,7 @@ def work_list(cfg: Cfg, meta: Meta, block_q: int, block_k: int) -> Work:
         nb = cdiv(meta.q_len, block_q)
         cum = jnp.cumsum(nb).astype(I32)
         w = jnp.arange(W, dtype=I32)
-        seq = jnp.searchsorted(cum, w, side="right", method="compare_all").astype(I32)
+        seq = _count_le(cum, w)
         valid = w < cum[-1]
         seq = jnp.where(valid, jnp.minimum(seq, cfg.max_seqs - 1), 0)
         row0 = jnp.where(valid, (w - (cum[seq] - nb[seq])) * block_q, 0)

@@ -22,7 +22,10 @@ Statistics (running max and sum) are (rows, 1) columns; ``lse`` leaves the
 kernel lane-replicated as (rows, 128), a legal TPU block. The page size must be
 a multiple of 8 (a page is copied to a sublane-aligned offset of the buffer).
 
-float16 runs in float32 (TPUs have no float16 arithmetic).
+float16 runs in float32 (TPUs have no float16 arithmetic). Symbolic sizes
+(``jax.export``) are refused (:func:`unsupported`): the scalar-prefetched work
+list and page table must have static shapes; ``impl="auto"`` runs such calls
+with the XLA lowering on TPU.
 """
 
 import dataclasses
@@ -35,6 +38,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from fnattn import _checks
 from fnattn import _online as online
 from fnattn import _varying, masks
 from fnattn.paged import common
@@ -250,6 +254,11 @@ def unsupported(cfg: Cfg) -> Optional[str]:
     if cfg.page_size % 8:
         return (f"a page size that is a multiple of 8 (got {cfg.page_size}: pages are "
                 "copied to 8-row-aligned VMEM slots)")
+    names = _checks.symbolic_sizes(total_tokens=cfg.total_tokens, max_seqs=cfg.max_seqs,
+                                   num_pages=cfg.num_pages, pages_per_seq=cfg.pages_per_seq)
+    if names:
+        return (f"static sizes (got symbolic {', '.join(names)} under jax.export: its grid, "
+                "its scalar-prefetched work list and page table are sized by them)")
     return None
 
 

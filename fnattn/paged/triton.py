@@ -35,6 +35,11 @@ of the *new* tokens are read from the new ``k``/``v`` inputs, not from the
 pool, and the split-0 program of each (item, kv head) writes its tokens' rows
 into their slots. No program ever reads a slot that another program writes, so
 there is no ordering hazard and no second pass.
+
+**Symbolic sizes** (``jax.export`` shape polymorphism: tokens, sequence slots,
+pages) are refused (``NotImplementedError``): the Triton backend has no dynamic
+grid. ``impl="auto"`` runs such calls with the XLA lowering on GPUs
+(:func:`auto_forward`).
 """
 
 import dataclasses
@@ -47,12 +52,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from fnattn import _checks
 from fnattn import _online as online
 from fnattn import _varying, masks
-from fnattn.paged import common
+from fnattn.paged import common, xla
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
-__all__ = ["forward", "forward_interpret", "launch_plan"]
+__all__ = ["auto_forward", "forward", "forward_interpret", "launch_plan", "symbolic"]
 
 LOG2E, LN2 = online.LOG2E, online.LN2
 MIN_ROWS = 16            # tl.dot needs at least 16 rows
@@ -223,6 +229,10 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
     T, Hq, D = q.shape
     Hkv, N, ps, _ = k_pages.shape
     G, Dv = cfg.group, cfg.v_head_dim
+    _checks.refuse_symbolic(
+        "paged attention: the Pallas Triton kernel", "its grid (work items, Hkv, splits) and "
+        "its operand blocks", "impl='auto' (the XLA lowering for such calls) and "
+        "impl='xla'", **dict(zip(_SIZES, _sizes(cfg))))
     bq, bk, splits, params = launch_plan(cfg)
     Gp = common.pow2(G)
     M = max(MIN_ROWS, bq * Gp)
@@ -282,3 +292,21 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
 
 forward = functools.partial(_forward, interpret=False)
 forward_interpret = functools.partial(_forward, interpret=True)
+
+_SIZES = ("total_tokens", "max_seqs", "num_pages", "pages_per_seq")
+
+
+def _sizes(cfg: Cfg):
+    return tuple(getattr(cfg, name) for name in _SIZES)
+
+
+def symbolic(cfg: Cfg) -> list:
+    """The sizes of a call that are symbolic (``jax.export``), which the kernel
+    cannot take (see :func:`fnattn._checks.refuse_symbolic`)."""
+    return _checks.symbolic_sizes(**dict(zip(_SIZES, _sizes(cfg))))
+
+
+def auto_forward(cfg: Cfg, *args):
+    """impl="auto" on NVIDIA GPUs: the Triton kernel, or the XLA lowering for
+    symbolic sizes (``jax.export``), which no Triton grid can take."""
+    return (xla.forward if symbolic(cfg) else forward)(cfg, *args)

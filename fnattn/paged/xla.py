@@ -28,6 +28,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
+from fnattn import _checks
 from fnattn._varying import varying_like
 from fnattn.merging import shifted_exp
 from fnattn import _online as online
@@ -92,15 +93,19 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
     T, Hq, D = q.shape
     Hkv, G, Dv, ps = cfg.num_kv_heads, cfg.group, cfg.v_head_dim, cfg.page_size
     bq = cfg.uniform_q if cfg.uniform_q is not None else (bs.block_q or DEFAULT_BLOCK_Q)
-    bq = min(bq, T)
+    if _checks.is_static(T):  # (a symbolic T, under jax.export, keeps block_q)
+        bq = min(bq, T)
+    n_items = common.num_work_items(cfg, bq)
     if bs.block_k:
         chunk = bs.block_k
+    elif not _checks.is_static(n_items):
+        chunk = MIN_CHUNK  # symbolic sizes (jax.export): the chunk for many items
     else:
-        n_items = common.num_work_items(cfg, bq)
         per_key = n_items * Hkv * D * jnp.dtype(k_pages.dtype).itemsize
         chunk = min(max(common.pow2(max(CHUNK_BYTES // per_key, 1)), MIN_CHUNK), MAX_CHUNK)
     ppc = max(1, chunk // ps)                                   # pages per chunk
-    ppc = min(ppc, cfg.pages_per_seq)
+    if _checks.is_static(cfg.pages_per_seq):
+        ppc = min(ppc, cfg.pages_per_seq)
     C = ppc * ps
     n_chunks = common.cdiv(cfg.pages_per_seq, ppc)
     work = common.work_list(cfg, meta, bq, C)
@@ -123,7 +128,7 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
 
     pt = meta.page_table[work.seq]                                   # (W, P)
     pad = n_chunks * ppc - cfg.pages_per_seq
-    if pad:
+    if not _checks.is_static(pad) or pad:
         pt = jnp.pad(pt, ((0, 0), (0, pad)), constant_values=-1)
 
     def scores(j):
@@ -169,7 +174,7 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
     acc = jnp.zeros((Hkv, W, M, Dv), F32)
     m, l, acc, finite = varying_like((m, l, acc, jnp.bool_(True)), q, k_pages, v_pages, sinks,
                                      meta)
-    if n_chunks == 1:
+    if _checks.is_static(n_chunks) and n_chunks == 1:
         m, l, acc, finite = fold(0, (m, l, acc, finite))
     else:
         lo, hi = work.k_lo, work.k_hi

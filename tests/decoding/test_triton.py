@@ -93,7 +93,7 @@ def test_low_precision(kernel, dtype):
 
 def test_pallas_impl_forward_and_gradients_match_xla():
     """impl="pallas" on CPU: the interpreted kernel forward (default plan) and the XLA
-    backward through the custom_vjp, under jit, against impl="xla"."""
+    backward through the custom_jvp, under jit, against impl="xla"."""
     q, k, v, L, a = make(Tq=2, D=8, Dv=8, seed=5, lengths=(30, 9, 1), starts=(0, 17, 3))
     k, v = jnp.nan_to_num(k), jnp.nan_to_num(v)   # gradients: finite everywhere
     sinks = jnp.linspace(-0.5, 1.0, 6)

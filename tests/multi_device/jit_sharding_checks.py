@@ -179,7 +179,8 @@ def check_flash_fallbacks():
 
 
 def check_flash_transforms():
-    """checkpoint and scan compose with the split call; vmap runs unsplit (gathered)."""
+    """checkpoint, scan and forward mode compose with the split call; vmap runs
+    unsplit (gathered)."""
     mesh = _mesh()
     q, k, v = _qkv(mesh)
     spec = AttentionSpec(mask=masks.causal())
@@ -200,6 +201,12 @@ def check_flash_transforms():
     stacked = tuple(_put(mesh, np.stack([np.asarray(x)] * 2), None, *HEADS) for x in (q, k, v))
     _check("flash vmap", jax.vmap(lambda q, k, v: fnattn.attention(spec, q, k, v).out),
            stacked, allowed=None)
+
+    def forward_mode(q, k, v):  # the tangent pass is split like the forward
+        f = lambda q, k, v: fnattn.attention(spec, q, k, v).out  # noqa: E731
+        return jax.jvp(f, (q, k, v), (jnp.cos(q), jnp.sin(k), v))
+
+    _check("flash jvp", forward_mode, (q, k, v), out_specs=[HEADS] * 2)
 
 
 def check_decode():

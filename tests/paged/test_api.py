@@ -574,7 +574,7 @@ def _assert_grads(got, want, used_pages):
 
 
 def test_ragged_gradients_match_dense_gradients():
-    """impl="auto": the default, whose custom_vjp wraps the platform choice."""
+    """impl="auto": the default, whose custom_jvp wraps the platform choice."""
     p = make([(6, 2), (9, 1), (4, 4)], Hq=4, Hkv=2, D=5, page_size=3, max_seqs=4,
              pad_tokens=1, seed=6)
     spec = GRAD_SPEC

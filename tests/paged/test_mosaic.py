@@ -177,7 +177,7 @@ def test_interpret_decode_float16_bthd():
 
 
 def test_interpret_decode_bhtd_and_gradients():
-    """paged_attention with Tq=3 in the "bhtd" layout through the custom_vjp: the forward
+    """paged_attention with Tq=3 in the "bhtd" layout through the custom_jvp: the forward
     equals the dense problem, the gradients the XLA lowering's."""
     B, Tq, Hq, D = 3, 3, 4, 8
     p = _decode_problem(Tq)
@@ -283,16 +283,18 @@ def test_unsupported_page_sizes():
 
 
 def test_pallas_with_page_size_4_raises():
-    """Every platform branch is traced, so impl="pallas" refuses at trace time even on CPU."""
+    """impl="pallas" refuses where the Mosaic kernel is lowered (for a TPU; a branch
+    is traced only for its own platform), with a message naming what to use."""
     p = make([(7, 3), (5, 1)], Hq=4, Hkv=2, D=8, page_size=4, seed=9)
     spec = AttentionSpec(mask=masks.causal(), impl="pallas")
     msg = (r"paged attention: the Mosaic \(TPU\) kernel needs a page size that is a multiple "
            r"of 8 \(got 4: .*\)\. impl='auto' runs such a cache with the XLA lowering on TPU")
-    with pytest.raises(NotImplementedError, match=msg):
-        jax.jit(fnattn.ragged_paged_attention)(spec, p.q, p.k_pages, p.v_pages, **meta(p))
-    with pytest.raises(NotImplementedError, match=msg):
-        jax.jit(fnattn.paged_attention)(spec, p.q[:2, None], p.k_pages, p.v_pages,
-                                        page_table=p.page_table, kv_lengths=p.context_lengths)
+    ragged = jax.jit(lambda q, kp, vp: fnattn.ragged_paged_attention(spec, q, kp, vp, **meta(p)))
+    paged = jax.jit(lambda q, kp, vp: fnattn.paged_attention(
+        spec, q, kp, vp, page_table=p.page_table, kv_lengths=p.context_lengths))
+    for f, q in ((ragged, p.q), (paged, p.q[:2, None])):
+        with tpu_target(), pytest.raises(NotImplementedError, match=msg):
+            f.trace(q, p.k_pages, p.v_pages).lower(lowering_platforms=("tpu",))
 
 
 def test_auto_with_page_size_4_uses_xla_on_tpu():

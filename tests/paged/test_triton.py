@@ -54,7 +54,7 @@ def test_interpret_update_inside_the_kernel():
 
 
 def test_interpret_decode_and_gradients():
-    """paged_attention with Tq=2 through the custom_vjp: gradients equal the XLA path's."""
+    """paged_attention with Tq=2 through the custom_jvp: gradients equal the XLA path's."""
     B, Tq, Hq, D = 3, 2, 4, 8
     p = make([(9, Tq), (4, Tq), (2, Tq)], Hq=Hq, Hkv=1, D=D, page_size=4, seed=4)
     q = p.q.reshape(B, Tq, Hq, D)

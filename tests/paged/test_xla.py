@@ -94,7 +94,7 @@ def _loss(res):
 
 
 def test_gradients_match_dense_gradients():
-    """d/dq, d/dpools and d/dsinks through the custom_vjp, against the dense problem's
+    """d/dq, d/dpools and d/dsinks through the custom_jvp, against the dense problem's
     gradients scattered to the same slots."""
     p = make([(6, 2), (9, 1), (4, 4)], Hq=4, Hkv=2, D=5, page_size=3, max_seqs=4,
              pad_tokens=1, seed=6)

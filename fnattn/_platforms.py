@@ -1,0 +1,187 @@
+"""``dependent``: ``lax.platform_dependent`` whose branches are traced and
+lowered for their own platform only.
+
+``lax.platform_dependent`` traces every branch when it is called and, when a
+function is lowered for several platforms at once (``jax.export(...,
+platforms=("cpu", "cuda", "tpu"))``), lowers each branch it keeps *for every
+one of those platforms*: a Pallas Triton kernel in the "cuda" branch is then
+also lowered for the CPU ("Only interpret mode is supported on CPU backend")
+and for the TPU (Mosaic refuses a Triton-style kernel: a bare
+``AssertionError``). :func:`dependent` binds one primitive instead, with a
+lowering rule per platform: the rule for platform ``p`` traces the branch of
+``p`` (``mlir.lower_fun``) with ``p`` as the only lowering platform, so each
+kernel is lowered for the platform it was written for, whatever the set of
+platforms exported. A branch other than the default is traced only when
+lowered for its platform: a CPU program never traces the GPU or TPU kernels
+(nor computes their schedules), and a branch may raise
+``NotImplementedError`` for what only its platform cannot do (symbolic sizes
+that a kernel grid cannot take) without failing the others.
+
+The output types come from the ``default`` branch, traced once when the
+primitive is bound (and lowered from that trace); if the default refuses the
+inputs (``NotImplementedError``), from the first branch that accepts them,
+and the default raises only where it is lowered. Every branch must return
+the same types (as for ``lax.platform_dependent``). ``vmap`` maps every
+branch and ``jvp`` differentiates every branch (forward mode only; a Pallas
+branch cannot be differentiated anyway: fnattn differentiates around the
+dispatch, never through it).
+
+>>> import jax, jax.numpy as jnp
+>>> f = lambda x: dependent(x, default=lambda x: x + 1.0, cuda=lambda x: x + 2.0)
+>>> jax.jit(f)(jnp.zeros(2)).tolist()  # on a CPU: the default branch
+[1.0, 1.0]
+>>> exp = jax.export.export(jax.jit(f), platforms=("cpu", "cuda"))(jnp.zeros(2))
+>>> exp.platforms
+('cpu', 'cuda')
+>>> jax.jit(jax.vmap(f))(jnp.zeros((3, 2))).shape
+(3, 2)
+>>> jax.jit(lambda x: jax.jvp(f, (x,), (2 * x,)))(jnp.ones(2))[1].tolist()
+[2.0, 2.0]
+"""
+
+from typing import Callable
+
+import jax
+from jax import tree_util
+from jax.extend import core as jex_core
+from jax.interpreters import ad, batching, mlir
+
+__all__ = ["dependent"]
+
+# Platforms with a rule of their own; any other platform lowers the default.
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+
+
+class _Branches:
+    """The branches of one call (compared by identity: a primitive parameter)."""
+
+    def __init__(self, fns: dict, default: Callable, types_jaxpr, default_jaxpr):
+        self.fns = fns                      # platform -> f(*flat) -> flat outputs
+        self.default = default              # the same for the other platforms
+        self.types_jaxpr = types_jaxpr      # a traced branch: the output types
+        self.default_jaxpr = default_jaxpr  # the default, traced (None: it refused)
+
+    def default_fn(self):
+        if self.default_jaxpr is None:
+            return self.default
+        return jex_core.jaxpr_as_fun(self.default_jaxpr)
+
+
+def _flat(fn, in_tree):
+    def flat(*leaves):
+        return tree_util.tree_leaves(fn(*tree_util.tree_unflatten(in_tree, leaves)))
+    return flat
+
+
+def dependent(*args, default: Callable, **branches: Callable):
+    """``branches[p](*args)`` when lowered for platform ``p``, ``default(*args)``
+    for the platforms without a branch (the keywords of
+    ``lax.platform_dependent``: "cpu", "cuda", "rocm", "tpu")."""
+    for p in branches:
+        if p not in PLATFORMS:
+            raise ValueError(f"dependent: no platform {p!r}; one of {PLATFORMS}")
+    leaves, in_tree = tree_util.tree_flatten(args)
+    fns = {p: _flat(fn, in_tree) for p, fn in branches.items()}
+    out_trees = []
+
+    def traced(fn):
+        def f(*leaves_):
+            flat_out, out_tree = tree_util.tree_flatten(
+                fn(*tree_util.tree_unflatten(in_tree, leaves_)))
+            out_trees.append(out_tree)
+            return flat_out
+        return f
+
+    refusals = []
+    default_jaxpr = jaxpr = None
+    for name, fn in (("default", default), *branches.items()):
+        try:
+            jaxpr = jax.make_jaxpr(traced(fn))(*leaves)
+        except NotImplementedError as e:
+            refusals.append((name, e))
+            continue
+        default_jaxpr = jaxpr if name == "default" else None
+        break
+    if jaxpr is None:
+        if len(refusals) == 1:
+            raise refusals[0][1]
+        raise NotImplementedError("\n".join(
+            f"{'other platforms' if name == 'default' else name}: {e}" for name, e in refusals))
+    outs = _p.bind(*leaves, branches=_Branches(fns, _flat(default, in_tree), jaxpr,
+                                                default_jaxpr))
+    return tree_util.tree_unflatten(out_trees[-1], outs)
+
+
+_p = jex_core.Primitive("fnattn_platform_dependent")
+_p.multiple_results = True
+
+
+def _abstract_eval(*avals, branches):
+    del avals
+    # (the effects of a Pallas interpreter's branch: its ordered callbacks)
+    return list(branches.types_jaxpr.out_avals), branches.types_jaxpr.effects
+
+
+def _impl(*args, branches):
+    # Eagerly: lowered for the platform of the default device, as under jit.
+    return jax.jit(lambda *a: _p.bind(*a, branches=branches))(*args)
+
+
+def _rule(platform):
+    def rule(ctx, *args, branches):
+        if platform is None or platform not in branches.fns:
+            fn = branches.default_fn()
+        else:
+            fn = _checked(branches.fns[platform], branches.types_jaxpr.out_avals, platform)
+        return mlir.lower_fun(fn, multiple_results=True)(ctx, *args)
+    return rule
+
+
+def _checked(fn, avals, platform):
+    """``fn`` whose outputs must have the types ``avals`` (those of the default)."""
+    def f(*args):
+        outs = fn(*args)
+        got = [(tuple(jax.typeof(o).shape), jax.typeof(o).dtype) for o in outs]
+        want = [(tuple(a.shape), a.dtype) for a in avals]
+        if [str(g) for g in got] != [str(w) for w in want]:
+            raise TypeError(f"dependent: branches must have equal output types; the "
+                            f"{platform!r} branch returned {got}, the default {want}")
+        return outs
+    return f
+
+
+def _batch(args, dims, *, branches):
+    axes = tuple(dims)  # (None: not mapped)
+
+    def mapped(fn):
+        return jax.vmap(fn, in_axes=axes, out_axes=0)
+
+    others = {p: mapped(fn) for p, fn in branches.fns.items()}
+    outs = dependent(*args, default=mapped(branches.default_fn()), **others)
+    return list(outs), [0] * len(outs)
+
+
+def _jvp(primals, tangents, *, branches):
+    # The primal outputs from the primitive itself, the tangents from a second
+    # one whose branches are each branch's jvp: forward mode works; reverse
+    # mode would need a transpose of the second, which fnattn never asks for
+    # (it differentiates around the dispatch).
+    outs = _p.bind(*primals, branches=branches)
+    tangents = [ad.instantiate_zeros(t) for t in tangents]
+    n = len(primals)
+
+    def tangent_of(fn):
+        return lambda *xs: jax.jvp(lambda *a: tuple(fn(*a)), xs[:n], xs[n:])[1]
+
+    others = {p: tangent_of(fn) for p, fn in branches.fns.items()}
+    return outs, list(dependent(*primals, *tangents, default=tangent_of(branches.default_fn()),
+                                **others))
+
+
+_p.def_effectful_abstract_eval(_abstract_eval)
+_p.def_impl(_impl)
+for _plat in PLATFORMS:
+    mlir.register_lowering(_p, _rule(_plat), platform=_plat)
+mlir.register_lowering(_p, _rule(None))
+batching.primitive_batchers[_p] = _batch
+ad.primitive_jvps[_p] = _jvp
