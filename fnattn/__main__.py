@@ -178,6 +178,37 @@ def context_parallel(dtype, tol, shape, base_t):
     return status == "FAIL"
 
 
+def forward_mode(dtype, tol, shape):
+    """jax.jvp through attention (impl="auto"), checked against the reference's
+    own jvp and timed next to jax.nn's. Returns True on failure."""
+    print("\nforward-mode differentiation: jax.jvp with tangents for q, k and v, causal")
+    spec = AttentionSpec(mask=masks.causal())
+
+    def jvp(fn):
+        return lambda s, q, k, v: jax.jvp(lambda q, k, v: fn(s, q, k, v), (q, k, v),
+                                          (v.mean() + q, k, v))[1]
+
+    fast = lambda s, q, k, v: fnattn.attention(s, q, k, v).out  # noqa: E731
+    ref = lambda s, q, k, v: fnattn.attention(s.replace(impl="reference"), q, k, v).out  # noqa
+    q, k, v = _inputs(2, 97, 4, 2, 32, dtype)
+    got = jax.jit(lambda q, k, v: jvp(fast)(spec, q, k, v))(q, k, v).astype(jnp.float32)
+    want = jax.jit(lambda q, k, v: jvp(ref)(spec, q, k, v))(q, k, v).astype(jnp.float32)
+    err = float(jnp.max(jnp.abs(got - want))) / max(1.0, float(jnp.max(jnp.abs(want))))
+    status = "PASS" if err <= tol else "FAIL"
+    B, T, H, D = shape
+    args = _inputs(B, T, H, H, D, dtype, 1)
+    # (jax.nn's cuDNN path has no forward mode: its XLA path is the baseline)
+    nn = lambda s, q, k, v: jax.nn.dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=True, implementation="xla")
+    base_t, base_m = timeit(jvp(nn), spec, *args, reps=3)
+    t, m = timeit(jvp(fast), spec, *args, reps=3)
+    print(f"{'jax.jvp of jax.nn (xla)':32s} {'(baseline)':18s} {base_t * 1e3:8.1f}ms "
+          f"{base_m / 2**20:8.1f}MB {1.0:8.2f}x")
+    print(f"{'jax.jvp of attention impl=auto':32s} {status + f' ({err:.1e})':18s} "
+          f"{t * 1e3:8.1f}ms {m / 2**20:8.1f}MB {base_t / t:8.2f}x")
+    return status == "FAIL"
+
+
 def main():
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
@@ -219,6 +250,7 @@ def main():
               f"{t * 1e3:8.1f}ms {m / 2**20:8.1f}MB {speed:8.2f}x")
     causal_base = next(t for name, causal, _, t, _, _ in rows
                        if name.startswith("jax.nn") and causal)
+    failed |= forward_mode(dtype, tol, (B, T, H, D))
     failed |= context_parallel(dtype, tol, (B, T, H, D), causal_base)
     failed |= serving(gpu, dtype, tol)
     if failed:
