@@ -42,6 +42,8 @@ import subprocess
 import sys
 import time
 
+from flash import _cpu_name  # the sibling benchmark (this directory is on sys.path)
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 STAGES = ("trace", "lower", "compile", "exec")
@@ -110,17 +112,6 @@ def run_child(cfg, timeout):
             return dict(json.loads(line), status="ok")
     tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
     return dict(cfg, status=f"failed (rc {p.returncode}): {tail[0][:200]}")
-
-
-def _cpu_name():
-    try:
-        with open("/proc/cpuinfo") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def _first(r):

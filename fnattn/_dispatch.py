@@ -174,17 +174,14 @@ class Derivatives(_linear.Rule):
                                    tuple(mask_leaves), seed, out, lse, lse_lo, *cts))
 
     def smooth(self, res):
-        from fnattn.reference import dense_attention
+        from fnattn import xla  # (fnattn.xla builds on this module)
         q, k, v, bias, sinks, seed, _, _, _, *mask_leaves = res
-        cfg = self.cfg
+        dense = xla.dense(self.cfg, self.cfg.mask(mask_leaves), seed)
         acc = jnp.promote_types(jnp.float32, q.dtype)
 
         def f(q, k, v, bias, sinks):
-            up = [None if x is None else x.astype(acc) for x in (q, k, v, bias, sinks)]
-            out, lse = dense_attention(*up[:3], bias=up[3], sinks=up[4],
-                                       mask=cfg.mask(mask_leaves), seed=seed, scale=cfg.scale,
-                                       softcap=cfg.softcap, dropout_rate=cfg.dropout_rate,
-                                       upcast=True, q_offset=cfg.q_offset)
+            out, lse = dense(*[None if x is None else x.astype(acc)
+                               for x in (q, k, v, bias, sinks)])
             return out.astype(q.dtype), lse.astype(jnp.float32)
 
         return f, (q, k, v, bias, sinks)

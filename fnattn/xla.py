@@ -23,15 +23,20 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed):
     return out.astype(q.dtype), lse, jnp.zeros_like(lse)
 
 
-def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse):
-    acc = jnp.promote_types(jnp.float32, q.dtype)
-
+def dense(cfg, mask, seed):
+    """``(q, k, v, bias, sinks) -> (out, lse)``: the dense forward of ``cfg`` as plain
+    JAX code (differentiable any number of times), computing in the inputs' dtype."""
     def f(q, k, v, bias, sinks):
         return dense_attention(q, k, v, bias=bias, sinks=sinks, mask=mask, seed=seed,
                                scale=cfg.scale, softcap=cfg.softcap,
                                dropout_rate=cfg.dropout_rate, upcast=True,
                                q_offset=cfg.q_offset)
+    return f
 
+
+def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse):
+    acc = jnp.promote_types(jnp.float32, q.dtype)
+    f = dense(cfg, mask, seed)
     primals = (q, k, v, bias, sinks)
     up = tuple(None if x is None else x.astype(acc) for x in primals)
     _, vjp = jax.vjp(f, *up)
@@ -43,13 +48,7 @@ def _tangent(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, *tangents)
     """(d_out, d_lse): ``jax.jvp`` of the forward, in the accumulation dtype."""
     del out, lse, lse_lo
     acc = jnp.promote_types(jnp.float32, q.dtype)
-
-    def f(q, k, v, bias, sinks):
-        return dense_attention(q, k, v, bias=bias, sinks=sinks, mask=mask, seed=seed,
-                               scale=cfg.scale, softcap=cfg.softcap,
-                               dropout_rate=cfg.dropout_rate, upcast=True,
-                               q_offset=cfg.q_offset)
-
+    f = dense(cfg, mask, seed)
     up = lambda xs: tuple(None if x is None else x.astype(acc) for x in xs)  # noqa: E731
     _, (d_out, d_lse) = jax.jvp(f, up((q, k, v, bias, sinks)), up(tangents))
     return d_out.astype(q.dtype), d_lse.astype(jnp.float32)
