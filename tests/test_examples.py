@@ -1,0 +1,35 @@
+"""The scripts in examples/ run and check what they claim (each in this process,
+with small sizes; examples/context_parallel.py runs in the 8-device subprocess
+of tests/test_shard_map.py, see tests/multi_device/examples_checks.py)."""
+
+import importlib.util
+import os
+
+import numpy as np
+
+EXAMPLES = os.path.join(os.path.dirname(__file__), "..", "examples")
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}",
+                                                  os.path.join(EXAMPLES, name + ".py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_train_gpt_losses_equal_jax_nn(capsys):
+    a, b = load("train_gpt").main(["--steps", "25", "--seq", "48", "--batch", "4"])
+    np.testing.assert_allclose(a, b, rtol=1e-3)
+    assert a[-1] < 0.7 * a[0]
+    assert "max relative loss difference" in capsys.readouterr().out
+
+
+def test_every_example_is_tested():
+    here = open(__file__).read()
+    shard = open(os.path.join(os.path.dirname(__file__), "multi_device",
+                              "examples_checks.py")).read()
+    for f in sorted(os.listdir(EXAMPLES)):
+        if f.endswith(".py"):
+            name = f[:-3]
+            assert f'"{name}"' in here or f"{name}.py" in shard, f"examples/{f} has no test"
