@@ -107,7 +107,13 @@ def child(cfg):
     else:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     t = float(np.median(times))
-    flops = 4.0 * B * H * T * T * D * (0.5 if causal else 1.0) * (1.0 if mode == "fwd" else 3.5)
+    # FLOPs of the pairs the mask lets through (fnattn.cost: causal counts half;
+    # forward + backward is 3.5 forwards), the same count for every implementation
+    from fnattn import AttentionSpec, cost, masks
+    cspec = AttentionSpec(mask=masks.causal() if causal else None)
+    flops = cost.estimate(cspec, q, k, v).flops
+    if mode != "fwd":
+        flops += cost.estimate(cspec, q, k, v, backward=True).flops
     print(json.dumps(dict(info, status="ok", time_s=t, min_s=min(times), max_s=max(times),
                           reps=reps, gflops=flops / t / 1e9, peak_mb=peak / 2**20,
                           xla_mb=xla_bytes / 2**20, load=round((load0 + os.getloadavg()[0]) / 2, 1))))
@@ -235,8 +241,9 @@ def write(rows, args, seconds):
         f"- jax {jaxv}, Python {platform.python_version()}\n"
         f"- command: `{cmd.strip()}` ({seconds / 60:.0f} min)\n"
         f"- time: median of several calls after a warm-up call (min and max beside it: "
-        f"the machine is shared, so the spread is the noise); {unit} counts 4·B·H·T²·D "
-        f"for the forward, halved when causal, ×3.5 for forward+backward\n"
+        f"the machine is shared, so the spread is the noise); {unit} counts "
+        f"`fnattn.cost.estimate`'s FLOPs: 4·B·H·T²·D for the forward, halved when causal, "
+        f"×3.5 for forward+backward\n"
         f"- peak MB: CPU: increase of the configuration's own process peak RSS over its "
         f"size once the inputs exist (includes compilation); GPU: allocator peak bytes "
         f"in use. XLA MB: the compiled program's temporary + output buffers\n"

@@ -6,7 +6,7 @@
 (1, 4, 2, 8)
 """
 
-from fnattn import context, dropout, masks, sharding
+from fnattn import context, cost, dropout, masks, sharding
 from fnattn.core import attention
 from fnattn.decoding import DecodeBlockSizes, decode
 from fnattn.flash.api import flash
@@ -32,6 +32,7 @@ __all__ = [
     "flash",
     "attention",
     "context",
+    "cost",
     "decode",
     "dropout",
     "masks",

@@ -61,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fnattn import _checks, _online, _varying, dropout, masks
+from fnattn import _checks, _online, _varying, cost, dropout, masks
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks
 
@@ -782,6 +782,22 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     return out.astype(q.dtype), lse[:, :, 0, :d.q_len], lo[:, :, 0, :d.q_len]
 
 
+def _cost(K: _K, chunk: _Chunk, d: int, dv: int, itemsize: int, *, kernel: str):
+    """The ``pl.CostEstimate`` of one call (see :mod:`fnattn.cost`): the tiles its
+    schedule visits (a static schedule's exact count; a traced one's grid size,
+    an upper bound), the column operands read once per tile and the row operands
+    (read, and written back) once per row block."""
+    if isinstance(chunk.count, np.ndarray):
+        n = int(chunk.count.sum()) * (1 if K.sb else K.B) * (1 if K.sh else K.Hq)
+    else:
+        n = K.B * K.Hq * K.n_rows * K.W
+    rows = K.B * K.Hq * K.n_rows * K.br
+    per_row = (d + dv) * itemsize * (1 if kernel == "forward" else 2) + 8 * LANES
+    moved = n * K.bc * (d + dv) * itemsize + rows * per_row
+    return cost.tiles(n, K.br, K.bc, d, dv, kernel=kernel, softcap=K.softcap is not None,
+                      bytes_accessed=moved)
+
+
 def _q_row_maps(K: _K):
     """Index-map pieces of the kernels whose grid is (B, Hq, q-blocks, steps):
     the kv-block of a step, the (b, h, q-block, kv-block) coordinates of its
@@ -827,6 +843,7 @@ def _forward_call(K: _K, P: _Plan, cd, chunk: _Chunk, qf, kf, vf, extras, *, int
                    jax.ShapeDtypeStruct((B, Hq, SUBLANES, rows), F32),
                    jax.ShapeDtypeStruct((B, Hq, SUBLANES, rows), F32)],
         name="fnattn_flash_mosaic_fwd",
+        cost_estimate=_cost(K, chunk, P.Dp, P.Dvp, jnp.dtype(cd).itemsize, kernel="forward"),
         **_params(interpret),
     )(chunk.code, chunk.count, qf, kf, vf, *extra)
 
@@ -960,7 +977,9 @@ def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, lo8,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, Hq, chunk.n, W), in_specs=in_specs,
             out_specs=out_specs, scratch_shapes=scratch),
-        out_shape=out_shape, name="fnattn_flash_mosaic_dq", **_params(interpret),
+        out_shape=out_shape, name="fnattn_flash_mosaic_dq",
+        cost_estimate=_cost(K, chunk, P.Dp, P.Dvp, jnp.dtype(cd).itemsize, kernel="backward_dq"),
+        **_params(interpret),
     )(chunk.code, chunk.count, qf, kf, vf, dof, lse8, lo8, delta8, *extra)
 
 
@@ -1007,7 +1026,10 @@ def _dkv_call(K: _K, P: _Plan, Pt: _Plan, cd, chunk: _Chunk, qf, kf, vf, dof, ls
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2, grid=(B, Hkv, chunk.n, G * W), in_specs=in_specs,
             out_specs=out_specs, scratch_shapes=scratch),
-        out_shape=out_shape, name="fnattn_flash_mosaic_dkv", **_params(interpret),
+        out_shape=out_shape, name="fnattn_flash_mosaic_dkv",
+        cost_estimate=_cost(K, chunk, P.Dp, P.Dvp, jnp.dtype(cd).itemsize,
+                            kernel="backward_dkv"),
+        **_params(interpret),
     )(chunk.code, chunk.count, qf, kf, vf, dof, lse8, lo8, delta8, *extra)
 
 
