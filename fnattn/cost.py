@@ -34,7 +34,7 @@ import numpy as np
 from fnattn import masks
 from fnattn.spec import AttentionSpec
 
-__all__ = ["Cost", "estimate", "mask_density", "tiles"]
+__all__ = ["Cost", "estimate", "mask_density", "serving", "tiles"]
 
 MAX_TILES = 1024  # per axis, for the density grid
 
@@ -178,3 +178,19 @@ def tiles(n_tiles, block_rows: int, block_cols: int, d: int, dv: int, *, kernel:
     pairs = int(n_tiles) * block_rows * block_cols
     return Cost(float(2 * (cd * d + cv * dv) * pairs), float((2 if softcap else 1) * pairs),
                 float(bytes_accessed), 1.0, True).as_pallas()
+
+
+def serving(tokens: int, q_heads: int, keys_per_token: int, d: int, dv: int, *,
+            softcap: bool, cache_bytes: float, io_bytes: float):
+    """A ``pl.CostEstimate`` for a decode or paged kernel call whose ``tokens``
+    queries (of ``q_heads`` heads) each see at most ``keys_per_token`` keys
+    (the cache's capacity: the lengths are data, so an upper bound), reading
+    ``cache_bytes`` of K/V and ``io_bytes`` of queries and outputs.
+
+    >>> serving(4, 8, 1024, 128, 128, softcap=False, cache_bytes=2**20, io_bytes=0).flops
+    16777216
+    """
+    pairs = int(tokens) * q_heads * keys_per_token
+    fl, tr = _pair_costs(d, dv, backward=False, softcap=softcap)
+    return Cost(float(fl * pairs), float(tr * pairs), float(cache_bytes + io_bytes), 1.0,
+                False).as_pallas()

@@ -105,3 +105,32 @@ def test_mosaic_kernels_carry_the_cost_of_the_tiles_they_visit(mask):
     whole = cost.estimate(spec, x, x, x)
     if mask is None:
         assert min(flops) == whole.flops
+
+
+def test_decode_and_ragged_paged_kernels_carry_upper_bounds():
+    """The lengths are data: every query is counted against the whole cache (decode)
+    or a whole sequence's pages (ragged paged), and the whole cache/pool is read."""
+    B, Tq, Hq, Hkv, S, D = 2, 1, 8, 2, 1024, 128
+    q = jnp.zeros((B, Tq, Hq, D), BF16)
+    kc = jnp.zeros((B, S, Hkv, D), BF16)
+    L = jnp.zeros((B,), jnp.int32)
+    dec = jax.jit(lambda q, k, L: fnattn.decode(AttentionSpec(impl="pallas"), q, k, k,
+                                                kv_lengths=L))
+    N, ps, P, T, seqs = 32, 16, 5, 11, 3
+    kp = jnp.zeros((Hkv, N, ps, D), BF16)
+    m = dict(page_table=jnp.zeros((seqs, P), jnp.int32),
+             context_lengths=jnp.zeros(seqs, jnp.int32),
+             query_start_loc=jnp.zeros(seqs + 1, jnp.int32), num_seqs=jnp.int32(seqs))
+    rag = jax.jit(lambda q, kp: fnattn.ragged_paged_attention(
+        AttentionSpec(impl="pallas", softcap=20.0), q, kp, kp, **m))
+    with target("tpu"):
+        dtxt = dec.trace(q, kc, L).lower(lowering_platforms=("tpu",)).as_text()
+        rtxt = rag.trace(jnp.zeros((T, Hq, D), BF16), kp).lower(
+            lowering_platforms=("tpu",)).as_text()
+    [d] = _estimates(dtxt)
+    assert d["flops"] == 2 * 2 * D * B * Tq * Hq * S and d["transcendentals"] == B * Tq * Hq * S
+    assert d["bytes_accessed"] == 2 * (B * S * Hkv * 2 * D + B * Tq * Hq * 2 * D)
+    [r] = _estimates(rtxt)
+    assert r["flops"] == 2 * 2 * D * T * Hq * P * ps
+    assert r["transcendentals"] == 2 * T * Hq * P * ps                # with the soft-cap's tanh
+    assert r["bytes_accessed"] == 2 * (N * ps * Hkv * 2 * D + T * Hq * 2 * D)

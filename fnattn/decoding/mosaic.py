@@ -55,7 +55,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from fnattn import _checks
 from fnattn import _online as online
-from fnattn import _varying, masks
+from fnattn import _varying, cost, masks
 from fnattn.decoding import common, xla
 from fnattn.decoding.common import F32, I32
 from fnattn.merging import merge_stacked
@@ -288,6 +288,10 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
         interpret=interpret, name=KERNEL_NAME,
+        cost_estimate=cost.serving(
+            B * Tq, Hkv * G, S, D, Dv, softcap=cfg.softcap is not None,
+            cache_bytes=B * S * Hkv * (D + Dv) * jnp.dtype(cd).itemsize,
+            io_bytes=B * Tq * Hkv * G * (D + Dv) * jnp.dtype(cd).itemsize),
     )(meta, *args)
     # Head hh's output is its own columns of the block's.
     out = out.reshape(out.shape[:-1] + (hb, Dv))

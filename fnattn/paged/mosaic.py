@@ -30,6 +30,7 @@ with the XLA lowering on TPU.
 
 import dataclasses
 import functools
+import math
 from typing import Any, Optional
 
 import jax
@@ -40,7 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from fnattn import _checks
 from fnattn import _online as online
-from fnattn import _varying, masks
+from fnattn import _varying, cost, masks
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -223,6 +224,17 @@ def _compute_dtype(dtype):
     return F32 if dtype == jnp.float16 else dtype
 
 
+def _cost(cfg: Cfg, T, Hkv, G, D, Dv, cd, k_pages):
+    """Upper bounds (the lengths are data): every token sees a whole sequence's
+    pages, and the kernel reads at most every page of the pool once per kv head."""
+    size = jnp.dtype(cd).itemsize
+    keys = cfg.pages_per_seq * cfg.page_size
+    pool_keys = math.prod(k_pages.shape) // (Hkv * D)
+    return cost.serving(T, Hkv * G, keys, D, Dv, softcap=cfg.softcap is not None,
+                        cache_bytes=pool_keys * Hkv * (D + Dv) * size,
+                        io_bytes=T * Hkv * G * (D + Dv) * size)
+
+
 def write_tokens(cfg: Cfg, meta: Meta, k_pages, v_pages, new_k, new_v, *, interpret=False):
     """The pools with the new tokens written at their slots (in place when donated)."""
     # One item per sequence: the kernel loops over its tokens.
@@ -324,6 +336,7 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
         compiler_params=pltpu.CompilerParams(
             dimension_semantics=("parallel", "parallel", "parallel")),
         interpret=interpret, name="fnattn_paged_mosaic",
+        cost_estimate=_cost(cfg, T, Hkv, G, D, Dv, cd, k_pages),
     )(work.stacked().reshape(-1), meta.page_table.reshape(-1), *args)
     lse = lse[..., 0]
     if splits > 1:
