@@ -142,8 +142,9 @@ def shard_offsets(q, *, layout: str = "bthd", batch_axis: Optional[AxisName] = N
     Args:
       q: this shard's queries (only the shape is read).
       layout: "bthd" or "bhtd".
-      batch_axis, head_axis: a mesh axis name, a tuple of names (major first),
-        or None where that axis is not split.
+      batch_axis: the mesh axis that splits the batch: a name, a tuple of
+        names (major first), or None where the batch is not split.
+      head_axis: the same for the query heads.
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.sharding import PartitionSpec as P

@@ -362,10 +362,11 @@ def rules(spec: Optional[AttentionSpec] = None, *, mode: str = "train",
         (a contiguous cache), "paged" or "ragged_paged" (a paged pool); see
         the module docstring.
       layout: "bthd" or "bhtd"; defaults to ``spec.layout`` (or "bthd").
-      batch, heads, sequence: the mesh axis (a name, a tuple of names, major
-        first, or None) that splits the batch, the query heads, the sequence
-        (T in train/prefill, the cache slots S in decode; refused in the paged
-        modes).
+      batch: the mesh axis (a name, a tuple of names, major first, or None)
+        that splits the batch.
+      heads: the same for the query heads.
+      sequence: the same for the sequence (T in train/prefill, the cache
+        slots S in decode; refused in the paged modes).
       kv_heads: the axis that splits the kv heads: the same as ``heads`` by
         default (GQA groups stay together); None replicates them (multi-query
         attention only).
@@ -576,10 +577,16 @@ def sharded_attention(spec: AttentionSpec, q, k, v, *, mesh, batch: AxisName = N
     Args:
       spec: the :class:`~fnattn.AttentionSpec`, with global arrays (segment ids
         (B, T), bias (B|1, H|1, Tq, Tk), ...).
-      q, k, v: global arrays in ``spec.layout``.
+      q: global queries in ``spec.layout``.
+      k: global keys in ``spec.layout``.
+      v: global values in ``spec.layout``.
       mesh: the ``jax.sharding.Mesh`` to run on.
-      batch, heads, kv_heads, sequence: mesh axes, as for :func:`rules`.
-      strategy, layout: of context parallelism; used only with ``sequence``.
+      batch: mesh axis, as for :func:`rules`.
+      heads: mesh axis, as for :func:`rules`.
+      kv_heads: mesh axis, as for :func:`rules`.
+      sequence: mesh axis, as for :func:`rules`.
+      strategy: of context parallelism; used only with ``sequence``.
+      layout: of context parallelism; used only with ``sequence``.
 
     Returns:
       :class:`~fnattn.AttentionOutput` of global arrays.

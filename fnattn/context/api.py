@@ -37,7 +37,8 @@ def attention(spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..
       spec: the :class:`fnattn.AttentionSpec`; ``impl`` "auto" (the platform's
         flash kernel per step), "xla" or "pallas".
       q: this device's queries, (B, L, Hq, D) in "bthd" or (B, Hq, L, D).
-      k, v: this device's keys and values, (B, L, Hkv, D) and (B, L, Hkv, Dv).
+      k: this device's keys, (B, L, Hkv, D).
+      v: this device's values, (B, L, Hkv, Dv).
       axis_name: the mesh axis that splits the sequence.
       strategy: "ring" (K/V travel around the axis, overlapped with compute; memory
         O(L) per device) or "all_gather" (gather K/V once; best when K/V are small).

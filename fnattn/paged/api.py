@@ -391,8 +391,9 @@ def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shape
       q: (B, Tq, Hq, D) ("bthd") or (B, Hq, Tq, D) ("bhtd"): the Tq newest
         tokens of each sequence (Tq is small: 1 for decode, a few for
         speculative decoding).
-      k_pages, v_pages: the pools, (Hkv, num_pages, page_size, D) and
-        (Hkv, num_pages, page_size, Dv); Hq must be a multiple of Hkv.
+      k_pages: the pool of keys, (Hkv, num_pages, page_size, D); Hq must be a
+        multiple of Hkv.
+      v_pages: the pool of values, (Hkv, num_pages, page_size, Dv).
       page_table: (B, max_pages_per_seq) int32: pool page of each logical page.
       kv_lengths: (B,) int: keys of each sequence, the Tq new ones included
         (they must already be in the pool).
@@ -512,7 +513,8 @@ def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
       spec: the :class:`AttentionSpec` (as for :func:`paged_attention`; layout
         must be "bthd").
       q: (total_tokens, Hq, D), the new tokens of every sequence, packed.
-      k_pages, v_pages: (Hkv, num_pages, page_size, D) and (..., Dv).
+      k_pages: (Hkv, num_pages, page_size, D).
+      v_pages: (Hkv, num_pages, page_size, Dv).
       page_table: (max_seqs, max_pages_per_seq) int32.
       context_lengths: (max_seqs,) int32, all tokens of each sequence.
       query_start_loc: (max_seqs + 1,) int32 cumulative token offsets.
@@ -582,11 +584,13 @@ def ragged_paged_attention_with_update(
     Pallas kernels alias them to their outputs (``input_output_aliases``).
     On GPUs the Triton kernel writes the new tokens *inside* the attention
     kernel and reads them from ``k``/``v`` rather than from the pool, so there
-    is no second pass. Not differentiable.
+    is no second pass. Not differentiable. The arguments past ``v`` are those
+    of :func:`ragged_paged_attention`.
 
     Args:
-      q: (total_tokens, Hq, D); k: (total_tokens, Hkv, D); v: (total_tokens, Hkv, Dv).
-      the rest: as :func:`ragged_paged_attention`.
+      q: (total_tokens, Hq, D).
+      k: (total_tokens, Hkv, D), the new tokens' keys.
+      v: (total_tokens, Hkv, Dv), the new tokens' values.
 
     Returns:
       ``(AttentionOutput, k_pages, v_pages)`` with the updated pools.

@@ -1,0 +1,168 @@
+"""The documentation site builds with ``mkdocs build --strict`` and holds what it should.
+
+A broken link or anchor, a nav entry without a page, a docstring that documents a
+parameter its function lacks, or a stale Sphinx role (``:func:`gone```) fails the
+build; a page under docs/ missing from the nav fails ``test_every_page_is_in_the_nav``.
+The build reads the sources statically (griffe) and needs no network.
+"""
+
+import html
+import inspect
+import logging
+import os
+import re
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import yaml
+
+import fnattn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DOCS = os.path.join(ROOT, "docs")
+CONFIG = os.path.join(ROOT, "mkdocs.yml")
+ENV = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+
+
+def _build(config: str, site_dir: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", config,
+         "--site-dir", site_dir],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+
+
+def _text(path: str) -> str:
+    """The visible text of an HTML page's article, tags stripped."""
+    page = open(path, encoding="utf-8").read()
+    page = page.split("<article", 1)[1].split("</article>", 1)[0]
+    return html.unescape(re.sub(r"<[^>]+>", "", page))
+
+
+def _nav_pages(nav) -> list:
+    pages = []
+    for entry in nav:
+        value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+        if isinstance(value, list):
+            pages += _nav_pages(value)
+        elif not re.match(r"[a-z]+://", value):
+            pages.append(value)
+    return pages
+
+
+def _config() -> dict:
+    with open(CONFIG, encoding="utf-8") as f:
+        return yaml.safe_load(f)
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory):
+    site_dir = str(tmp_path_factory.mktemp("site"))
+    res = _build(CONFIG, site_dir)
+    assert res.returncode == 0, (
+        "mkdocs build --strict failed; its warnings:\n"
+        + "\n".join(line for line in (res.stdout + res.stderr).splitlines()
+                    if "WARNING" in line or "ERROR" in line or "Error" in line))
+    return site_dir
+
+
+def test_site_has_every_nav_page(site):
+    assert os.path.isfile(os.path.join(site, "index.html"))
+    for page in _nav_pages(_config()["nav"]):
+        name = page[:-len(".md")]
+        html_path = "index.html" if name == "index" else os.path.join(name, "index.html")
+        assert os.path.isfile(os.path.join(site, html_path)), f"{page} was not built"
+
+
+def test_api_reference_is_generated_from_the_docstrings(site):
+    text = _text(os.path.join(site, "api", "fnattn", "index.html"))
+    # The signature as rendered from the source: every parameter of fnattn.attention.
+    signature = re.search(r"attention\((.*?)\)\s*->\s*AttentionOutput", text, re.S)
+    assert signature is not None, "no rendered signature of fnattn.attention"
+    params = re.findall(r"(\w+):", signature[1])
+    assert params == list(inspect.signature(fnattn.attention).parameters)
+    summary = inspect.getdoc(fnattn.attention).splitlines()[0]
+    assert html.unescape(summary.replace("``", "")) in text
+    # Parameters are rendered from the Args section, and the example from the docstring.
+    assert "Parameters:" in text and "jax.jit(fnattn.attention)(spec, q, k, v)" in text
+    for page, names in {"masks": ["fnattn.masks.causal", "fnattn.masks.segments"],
+                        "paged": ["fnattn.PagedKVCache", "fnattn.paged_attention"],
+                        "sharding": ["fnattn.sharding.rules"],
+                        "block_sizes": ["fnattn.TritonBlockSizes"]}.items():
+        source = open(os.path.join(site, "api", page, "index.html"), encoding="utf-8").read()
+        for name in names:
+            assert f'id="{name}"' in source, f"{name} is not documented on api/{page}"
+
+
+def test_sphinx_roles_become_links(site):
+    for page in sorted(os.listdir(os.path.join(site, "api"))):
+        text = _text(os.path.join(site, "api", page, "index.html"))
+        assert not re.search(r":(func|class|meth|mod|data):", text), f"a raw role on api/{page}"
+    source = open(os.path.join(site, "api", "sharding", "index.html"), encoding="utf-8").read()
+    assert 'href="#fnattn.sharding.rules"' in source  # ":func:`rules`" in sharded_attention
+
+
+def test_every_page_is_in_the_nav():
+    on_disk = sorted(
+        os.path.relpath(os.path.join(d, f), DOCS).replace(os.sep, "/")
+        for d, dirs, files in os.walk(DOCS) for f in files if f.endswith(".md")
+        if not any(part.startswith("_") for part in os.path.relpath(d, DOCS).split(os.sep)))
+    missing = sorted(set(on_disk) - set(_nav_pages(_config()["nav"])))
+    lines = []
+    for page in missing:
+        first = open(os.path.join(DOCS, page), encoding="utf-8").readline()
+        title = first.lstrip("#").strip() if first.startswith("#") else page
+        lines.append(f"      - {title}: {page}")
+    assert not missing, ("pages under docs/ that mkdocs.yml's nav does not list; add under "
+                         "the right section:\n" + "\n".join(lines))
+
+
+def test_a_broken_link_fails_the_build(tmp_path):
+    docs = tmp_path / "docs"
+    shutil.copytree(DOCS, docs)
+    with open(docs / "quickstart.md", "a", encoding="utf-8") as f:
+        f.write("\nSee [the missing page](no_such_page.md).\n")
+    config = _config()
+    config["docs_dir"] = str(docs)
+    python = config["plugins"][-1]["mkdocstrings"]["handlers"]["python"]
+    python["paths"] = [ROOT]
+    python["options"]["extensions"] = [os.path.join(ROOT, e) for e in
+                                       python["options"]["extensions"]]
+    (tmp_path / "mkdocs.yml").write_text(yaml.safe_dump(config))
+    res = _build(str(tmp_path / "mkdocs.yml"), str(tmp_path / "site"))
+    assert res.returncode != 0
+    assert "no_such_page.md" in res.stdout + res.stderr
+
+
+def test_a_stale_sphinx_role_is_a_warning(tmp_path, caplog):
+    """The griffe extension of the site resolves every role against the package."""
+    import griffe
+
+    package = tmp_path / "fnattn"
+    package.mkdir()
+    (package / "__init__.py").write_text(textwrap.dedent('''
+        """Package.
+
+        :func:`good` and :func:`fnattn.sub.helper` and :mod:`.sub` and
+        :func:`jax.numpy.sum` and :func:`gone` and :func:`fnattn.sub.gone_too`.
+        """
+        from fnattn.sub import helper
+
+        def good():
+            """See :func:`helper`."""
+        '''))
+    (package / "sub.py").write_text('def helper():\n    """Help."""\n')
+    extension = os.path.join(DOCS, "_ext", "sphinx_roles.py") + ":SphinxRoles"
+    with caplog.at_level(logging.WARNING):
+        pkg = griffe.load("fnattn", search_paths=[str(tmp_path)], try_relative_path=False,
+                          extensions=griffe.load_extensions(extension))
+    doc = pkg.docstring.value
+    assert '<autoref identifier="fnattn.good" optional><code>good</code></autoref>' in doc
+    assert 'identifier="fnattn.sub.helper"' in doc and 'identifier="fnattn.sub"' in doc
+    assert "<code>jax.numpy.sum</code>" in doc and "jax.numpy.sum</autoref>" not in doc
+    assert 'identifier="fnattn.sub.helper"' in pkg["good"].docstring.value
+    stale = [r.getMessage() for r in caplog.records if "stale reference" in r.getMessage()]
+    assert len(stale) == 2, stale
+    assert "'gone' does not resolve" in stale[0] and "fnattn.sub.gone_too" in stale[1]
