@@ -8,14 +8,14 @@
 
 from fnattn import context, cost, dropout, masks, sharding
 from fnattn.core import attention
-from fnattn.decoding import DecodeBlockSizes, decode
+from fnattn.decoding import DecodeBlockSizes, decode, decode_with_update
 from fnattn.flash.api import flash
 from fnattn.flash.mosaic import MosaicBlockSizes
 from fnattn.flash.triton import TritonBlockSizes
 from fnattn.flash.xla import XlaBlockSizes
 from fnattn.merging import merge
 from fnattn.reference import reference
-from fnattn.cache import PagedKVCache
+from fnattn.cache import LayeredPagedKVCache, PagedKVCache
 from fnattn.paged import (PagedBlockSizes, paged_attention, ragged_paged_attention,
                           ragged_paged_attention_with_update)
 from fnattn.spec import AttentionOutput, AttentionSpec
@@ -24,6 +24,7 @@ __all__ = [
     "AttentionOutput",
     "AttentionSpec",
     "DecodeBlockSizes",
+    "LayeredPagedKVCache",
     "MosaicBlockSizes",
     "PagedBlockSizes",
     "PagedKVCache",
@@ -34,6 +35,7 @@ __all__ = [
     "context",
     "cost",
     "decode",
+    "decode_with_update",
     "dropout",
     "masks",
     "merge",

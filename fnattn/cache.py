@@ -1,9 +1,11 @@
-"""`PagedKVCache`: a small functional paged KV cache for the paged attention functions.
+"""Functional paged KV caches for the paged attention functions.
 
-A frozen pytree of arrays with pure helpers: every helper returns a new cache
-(under ``jax.jit`` with the cache donated, the updates happen in place). It
-holds the two pools in the heads-major layout of :mod:`fnattn.paged`, the page
-table, the length of every sequence slot and a stack of free pages::
+Frozen pytrees of arrays with pure helpers: every helper returns a new cache
+(under ``jax.jit`` with the cache donated, the updates happen in place).
+
+``PagedKVCache`` holds one layer: the two pools in the heads-major layout of
+:mod:`fnattn.paged`, the page table, the length of every sequence slot and a
+stack of free pages::
 
     k_pages     (Hkv, num_pages, page_size, D)
     v_pages     (Hkv, num_pages, page_size, Dv)
@@ -12,16 +14,37 @@ table, the length of every sequence slot and a stack of free pages::
     free_pages  (num_pages,) int32: free_pages[:num_free] are free
     num_free    () int32
 
+``LayeredPagedKVCache`` holds every layer of a model: the same page table,
+lengths and free stack, shared by all layers (a sequence's tokens are at the
+same page and offset in every layer, so they are allocated once), and one pair
+of pools per layer, stacked on a leading layer axis::
+
+    k_pages     (num_layers, Hkv, num_pages, page_size, D)
+    v_pages     (num_layers, Hkv, num_pages, page_size, Dv)
+
+so that ``jax.lax.scan`` over the layers takes ``(k_pages, v_pages)`` as its
+``xs`` and gives each layer the pools of :mod:`fnattn.paged`.
+
 Sequences are identified by their slot ``0 .. max_seqs - 1``. A serving loop
-``append``\\ s the new tokens of some slots (pages are taken from the free stack
-as needed), runs attention with ``page_table``/``lengths``, and ``release``\\ s a
-slot when its sequence finishes (its pages go back to the stack; the slot can
-be reused at once).
+makes room for the new tokens of some slots (pages are taken from the free
+stack as needed), writes their k/v, runs attention with ``page_table``/``lengths``,
+and ``release``\\ s a slot when its sequence finishes (its pages go back to the
+stack; the slot can be reused at once). There are two ways to write:
+
+* ``allocate`` then :func:`fnattn.ragged_paged_attention_with_update`, which
+  writes the tokens and attends in one call;
+* ``allocate_slots``, which also returns the :class:`TokenSlots` (where each
+  token goes), then :func:`write_tokens` per layer (or ``append`` for a
+  :class:`PagedKVCache`, which does both) and any paged attention function.
 
 Running out of room never corrupts anything: tokens past a slot's capacity
 (``max_pages_per_seq * page_size``) or that need a page when none is free are
 not stored (``lengths`` stops at the capacity; a missing page stays -1 in the
 table, so attention masks those keys). ``num_free`` tells how much room is left.
+(On the ``allocate`` + ``ragged_paged_attention_with_update`` route the kernel
+places the new tokens from the lengths, which stop at the capacity: tokens that
+overflow a slot land over that slot's last tokens. Keep sequences within
+``capacity``.)
 
 >>> import jax, jax.numpy as jnp
 >>> from fnattn import PagedKVCache
@@ -44,14 +67,251 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
-__all__ = ["PagedKVCache"]
+__all__ = ["LayeredPagedKVCache", "PagedKVCache", "TokenSlots", "write_tokens"]
 
 I32 = jnp.int32
 
 
+# ----------------------------------------------------------------------------------
+# Where the new tokens go
+# ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenSlots:
+    """Where each new token of a step goes in the pools, from ``allocate_slots``.
+
+    The same for every layer of a :class:`LayeredPagedKVCache`: compute it once
+    per step and pass it to :func:`write_tokens` (or
+    :meth:`LayeredPagedKVCache.write`) in each layer. A type of its own so that
+    the slot ids (``seq_ids``, also a (T,) int array) cannot be passed by mistake.
+
+    Attributes:
+      index: (T,) int32, ``page * page_size + offset`` of token t in the pool
+        seen as ``num_pages * page_size`` slots per kv head;
+        ``num_pages * page_size`` for a token that is not stored (padding, past
+        the capacity, no page left). Any value outside
+        ``[0, num_pages * page_size)`` writes nothing.
+
+    >>> import jax.numpy as jnp
+    >>> TokenSlots(jnp.array([5, 6, 64])).index.tolist()
+    [5, 6, 64]
+    """
+
+    index: Any
+
+
+jax.tree_util.register_dataclass(TokenSlots, data_fields=["index"], meta_fields=[])
+
+
+def _shape(x):
+    # np.shape: jnp.shape of a list is deprecated (and will raise) in JAX.
+    return tuple(np.shape(x))
+
+
+def _check_tokens(fn, T, Hkv, D, Dv, k, v):
+    for name, x, want in (("k", k, (T, Hkv, D)), ("v", v, (T, Hkv, Dv))):
+        if _shape(x) != want:
+            raise ValueError(f"{fn}: {name} must have shape (T, Hkv, "
+                             f"{'D' if name == 'k' else 'Dv'})={want}; got {_shape(x)}")
+
+
+def _check_slots(fn, slots):
+    if not isinstance(slots, TokenSlots):
+        raise TypeError(f"{fn}: slots must be the TokenSlots that allocate_slots returns "
+                        f"(cache, slots = cache.allocate_slots(seq_ids)); got "
+                        f"{type(slots).__name__}. The slot ids (seq_ids) say which sequence a "
+                        "token is in, not where it goes.")
+    index = slots.index
+    if not hasattr(index, "dtype") or not jnp.issubdtype(index.dtype, jnp.integer) \
+            or index.ndim != 1:
+        raise TypeError(f"{fn}: slots.index must be a 1-D integer array (one entry per new "
+                        f"token); got {getattr(index, 'dtype', type(index).__name__)} "
+                        f"{_shape(index)}")
+    return index.shape[0]
+
+
+def _check_pool(fn, name, x, ndim, axes):
+    if not hasattr(x, "shape") or len(x.shape) != ndim:
+        raise ValueError(f"{fn}: {name} must have {ndim} axes {axes}; got shape {_shape(x)}")
+
+
+def _put(pool, index, new):
+    """pool (Hkv, N, ps, D) with new (T, Hkv, D) at the flat slots ``index`` (T,);
+    indices outside [0, N * ps) are dropped."""
+    Hkv, N, ps, D = pool.shape
+    index = jnp.where((index >= 0) & (index < N * ps), index, N * ps)
+    flat = pool.reshape(Hkv, N * ps, D)
+    flat = flat.at[:, index].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype), mode="drop")
+    return flat.reshape(pool.shape)
+
+
+def write_tokens(k_pages, v_pages, slots: TokenSlots, k, v):
+    """Writes one layer's new k/v into its pools at ``slots`` (from ``allocate_slots``).
+
+    Pure: returns the new pools (donate them under ``jax.jit`` for an in-place
+    write). Tokens whose slot is outside the pool (not stored) are dropped.
+
+    Args:
+      k_pages: (Hkv, num_pages, page_size, D), one layer's pool (a slice of a
+        :class:`LayeredPagedKVCache`'s ``k_pages``, e.g. in ``lax.scan``).
+      v_pages: (Hkv, num_pages, page_size, Dv).
+      slots: the :class:`TokenSlots` of the step's T tokens.
+      k: (T, Hkv, D), cast to the pool's dtype.
+      v: (T, Hkv, Dv).
+
+    Returns:
+      ``(k_pages, v_pages)``.
+
+    >>> import jax.numpy as jnp
+    >>> from fnattn.cache import TokenSlots, write_tokens
+    >>> kp = vp = jnp.zeros((1, 3, 2, 1))                  # 3 pages of 2 slots
+    >>> kp, vp = write_tokens(kp, vp, TokenSlots(jnp.array([5, 0, 6])),
+    ...                       jnp.array([[[1.]], [[2.]], [[3.]]]), jnp.ones((3, 1, 1)))
+    >>> kp[0, :, :, 0].tolist()                            # slot 6 is past the pool: dropped
+    [[2.0, 0.0], [0.0, 0.0], [0.0, 1.0]]
+    """
+    fn = "write_tokens"
+    T = _check_slots(fn, slots)
+    _check_pool(fn, "k_pages", k_pages, 4, "(Hkv, num_pages, page_size, D)")
+    _check_pool(fn, "v_pages", v_pages, 4, "(Hkv, num_pages, page_size, Dv)")
+    if v_pages.shape[:3] != k_pages.shape[:3]:
+        raise ValueError(f"{fn}: v_pages must have shape (Hkv, num_pages, page_size, Dv)="
+                         f"{(*k_pages.shape[:3], 'Dv')} matching k_pages {_shape(k_pages)}; "
+                         f"got {_shape(v_pages)}")
+    Hkv, D, Dv = k_pages.shape[0], k_pages.shape[3], v_pages.shape[3]
+    _check_tokens(fn, T, Hkv, D, Dv, k, v)
+    return (_put(k_pages, slots.index, jnp.asarray(k)),
+            _put(v_pages, slots.index, jnp.asarray(v)))
+
+
+# ----------------------------------------------------------------------------------
+# The bookkeeping both caches share (page table, lengths, free stack)
+# ----------------------------------------------------------------------------------
+
+
+def _check_sizes(owner, **sizes):
+    for name, n in sizes.items():
+        if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
+            raise ValueError(f"{owner}.create: {name} must be a positive int; got {n!r}")
+
+
+def _empty_book(num_pages, max_seqs, max_pages_per_seq):
+    return dict(page_table=jnp.full((max_seqs, max_pages_per_seq), -1, I32),
+                lengths=jnp.zeros((max_seqs,), I32),
+                # Popped from the end: page 0 is handed out last.
+                free_pages=jnp.arange(num_pages, dtype=I32),
+                num_free=jnp.int32(num_pages))
+
+
+def _check_seq_ids(cache, fn, seq_ids):
+    if not hasattr(seq_ids, "dtype") or not jnp.issubdtype(seq_ids.dtype, jnp.integer) \
+            or seq_ids.ndim != 1:
+        raise TypeError(f"{type(cache).__name__}.{fn}: seq_ids must be a 1-D integer array "
+                        f"(one slot per new token, -1 for none); got "
+                        f"{getattr(seq_ids, 'dtype', type(seq_ids).__name__)} "
+                        f"{_shape(seq_ids)}")
+
+
+def _allocate(cache, seq_ids):
+    S, P, ps = cache.max_seqs, cache.max_pages_per_seq, cache.page_size
+    seq = jnp.where((seq_ids >= 0) & (seq_ids < S), seq_ids, S).astype(I32)
+    counts = jnp.zeros((S + 1,), I32).at[seq].add(1)[:S]
+    old = cache.lengths
+    new = jnp.minimum(old + counts, cache.capacity)
+    old_pages, new_pages = -(-old // ps), -(-new // ps)
+    # Logical page j of slot s is new when old_pages[s] <= j < new_pages[s]; the
+    # k-th new page overall (slots in order) is the k-th from the top of the stack.
+    need = new_pages - old_pages
+    before = jnp.cumsum(need) - need
+    j = jnp.arange(P, dtype=I32)[None, :]
+    fresh = (j >= old_pages[:, None]) & (j < new_pages[:, None])
+    k = before[:, None] + j - old_pages[:, None]
+    idx = cache.num_free - 1 - k
+    got = fresh & (idx >= 0)
+    page = cache.free_pages[jnp.clip(idx, 0, cache.num_pages - 1)]
+    table = jnp.where(got, page, jnp.where(fresh, -1, cache.page_table))
+    num_free = jnp.maximum(cache.num_free - need.sum(), 0)
+    return cache.replace(page_table=table.astype(I32), lengths=new,
+                         num_free=num_free.astype(I32))
+
+
+def _token_positions(cache, seq_ids):
+    """(slot, slot is valid, position) of each new token, from the lengths before
+    the tokens are added."""
+    S = cache.max_seqs
+    T = seq_ids.shape[0]
+    ok_seq = (seq_ids >= 0) & (seq_ids < S)
+    seq = jnp.where(ok_seq, seq_ids, S).astype(I32)
+    # Rank of each token among the earlier tokens of its slot (stable sort).
+    order = jnp.argsort(seq, stable=True)
+    sorted_seq = seq[order]
+    first = jnp.searchsorted(sorted_seq, sorted_seq, side="left")
+    rank = jnp.zeros((T,), I32).at[order].set(jnp.arange(T, dtype=I32) - first)
+    seq_c = jnp.minimum(seq, S - 1)
+    return seq_c, ok_seq, cache.lengths[seq_c] + rank
+
+
+def _allocate_slots(cache, seq_ids):
+    # Positions come from the lengths *before* the allocation: past the capacity
+    # the lengths stop growing and could not say where the tokens were meant to go.
+    seq, ok_seq, pos = _token_positions(cache, seq_ids)
+    new = _allocate(cache, seq_ids)
+    ps = cache.page_size
+    page = new.page_table[seq, jnp.clip(pos // ps, 0, cache.max_pages_per_seq - 1)]
+    ok = ok_seq & (pos < cache.capacity) & (page >= 0)
+    index = jnp.where(ok, page * ps + pos % ps, cache.num_pages * ps).astype(I32)
+    return new, TokenSlots(index)
+
+
+def _release(cache, seq_id):
+    S, N = cache.max_seqs, cache.num_pages
+    seq_id = jnp.asarray(seq_id, I32)
+    ok = (seq_id >= 0) & (seq_id < S)
+    s = jnp.clip(seq_id, 0, S - 1)
+    row = cache.page_table[s]
+    mine = ok & (row >= 0) & (row < N)
+    r = jnp.cumsum(mine) - 1
+    dest = jnp.where(mine, cache.num_free + r, N)  # N: dropped
+    free = cache.free_pages.at[dest].set(row, mode="drop")
+    num_free = jnp.minimum(cache.num_free + mine.sum(), N)
+    table = cache.page_table.at[s].set(jnp.where(ok, -1, row))
+    lengths = cache.lengths.at[s].set(jnp.where(ok, 0, cache.lengths[s]))
+    return cache.replace(page_table=table, lengths=lengths, free_pages=free,
+                         num_free=num_free.astype(I32))
+
+
+def _ragged_metadata(cache, seq_ids, checked):
+    S = cache.max_seqs
+    if checked:
+        seq_ids = jnp.asarray(seq_ids)
+        checkify.check(~(seq_ids >= S).any(), "ragged_metadata: seq_ids holds slot {x}; "
+                       f"slots are 0 .. max_seqs - 1 = {S - 1} (and -1 for padding)",
+                       x=jnp.max(seq_ids))
+        key = jnp.where(seq_ids >= 0, seq_ids, S)
+        down = key[1:] < key[:-1]
+        at = jnp.argmax(down) + 1
+        checkify.check(~down.any(), "ragged_metadata: seq_ids must be sorted by slot with "
+                       "-1 padding at the end; seq_ids[{i}] = {a} follows {b}",
+                       i=at, a=seq_ids[at], b=seq_ids[at - 1])
+    seq = jnp.where((seq_ids >= 0) & (seq_ids < S), seq_ids, S).astype(I32)
+    counts = jnp.zeros((S + 1,), I32).at[seq].add(1)[:S]
+    loc = jnp.concatenate([jnp.zeros((1,), I32), jnp.cumsum(counts).astype(I32)])
+    return dict(page_table=cache.page_table, context_lengths=cache.lengths,
+                query_start_loc=loc, num_seqs=jnp.int32(S))
+
+
+_BOOK_FIELDS = ["page_table", "lengths", "free_pages", "num_free"]
+
+
+# ----------------------------------------------------------------------------------
+# One layer
+# ----------------------------------------------------------------------------------
+
+
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-    """A paged KV cache (see the module docstring for the fields)."""
+    """A paged KV cache of one layer (see the module docstring for the fields)."""
 
     k_pages: Any
     v_pages: Any
@@ -93,35 +353,18 @@ class PagedKVCache:
         >>> c.k_pages.shape, c.page_table.shape, c.capacity
         ((2, 8, 16, 64), (4, 3), 48)
         """
-        for name, n in (("num_pages", num_pages), ("page_size", page_size),
-                        ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
-                        ("max_seqs", max_seqs), ("max_pages_per_seq", max_pages_per_seq),
-                        ("v_head_dim", head_dim if v_head_dim is None else v_head_dim)):
-            if not isinstance(n, int) or isinstance(n, bool) or n <= 0:
-                raise ValueError(f"PagedKVCache.create: {name} must be a positive int; "
-                                 f"got {n!r}")
         dv = head_dim if v_head_dim is None else v_head_dim
-        return cls(
-            k_pages=jnp.zeros((num_kv_heads, num_pages, page_size, head_dim), dtype),
-            v_pages=jnp.zeros((num_kv_heads, num_pages, page_size, dv), dtype),
-            page_table=jnp.full((max_seqs, max_pages_per_seq), -1, I32),
-            lengths=jnp.zeros((max_seqs,), I32),
-            # Popped from the end: page 0 is handed out last.
-            free_pages=jnp.arange(num_pages, dtype=I32),
-            num_free=jnp.int32(num_pages))
+        _check_sizes("PagedKVCache", num_pages=num_pages, page_size=page_size,
+                     num_kv_heads=num_kv_heads, head_dim=head_dim, max_seqs=max_seqs,
+                     max_pages_per_seq=max_pages_per_seq, v_head_dim=dv)
+        return cls(k_pages=jnp.zeros((num_kv_heads, num_pages, page_size, head_dim), dtype),
+                   v_pages=jnp.zeros((num_kv_heads, num_pages, page_size, dv), dtype),
+                   **_empty_book(num_pages, max_seqs, max_pages_per_seq))
 
     def replace(self, **changes) -> "PagedKVCache":
         return dataclasses.replace(self, **changes)
 
     # -- helpers ------------------------------------------------------------------
-    def _check_seq_ids(self, fn, seq_ids):
-        if not hasattr(seq_ids, "dtype") or not jnp.issubdtype(seq_ids.dtype, jnp.integer) \
-                or seq_ids.ndim != 1:
-            raise TypeError(f"PagedKVCache.{fn}: seq_ids must be a 1-D integer array (one "
-                            f"slot per new token, -1 for none); got "
-                            f"{getattr(seq_ids, 'dtype', type(seq_ids).__name__)} "
-                            f"{tuple(np.shape(seq_ids))}")
-
     def allocate(self, seq_ids) -> "PagedKVCache":
         """Makes room for one new token per entry of ``seq_ids`` without writing k/v.
 
@@ -136,49 +379,28 @@ class PagedKVCache:
         >>> c.lengths.tolist(), c.page_table.tolist()
         ([0, 3], [[-1, -1], [3, 2]])
         """
-        self._check_seq_ids("allocate", seq_ids)
-        S, P, ps = self.max_seqs, self.max_pages_per_seq, self.page_size
-        seq = jnp.where((seq_ids >= 0) & (seq_ids < S), seq_ids, S).astype(I32)
-        counts = jnp.zeros((S + 1,), I32).at[seq].add(1)[:S]
-        old = self.lengths
-        new = jnp.minimum(old + counts, self.capacity)
-        old_pages, new_pages = -(-old // ps), -(-new // ps)
-        # Logical page j of slot s is new when old_pages[s] <= j < new_pages[s]; the
-        # k-th new page overall (slots in order) is the k-th from the top of the stack.
-        need = new_pages - old_pages
-        before = jnp.cumsum(need) - need
-        j = jnp.arange(P, dtype=I32)[None, :]
-        fresh = (j >= old_pages[:, None]) & (j < new_pages[:, None])
-        k = before[:, None] + j - old_pages[:, None]
-        idx = self.num_free - 1 - k
-        got = fresh & (idx >= 0)
-        page = self.free_pages[jnp.clip(idx, 0, self.num_pages - 1)]
-        table = jnp.where(got, page, jnp.where(fresh, -1, self.page_table))
-        num_free = jnp.maximum(self.num_free - need.sum(), 0)
-        return self.replace(page_table=table.astype(I32), lengths=new,
-                            num_free=num_free.astype(I32))
+        _check_seq_ids(self, "allocate", seq_ids)
+        return _allocate(self, seq_ids)
 
-    def _token_positions(self, seq_ids):
-        """(slot, slot is valid, position) of each new token, from the lengths before
-        the tokens are added."""
-        S = self.max_seqs
-        T = seq_ids.shape[0]
-        ok_seq = (seq_ids >= 0) & (seq_ids < S)
-        seq = jnp.where(ok_seq, seq_ids, S).astype(I32)
-        # Rank of each token among the earlier tokens of its slot (stable sort).
-        order = jnp.argsort(seq, stable=True)
-        sorted_seq = seq[order]
-        first = jnp.searchsorted(sorted_seq, sorted_seq, side="left")
-        rank = jnp.zeros((T,), I32).at[order].set(jnp.arange(T, dtype=I32) - first)
-        seq_c = jnp.minimum(seq, S - 1)
-        return seq_c, ok_seq, self.lengths[seq_c] + rank
+    def allocate_slots(self, seq_ids) -> tuple["PagedKVCache", TokenSlots]:
+        """:meth:`allocate`, and where each token goes: ``(cache, slots)`` for
+        :func:`write_tokens`. ``append`` is ``allocate_slots`` + ``write_tokens``.
+
+        >>> c = PagedKVCache.create(4, 2, 1, 8, max_seqs=2, max_pages_per_seq=2)
+        >>> c, slots = c.allocate_slots(jnp.array([1, 1, 1, -1]))
+        >>> slots.index.tolist()                    # page 3 (slots 6, 7), page 2 (4); none
+        [6, 7, 4, 8]
+        """
+        _check_seq_ids(self, "allocate_slots", seq_ids)
+        return _allocate_slots(self, seq_ids)
 
     def append(self, seq_ids, k, v) -> "PagedKVCache":
         """Appends one token's k/v per entry of ``seq_ids`` to its slot, in order.
 
         Args:
           seq_ids: (T,) int, the slot of each token (-1: no token).
-          k: (T, Hkv, D); v: (T, Hkv, Dv).
+          k: (T, Hkv, D).
+          v: (T, Hkv, Dv).
 
         >>> c = PagedKVCache.create(4, 2, 1, 1, max_seqs=2, max_pages_per_seq=2)
         >>> c = c.append(jnp.array([0, 1, 0]), jnp.array([[[1.]], [[2.]], [[3.]]]),
@@ -186,49 +408,17 @@ class PagedKVCache:
         >>> c.lengths.tolist(), c.k_pages[0, :, :, 0].tolist()
         ([2, 1], [[0.0, 0.0], [0.0, 0.0], [2.0, 0.0], [1.0, 3.0]])
         """
-        self._check_seq_ids("append", seq_ids)
-        T = seq_ids.shape[0]
+        _check_seq_ids(self, "append", seq_ids)
         Hkv, D, Dv = self.k_pages.shape[0], self.k_pages.shape[3], self.v_pages.shape[3]
-        # np.shape: jnp.shape of a list is deprecated (and will raise) in JAX.
-        for name, x, want in (("k", k, (T, Hkv, D)), ("v", v, (T, Hkv, Dv))):
-            if tuple(np.shape(x)) != want:
-                raise ValueError(f"PagedKVCache.append: {name} must have shape (T, Hkv, "
-                                 f"{'D' if name == 'k' else 'Dv'})={want}; got "
-                                 f"{tuple(np.shape(x))}")
-        k, v = jnp.asarray(k), jnp.asarray(v)
-        seq, ok_seq, pos = self._token_positions(seq_ids)
-        cache = self.allocate(seq_ids)
-        ps, N = self.page_size, self.num_pages
-        page_idx = jnp.clip(pos // ps, 0, self.max_pages_per_seq - 1)
-        page = cache.page_table[seq, page_idx]
-        ok = ok_seq & (pos < self.capacity) & (page >= 0)
-        slot = jnp.where(ok, page * ps + pos % ps, N * ps)
-
-        def put(pool, new):
-            flat = pool.reshape(Hkv, N * ps, pool.shape[-1])
-            flat = flat.at[:, slot].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype),
-                                        mode="drop")
-            return flat.reshape(pool.shape)
-
-        return cache.replace(k_pages=put(self.k_pages, k), v_pages=put(self.v_pages, v))
+        _check_tokens("PagedKVCache.append", seq_ids.shape[0], Hkv, D, Dv, k, v)
+        cache, slots = _allocate_slots(self, seq_ids)
+        return cache.replace(k_pages=_put(self.k_pages, slots.index, jnp.asarray(k)),
+                             v_pages=_put(self.v_pages, slots.index, jnp.asarray(v)))
 
     def release(self, seq_id) -> "PagedKVCache":
         """Frees slot ``seq_id`` (a traced int is fine): its pages return to the stack,
         its length becomes 0. An out-of-range id changes nothing."""
-        S, N = self.max_seqs, self.num_pages
-        seq_id = jnp.asarray(seq_id, I32)
-        ok = (seq_id >= 0) & (seq_id < S)
-        s = jnp.clip(seq_id, 0, S - 1)
-        row = self.page_table[s]
-        mine = ok & (row >= 0) & (row < N)
-        r = jnp.cumsum(mine) - 1
-        dest = jnp.where(mine, self.num_free + r, N)  # N: dropped
-        free = self.free_pages.at[dest].set(row, mode="drop")
-        num_free = jnp.minimum(self.num_free + mine.sum(), N)
-        table = self.page_table.at[s].set(jnp.where(ok, -1, row))
-        lengths = self.lengths.at[s].set(jnp.where(ok, 0, self.lengths[s]))
-        return self.replace(page_table=table, lengths=lengths, free_pages=free,
-                            num_free=num_free.astype(I32))
+        return _release(self, seq_id)
 
     def ragged_metadata(self, seq_ids, *, checked: bool = False):
         """``page_table``, ``context_lengths``, ``query_start_loc`` and ``num_seqs`` for
@@ -252,26 +442,231 @@ class PagedKVCache:
         >>> print(err.get())  # doctest: +ELLIPSIS
         ragged_metadata: seq_ids must be sorted by slot with -1 padding at the end; seq_ids[1] = 0 follows 2...
         """
-        S = self.max_seqs
-        if checked:
-            seq_ids = jnp.asarray(seq_ids)
-            checkify.check(~(seq_ids >= S).any(), "ragged_metadata: seq_ids holds slot {x}; "
-                           f"slots are 0 .. max_seqs - 1 = {S - 1} (and -1 for padding)",
-                           x=jnp.max(seq_ids))
-            key = jnp.where(seq_ids >= 0, seq_ids, S)
-            down = key[1:] < key[:-1]
-            at = jnp.argmax(down) + 1
-            checkify.check(~down.any(), "ragged_metadata: seq_ids must be sorted by slot with "
-                           "-1 padding at the end; seq_ids[{i}] = {a} follows {b}",
-                           i=at, a=seq_ids[at], b=seq_ids[at - 1])
-        seq = jnp.where((seq_ids >= 0) & (seq_ids < S), seq_ids, S).astype(I32)
-        counts = jnp.zeros((S + 1,), I32).at[seq].add(1)[:S]
-        loc = jnp.concatenate([jnp.zeros((1,), I32), jnp.cumsum(counts).astype(I32)])
-        return dict(page_table=self.page_table, context_lengths=self.lengths,
-                    query_start_loc=loc, num_seqs=jnp.int32(S))
+        return _ragged_metadata(self, seq_ids, checked)
 
 
-jax.tree_util.register_dataclass(
-    PagedKVCache,
-    data_fields=["k_pages", "v_pages", "page_table", "lengths", "free_pages", "num_free"],
-    meta_fields=[])
+jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k_pages", "v_pages", *_BOOK_FIELDS],
+                                 meta_fields=[])
+
+
+# ----------------------------------------------------------------------------------
+# Every layer, one page table
+# ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class LayeredPagedKVCache:
+    """A paged KV cache of a whole model: one page table, one set of lengths and one
+    free stack for all layers, one pair of pools per layer (stacked on axis 0).
+
+    Every step allocates once (:meth:`allocate` or :meth:`allocate_slots`); each
+    layer then writes its own k/v at the same places. With ``lax.scan`` over the
+    layers, ``(cache.k_pages, cache.v_pages)`` are the ``xs`` and each layer gets
+    pools in the layout of :mod:`fnattn.paged`; :meth:`ragged_metadata` (or
+    ``page_table`` and ``lengths``) is the same for every layer:
+
+    >>> import jax, jax.numpy as jnp, fnattn
+    >>> from fnattn import AttentionSpec, masks
+    >>> from fnattn.cache import LayeredPagedKVCache
+    >>> cache = LayeredPagedKVCache.create(num_layers=3, num_pages=8, page_size=4,
+    ...                                    num_kv_heads=1, head_dim=8, max_seqs=2,
+    ...                                    max_pages_per_seq=4)
+    >>> seq_ids = jnp.array([0, 0, 0, 1, -1])               # 3 tokens of slot 0, 1 of slot 1
+    >>> x = jax.random.normal(jax.random.key(0), (5, 1, 8))
+    >>> @jax.jit
+    ... def step(cache, x):
+    ...     cache = cache.allocate(seq_ids)                   # once, for every layer
+    ...     meta = cache.ragged_metadata(seq_ids)
+    ...     def layer(x, pools):
+    ...         res, kp, vp = fnattn.ragged_paged_attention_with_update(
+    ...             AttentionSpec(mask=masks.causal()), x, x, x, *pools, **meta)
+    ...         return res.out, (kp, vp)
+    ...     x, pools = jax.lax.scan(layer, x, (cache.k_pages, cache.v_pages))
+    ...     return cache.replace(k_pages=pools[0], v_pages=pools[1]), x
+    >>> cache, x = step(cache, x)
+    >>> cache.lengths.tolist(), cache.page_table.tolist(), cache.k_pages.shape
+    ([3, 1], [[7, -1, -1, -1], [6, -1, -1, -1]], (3, 1, 8, 4, 8))
+    """
+
+    k_pages: Any
+    v_pages: Any
+    page_table: Any
+    lengths: Any
+    free_pages: Any
+    num_free: Any
+
+    # -- sizes --------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.k_pages.shape[0]
+
+    @property
+    def page_size(self) -> int:
+        return self.k_pages.shape[3]
+
+    @property
+    def num_pages(self) -> int:
+        return self.k_pages.shape[2]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.page_table.shape[0]
+
+    @property
+    def max_pages_per_seq(self) -> int:
+        return self.page_table.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one slot can hold."""
+        return self.max_pages_per_seq * self.page_size
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def create(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+               head_dim: int, max_seqs: int, max_pages_per_seq: int, dtype=jnp.float32,
+               v_head_dim: int | None = None) -> "LayeredPagedKVCache":
+        """An empty cache: every page free, every slot of length 0.
+
+        >>> c = LayeredPagedKVCache.create(2, 8, 16, 2, 64, max_seqs=4, max_pages_per_seq=3)
+        >>> c.k_pages.shape, c.page_table.shape, c.capacity
+        ((2, 2, 8, 16, 64), (4, 3), 48)
+        """
+        dv = head_dim if v_head_dim is None else v_head_dim
+        _check_sizes("LayeredPagedKVCache", num_layers=num_layers, num_pages=num_pages,
+                     page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     max_seqs=max_seqs, max_pages_per_seq=max_pages_per_seq, v_head_dim=dv)
+        pool = (num_layers, num_kv_heads, num_pages, page_size)
+        return cls(k_pages=jnp.zeros((*pool, head_dim), dtype),
+                   v_pages=jnp.zeros((*pool, dv), dtype),
+                   **_empty_book(num_pages, max_seqs, max_pages_per_seq))
+
+    def replace(self, **changes) -> "LayeredPagedKVCache":
+        return dataclasses.replace(self, **changes)
+
+    # -- helpers ------------------------------------------------------------------
+    def allocate(self, seq_ids) -> "LayeredPagedKVCache":
+        """Makes room in every layer for one new token per entry of ``seq_ids``,
+        without writing k/v (then :func:`fnattn.ragged_paged_attention_with_update`
+        in each layer writes them); as :meth:`PagedKVCache.allocate`.
+
+        >>> c = LayeredPagedKVCache.create(3, 4, 2, 1, 8, max_seqs=2, max_pages_per_seq=2)
+        >>> c = c.allocate(jnp.array([1, 1, 1]))
+        >>> c.lengths.tolist(), c.page_table.tolist()
+        ([0, 3], [[-1, -1], [3, 2]])
+        """
+        _check_seq_ids(self, "allocate", seq_ids)
+        return _allocate(self, seq_ids)
+
+    def allocate_slots(self, seq_ids) -> tuple["LayeredPagedKVCache", TokenSlots]:
+        """:meth:`allocate`, and where each token goes: ``(cache, slots)``, the
+        slots for :meth:`write` or :func:`write_tokens` in every layer.
+
+        >>> c = LayeredPagedKVCache.create(3, 4, 2, 1, 8, max_seqs=2, max_pages_per_seq=2)
+        >>> c, slots = c.allocate_slots(jnp.array([1, 1, 1, -1]))
+        >>> slots.index.tolist()                    # page 3 (slots 6, 7), page 2 (4); none
+        [6, 7, 4, 8]
+        """
+        _check_seq_ids(self, "allocate_slots", seq_ids)
+        return _allocate_slots(self, seq_ids)
+
+    def write(self, layer: int | jax.Array, slots: TokenSlots, k, v) -> "LayeredPagedKVCache":
+        """Writes layer ``layer``'s new k/v at ``slots`` (from :meth:`allocate_slots`).
+
+        Args:
+          layer: the layer, an int in ``[0, num_layers)`` or a traced integer
+            scalar (e.g. a ``fori_loop`` index; out of range: nothing is written).
+          slots: the step's :class:`TokenSlots`.
+          k: (T, Hkv, D), cast to the pools' dtype.
+          v: (T, Hkv, Dv).
+
+        >>> c = LayeredPagedKVCache.create(2, 4, 2, 1, 1, max_seqs=2, max_pages_per_seq=2)
+        >>> c, slots = c.allocate_slots(jnp.array([0, 0, 0]))
+        >>> c = c.write(1, slots, jnp.array([[[1.]], [[2.]], [[3.]]]), jnp.zeros((3, 1, 1)))
+        >>> c.k_pages[:, 0, :, :, 0].tolist()          # layer 0 untouched; pages 3, 2 of layer 1
+        [[[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]],
+         [[0.0, 0.0], [0.0, 0.0], [3.0, 0.0], [1.0, 2.0]]]
+        """
+        fn = "LayeredPagedKVCache.write"
+        T = _check_slots(fn, slots)
+        L, Hkv = self.num_layers, self.k_pages.shape[1]
+        _check_tokens(fn, T, Hkv, self.k_pages.shape[4], self.v_pages.shape[4], k, v)
+        if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+            if not 0 <= layer < L:
+                raise ValueError(f"{fn}: layer must be in [0, num_layers)=[0, {L}); got "
+                                 f"{int(layer)}")
+        elif not (hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer)
+                  and _shape(layer) == ()):
+            raise TypeError(f"{fn}: layer must be an int or an integer scalar array; got "
+                            f"{getattr(layer, 'dtype', type(layer).__name__)} "
+                            f"{_shape(layer)}")
+        layer = jnp.asarray(layer, I32)
+        N, ps = self.num_pages, self.page_size
+        ok = (slots.index >= 0) & (slots.index < N * ps) & (layer >= 0) & (layer < L)
+        index = jnp.where(ok, slots.index, N * ps)
+        at = jnp.clip(layer, 0, L - 1)
+
+        def put(pools, new):
+            flat = pools.reshape(L, Hkv, N * ps, pools.shape[-1])
+            # The advanced indices (at, index) are apart: the (T,) axis comes first.
+            flat = flat.at[at, :, index].set(jnp.asarray(new).astype(pools.dtype),
+                                             mode="drop")
+            return flat.reshape(pools.shape)
+
+        return self.replace(k_pages=put(self.k_pages, k), v_pages=put(self.v_pages, v))
+
+    def append(self, seq_ids, k, v) -> "LayeredPagedKVCache":
+        """Appends the k/v of every layer at once (e.g. from a dense prefill):
+        :meth:`allocate_slots`, then each layer's tokens at the same slots.
+
+        Args:
+          seq_ids: (T,) int, the slot of each token (-1: no token).
+          k: (num_layers, T, Hkv, D).
+          v: (num_layers, T, Hkv, Dv).
+
+        >>> c = LayeredPagedKVCache.create(2, 4, 2, 1, 1, max_seqs=2, max_pages_per_seq=2)
+        >>> k = jnp.arange(6.).reshape(2, 3, 1, 1)             # layer 0: 0, 1, 2; layer 1: 3, 4, 5
+        >>> c = c.append(jnp.array([1, 1, 1]), k, k)
+        >>> c.lengths.tolist(), c.k_pages[:, 0, 2:, :, 0].tolist()
+        ([0, 3], [[[2.0, 0.0], [0.0, 1.0]], [[5.0, 0.0], [3.0, 4.0]]])
+        """
+        fn = "LayeredPagedKVCache.append"
+        _check_seq_ids(self, "append", seq_ids)
+        L, T, Hkv = self.num_layers, seq_ids.shape[0], self.k_pages.shape[1]
+        D, Dv = self.k_pages.shape[4], self.v_pages.shape[4]
+        for name, x, want in (("k", k, (L, T, Hkv, D)), ("v", v, (L, T, Hkv, Dv))):
+            if _shape(x) != want:
+                raise ValueError(f"{fn}: {name} must have shape (num_layers, T, Hkv, "
+                                 f"{'D' if name == 'k' else 'Dv'})={want}; got {_shape(x)}")
+        cache, slots = _allocate_slots(self, seq_ids)
+        put = jax.vmap(_put, in_axes=(0, None, 0))
+        return cache.replace(k_pages=put(self.k_pages, slots.index, jnp.asarray(k)),
+                             v_pages=put(self.v_pages, slots.index, jnp.asarray(v)))
+
+    def release(self, seq_id) -> "LayeredPagedKVCache":
+        """Frees slot ``seq_id`` in every layer (a traced int is fine): its pages return
+        to the stack, its length becomes 0. An out-of-range id changes nothing.
+        The pools are not touched (attention never reads a free page).
+
+        >>> c = LayeredPagedKVCache.create(2, 4, 2, 1, 8, max_seqs=2, max_pages_per_seq=2)
+        >>> c = c.allocate(jnp.array([0, 0, 0, 1])).release(0)
+        >>> c.lengths.tolist(), c.page_table.tolist(), int(c.num_free)
+        ([0, 1], [[-1, -1], [1, -1]], 3)
+        """
+        return _release(self, seq_id)
+
+    def ragged_metadata(self, seq_ids, *, checked: bool = False):
+        """``page_table``, ``context_lengths``, ``query_start_loc`` and ``num_seqs`` for
+        the ragged paged attention functions, the same in every layer; as
+        :meth:`PagedKVCache.ragged_metadata`.
+
+        >>> c = LayeredPagedKVCache.create(2, 4, 2, 1, 1, max_seqs=3, max_pages_per_seq=2)
+        >>> c.ragged_metadata(jnp.array([0, 2, 2, -1]))["query_start_loc"].tolist()
+        [0, 1, 1, 3]
+        """
+        return _ragged_metadata(self, seq_ids, checked)
+
+
+jax.tree_util.register_dataclass(LayeredPagedKVCache,
+                                 data_fields=["k_pages", "v_pages", *_BOOK_FIELDS],
+                                 meta_fields=[])

@@ -33,3 +33,9 @@ def test_every_example_is_tested():
         if f.endswith(".py"):
             name = f[:-3]
             assert f'"{name}"' in here or f"{name}.py" in shard, f"examples/{f} has no test"
+
+
+def test_serve_paged_equals_the_model_without_a_cache(capsys):
+    worst = load("serve_paged").main(["--requests", "5", "--max-new", "5"])
+    assert worst < 1e-3
+    assert "equals the model run without a cache" in capsys.readouterr().out
