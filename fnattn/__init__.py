@@ -14,6 +14,7 @@ from fnattn.flash.mosaic import MosaicBlockSizes
 from fnattn.flash.triton import TritonBlockSizes
 from fnattn.flash.xla import XlaBlockSizes
 from fnattn.merging import merge
+from fnattn.nn import dot_product_attention
 from fnattn.reference import reference
 from fnattn.cache import LayeredPagedKVCache, PagedKVCache
 from fnattn.paged import (PagedBlockSizes, paged_attention, ragged_paged_attention,
@@ -36,6 +37,7 @@ __all__ = [
     "cost",
     "decode",
     "decode_with_update",
+    "dot_product_attention",
     "dropout",
     "masks",
     "merge",

@@ -39,3 +39,9 @@ def test_serve_paged_equals_the_model_without_a_cache(capsys):
     worst = load("serve_paged").main(["--requests", "5", "--max-new", "5"])
     assert worst < 1e-3
     assert "equals the model run without a cache" in capsys.readouterr().out
+
+
+def test_flax_nnx_model_with_the_adapter_equals_flax(capsys):
+    out_err, grad_err, loss_diff = load("flax_nnx").main([])
+    assert out_err < 1e-4 and grad_err < 1e-4 and loss_diff < 1e-3
+    assert "make_attention_fn" in capsys.readouterr().out
