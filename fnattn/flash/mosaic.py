@@ -786,7 +786,10 @@ def _cost(K: _K, chunk: _Chunk, d: int, dv: int, itemsize: int, *, kernel: str):
     """The ``pl.CostEstimate`` of one call (see :mod:`fnattn.cost`): the tiles its
     schedule visits (a static schedule's exact count; a traced one's grid size,
     an upper bound), the column operands read once per tile and the row operands
-    (read, and written back) once per row block."""
+    (read, and written back) once per row block. None under a symbolic batch
+    (``jax.export``): the count is not a number then."""
+    if not _checks.is_static(K.B):
+        return None
     if isinstance(chunk.count, np.ndarray):
         n = int(chunk.count.sum()) * (1 if K.sb else K.B) * (1 if K.sh else K.Hq)
     else:
