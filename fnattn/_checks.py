@@ -3,10 +3,13 @@
 Messages name the argument, what was expected and what was given.
 """
 
+import functools
+import inspect
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16, jnp.float64)
 
@@ -33,7 +36,9 @@ def _shape(x):
 
 def check_float(name, x):
     if not hasattr(x, "dtype") or not hasattr(x, "shape"):
-        raise TypeError(f"{name} must be a JAX array; got {type(x).__name__}")
+        arg = name.rsplit(": ", 1)[-1]
+        raise TypeError(f"{name} must be a JAX array; got {type(x).__name__}. Pass a JAX "
+                        f"array, e.g. jnp.asarray({arg}).")
     if x.dtype not in FLOAT_DTYPES:
         raise TypeError(
             f"{name} must be a floating-point array (float32, bfloat16 or float16); "
@@ -58,8 +63,10 @@ def check_qkv(q, k, v, layout: str, *, fn: str = "attention") -> Dims:
                              f"{_shape(x)}. To attend to no key, mask the keys instead "
                              "(e.g. masks.lengths(kv_lengths=...) with a length of 0).")
     if not (q.dtype == k.dtype == v.dtype):
+        odd = "k" if k.dtype != q.dtype else "v"
         raise TypeError(f"{fn}: q, k and v must share a dtype; got q {q.dtype}, "
-                        f"k {k.dtype}, v {v.dtype}")
+                        f"k {k.dtype}, v {v.dtype}. Cast them to one, e.g. "
+                        f"{odd}.astype(q.dtype).")
     if layout == "bthd":
         (B, Tq, Hq, D), (Bk, Tk, Hkv, Dk), (Bv, Tv, Hv, Dv) = q.shape, k.shape, v.shape
         v_want = f"(B, Tk, Hkv, Dv)=({B}, {Tk}, {Hkv}, Dv)"
@@ -79,8 +86,36 @@ def check_qkv(q, k, v, layout: str, *, fn: str = "attention") -> Dims:
         axes = "(B, T, H, D)" if layout == "bthd" else "(B, H, T, D)"
         raise ValueError(f"{fn}: the number of query heads Hq={Hq} must be a multiple of the "
                          f"number of key/value heads Hkv={Hkv}; got q {_shape(q)} and k "
-                         f"{_shape(k)}, read as {axes} for layout {layout!r}")
+                         f"{_shape(k)}, read as {axes} for layout {layout!r}"
+                         + _fewer_heads_hint(Hq, Hkv, q.shape, k.shape, layout))
     return Dims(B, Tq, Tk, Hq, Hkv, D, Dv)
+
+
+def layout_hint(layout: str, q_heads_other: int, kv_heads_other: int, *,
+                q_only: bool = False) -> str:
+    """The hint for arrays that read right in the other layout, or ""."""
+    other = "bhtd" if layout == "bthd" else "bthd"
+    if q_heads_other % kv_heads_other:
+        return ""
+    axes = "(B, H, T, D)" if other == "bhtd" else "(B, T, H, D)"
+    default = ", the default" if other == "bthd" else ""
+    if q_only:
+        return (f". Read as {axes} (layout {other!r}) q has Hq={q_heads_other}: if that is "
+                f"its layout, pass AttentionSpec(layout={other!r}){default}.")
+    return (f". Read as {axes} (layout {other!r}) they have Hq={q_heads_other} and "
+            f"Hkv={kv_heads_other}: if that is their layout, pass "
+            f"AttentionSpec(layout={other!r}){default}.")
+
+
+def _fewer_heads_hint(Hq, Hkv, q_shape, k_shape, layout) -> str:
+    """What to do when Hq is not a multiple of Hkv: only said when Hq < Hkv (more
+    key/value heads than query heads), the sign of arrays in the other layout."""
+    if Hq >= Hkv:
+        return ""
+    h = 1 if layout == "bthd" else 2  # the head axis of the other layout
+    hint = layout_hint(layout, q_shape[h], k_shape[h])
+    return hint or (". There cannot be fewer query heads than key/value heads: check the "
+                    "layout and that q and k are not swapped.")
 
 
 def check_spec_arrays(spec, dims: Dims, *, fn: str = "attention") -> None:
@@ -188,3 +223,121 @@ def refuse_symbolic(lowering: str, why: str, alternative: str, **sizes) -> None:
         raise NotImplementedError(
             f"{lowering} cannot take symbolic sizes (jax.export): {given} ({why} {verb} sized "
             f"by them); {alternative} {takes} symbolic sizes, or export with static shapes.")
+
+
+# ----------------------------------------------------------------------------------
+# Public entry points: the spec first, arrays as arrays
+# ----------------------------------------------------------------------------------
+
+
+def _describe(x) -> str:
+    if hasattr(x, "shape") and hasattr(x, "dtype"):
+        return f"a {x.dtype} array of shape {_shape(x)}"
+    if isinstance(x, (list, tuple)):
+        return f"a {type(x).__name__} of length {len(x)}"
+    text = repr(x)
+    return f"{type(x).__name__} {text if len(text) <= 40 else text[:37] + '...'}"
+
+
+def _check_spec_first(fn: str, call: str, args, kwargs) -> None:
+    from fnattn.masks import Mask
+    from fnattn.spec import AttentionSpec
+    spec = args[0] if args else kwargs.get("spec", inspect.Parameter.empty)
+    if isinstance(spec, AttentionSpec):
+        return
+    if spec is inspect.Parameter.empty:
+        raise TypeError(f"{fn}: missing the spec: the first argument must be an "
+                        f"AttentionSpec, as in {call}")
+    if spec is AttentionSpec:
+        raise TypeError(f"{fn}: the first argument must be an AttentionSpec; got the class "
+                        f"AttentionSpec itself. Create one: {call}")
+    if isinstance(spec, Mask):
+        raise TypeError(f"{fn}: the first argument must be an AttentionSpec; got the mask "
+                        f"{spec!r}. A mask goes inside the spec: "
+                        + call.replace("AttentionSpec()", "AttentionSpec(mask=mask)"))
+    raise TypeError(f"{fn}: the first argument must be an AttentionSpec; got "
+                    f"{_describe(spec)}. The spec comes first: {call}")
+
+
+def _as_int_array(fn: str, name: str, x):
+    # Integer metadata (lengths, starts, page tables, offsets) is small and
+    # unambiguous: a Python list or int, or a NumPy array, converts as jnp.asarray
+    # would (under jit a list arrives as a list of scalars: they are stacked).
+    if isinstance(x, (list, tuple, range, np.ndarray, np.generic, int)) \
+            and not isinstance(x, bool):
+        try:
+            return jnp.asarray(x)
+        except (TypeError, ValueError, OverflowError):
+            raise TypeError(f"{fn}: {name} must be an integer array; got {_describe(x)} "
+                            "that jnp.asarray cannot convert to one array (ragged, not "
+                            "numbers, or out of range)") from None
+    if not isinstance(x, jax.Array):
+        raise TypeError(f"{fn}: {name} must be an integer array; got {_describe(x)}")
+    return x
+
+
+def _as_float_array(fn: str, name: str, x):
+    # A NumPy array converts; a list is refused: a list of arrays (per head, per
+    # layer) would stack along a new first axis, rarely the documented layout.
+    if isinstance(x, np.ndarray):
+        return jnp.asarray(x)
+    if not isinstance(x, jax.Array):
+        raise TypeError(f"{fn}: {name} must be a JAX array; got {_describe(x)}. Pass a JAX "
+                        f"array, e.g. jnp.asarray({name}), in the documented shape.")
+    return x
+
+
+def entry_point(public: str, *, ints=()):
+    """Decorates a public function whose first parameter is the spec (outside its
+    jaxtyping/beartype check), so that the commonest mistakes get fnattn's
+    messages instead of a type checker's: a first argument that is not an
+    :class:`fnattn.AttentionSpec` (the spec forgotten), and arrays given as
+    Python lists. The parameters named in ``ints`` (integer metadata) also take
+    lists, Python ints and NumPy arrays (converted with ``jnp.asarray``); the
+    other array parameters take NumPy arrays.
+
+    >>> @entry_point("fnattn.example", ints=("lengths",))
+    ... def example(spec, q, *, lengths):
+    ...     return lengths.dtype
+    >>> example(jnp.zeros(3), jnp.zeros(3), lengths=[1, 2])  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    TypeError: example: the first argument must be an AttentionSpec; got a float32 array ...
+    >>> from fnattn import AttentionSpec
+    >>> example(AttentionSpec(), jnp.zeros(3), lengths=[1, 2])
+    dtype('int32')
+    """
+    fn = public.removeprefix("fnattn.")
+
+    def wrap(f):
+        sig = inspect.signature(f)
+        params = list(sig.parameters.values())[1:]
+        call = ", ".join(["fnattn.AttentionSpec()"]
+                         + [p.name for p in params if p.kind is p.POSITIONAL_OR_KEYWORD]
+                         + [f"{p.name}=..." for p in params
+                            if p.kind is p.KEYWORD_ONLY and p.default is p.empty])
+        call = f"{public}({call})"
+        # the array parameters: those annotated with jaxtyping's Array
+        arrays = {p.name: p.default for p in params
+                  if "Array" in str(p.annotation) or p.name in ints}
+
+        @functools.wraps(f)
+        def wrapper(*args, **kwargs):
+            _check_spec_first(fn, call, args, kwargs)
+            try:
+                bound = sig.bind(*args, **kwargs)
+            except TypeError as e:  # a missing or an unknown argument
+                raise TypeError(f"{fn}: {e}; the call is {call}") from None
+            for name, default in arrays.items():
+                if name not in bound.arguments:
+                    continue
+                x = bound.arguments[name]
+                if x is None and default is None:
+                    continue
+                bound.arguments[name] = (_as_int_array(fn, name, x) if name in ints
+                                         else _as_float_array(fn, name, x))
+            return f(*bound.args, **bound.kwargs)
+
+        return wrapper
+
+    return wrap

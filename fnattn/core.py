@@ -41,6 +41,7 @@ def run(spec: AttentionSpec, q, k, v, *, fn: str, table=None) -> AttentionOutput
 
 # q, k, v are annotated "...": rank and shape errors come from _checks.check_qkv,
 # which names the axes expected for the layout.
+@_checks.entry_point("fnattn.attention")
 @jaxtyped(typechecker=beartype)
 def attention(spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..."],
               v: Shaped[Array, "..."]) -> AttentionOutput:

@@ -398,6 +398,23 @@ def causal() -> Mask:
     return Causal()
 
 
+def _refuse_array_size(fn: str, name: str, w) -> None:
+    """A ``TypeError`` for a window or chunk size given as a JAX array: sizes are
+    static (they decide at trace time which tiles a kernel skips)."""
+    if not isinstance(w, jax.Array):
+        return
+    aval = f"{w.dtype}[{','.join(map(str, w.shape))}]"
+    if isinstance(w, jax.core.Tracer):
+        raise TypeError(
+            f"{fn}: {name} must be a Python int known at trace time; got a traced {aval} "
+            "(a jit argument, or computed from one). Sizes of windows and chunks are static: "
+            "they decide at trace time which blocks are skipped. Pass a Python int (through "
+            "jax.jit, a static argument: jax.jit(f, static_argnames=...)); a window that "
+            "depends on the data needs a boolean array mask, masks.from_array(...).")
+    raise TypeError(f"{fn}: {name} must be a Python int; got a JAX array {aval}. Sizes of "
+                    f"windows and chunks are static configuration: pass int({name}).")
+
+
 def sliding_window(left: int | None, right: int | None = 0) -> Mask:
     """Keys within ``[q_pos - left, q_pos + right]`` are visible.
 
@@ -412,6 +429,7 @@ def sliding_window(left: int | None, right: int | None = 0) -> Mask:
     . . x x
     """
     for name, w in (("left", left), ("right", right)):
+        _refuse_array_size("sliding_window", name, w)
         if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer))
                               or w < 0):
             raise ValueError(
@@ -433,6 +451,7 @@ def chunked(size: int) -> Mask:
     . . x .
     . . x x
     """
+    _refuse_array_size("chunked", "size", size)
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size <= 0:
         raise ValueError(f"chunked: size must be a positive int; got {size!r}")
     return Chunked(int(size))
@@ -689,10 +708,11 @@ def _array(fn: str, name: str, x):
     ints that ``jit`` cannot trace); JAX arrays and tracers pass unchanged."""
     if x is None or isinstance(x, jax.Array):
         return x
-    if isinstance(x, (list, tuple, np.ndarray, np.generic, int)) and not isinstance(x, bool):
+    if isinstance(x, (list, tuple, range, np.ndarray, np.generic, int)) \
+            and not isinstance(x, bool):
         try:
             return jnp.asarray(x)
-        except (TypeError, ValueError) as e:
+        except (TypeError, ValueError, OverflowError) as e:
             raise TypeError(f"{fn}: {name} must be an array (or a rectangular list of "
                             f"ints); got {type(x).__name__}: {e}") from None
     raise TypeError(f"{fn}: {name} must be a JAX array (or a list / NumPy array of ints); "

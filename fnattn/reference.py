@@ -108,6 +108,7 @@ def prepare(spec: AttentionSpec, q, k, v, fn: str):
 
 # q, k, v are annotated "...": rank and shape errors come from _checks.check_qkv,
 # which names the axes expected for the layout.
+@_checks.entry_point("fnattn.reference")
 @jaxtyped(typechecker=beartype)
 def reference(spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..."],
               v: Shaped[Array, "..."], *, return_weights: bool = False):

@@ -39,6 +39,7 @@ import numbers
 from typing import Any, Literal, Optional
 
 import jax
+import jax.numpy as jnp
 
 from fnattn.masks import Mask
 
@@ -47,10 +48,12 @@ __all__ = ["AttentionSpec", "AttentionOutput", "LAYOUTS", "IMPLS"]
 LAYOUTS = ("bthd", "bhtd")
 IMPLS = ("auto", "xla", "pallas", "cudnn", "reference")
 
+_TRACE_TIME = (": pass a Python float known at trace time (float(x) for a concrete array; "
+               "through jax.jit, a static argument: jax.jit(f, static_argnames=...)).")
 _STATIC_HINTS = {
     "scale": ": to learn a scale, multiply q by it before the call.",
-    "softcap": ".",
-    "dropout_rate": ".",
+    "softcap": _TRACE_TIME,
+    "dropout_rate": _TRACE_TIME,
 }
 
 
@@ -59,6 +62,22 @@ def _is_block_sizes(x) -> bool:
     # by name: importing the lowerings here would be circular).
     return (dataclasses.is_dataclass(x) and not isinstance(x, type)
             and type(x).__name__.endswith("BlockSizes"))
+
+
+def _mask_message(mask) -> str:
+    """What to do with something that is not a mask, given as ``mask=``."""
+    message = (f"AttentionSpec: mask must be an fnattn.masks mask or None; got "
+               f"{type(mask).__name__}.")
+    if getattr(mask, "__module__", None) == "fnattn.masks" and callable(mask):
+        return f"{message} Call it: masks.{mask.__name__}(...)."
+    dtype = getattr(mask, "dtype", None)
+    if dtype is not None and jnp.issubdtype(dtype, jnp.floating):
+        return (f"{message} A {dtype} array is either an additive mask (0 to attend, "
+                "-inf or a large negative number to mask), which is a bias: "
+                "AttentionSpec(bias=mask); or 1s and 0s: mask=masks.from_array(mask > 0).")
+    if dtype is not None and jnp.issubdtype(dtype, jnp.integer):
+        return f"{message} Wrap an integer array as masks.from_array(mask != 0) (True attends)."
+    return f"{message} Wrap a boolean array with masks.from_array."
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +153,7 @@ class AttentionSpec:
             raise ValueError(
                 f"AttentionSpec: dropout_rate must be in [0, 1); got {self.dropout_rate!r}")
         if self.mask is not None and not isinstance(self.mask, Mask):
-            raise TypeError(
-                f"AttentionSpec: mask must be an fnattn.masks mask or None; got "
-                f"{type(self.mask).__name__}. Wrap a boolean array with masks.from_array.")
+            raise TypeError(_mask_message(self.mask))
         if not isinstance(self.return_lse, bool):
             raise TypeError(f"AttentionSpec: return_lse must be a bool; got {self.return_lse!r}")
         items = self.block_sizes if isinstance(self.block_sizes, tuple) else (self.block_sizes,)

@@ -35,7 +35,9 @@ CALLS = [
     ("gqa, wrong layout", AttentionSpec(layout="bhtd"), {},
      ValueError, "attention: the number of query heads Hq=7 must be a multiple of the number "
                  "of key/value heads Hkv=11; got q (3, 7, 4, 5) and k (3, 11, 2, 5), read as "
-                 "(B, H, T, D) for layout 'bhtd'"),
+                 "(B, H, T, D) for layout 'bhtd'. Read as (B, T, H, D) (layout 'bthd') they "
+                 "have Hq=4 and Hkv=2: if that is their layout, pass AttentionSpec("
+                 "layout='bthd'), the default."),
     ("batch", AttentionSpec(), dict(k=jnp.zeros((2, 11, 2, 5)), v=jnp.zeros((2, 11, 2, 5))),
      ValueError, "attention: batch mismatch: k must have batch B=3 like q (3, 7, 4, 5); "
                  "got k (2, 11, 2, 5)"),
@@ -52,7 +54,8 @@ CALLS = [
      TypeError, "attention: v must be a floating-point array (float32, bfloat16 or float16); "
                 "got uint8 with shape (3, 11, 2, 5)"),
     ("mixed dtypes", AttentionSpec(), dict(v=jnp.zeros((3, 11, 2, 5), jnp.bfloat16)),
-     TypeError, "attention: q, k and v must share a dtype; got q float32, k float32, v bfloat16"),
+     TypeError, "attention: q, k and v must share a dtype; got q float32, k float32, v bfloat16. "
+                "Cast them to one, e.g. v.astype(q.dtype)."),
     ("rank", AttentionSpec(), dict(q=jnp.zeros((3, 7, 20))),
      ValueError, "attention: q must have 4 axes (B, T, H, D) for layout 'bthd'; "
                  "got shape (3, 7, 20)"),
@@ -240,3 +243,317 @@ def test_errors_are_raised_at_trace_time_before_any_computation():
     with pytest.raises(ValueError, match="sinks must have shape"):
         jax.jit(f).trace(Q)
     assert traced == [1]
+
+
+# ----------------------------------------------------------------------------------
+# What users get wrong first: the spec forgotten, lists for arrays, a traced size,
+# float masks, the other layout, float64. Each message says what to do.
+# ----------------------------------------------------------------------------------
+
+KP = jnp.zeros((2, 8, 4, 5))  # a pool: Hkv=2, 8 pages of 4 slots, D=5
+Q1 = Q[:, :1]  # one new token per sequence
+TABLE = jnp.array([[0, 1], [2, 3], [4, 5]])
+LENGTHS = jnp.array([3, 4, 5])
+RAGGED = dict(page_table=TABLE[:1], context_lengths=jnp.array([7]),
+              query_start_loc=jnp.array([0, 7]), num_seqs=jnp.int32(1))
+
+
+def spec_first(fn, shape, call):
+    return (f"{fn}: the first argument must be an AttentionSpec; got a float32 array of shape "
+            f"{shape}. The spec comes first: fnattn.{call}")
+
+
+FORGOTTEN_SPEC = [
+    ("attention", lambda: jax.jit(fnattn.attention)(Q, K, K),
+     spec_first("attention", (3, 7, 4, 5), "attention(fnattn.AttentionSpec(), q, k, v)")),
+    ("flash", lambda: jax.jit(fnattn.flash)(Q, K, K),
+     spec_first("flash", (3, 7, 4, 5), "flash(fnattn.AttentionSpec(), q, k, v)")),
+    ("reference", lambda: jax.jit(fnattn.reference)(Q, K, K),
+     spec_first("reference", (3, 7, 4, 5), "reference(fnattn.AttentionSpec(), q, k, v)")),
+    ("decode", lambda: jax.jit(fnattn.decode)(Q1, K, K, kv_lengths=LENGTHS),
+     spec_first("decode", (3, 1, 4, 5),
+                "decode(fnattn.AttentionSpec(), q, k_cache, v_cache, kv_lengths=...)")),
+    ("paged", lambda: jax.jit(fnattn.paged_attention)(Q1, KP, KP, page_table=TABLE,
+                                                      kv_lengths=LENGTHS),
+     spec_first("paged_attention", (3, 1, 4, 5),
+                "paged_attention(fnattn.AttentionSpec(), q, k_pages, v_pages, page_table=..., "
+                "kv_lengths=...)")),
+    ("ragged", lambda: jax.jit(fnattn.ragged_paged_attention)(Q[0], KP, KP, **RAGGED),
+     spec_first("ragged_paged_attention", (7, 4, 5),
+                "ragged_paged_attention(fnattn.AttentionSpec(), q, k_pages, v_pages, "
+                "page_table=..., context_lengths=..., query_start_loc=..., num_seqs=...)")),
+    ("ragged with update", lambda: jax.jit(fnattn.ragged_paged_attention_with_update)(
+        Q[0], K[0, :7], K[0, :7], KP, KP, **RAGGED),
+     spec_first("ragged_paged_attention_with_update", (7, 4, 5),
+                "ragged_paged_attention_with_update(fnattn.AttentionSpec(), q, k, v, k_pages, "
+                "v_pages, page_table=..., context_lengths=..., query_start_loc=..., "
+                "num_seqs=...)")),
+    ("the class", lambda: fnattn.attention(AttentionSpec, Q, K, K),
+     "attention: the first argument must be an AttentionSpec; got the class AttentionSpec "
+     "itself. Create one: fnattn.attention(fnattn.AttentionSpec(), q, k, v)"),
+    ("a mask", lambda: fnattn.attention(masks.causal(), Q, K, K),
+     "attention: the first argument must be an AttentionSpec; got the mask causal(). A mask "
+     "goes inside the spec: fnattn.attention(fnattn.AttentionSpec(mask=mask), q, k, v)"),
+    ("keywords only", lambda: fnattn.attention(q=Q, k=K, v=K),
+     "attention: missing the spec: the first argument must be an AttentionSpec, as in "
+     "fnattn.attention(fnattn.AttentionSpec(), q, k, v)"),
+    ("an argument missing", lambda: jax.jit(fnattn.decode)(AttentionSpec(), Q1, K, K),
+     "decode: missing a required argument: 'kv_lengths'; the call is "
+     "fnattn.decode(fnattn.AttentionSpec(), q, k_cache, v_cache, kv_lengths=...)"),
+]
+
+
+@pytest.mark.parametrize("name,make,message", FORGOTTEN_SPEC, ids=[c[0] for c in FORGOTTEN_SPEC])
+def test_a_forgotten_spec_says_where_it_goes(name, make, message):
+    with pytest.raises(TypeError) as info:
+        make()
+    assert str(info.value) == message
+
+
+def test_integer_lists_are_accepted_as_arrays():
+    """Ids, lengths, positions, starts and page tables given as Python lists (or
+    ints, or NumPy arrays) mean what jnp.asarray of them means, in a mask and at
+    every entry point, under jit."""
+    spec = AttentionSpec(mask=masks.segments([[0] * 3 + [1] * 4] * 3, [[0] * 5 + [1] * 6] * 3)
+                         & masks.lengths(kv_lengths=[11, 9, 4])
+                         & masks.at_positions(masks.causal(), list(range(4, 11)), range(11)))
+    arrays = AttentionSpec(mask=masks.segments(jnp.array([[0] * 3 + [1] * 4] * 3),
+                                               jnp.array([[0] * 5 + [1] * 6] * 3))
+                           & masks.lengths(kv_lengths=jnp.array([11, 9, 4]))
+                           & masks.at_positions(masks.causal(), jnp.arange(4, 11),
+                                                jnp.arange(11)))
+    q = jax.random.normal(jax.random.key(0), Q.shape)
+    k = jax.random.normal(jax.random.key(1), K.shape)
+    got = jax.jit(fnattn.attention)(spec, q, k, k).out
+    assert jnp.array_equal(got, jax.jit(fnattn.attention)(arrays, q, k, k).out)
+    assert not jnp.array_equal(got, jax.jit(fnattn.attention)(AttentionSpec(), q, k, k).out)
+
+    plain = AttentionSpec()
+    want = jax.jit(fnattn.decode)(plain, q[:, :1], k, k, kv_lengths=LENGTHS,
+                                  kv_starts=jnp.array([0, 2, 1])).out
+    got = jax.jit(fnattn.decode)(plain, q[:, :1], k, k, kv_lengths=[3, 4, 5],
+                                 kv_starts=(0, 2, 1)).out
+    assert jnp.array_equal(got, want)
+
+    pool = jax.random.normal(jax.random.key(2), KP.shape)
+    want = jax.jit(fnattn.paged_attention)(plain, q[:, :1], pool, pool, page_table=TABLE,
+                                           kv_lengths=LENGTHS).out
+    got = jax.jit(fnattn.paged_attention)(plain, q[:, :1], pool, pool,
+                                          page_table=[[0, 1], [2, 3], [4, 5]],
+                                          kv_lengths=[3, 4, 5]).out
+    assert jnp.array_equal(got, want)
+    want = fnattn.ragged_paged_attention(plain, q[0], pool, pool, **RAGGED).out
+    got = fnattn.ragged_paged_attention(plain, q[0], pool, pool, page_table=[[0, 1]],
+                                        context_lengths=[7], query_start_loc=[0, 7],
+                                        num_seqs=1).out
+    assert jnp.array_equal(got, want)
+
+
+REFUSED_LISTS = [
+    ("q as a list", lambda: jax.jit(fnattn.attention)(AttentionSpec(), [Q], K, K),
+     "attention: q must be a JAX array; got a list of length 1. Pass a JAX array, e.g. "
+     "jnp.asarray(q), in the documented shape."),
+    ("sinks as a list", lambda: jax.jit(fnattn.attention)(AttentionSpec(sinks=[0.0] * 4), Q, K, K),
+     "attention: sinks must be a JAX array; got list. Pass a JAX array, e.g. jnp.asarray(sinks)."),
+    ("ragged lengths", lambda: fnattn.decode(AttentionSpec(), Q1, K, K, kv_lengths=[[1], [2, 3]]),
+     "decode: kv_lengths must be an integer array; got a list of length 2 that jnp.asarray "
+     "cannot convert to one array (ragged, not numbers, or out of range)"),
+    ("lengths as a string", lambda: fnattn.paged_attention(AttentionSpec(), Q1, KP, KP,
+                                                           page_table=TABLE, kv_lengths="345"),
+     "paged_attention: kv_lengths must be an integer array; got str '345'"),
+]
+
+
+@pytest.mark.parametrize("name,make,message", REFUSED_LISTS, ids=[c[0] for c in REFUSED_LISTS])
+def test_float_data_as_a_list_is_refused(name, make, message):
+    with pytest.raises(TypeError) as info:
+        make()
+    assert str(info.value) == message
+
+
+TRACED_HINT = (
+    "Sizes of windows and chunks are static: they decide at trace time which blocks are "
+    "skipped. Pass a Python int (through jax.jit, a static argument: jax.jit(f, "
+    "static_argnames=...)); a window that depends on the data needs a boolean array mask, "
+    "masks.from_array(...).")
+STATIC_FLOAT_HINT = (
+    "pass a Python float known at trace time (float(x) for a concrete array; through "
+    "jax.jit, a static argument: jax.jit(f, static_argnames=...)).")
+TRACED = [
+    ("window", lambda w: masks.sliding_window(left=w),
+     "sliding_window: left must be a Python int known at trace time; got a traced int32[] "
+     "(a jit argument, or computed from one). " + TRACED_HINT),
+    ("window right", lambda w: masks.sliding_window(None, right=w),
+     "sliding_window: right must be a Python int known at trace time; got a traced int32[] "
+     "(a jit argument, or computed from one). " + TRACED_HINT),
+    ("chunk", lambda w: masks.chunked(w),
+     "chunked: size must be a Python int known at trace time; got a traced int32[] (a jit "
+     "argument, or computed from one). " + TRACED_HINT),
+]
+
+
+@pytest.mark.parametrize("name,make,message", TRACED, ids=[c[0] for c in TRACED])
+def test_a_traced_size_says_it_must_be_static(name, make, message):
+    def f(w):
+        return fnattn.attention(AttentionSpec(mask=make(w)), Q, K, K).out
+
+    with pytest.raises(TypeError) as info:
+        jax.jit(f)(4)
+    assert str(info.value) == message
+
+
+@pytest.mark.parametrize("field,rest", [("softcap", " or None"), ("dropout_rate", "")])
+def test_a_traced_float_field_says_it_must_be_static(field, rest):
+    def f(x):
+        return fnattn.attention(AttentionSpec(**{field: x}), Q, K, K).out
+
+    with pytest.raises(TypeError) as info:
+        jax.jit(f)(0.5)
+    assert str(info.value).startswith(
+        f"AttentionSpec: {field} is static configuration and must be a Python float{rest}; "
+        "got DynamicJaxprTracer")
+    assert str(info.value).endswith("A traced or array value cannot be static: "
+                                     + STATIC_FLOAT_HINT)
+
+
+FIRST_MISTAKES = [
+    ("window as an array", lambda: masks.sliding_window(jnp.int32(4)),
+     "sliding_window: left must be a Python int; got a JAX array int32[]. Sizes of windows "
+     "and chunks are static configuration: pass int(left)."),
+    ("float array as mask", lambda: AttentionSpec(mask=jnp.ones((7, 11))),
+     "AttentionSpec: mask must be an fnattn.masks mask or None; got ArrayImpl. A float32 array "
+     "is either an additive mask (0 to attend, -inf or a large negative number to mask), which "
+     "is a bias: AttentionSpec(bias=mask); or 1s and 0s: mask=masks.from_array(mask > 0)."),
+    ("int array as mask", lambda: AttentionSpec(mask=jnp.ones((7, 11), jnp.int32)),
+     "AttentionSpec: mask must be an fnattn.masks mask or None; got ArrayImpl. Wrap an integer "
+     "array as masks.from_array(mask != 0) (True attends)."),
+    ("mask not called", lambda: AttentionSpec(mask=masks.causal),
+     "AttentionSpec: mask must be an fnattn.masks mask or None; got function. Call it: "
+     "masks.causal(...)."),
+]
+
+
+@pytest.mark.parametrize("name,make,message", FIRST_MISTAKES, ids=[c[0] for c in FIRST_MISTAKES])
+def test_first_mistake_message(name, make, message):
+    with pytest.raises(TypeError) as info:
+        make()
+    assert str(info.value) == message
+
+
+def test_float_mask_of_ones_and_zeros_converts_as_the_message_says():
+    ones = jnp.tril(jnp.ones((7, 11)), 4)
+    spec = AttentionSpec(mask=masks.from_array(ones > 0))
+    got = jax.jit(fnattn.attention)(spec, Q + 1.0, K, K + jnp.arange(11.0)[:, None, None])
+    want = jax.jit(fnattn.attention)(AttentionSpec(mask=masks.causal()), Q + 1.0, K,
+                                     K + jnp.arange(11.0)[:, None, None])
+    assert jnp.allclose(got.out, want.out)
+
+
+def bhtd(*shape):  # arrays laid out (B, H, T, D)
+    return jnp.zeros(shape)
+
+
+LAYOUT = [
+    ("attention, bhtd arrays read as bthd",
+     lambda: call(AttentionSpec(), bhtd(3, 4, 8, 5), bhtd(3, 2, 16, 5), bhtd(3, 2, 16, 5)),
+     "attention: the number of query heads Hq=8 must be a multiple of the number of key/value "
+     "heads Hkv=16; got q (3, 4, 8, 5) and k (3, 2, 16, 5), read as (B, T, H, D) for layout "
+     "'bthd'. Read as (B, H, T, D) (layout 'bhtd') they have Hq=4 and Hkv=2: if that is their "
+     "layout, pass AttentionSpec(layout='bhtd')."),
+    ("attention, fewer query heads",
+     lambda: call(AttentionSpec(), jnp.zeros((3, 7, 2, 5)), jnp.zeros((3, 11, 4, 5)),
+                  jnp.zeros((3, 11, 4, 5))),
+     "attention: the number of query heads Hq=2 must be a multiple of the number of key/value "
+     "heads Hkv=4; got q (3, 7, 2, 5) and k (3, 11, 4, 5), read as (B, T, H, D) for layout "
+     "'bthd'. There cannot be fewer query heads than key/value heads: check the layout and "
+     "that q and k are not swapped."),
+    ("decode, bhtd arrays read as bthd",
+     lambda: jax.jit(fnattn.decode)(AttentionSpec(), bhtd(3, 4, 1, 5), bhtd(3, 2, 16, 5),
+                                    bhtd(3, 2, 16, 5), kv_lengths=LENGTHS),
+     "decode: the number of query heads Hq=1 must be a multiple of the number of key/value "
+     "heads Hkv=16; got q (3, 4, 1, 5) and k (3, 2, 16, 5), read as (B, T, H, D) for layout "
+     "'bthd'. Read as (B, H, T, D) (layout 'bhtd') they have Hq=4 and Hkv=2: if that is their "
+     "layout, pass AttentionSpec(layout='bhtd')."),
+    ("paged, bhtd q read as bthd",
+     lambda: jax.jit(fnattn.paged_attention)(AttentionSpec(), bhtd(3, 4, 1, 5), KP, KP,
+                                             page_table=TABLE, kv_lengths=LENGTHS),
+     "paged_attention: the number of query heads Hq=1 (q (3, 4, 1, 5)) must be a multiple of "
+     "the number of kv heads Hkv=2 (k_pages (2, 8, 4, 5), axis 0). Read as (B, H, T, D) "
+     "(layout 'bhtd') q has Hq=4: if that is its layout, pass AttentionSpec(layout='bhtd')."),
+    ("ragged, pools not heads-major",
+     lambda: jax.jit(fnattn.ragged_paged_attention)(AttentionSpec(), Q[0], jnp.zeros((8, 4, 2, 5)),
+                                                    jnp.zeros((8, 4, 2, 5)), **RAGGED),
+     "ragged_paged_attention: the number of query heads Hq=4 (q (7, 4, 5)) must be a multiple "
+     "of the number of kv heads Hkv=8 (k_pages (8, 4, 2, 5), axis 0). The pools are "
+     "heads-major, (Hkv, num_pages, page_size, D): one laid out (num_pages, page_size, Hkv, D) "
+     "converts with pages.transpose(2, 0, 1, 3)."),
+]
+
+
+@pytest.mark.parametrize("name,make,message", LAYOUT, ids=[c[0] for c in LAYOUT])
+def test_fewer_query_heads_than_kv_heads_names_the_layout(name, make, message):
+    with pytest.raises(ValueError) as info:
+        make()
+    assert str(info.value) == message
+
+
+def f64(*shape):
+    return jnp.zeros(shape, jnp.float64)
+
+
+FLOAT64 = [
+    ("decode", lambda: jax.jit(fnattn.decode)(AttentionSpec(), f64(3, 1, 4, 5), f64(3, 11, 2, 5),
+                                              f64(3, 11, 2, 5), kv_lengths=LENGTHS),
+     "decode: float64 inputs are not supported (q, k_cache, v_cache are float64): the serving "
+     "variants compute in float32; cast q, k_cache, v_cache to float32 "
+     "(x.astype(jnp.float32))."),
+    ("paged", lambda: jax.jit(fnattn.paged_attention)(
+        AttentionSpec(), f64(3, 1, 4, 5), f64(*KP.shape), f64(*KP.shape), page_table=TABLE,
+        kv_lengths=LENGTHS),
+     "paged_attention: float64 inputs are not supported (q, k_pages, v_pages are float64): the "
+     "serving variants compute in float32; cast q, k_pages, v_pages to float32 "
+     "(x.astype(jnp.float32))."),
+    ("ragged", lambda: jax.jit(fnattn.ragged_paged_attention)(
+        AttentionSpec(), f64(7, 4, 5), f64(*KP.shape), f64(*KP.shape), **RAGGED),
+     "ragged_paged_attention: float64 inputs are not supported (q, k_pages, v_pages are "
+     "float64): the serving variants compute in float32; cast q, k_pages, v_pages to float32 "
+     "(x.astype(jnp.float32))."),
+    ("ragged with update, the new tokens", lambda: jax.jit(
+        fnattn.ragged_paged_attention_with_update)(
+        AttentionSpec(), Q[0], f64(7, 2, 5), f64(7, 2, 5), KP, KP, **RAGGED),
+     "ragged_paged_attention_with_update: float64 inputs are not supported (k, v are float64): "
+     "the serving variants compute in float32; cast q, k, v, k_pages, v_pages to float32 "
+     "(x.astype(jnp.float32))."),
+    ("attention, one array float64", lambda: call(AttentionSpec(), Q, f64(3, 11, 2, 5), K),
+     "attention: q, k and v must share a dtype; got q float32, k float64, v float32. Cast "
+     "them to one, e.g. k.astype(q.dtype)."),
+]
+
+
+@pytest.mark.parametrize("name,make,message", FLOAT64, ids=[c[0] for c in FLOAT64])
+def test_float64_says_what_to_do(name, make, message):
+    with jax.enable_x64(True):
+        with pytest.raises(TypeError) as info:
+            make()
+    assert str(info.value) == message
+
+
+def test_float64_is_computed_in_float64_by_dense_attention():
+    with jax.enable_x64(True):
+        q = jax.random.normal(jax.random.key(0), (1, 5, 2, 4), jnp.float64)
+        out = jax.jit(fnattn.attention)(AttentionSpec(impl="xla"), q, q, q).out
+    assert out.dtype == jnp.float64
+
+
+def test_decode_with_update_spec_first_and_list_lengths():
+    q = jnp.zeros((2, 1, 4, 8))
+    new = jnp.zeros((2, 1, 2, 8))
+    cache = jnp.zeros((2, 16, 2, 8))
+    with pytest.raises(TypeError, match=r"^decode_with_update: the first argument must be an "
+                                        r"AttentionSpec; got a float32 array of shape \(2, 1, 4, 8\)"):
+        fnattn.decode_with_update(q, new, new, cache, cache, kv_lengths=jnp.array([3, 4]))
+    f = jax.jit(lambda L: fnattn.decode_with_update(AttentionSpec(), q, new, new, cache, cache,
+                                                    kv_lengths=L)[0].out)
+    listed = fnattn.decode_with_update(AttentionSpec(), q, new, new, cache, cache,
+                                       kv_lengths=[3, 4])[0].out
+    assert (listed == f(jnp.array([3, 4], jnp.int32))).all()

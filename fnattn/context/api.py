@@ -11,6 +11,7 @@ from fnattn.spec import AttentionOutput, AttentionSpec
 __all__ = ["attention"]
 
 
+@_checks.entry_point("fnattn.context.attention")
 @jaxtyped(typechecker=beartype)
 def attention(spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..."],
               v: Shaped[Array, "..."], *, axis_name, strategy: str = "ring",

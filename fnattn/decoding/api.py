@@ -187,6 +187,7 @@ def check_inputs(cache_len: int, new_tokens: int, kv_lengths, kv_starts=None) ->
                    n=jnp.int32(new_tokens))
 
 
+@_checks.entry_point("fnattn.decode", ints=("kv_lengths", "kv_starts"))
 @jaxtyped(typechecker=beartype)
 def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, "..."],
            v_cache: Shaped[Array, "..."], *, kv_lengths: Shaped[Array, "..."],
@@ -204,6 +205,8 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
       v_cache: (B, S, Hkv, Dv) or (B, Hkv, S, Dv).
       kv_lengths: (B,) int, valid keys of each sequence (new tokens included).
         Values are clipped to the cache: ``0 <= start``, ``start + length <= S``.
+        This and ``kv_starts`` may be Python lists or NumPy arrays (converted
+        with ``jnp.asarray``).
       kv_starts: (B,) int, first valid slot of each sequence (default 0).
       checked: also report the values that would be clipped (and lengths below
         Tq) with ``checkify``: wrap the call in ``checkify.checkify``; see

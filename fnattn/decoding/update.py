@@ -98,6 +98,7 @@ def _refuse_static_overflow(kv_lengths, kv_starts, S, Tq):
             f"new tokens; stop the sequence or give it a longer cache.")
 
 
+@_checks.entry_point("fnattn.decode_with_update", ints=("kv_lengths", "kv_starts"))
 @jaxtyped(typechecker=beartype)
 def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
                        k_new: Shaped[Array, "..."], v_new: Shaped[Array, "..."],

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import core
+from fnattn import _checks, core
 from fnattn.flash import mosaic, triton, xla
 from fnattn.reference import reference
 from fnattn.spec import AttentionOutput, AttentionSpec
@@ -81,6 +81,7 @@ def _auto(kernel, symbolic):
                                bwd=lambda cfg, *a: pick(cfg).bwd(cfg, *a))
 
 
+@_checks.entry_point("fnattn.flash")
 @jaxtyped(typechecker=beartype)
 def flash(spec: AttentionSpec, q: Shaped[Array, "_ _ _ _"], k: Shaped[Array, "_ _ _ _"],
           v: Shaped[Array, "_ _ _ _"]) -> AttentionOutput:

@@ -211,7 +211,8 @@ def _check_int(fn, name, x, shape, what):
         raise ValueError(f"{fn}: {name} must have shape {what}={shape}; got {_shape(x)}")
 
 
-def _check_pools(fn, q_heads, head_dim, dtype, k_pages, v_pages, q_desc):
+def _check_pools(fn, q_heads, head_dim, dtype, k_pages, v_pages, q_desc, *, layout=None,
+                 other_q_heads=None):
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
         _checks.check_float(f"{fn}: {name}", x)
         if x.ndim != 4:
@@ -231,11 +232,28 @@ def _check_pools(fn, q_heads, head_dim, dtype, k_pages, v_pages, q_desc):
     if q_heads % Hkv:
         raise ValueError(f"{fn}: the number of query heads Hq={q_heads} (q {q_desc}) must be "
                          f"a multiple of the number of kv heads Hkv={Hkv} (k_pages "
-                         f"{_shape(k_pages)}, axis 0)")
+                         f"{_shape(k_pages)}, axis 0)"
+                         + _fewer_heads_hint(q_heads, k_pages.shape, layout, other_q_heads))
     if not (dtype == k_pages.dtype == v_pages.dtype):
         raise TypeError(f"{fn}: q, k_pages and v_pages must share a dtype; got q {dtype}, "
                         f"k_pages {k_pages.dtype}, v_pages {v_pages.dtype}")
     return Hkv, N, ps, v_pages.shape[3]
+
+
+def _fewer_heads_hint(q_heads, pool_shape, layout, other_q_heads):
+    """What to do when Hq < Hkv: q in the other layout, or a pool that is not
+    heads-major (its axis 0 is then the number of pages)."""
+    Hkv = pool_shape[0]
+    if q_heads >= Hkv:
+        return ""
+    if layout is not None:
+        hint = _checks.layout_hint(layout, other_q_heads, Hkv, q_only=True)
+        if hint:
+            return hint
+    if q_heads % pool_shape[2] == 0:
+        return (". The pools are heads-major, (Hkv, num_pages, page_size, D): one laid out "
+                "(num_pages, page_size, Hkv, D) converts with pages.transpose(2, 0, 1, 3).")
+    return ". There cannot be fewer query heads than kv heads: check q's layout and the pools'."
 
 
 def refuse_float64(fn, **arrays):
@@ -366,6 +384,9 @@ def check_inputs(k_pages, *, page_table, context_lengths, query_start_loc=None, 
 # Public functions
 # ----------------------------------------------------------------------------------
 
+# The integer metadata of the ragged forms: Python lists and NumPy arrays convert.
+_META = ("page_table", "context_lengths", "query_start_loc", "num_seqs")
+
 
 def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, new_v=None):
     """Sanitises the metadata and dispatches (``table`` overrides ``spec.impl``'s)."""
@@ -379,6 +400,7 @@ def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, ne
     return _attend(table, cfg, q, k_pages, v_pages, sinks, meta)
 
 
+@_checks.entry_point("fnattn.paged_attention", ints=("page_table", "kv_lengths"))
 @jaxtyped(typechecker=beartype)
 def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shaped[Array, "..."],
                     v_pages: Shaped[Array, "..."], *, page_table: Shaped[Array, "..."],
@@ -396,7 +418,8 @@ def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shape
       v_pages: the pool of values, (Hkv, num_pages, page_size, Dv).
       page_table: (B, max_pages_per_seq) int32: pool page of each logical page.
       kv_lengths: (B,) int: keys of each sequence, the Tq new ones included
-        (they must already be in the pool).
+        (they must already be in the pool). This and ``page_table`` may be
+        Python lists or NumPy arrays (converted with ``jnp.asarray``).
       checked: also report bad run-time values with ``checkify`` (wrap the call
         in ``checkify.checkify``); see :func:`check_inputs`.
 
@@ -439,7 +462,9 @@ def paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table, kv_len
     B, Tq, Hq, D = qb.shape
     if 0 in qb.shape:
         raise ValueError(f"{fn}: q must have no empty axis; got shape {_shape(q)}")
-    Hkv, N, ps, Dv = _check_pools(fn, Hq, D, q.dtype, k_pages, v_pages, _shape(q))
+    Hkv, N, ps, Dv = _check_pools(fn, Hq, D, q.dtype, k_pages, v_pages, _shape(q),
+                                  layout=spec.layout,
+                                  other_q_heads=q.shape[1 if spec.layout == "bthd" else 2])
     if page_table.ndim != 2 or page_table.shape[0] != B:
         raise ValueError(f"{fn}: page_table must have shape (B, max_pages_per_seq) with B={B} "
                          f"from q {_shape(q)}; got {_shape(page_table)}")
@@ -490,6 +515,7 @@ def _ragged_checks(fn, spec, q, k_pages, v_pages, page_table, context_lengths,
     return T, Hq, D, Hkv, N, ps, Dv, S, P
 
 
+@_checks.entry_point("fnattn.ragged_paged_attention", ints=_META)
 @jaxtyped(typechecker=beartype)
 def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
                            k_pages: Shaped[Array, "..."], v_pages: Shaped[Array, "..."], *,
@@ -519,6 +545,8 @@ def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
       context_lengths: (max_seqs,) int32, all tokens of each sequence.
       query_start_loc: (max_seqs + 1,) int32 cumulative token offsets.
       num_seqs: int32 scalar or (1,) array: live sequences (the rest are padding).
+        The four metadata arguments may be Python lists (or ints) or NumPy arrays
+        (converted with ``jnp.asarray``).
       checked: report bad run-time values with ``checkify`` (:func:`check_inputs`).
 
     Returns:
@@ -562,6 +590,7 @@ def ragged_paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table,
     return AttentionOutput(out, lse if spec.return_lse else None)
 
 
+@_checks.entry_point("fnattn.ragged_paged_attention_with_update", ints=_META)
 @jaxtyped(typechecker=beartype)
 def ragged_paged_attention_with_update(
         spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..."],

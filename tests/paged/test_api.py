@@ -186,7 +186,9 @@ CALLS = [
     # A "bthd" q read as "bhtd": Hq is the 1 at axis 1.
     ("paged gqa, wrong layout", paged, dict(spec=AttentionSpec(layout="bhtd")), ValueError,
      "paged_attention: the number of query heads Hq=1 (q (2, 1, 6, 7)) must be a multiple of "
-     "the number of kv heads Hkv=3 (k_pages (3, 11, 2, 7), axis 0)"),
+     "the number of kv heads Hkv=3 (k_pages (3, 11, 2, 7), axis 0). Read as (B, T, H, D) "
+     "(layout 'bthd') q has Hq=6: if that is its layout, pass AttentionSpec(layout='bthd'), "
+     "the default."),
     ("paged pool dtype", paged, dict(vp=jnp.zeros((3, 11, 2, 13), jnp.float16)), TypeError,
      "paged_attention: q, k_pages and v_pages must share a dtype; got q float32, k_pages "
      "float32, v_pages float16"),
