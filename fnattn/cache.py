@@ -310,8 +310,12 @@ _BOOK_FIELDS = ["page_table", "lengths", "free_pages", "num_free"]
 
 
 @dataclasses.dataclass(frozen=True)
-class PagedKVCache:
-    """A paged KV cache of one layer (see the module docstring for the fields)."""
+class _Paged:
+    """Fields and sizes shared by :class:`PagedKVCache` and
+    :class:`LayeredPagedKVCache`; the pools' page axes start at ``_POOL_AXIS``
+    (after the kv-head axis, and the layer axis of a layered cache)."""
+
+    _POOL_AXIS = 1
 
     k_pages: Any
     v_pages: Any
@@ -323,11 +327,11 @@ class PagedKVCache:
     # -- sizes --------------------------------------------------------------------
     @property
     def page_size(self) -> int:
-        return self.k_pages.shape[2]
+        return self.k_pages.shape[self._POOL_AXIS + 1]
 
     @property
     def num_pages(self) -> int:
-        return self.k_pages.shape[1]
+        return self.k_pages.shape[self._POOL_AXIS]
 
     @property
     def max_seqs(self) -> int:
@@ -341,6 +345,15 @@ class PagedKVCache:
     def capacity(self) -> int:
         """Tokens one slot can hold."""
         return self.max_pages_per_seq * self.page_size
+
+    def replace(self, **changes):
+        """A copy with ``changes`` (field name = new value)."""
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedKVCache(_Paged):
+    """A paged KV cache of one layer (see the module docstring for the fields)."""
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -360,9 +373,6 @@ class PagedKVCache:
         return cls(k_pages=jnp.zeros((num_kv_heads, num_pages, page_size, head_dim), dtype),
                    v_pages=jnp.zeros((num_kv_heads, num_pages, page_size, dv), dtype),
                    **_empty_book(num_pages, max_seqs, max_pages_per_seq))
-
-    def replace(self, **changes) -> "PagedKVCache":
-        return dataclasses.replace(self, **changes)
 
     # -- helpers ------------------------------------------------------------------
     def allocate(self, seq_ids) -> "PagedKVCache":
@@ -455,7 +465,7 @@ jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k_pages", "v_pages"
 
 
 @dataclasses.dataclass(frozen=True)
-class LayeredPagedKVCache:
+class LayeredPagedKVCache(_Paged):
     """A paged KV cache of a whole model: one page table, one set of lengths and one
     free stack for all layers, one pair of pools per layer (stacked on axis 0).
 
@@ -488,38 +498,11 @@ class LayeredPagedKVCache:
     ([3, 1], [[7, -1, -1, -1], [6, -1, -1, -1]], (3, 1, 8, 4, 8))
     """
 
-    k_pages: Any
-    v_pages: Any
-    page_table: Any
-    lengths: Any
-    free_pages: Any
-    num_free: Any
+    _POOL_AXIS = 2
 
-    # -- sizes --------------------------------------------------------------------
     @property
     def num_layers(self) -> int:
         return self.k_pages.shape[0]
-
-    @property
-    def page_size(self) -> int:
-        return self.k_pages.shape[3]
-
-    @property
-    def num_pages(self) -> int:
-        return self.k_pages.shape[2]
-
-    @property
-    def max_seqs(self) -> int:
-        return self.page_table.shape[0]
-
-    @property
-    def max_pages_per_seq(self) -> int:
-        return self.page_table.shape[1]
-
-    @property
-    def capacity(self) -> int:
-        """Tokens one slot can hold."""
-        return self.max_pages_per_seq * self.page_size
 
     # -- construction -------------------------------------------------------------
     @classmethod
@@ -540,9 +523,6 @@ class LayeredPagedKVCache:
         return cls(k_pages=jnp.zeros((*pool, head_dim), dtype),
                    v_pages=jnp.zeros((*pool, dv), dtype),
                    **_empty_book(num_pages, max_seqs, max_pages_per_seq))
-
-    def replace(self, **changes) -> "LayeredPagedKVCache":
-        return dataclasses.replace(self, **changes)
 
     # -- helpers ------------------------------------------------------------------
     def allocate(self, seq_ids) -> "LayeredPagedKVCache":
