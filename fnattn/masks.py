@@ -910,6 +910,42 @@ def _tile_minmax(op: Array, block_q: int, block_k: int) -> OperandStats:
     return OperandStats(lo, hi)
 
 
+class _TileGrid:
+    """The (q-block, kv-block) tile coordinates that :func:`block_classes` hands to
+    a mask's ``tile_bounds``, in the array module ``xp`` (``jnp`` inside a trace,
+    ``np`` for :func:`block_classes_static`), and the classes from its answer."""
+
+    def __init__(self, xp, dtype, batch, q_len, kv_len, block_q, block_k, q_offset):
+        self.xp, self.dtype, self.batch = xp, dtype, batch
+        self.nq, self.nk = -(-q_len // block_q), -(-kv_len // block_k)
+        self.off = kv_len - q_len if q_offset is None else q_offset
+        qb = xp.arange(self.nq, dtype=dtype)[None, None, :, None]
+        kb = xp.arange(self.nk, dtype=dtype)[None, None, None, :]
+        self.q_lo = qb * block_q
+        self.q_hi = xp.minimum(self.q_lo + block_q, q_len) - 1
+        self.k_lo = kb * block_k
+        self.k_hi = xp.minimum(self.k_lo + block_k, kv_len) - 1
+        self.in_range = ((qb + 1) * block_q <= q_len) & ((kb + 1) * block_k <= kv_len)
+
+    def bounds(self, num_heads) -> TileBounds:
+        xp, dt = self.xp, self.dtype
+        return TileBounds(b=xp.arange(self.batch, dtype=dt)[:, None, None, None],
+                          h=xp.arange(num_heads, dtype=dt)[None, :, None, None],
+                          q_lo=self.q_lo, q_hi=self.q_hi, pos_lo=self.q_lo + self.off,
+                          pos_hi=self.q_hi + self.off, k_lo=self.k_lo, k_hi=self.k_hi)
+
+    def classes(self, may, all_):
+        """EMPTY=0, PARTIAL=1, FULL=2 from the tiles a mask may and must fully see
+        (``True, True`` for no mask: FULL except the ragged edge tiles)."""
+        xp = self.xp
+        shape = xp.broadcast_shapes(xp.shape(may), xp.shape(all_), (1, 1, self.nq, self.nk))
+        may = xp.broadcast_to(may, shape)
+        all_ = xp.broadcast_to(all_ & self.in_range, shape)
+        # A sum of two predicates. (A nested jnp.where here was miscompiled by
+        # XLA:CPU in jax 0.10.2 for some shapes.)
+        return (may | all_).astype(xp.int8) + all_.astype(xp.int8)
+
+
 def block_classes(mask: Mask | None, batch: int, num_heads: int, q_len: int, kv_len: int,
                   block_q: int, block_k: int, *, q_offset: int | None = None) -> Array:
     """Classifies each (q-block, kv-block) tile as EMPTY, PARTIAL or FULL.
@@ -928,30 +964,12 @@ def block_classes(mask: Mask | None, batch: int, num_heads: int, q_len: int, kv_
     >>> c[0, 0].tolist()
     [[1, 0], [2, 1]]
     """
-    nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
-    off = kv_len - q_len if q_offset is None else q_offset
-    qb = jnp.arange(nq, dtype=jnp.int32)[None, None, :, None]
-    kb = jnp.arange(nk, dtype=jnp.int32)[None, None, None, :]
-    q_lo = qb * block_q
-    q_hi = jnp.minimum(q_lo + block_q, q_len) - 1
-    k_lo = kb * block_k
-    k_hi = jnp.minimum(k_lo + block_k, kv_len) - 1
-    in_range = ((qb + 1) * block_q <= q_len) & ((kb + 1) * block_k <= kv_len)
+    grid = _TileGrid(jnp, jnp.int32, batch, q_len, kv_len, block_q, block_k, q_offset)
     if mask is None:
-        return jnp.broadcast_to(1 + in_range.astype(jnp.int8), (1, 1, nq, nk))
+        return grid.classes(True, True)
     mask.validate(batch, num_heads, q_len, kv_len)
-    t = TileBounds(b=jnp.arange(batch, dtype=jnp.int32)[:, None, None, None],
-                   h=jnp.arange(num_heads, dtype=jnp.int32)[None, :, None, None],
-                   q_lo=q_lo, q_hi=q_hi, pos_lo=q_lo + off, pos_hi=q_hi + off,
-                   k_lo=k_lo, k_hi=k_hi)
     stats = [_tile_minmax(op, block_q, block_k) for op in mask.operands()]
-    may, all_ = mask.tile_bounds(t, stats)
-    shape = jnp.broadcast_shapes(jnp.shape(may), jnp.shape(all_), (1, 1, nq, nk))
-    may = jnp.broadcast_to(may, shape)
-    all_ = jnp.broadcast_to(all_ & in_range, shape)
-    # EMPTY=0, PARTIAL=1, FULL=2 as a sum of two predicates. (A nested jnp.where
-    # here was miscompiled by XLA:CPU in jax 0.10.2 for some shapes.)
-    return (may | all_).astype(jnp.int8) + all_.astype(jnp.int8)
+    return grid.classes(*mask.tile_bounds(grid.bounds(num_heads), stats))
 
 
 def _is_int(x) -> bool:
@@ -998,36 +1016,20 @@ def block_classes_static(mask: Mask | None, batch: int, num_heads: int, q_len: i
 def _block_classes_np(treedef, batch, num_heads, q_len, kv_len, block_q, block_k, q_offset):
     """NumPy :func:`block_classes` of the array-free mask ``treedef`` (None: no
     mask), or None if its ``tile_bounds`` needs JAX arrays."""
-    nq, nk = -(-q_len // block_q), -(-kv_len // block_k)
-    off = kv_len - q_len if q_offset is None else q_offset
-    i64 = np.int64
-    qb = np.arange(nq, dtype=i64)[None, None, :, None]
-    kb = np.arange(nk, dtype=i64)[None, None, None, :]
-    q_lo = qb * block_q
-    q_hi = np.minimum(q_lo + block_q, q_len) - 1
-    k_lo = kb * block_k
-    k_hi = np.minimum(k_lo + block_k, kv_len) - 1
-    in_range = ((qb + 1) * block_q <= q_len) & ((kb + 1) * block_k <= kv_len)
+    grid = _TileGrid(np, np.int64, batch, q_len, kv_len, block_q, block_k, q_offset)
     if treedef is None:
-        out = np.broadcast_to(1 + in_range.astype(np.int8), (1, 1, nq, nk)).copy()
+        out = np.array(grid.classes(True, True))
     else:
         mask = from_treedef(treedef)
         mask.validate(batch, num_heads, q_len, kv_len)
-        t = TileBounds(b=np.arange(batch, dtype=i64)[:, None, None, None],
-                       h=np.arange(num_heads, dtype=i64)[None, :, None, None],
-                       q_lo=q_lo, q_hi=q_hi, pos_lo=q_lo + off, pos_hi=q_hi + off,
-                       k_lo=k_lo, k_hi=k_hi)
         try:
             # A mask's bounds written with jnp functions run eagerly here.
             with jax.ensure_compile_time_eval():
-                may, all_ = mask.tile_bounds(t, [])
+                may, all_ = mask.tile_bounds(grid.bounds(num_heads), [])
             may, all_ = np.asarray(may, bool), np.asarray(all_, bool)
         except Exception:  # e.g. bounds that cannot run outside a trace
             return None
-        shape = np.broadcast_shapes(may.shape, all_.shape, (1, 1, nq, nk))
-        may = np.broadcast_to(may, shape)
-        all_ = np.broadcast_to(all_ & in_range, shape)
-        out = (may | all_).astype(np.int8) + all_.astype(np.int8)
+        out = np.array(grid.classes(may, all_))
     out.flags.writeable = False
     return out
 
