@@ -48,6 +48,15 @@ def np_attention(q, k, v, *, scale=None, bias=None, softcap=None, mask=None, sin
                           scale=scale, G=G)
 
 
+def np_causal_tail(q, k, v, *, sinks=None):
+    """Causal attention of the last Tq of Tk tokens (query i is at position
+    Tk - Tq + i): (out (B, Tq, Hq, Dv), lse (B, Hq, Tq))."""
+    Tq, Tk = q.shape[1], k.shape[1]
+    mask = np.arange(Tk)[None, :] <= Tk - Tq + np.arange(Tq)[:, None]
+    out, lse, _ = np_attention(q, k, v, mask=mask, sinks=sinks)
+    return out, lse
+
+
 def np_attention_grads(q, k, v, d_out, d_lse=None, *, scale=None, bias=None, softcap=None,
                        mask=None, sinks=None, keep=None, rate=0.0):
     """Returns dict of float64 gradients dq, dk, dv, dbias (full shape), dsinks."""

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from np_attention import np_attention
+from np_attention import np_causal_tail
 
 import fnattn
 from fnattn import AttentionSpec, PagedKVCache, masks
@@ -239,11 +239,8 @@ def serve_per_layer(caches, seq_ids, q, k, v):
 
 def dense_causal(q, k, v):
     """Causal attention of the last Tq of Tk tokens in float64 NumPy (independent of
-    fnattn): (out (B, Tq, Hq, Dv), lse (B, Hq, Tq))."""
-    Tq, Tk = q.shape[1], k.shape[1]
-    mask = np.arange(Tk)[None, :] <= Tk - Tq + np.arange(Tq)[:, None]
-    out, lse, _ = np_attention(q, k, v, mask=mask, sinks=np.asarray(SPEC.sinks))
-    return out, lse
+    fnattn) with SPEC's sinks: (out (B, Tq, Hq, Dv), lse (B, Hq, Tq))."""
+    return np_causal_tail(q, k, v, sinks=np.asarray(SPEC.sinks))
 
 
 def test_attention_per_layer_equals_separate_caches_and_dense_reference():
