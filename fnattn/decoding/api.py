@@ -325,11 +325,7 @@ class _Derivatives(_linear.Rule):
 
     def smooth(self, res):
         q, k, v, sinks, starts, lengths = res
-
-        def f(q, k, v, sinks):
-            return xla.forward(self.cfg, q, k, v, starts, lengths, sinks, sanitize=True)
-
-        return f, (q, k, v, sinks)
+        return _xla_fn(self.cfg, starts, lengths), (q, k, v, sinks)
 
     def tangent(self, res, lin):
         return self.smooth_tangent(res, lin)
@@ -341,9 +337,13 @@ class _Derivatives(_linear.Rule):
                                  sinks, d_out, d_lse)
 
 
-def _grads(cfg, q, k, v, starts, lengths, sinks, d_out, d_lse):
+def _xla_fn(cfg, starts, lengths):
+    """The XLA lowering as a function of the differentiable inputs (q, k, v, sinks)."""
     def f(q, k, v, sinks):
         return xla.forward(cfg, q, k, v, starts, lengths, sinks, sanitize=True)
+    return f
 
-    _, vjp = jax.vjp(f, q, k, v, sinks)
+
+def _grads(cfg, q, k, v, starts, lengths, sinks, d_out, d_lse):
+    _, vjp = jax.vjp(_xla_fn(cfg, starts, lengths), q, k, v, sinks)
     return vjp((d_out.astype(q.dtype), d_lse.astype(jnp.float32)))

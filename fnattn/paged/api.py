@@ -155,11 +155,7 @@ class _Derivatives(_linear.Rule):
 
     def smooth(self, res):
         q, k_pages, v_pages, sinks, meta = self._split(res)
-
-        def f(q, k_pages, v_pages, sinks):
-            return xla.attend(self.cfg, q, k_pages, v_pages, sinks, meta, sanitize=True)
-
-        return f, (q, k_pages, v_pages, sinks)
+        return _xla_fn(self.cfg, meta), (q, k_pages, v_pages, sinks)
 
     def tangent(self, res, lin):
         return self.smooth_tangent(res, lin)
@@ -171,13 +167,17 @@ class _Derivatives(_linear.Rule):
                                 d_out, d_lse)
 
 
-def _grads(cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v, d_out, d_lse):
-    del new_k, new_v
-
+def _xla_fn(cfg, meta):
+    """The XLA lowering as a function of the differentiable inputs (q, k_pages,
+    v_pages, sinks)."""
     def f(q, k_pages, v_pages, sinks):
         return xla.attend(cfg, q, k_pages, v_pages, sinks, meta, sanitize=True)
+    return f
 
-    _, vjp = jax.vjp(f, q, k_pages, v_pages, sinks)
+
+def _grads(cfg, q, k_pages, v_pages, sinks, meta, new_k, new_v, d_out, d_lse):
+    del new_k, new_v
+    _, vjp = jax.vjp(_xla_fn(cfg, meta), q, k_pages, v_pages, sinks)
     return vjp((d_out, d_lse.astype(jnp.float32)))
 
 
