@@ -57,6 +57,12 @@ class Lowering:
     fwd: Callable
     bwd: Callable
     jvp: Optional[Callable] = None
+    # The backward takes None for a cotangent of ``out`` or ``lse`` that is zero
+    # (the program does not use that output); others get arrays of zeros.
+    takes_absent_cotangents: bool = False
+    # ``needs_devices(cfg, q, k, v, bias, sinks, mask, seed, *rest)``: whether the
+    # call's lowering needs the devices (see :func:`fnattn._platforms.dependent`).
+    needs_devices: Optional[Callable] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,7 +81,7 @@ class Config:
         return jax.tree_util.tree_unflatten(self.mask_treedef, leaves)
 
 
-def select(table, cfg, *args):
+def select(table, cfg, *args, needs_devices=False):
     """Calls ``fn(cfg, *args)`` of the platform being lowered for.
 
     ``table`` holds (platform, fn) pairs with a "default" entry; with only that
@@ -91,7 +97,8 @@ def select(table, cfg, *args):
     default = branches.pop("default")
     if not branches:
         return default(*args)
-    return _platforms.dependent(*args, default=default, **branches)
+    return _platforms.dependent(*args, default=default, needs_devices=needs_devices,
+                                **branches)
 
 
 def _select(table, fn_name, cfg, *args):
@@ -99,7 +106,10 @@ def _select(table, fn_name, cfg, *args):
         raise ValueError(
             f"lowering table {[(plat, low.name) for plat, low in table]} has no 'default' "
             "entry; every table needs one for the platforms without their own lowering")
-    return select(tuple((plat, getattr(low, fn_name)) for plat, low in table), cfg, *args)
+    needs = any(low.needs_devices is not None and low.needs_devices(cfg, *args)
+                for _, low in table)
+    return select(tuple((plat, getattr(low, fn_name)) for plat, low in table), cfg, *args,
+                  needs_devices=needs)
 
 
 def _select_split(table, fn_name, cfg, *args):
@@ -162,6 +172,10 @@ class Derivatives(_linear.Rule):
 
     table: Any
     cfg: Config
+    # A zero cotangent of ``out`` or ``lse`` reaches ``cotangent`` as None
+    # (:func:`fnattn._linear.tangent`): a backward that cannot take an lse
+    # cotangent (cuDNN's) then knows it has none.
+    absent_zero_cotangents = True
 
     def tangent(self, res, lin):
         q, k, v, bias, sinks, seed, out, lse, lse_lo, *mask_leaves = res
@@ -208,9 +222,25 @@ def _select_tangent(table, cfg, *args):
 
 @functools.lru_cache(maxsize=None)
 def _wrap(table):
-    return tuple((plat, Lowering(low.name, _with_mask(low.fwd), _with_mask(low.bwd),
-                                 _with_mask_cached(low.jvp)))
+    return tuple((plat, Lowering(low.name, _with_mask(low.fwd),
+                                 _with_mask(low.bwd if low.takes_absent_cotangents
+                                            else _zero_cotangents(low.bwd)),
+                                 _with_mask_cached(low.jvp), True,
+                                 None if low.needs_devices is None
+                                 else _with_mask(low.needs_devices)))
                  for plat, low in table)
+
+
+def _zero_cotangents(bwd):
+    """``bwd`` given arrays of zeros for the cotangents that are None."""
+    @functools.wraps(bwd)
+    def wrapped(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse):
+        if d_out is None:
+            d_out = jnp.zeros_like(out)
+        if d_lse is None:
+            d_lse = jnp.zeros_like(lse)
+        return bwd(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse)
+    return wrapped
 
 
 @functools.lru_cache(maxsize=None)

@@ -76,8 +76,9 @@ class Rule:
 
     def smooth_cotangent(self, res, cts):
         f, x = self.smooth(res)
-        _, vjp = jax.vjp(f, *x)
-        return tuple(vjp(tuple(cts)))
+        y, vjp = jax.vjp(f, *x)
+        return tuple(vjp(tuple(jnp.zeros_like(o) if c is None else c
+                               for o, c in zip(y, cts))))
 
 
 def _zeros_for_none(x, lin):
@@ -135,7 +136,7 @@ def _function(prim, rule, vmaps, keep, smooth=False):
     (innermost first): ``vmaps[i]`` holds the batch axis (0 or None) of each
     present residual at level i; linear operands and outputs are batched
     along axis 0 at every level."""
-    keep_res, keep_lin, _ = keep
+    keep_res, keep_lin, keep_out = keep
     if prim is _TANGENT:
         fn = rule.smooth_tangent if smooth else rule.tangent
     else:
@@ -143,8 +144,9 @@ def _function(prim, rule, vmaps, keep, smooth=False):
     n_res = sum(keep_res)
 
     def flat(*arrays):
-        return tuple(_present(fn(_fill(arrays[:n_res], keep_res),
-                                 _fill(arrays[n_res:], keep_lin))))
+        outs = fn(_fill(arrays[:n_res], keep_res), _fill(arrays[n_res:], keep_lin))
+        # the outputs asked for (a tangent whose cotangent was absent is not)
+        return tuple(_present(o if k else None for o, k in zip(outs, keep_out)))
 
     for axes in vmaps:
         flat = jax.vmap(flat, in_axes=tuple(axes) + (0,) * sum(keep_lin))
@@ -201,7 +203,11 @@ def _transpose(prim, cts, *args, rule, vmaps, keep, out_avals, callee):
             "linear in)")
     # zeros where JAX holds a symbolic zero (typed like the output: inside
     # shard_map, varying over the same mesh axes)
-    cts = [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct for ct in cts]
+    if prim is _TANGENT and getattr(rule, "absent_zero_cotangents", False):
+        # the rule's cotangent takes None for a zero cotangent
+        cts = [None if type(ct) is ad.Zero else ct for ct in cts]
+    else:
+        cts = [ad.instantiate_zeros(ct) if type(ct) is ad.Zero else ct for ct in cts]
     lin_avals = [x.aval if ad.is_undefined_primal(x) else jax.typeof(x) for x in lin]
     back = _bind(_TRANSPOSE[prim], rule, vmaps, _fill(res, keep_res), _fill(cts, keep_out),
                  lin_avals, keep_lin)

@@ -44,6 +44,7 @@ from typing import Callable
 import jax
 from jax import tree_util
 from jax.extend import core as jex_core
+from jax._src import dispatch
 from jax.interpreters import ad, batching, mlir
 
 __all__ = ["dependent"]
@@ -55,11 +56,17 @@ PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 class _Branches:
     """The branches of one call (compared by identity: a primitive parameter)."""
 
-    def __init__(self, fns: dict, default: Callable, types_jaxpr, default_jaxpr):
+    def __init__(self, fns: dict, default: Callable, types_jaxpr, default_jaxpr,
+                 needs_devices: bool = False):
         self.fns = fns                      # platform -> f(*flat) -> flat outputs
         self.default = default              # the same for the other platforms
         self.types_jaxpr = types_jaxpr      # a traced branch: the output types
         self.default_jaxpr = default_jaxpr  # the default, traced (None: it refused)
+        self.needs_devices = needs_devices  # a branch's lowering needs the devices
+
+    @property
+    def prim(self):
+        return _p_devices if self.needs_devices else _p
 
     def default_fn(self):
         if self.default_jaxpr is None:
@@ -73,10 +80,16 @@ def _flat(fn, in_tree):
     return flat
 
 
-def dependent(*args, default: Callable, **branches: Callable):
+def dependent(*args, default: Callable, needs_devices: bool = False, **branches: Callable):
     """``branches[p](*args)`` when lowered for platform ``p``, ``default(*args)``
     for the platforms without a branch (the keywords of
-    ``lax.platform_dependent``: "cpu", "cuda", "rocm", "tpu")."""
+    ``lax.platform_dependent``: "cpu", "cuda", "rocm", "tpu").
+
+    ``needs_devices``: a branch calls something whose lowering needs the devices
+    the program is lowered for (cuDNN's attention, a ``custom_partitioning``):
+    ``jit`` cannot see inside a branch before lowering it, so it is told here
+    (such a program cannot be lowered for an ``AbstractMesh``, as with that
+    call made directly)."""
     for p in branches:
         if p not in PLATFORMS:
             raise ValueError(f"dependent: no platform {p!r}; one of {PLATFORMS}")
@@ -107,13 +120,15 @@ def dependent(*args, default: Callable, **branches: Callable):
             raise refusals[0][1]
         raise NotImplementedError("\n".join(
             f"{'other platforms' if name == 'default' else name}: {e}" for name, e in refusals))
-    outs = _p.bind(*leaves, branches=_Branches(fns, _flat(default, in_tree), jaxpr,
-                                                default_jaxpr))
+    branches_ = _Branches(fns, _flat(default, in_tree), jaxpr, default_jaxpr, needs_devices)
+    outs = branches_.prim.bind(*leaves, branches=branches_)
     return tree_util.tree_unflatten(out_trees[-1], outs)
 
 
 _p = jex_core.Primitive("fnattn_platform_dependent")
 _p.multiple_results = True
+_p_devices = jex_core.Primitive("fnattn_platform_dependent_with_devices")
+_p_devices.multiple_results = True
 
 
 def _abstract_eval(*avals, branches):
@@ -124,7 +139,7 @@ def _abstract_eval(*avals, branches):
 
 def _impl(*args, branches):
     # Eagerly: lowered for the platform of the default device, as under jit.
-    return jax.jit(lambda *a: _p.bind(*a, branches=branches))(*args)
+    return jax.jit(lambda *a: branches.prim.bind(*a, branches=branches))(*args)
 
 
 def _rule(platform):
@@ -157,7 +172,8 @@ def _batch(args, dims, *, branches):
         return jax.vmap(fn, in_axes=axes, out_axes=0)
 
     others = {p: mapped(fn) for p, fn in branches.fns.items()}
-    outs = dependent(*args, default=mapped(branches.default_fn()), **others)
+    outs = dependent(*args, default=mapped(branches.default_fn()),
+                     needs_devices=branches.needs_devices, **others)
     return list(outs), [0] * len(outs)
 
 
@@ -166,7 +182,7 @@ def _jvp(primals, tangents, *, branches):
     # one whose branches are each branch's jvp: forward mode works; reverse
     # mode would need a transpose of the second, which fnattn never asks for
     # (it differentiates around the dispatch).
-    outs = _p.bind(*primals, branches=branches)
+    outs = branches.prim.bind(*primals, branches=branches)
     tangents = [ad.instantiate_zeros(t) for t in tangents]
     n = len(primals)
 
@@ -175,13 +191,16 @@ def _jvp(primals, tangents, *, branches):
 
     others = {p: tangent_of(fn) for p, fn in branches.fns.items()}
     return outs, list(dependent(*primals, *tangents, default=tangent_of(branches.default_fn()),
-                                **others))
+                                needs_devices=branches.needs_devices, **others))
 
 
-_p.def_effectful_abstract_eval(_abstract_eval)
-_p.def_impl(_impl)
-for _plat in PLATFORMS:
-    mlir.register_lowering(_p, _rule(_plat), platform=_plat)
-mlir.register_lowering(_p, _rule(None))
-batching.primitive_batchers[_p] = _batch
-ad.primitive_jvps[_p] = _jvp
+for _prim in (_p, _p_devices):
+    _prim.def_effectful_abstract_eval(_abstract_eval)
+    _prim.def_impl(_impl)
+    for _plat in PLATFORMS:
+        mlir.register_lowering(_prim, _rule(_plat), platform=_plat)
+    mlir.register_lowering(_prim, _rule(None))
+    batching.primitive_batchers[_prim] = _batch
+    ad.primitive_jvps[_prim] = _jvp
+# ``jit`` keeps the devices when lowering a program that holds this one.
+getattr(dispatch, "prim_requires_devices_during_lowering", set()).add(_p_devices)

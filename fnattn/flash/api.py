@@ -6,7 +6,11 @@ Lowerings, chosen per platform when the program is lowered
 ========  ===========================================  ============================
 platform  impl="auto"                                  impl="pallas"
 ========  ===========================================  ============================
-cuda      Pallas Triton kernels (fnattn/flash/triton)  the same
+cuda      cuDNN's fused attention for the specs it     Pallas Triton kernels
+          computes exactly (fnattn/flash/cudnn.py,
+          whose docstring has the routing table);
+          Pallas Triton kernels (fnattn/flash/triton)
+          for the rest
 tpu       Pallas Mosaic kernels (fnattn/flash/mosaic)  the same
 other     blockwise XLA loops (fnattn/flash/xla.py)    Triton kernels, interpreted
 ========  ===========================================  ============================
@@ -24,7 +28,7 @@ from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import _checks, core
-from fnattn.flash import mosaic, triton, xla
+from fnattn.flash import cudnn, mosaic, triton, xla
 from fnattn.reference import reference
 from fnattn.spec import AttentionOutput, AttentionSpec
 
@@ -55,7 +59,7 @@ def _table(impl: str, dtype):
         if impl in ("auto", "xla"):
             return (("default", xla.LOWERING),)
     if impl == "auto":
-        return (("default", xla.LOWERING), ("cuda", _auto(triton.LOWERING, triton.symbolic)),
+        return (("default", xla.LOWERING), ("cuda", _cuda_auto()),
                 ("tpu", _auto(mosaic.LOWERING, mosaic.symbolic)))
     if impl == "xla":
         return (("default", xla.LOWERING),)
@@ -69,6 +73,11 @@ def _table(impl: str, dtype):
             "flash: impl='cudnn' is not a flash lowering; use "
             "fnattn.attention(AttentionSpec(impl='cudnn'), ...).")
     raise ValueError(f"flash: no lowering for impl={impl!r}")
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_auto():
+    return _with_tangent(cudnn.pick(triton.LOWERING, triton.symbolic))
 
 
 @functools.lru_cache(maxsize=None)

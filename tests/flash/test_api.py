@@ -17,7 +17,7 @@ def test_auto_routes_to_flash_xla_lowering():
     assert fnattn.core.lowering_table("auto") == api.lowering_table("auto")
     table = dict(api.lowering_table("auto"))
     assert (table["default"].name, table["cuda"].name, table["tpu"].name) == (
-        "flash-xla", "flash-triton", "flash-mosaic")
+        "flash-xla", "flash-auto-cuda", "flash-mosaic")
 
 
 @pytest.mark.parametrize("impl", ["auto", "xla", "reference"])
