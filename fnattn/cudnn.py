@@ -39,18 +39,9 @@ def unsupported_features(spec, dims, dtype) -> list[str]:
 def _native_mask(mask, dims):
     """Splits a mask into jax.nn keyword arguments, or None if it has no native form."""
     kwargs = {}
-    parts = []
-
-    def flatten(m):
-        if isinstance(m, masks.And):
-            flatten(m.a)
-            flatten(m.b)
-        else:
-            parts.append(m)
-
     if mask is None:
         return kwargs
-    flatten(mask)
+    parts = masks.conjuncts(mask)
     square = dims.q_len == dims.kv_len
     # jax.nn's is_causal and windows align top-left: native only when Tq == Tk.
     causal = square and any(isinstance(m, masks.Causal) for m in parts)

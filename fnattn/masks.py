@@ -248,6 +248,20 @@ class And(Mask):
         return f"({self.a!r} & {self.b!r})"
 
 
+def conjuncts(mask) -> list:
+    """The masks whose ``&`` is ``mask`` (``[]`` for None), in order: what a
+    lowering with native forms for some masks (cuDNN's) inspects.
+
+    >>> conjuncts(causal() & sliding_window(4) & lengths(None, [3]))
+    [causal(), sliding_window(left=4, right=0), lengths(...)]
+    """
+    if mask is None:
+        return []
+    if isinstance(mask, And):
+        return conjuncts(mask.a) + conjuncts(mask.b)
+    return [mask]
+
+
 class Or(Mask):
     a: Mask
     b: Mask

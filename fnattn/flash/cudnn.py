@@ -102,25 +102,10 @@ class _Plan:
         return self.q_lengths is not None or self.kv_lengths is not None
 
 
-def _parts(mask):
-    out = []
-
-    def walk(m):
-        if isinstance(m, masks.And):
-            walk(m.a)
-            walk(m.b)
-        else:
-            out.append(m)
-
-    if mask is not None:
-        walk(mask)
-    return out
-
-
 def _plan(mask, cfg):
     """The cuDNN form of ``mask`` under ``cfg``, or a reason it has none."""
     d = cfg.dims
-    parts = _parts(mask)
+    parts = masks.conjuncts(mask)
     causal = any(isinstance(m, masks.Causal) for m in parts)
     windows = [m for m in parts if isinstance(m, masks.SlidingWindow)]
     lens = [m for m in parts if isinstance(m, masks.Lengths)]
