@@ -168,6 +168,25 @@ def test_other_specs_lower_to_the_triton_kernels(cudnn_present, what):
     assert kernels == {"fnattn_flash_fwd", "fnattn_flash_dq", "fnattn_flash_dkdv"}
 
 
+def test_vmap_and_forward_mode_lower_with_cudnn(cudnn_present):
+    q, k, v = (jnp.stack([x] * 3) for x in qkv())
+    spec = AttentionSpec(mask=masks.causal())
+
+    def loss(q, k, v):
+        out = jax.vmap(lambda *a: fnattn.attention(spec, *a).out)(q, k, v)
+        return jnp.sum(out.astype(jnp.float32))
+
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert {CUDNN_FWD, CUDNN_BWD} <= set(re.findall(r"custom_call @([\w$]+)", text))
+    # forward mode: cuDNN's forward, the blockwise XLA tangent pass
+    text = jax.jit(lambda q, t: jax.jvp(lambda x: fnattn.attention(spec, x, k[0], v[0]).out,
+                                        (q,), (t,))).trace(q[0], q[0]).lower(
+        lowering_platforms=("cuda",)).as_text()
+    calls = set(re.findall(r"custom_call @([\w$]+)", text))
+    assert CUDNN_FWD in calls and CUDNN_BWD not in calls
+
+
 def test_without_cudnn_the_kernels_run():
     cudnn_calls, kernels = lowered_calls(AttentionSpec(mask=masks.causal()), *qkv())
     assert not cudnn_calls
