@@ -72,12 +72,17 @@ I32 = jnp.int32
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBlockSizes:
-    """Split-K of :func:`fnattn.decode` (``AttentionSpec(block_sizes=...)``).
+    """Split-K and tiling of :func:`fnattn.decode` (``AttentionSpec(block_sizes=...)``).
 
     Attributes:
       num_splits: contiguous key ranges computed independently and merged; must
         divide the cache length S. None: each lowering chooses (see the module
         docstring).
+      block_k, num_warps, num_stages: the Triton kernel's keys per step (a power
+        of two >= 16 after rounding up), warps per program and software-pipeline
+        depth. None: chosen from the problem
+        (:func:`fnattn.decoding.triton.launch_plan`). The XLA and Mosaic
+        lowerings tile by their own rules.
 
     >>> DecodeBlockSizes(num_splits=4).num_splits
     4
@@ -88,12 +93,20 @@ class DecodeBlockSizes:
     """
 
     num_splits: Optional[int] = None
+    block_k: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
 
     def __post_init__(self):
-        n = self.num_splits
-        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n <= 0):
-            raise ValueError(f"DecodeBlockSizes: num_splits must be a positive int or None; "
-                             f"got {n!r}")
+        for name in ("num_splits", "block_k", "num_warps", "num_stages"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n <= 0):
+                raise ValueError(f"DecodeBlockSizes: {name} must be a positive int or None; "
+                                 f"got {n!r}")
+        w = self.num_warps
+        if w is not None and (w & (w - 1) or w > 32):
+            raise ValueError(f"DecodeBlockSizes: num_warps must be a power of two <= 32; "
+                             f"got {w}")
 
 
 def _given_splits(spec, S) -> Optional[int]:

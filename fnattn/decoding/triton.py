@@ -52,6 +52,7 @@ from fnattn import _online as online
 from fnattn import _varying, masks
 from fnattn.decoding import common, xla
 from fnattn.decoding.common import F32, I32
+from fnattn.flash.blocks import pick
 from fnattn.merging import merge_stacked
 
 __all__ = ["KERNEL_NAME", "Plan", "auto_forward", "forward", "forward_interpret", "launch_plan",
@@ -77,7 +78,8 @@ class Plan(NamedTuple):
 
 def launch_plan(batch: int, num_kv_heads: int, cache_len: int, head_dim: int,
                 v_head_dim: int, *, rows: int = MIN_ROWS, num_splits: Optional[int] = None,
-                block_k: Optional[int] = None) -> Plan:
+                block_k: Optional[int] = None, num_warps: Optional[int] = None,
+                num_stages: Optional[int] = None) -> Plan:
     """Block size, split count and Triton launch parameters for a decode call.
 
     ``num_splits`` (from ``DecodeBlockSizes``) is used as given; otherwise the
@@ -107,8 +109,10 @@ def launch_plan(batch: int, num_kv_heads: int, cache_len: int, head_dim: int,
     # Decode is a stream over the cache: two stages of prefetch hide the latency
     # of the next block's loads. 4 warps hold a float32 accumulator of up to
     # 64 x 128; taller tiles (speculative decoding with large groups) take 8.
-    num_warps = 4 if rows * max(head_dim, v_head_dim) <= 64 * 128 else 8
-    return Plan(block_k=bk, num_splits=num_splits, num_warps=num_warps, num_stages=2)
+    if num_warps is None:
+        num_warps = 4 if rows * max(head_dim, v_head_dim) <= 64 * 128 else 8
+    return Plan(block_k=bk, num_splits=num_splits, num_warps=num_warps,
+                num_stages=2 if num_stages is None else num_stages)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,8 +214,11 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
     G = Hq // Hkv
     R = Tq * G
     M = max(MIN_ROWS, common.pow2(R))
-    plan = launch_plan(B, Hkv, S, D, Dv, rows=M, block_k=block_k,
-                       num_splits=cfg.num_splits)
+    from fnattn.decoding.api import DecodeBlockSizes  # (api imports this module)
+    given = pick(cfg.block_sizes, DecodeBlockSizes, DecodeBlockSizes())
+    plan = launch_plan(B, Hkv, S, D, Dv, rows=M, num_splits=cfg.num_splits,
+                       block_k=given.block_k if block_k is None else block_k,
+                       num_warps=given.num_warps, num_stages=given.num_stages)
     bk, splits = plan.block_k, plan.num_splits
     Dp, Dvp = common.pow2(max(D, MIN_COLS)), common.pow2(max(Dv, MIN_COLS))
     K = _K(Tq=Tq, G=G, R=R, M=M, bk=bk, D=D, Dp=Dp, Dv=Dv, Dvp=Dvp, splits=splits,

@@ -592,9 +592,77 @@ def _varies(shape4):
     return tuple(n > 1 for n in shape4)
 
 
-def _blocks_for(cfg, dtype, which):
+# Shared memory a kernel may plan for with (block_q, block_k) tiles of a bias or
+# an array mask in its pipeline, by `_smem_estimate` (which counts only the
+# staged operands: Triton adds its own layout-conversion buffers on top, and the
+# H100 gives a block at most 227 KB).
+SMEM_BUDGET = 160 * 1024
+
+
+def _tile_bytes(bias, mask) -> int:
+    """Bytes per (query, key) pair of the inputs the kernels read as (q, k) tiles: a
+    bias or mask operand that varies along both sequence axes (0 without one)."""
+    arrays = ([] if bias is None else [bias]) + ([] if mask is None else list(mask.operands()))
+    n = 0
+    for a in arrays:
+        shape = (1,) * (4 - a.ndim) + tuple(a.shape)
+        if shape[2] > 1 and shape[3] > 1:
+            n += 1 if a.dtype == jnp.bool_ else jnp.dtype(a.dtype).itemsize
+    return n
+
+
+def _smem_estimate(which, bq, bk, stages, Dp, Dvp, itemsize, tile_bytes) -> int:
+    """Shared memory of one program's staged operands: ``stages`` copies of what
+    each step of the loop loads, plus the tiles held for the whole loop and the
+    (block_q, block_k) operand of the second matrix product."""
+    if which == "dkdv":  # the loop walks q-blocks: q and dO stream, K and V stay
+        step, held = bq * (Dp + Dvp) * itemsize, bk * (Dp + Dvp) * itemsize
+    else:                # the loop walks kv-blocks: K and V stream
+        step = bk * (Dp + Dvp) * itemsize
+        held = bq * (Dp if which == "fwd" else Dp + Dvp) * itemsize
+    step += bq * bk * tile_bytes
+    return stages * step + held + (1 if which == "fwd" else 2) * bq * bk * itemsize
+
+
+def _fit_smem(which, bq, bk, stages, Dp, Dvp, itemsize, tile_bytes):
+    """Smaller tiles (fewer stages first, then the longer block side halved, down
+    to 32) until ``_smem_estimate`` fits ``SMEM_BUDGET``; only when (q, k)-shaped
+    tiles are streamed (tuned defaults are kept for the rest)."""
+    if not tile_bytes:
+        return bq, bk, stages
+    def over():
+        return _smem_estimate(which, bq, bk, stages, Dp, Dvp, itemsize,
+                              tile_bytes) > SMEM_BUDGET
+    while over():
+        if stages > 2:
+            stages -= 1
+        elif max(bq, bk) > 32:
+            if bq >= bk:
+                bq //= 2
+            else:
+                bk //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            break
+    return bq, bk, stages
+
+
+def _blocks_for(cfg, dtype, which, tile_bytes=0):
+    """(block_q, block_k, CompilerParams) of one kernel: the spec's block sizes or
+    the defaults, clamped to the sequences, and shrunk to fit shared memory when a
+    bias or array mask is streamed as (block_q, block_k) tiles (``tile_bytes``
+    per pair, :func:`_tile_bytes`).
+
+    >>> from fnattn._checks import Dims
+    >>> from fnattn._dispatch import Config
+    >>> cfg = Config(Dims(1, 4096, 4096, 8, 8, 128, 128), 0.1, None, 0.0, None)
+    >>> _blocks_for(cfg, jnp.bfloat16, "fwd")[:2], _blocks_for(cfg, jnp.bfloat16, "fwd", 4)[:2]
+    ((128, 128), (64, 64))
+    """
     d = cfg.dims
-    bs = blocks.pick(cfg.block_sizes, TritonBlockSizes, TritonBlockSizes.default(d, dtype))
+    given = blocks.pick(cfg.block_sizes, TritonBlockSizes, None)
+    bs = given or TritonBlockSizes.default(d, dtype)
     bq, bk, warps, stages = {
         "fwd": (bs.block_q, bs.block_k, bs.num_warps, bs.num_stages),
         "dq": (bs.block_q_dq, bs.block_k_dq, bs.num_warps_dq, bs.num_stages_dq),
@@ -602,6 +670,10 @@ def _blocks_for(cfg, dtype, which):
     }[which]
     # Tiles never larger than the padded sequence: small problems need no tuning.
     bq, bk = min(bq, max(16, _pow2(d.q_len))), min(bk, max(16, _pow2(d.kv_len)))
+    if given is None:  # (block sizes the user chose are kept as they are)
+        bq, bk, stages = _fit_smem(which, bq, bk, stages, _pow2(max(d.head_dim, 16)),
+                                   _pow2(max(d.v_head_dim, 16)), jnp.dtype(dtype).itemsize,
+                                   tile_bytes)
     return bq, bk, plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
@@ -777,7 +849,7 @@ def _refuse_symbolic(cfg, interpret):
 def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     d = cfg.dims
     _refuse_symbolic(cfg, interpret)
-    bq, bk, params = _blocks_for(cfg, q.dtype, "fwd")
+    bq, bk, params = _blocks_for(cfg, q.dtype, "fwd", _tile_bytes(bias, mask))
     Tqp, Tkp, Dp, Dvp = _dims_padded(cfg, bq, bk)
     K = _make_k(cfg, mask, bias, sinks, bq, bk)
     Hq, G = d.num_q_heads, d.group
@@ -829,7 +901,8 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
         return [_pad(x, 2, T, jnp.inf if n == 0 else 0.0) for n, x in enumerate(rows)]
 
     # dq and dbias.
-    bq, bk, params = _blocks_for(cfg, q.dtype, "dq")
+    tile_bytes = _tile_bytes(bias, mask)
+    bq, bk, params = _blocks_for(cfg, q.dtype, "dq", tile_bytes)
     Tqp, Tkp, Dp, Dvp = _dims_padded(cfg, bq, bk)
     K = _make_k(cfg, mask, bias, None, bq, bk)
     table = _schedule(mask, cfg, K)
@@ -864,7 +937,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
         dbias = dbias.reshape(bias.shape).astype(bias.dtype)
 
     # dk, dv: programs over (kv-block, batch x group of Gp query heads).
-    bq, bk, params = _blocks_for(cfg, q.dtype, "dkdv")
+    bq, bk, params = _blocks_for(cfg, q.dtype, "dkdv", tile_bytes)
     Tqp, Tkp, Dp, Dvp = _dims_padded(cfg, bq, bk)
     Gp = _heads_per_dkdv_program(d, Tkp // bk)
     P = Hq // Gp  # programs per batch row

@@ -178,6 +178,29 @@ def test_launch_plan():
     assert triton.launch_plan(1, 8, 4096, 256, 256).block_k == 32
     assert triton.launch_plan(1, 8, 20, 64, 64).block_k == 32           # pow2(20)
     assert triton.launch_plan(1, 8, 4096, 128, 128, rows=128).num_warps == 8
+    assert triton.launch_plan(1, 8, 4096, 128, 128, block_k=100, num_warps=8,
+                              num_stages=4) == triton.Plan(128, 4, 8, 4)  # 32 blocks / 8
+
+
+def test_block_sizes_reach_the_kernel_launch():
+    """DecodeBlockSizes' block_k, num_warps and num_stages are the launch's."""
+    B, S, Hq, Hkv, D = 2, 1024, 8, 2, 64
+    q = jnp.zeros((B, 1, Hq, D), jnp.bfloat16)
+    k = v = jnp.zeros((B, S, Hkv, D), jnp.bfloat16)
+    L = jnp.zeros((B,), jnp.int32)
+    texts = []
+    for bs in (DecodeBlockSizes(num_splits=2),
+               DecodeBlockSizes(num_splits=2, block_k=128, num_warps=8, num_stages=3)):
+        spec = AttentionSpec(mask=masks.causal(), impl="pallas", block_sizes=bs)
+        with gpu_target():
+            texts.append(jax.jit(functools.partial(decode, spec)).trace(q, k, v, L).lower(
+                lowering_platforms=("cuda",)).as_text())
+    assert "num_warps = 4" in texts[0] and "num_warps = 8" in texts[1]
+    assert "num_stages = 2" in texts[0] and "num_stages = 3" in texts[1]
+    with pytest.raises(ValueError, match="num_warps must be a power of two"):
+        DecodeBlockSizes(num_warps=3)
+    with pytest.raises(ValueError, match="block_k must be a positive int"):
+        DecodeBlockSizes(block_k=0)
 
 
 def test_key_block_range_skips_blocks_outside_the_window():

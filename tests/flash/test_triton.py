@@ -20,6 +20,7 @@ import pytest
 import fnattn
 from fnattn import AttentionSpec, core, masks, xla
 from fnattn._checks import Dims
+from fnattn._dispatch import Config
 from fnattn.flash import triton
 from fnattn.flash.triton import INTERPRET_LOWERING, LOWERING, TritonBlockSizes
 from lowering import gpu_target
@@ -452,6 +453,42 @@ def test_default_block_sizes_fit_an_h100(d, dtype):
     # Registers: float32 accumulators per thread well under 255.
     assert bs.block_q * dp // (32 * bs.num_warps) <= 128
     assert 2 * bs.block_k_dkdv * dp // (32 * bs.num_warps_dkdv) <= 128
+
+
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+@pytest.mark.parametrize("tile_bytes", [1, 4, 5])
+def test_tiles_of_a_bias_or_array_mask_shrink_blocks_to_fit(d, tile_bytes):
+    """A float32 bias (4 bytes per pair), a boolean mask (1) or both, streamed as
+    (block_q, block_k) tiles: each kernel's staged operands fit SMEM_BUDGET (the
+    tuned defaults did not: 352 KB requested on an H100 at D=128), and specs
+    without such tiles keep the tuned defaults."""
+    cfg = Config(Dims(1, 4096, 4096, 8, 8, d, d), 0.1, None, 0.0, None)
+    dp = triton._pow2(d)
+    for which in ("fwd", "dq", "dkdv"):
+        bq, bk, params = triton._blocks_for(cfg, jnp.bfloat16, which, tile_bytes)
+        assert triton._smem_estimate(which, bq, bk, params.num_stages, dp, dp, 2,
+                                     tile_bytes) <= triton.SMEM_BUDGET, (which, bq, bk)
+        assert min(bq, bk) >= 32
+        plain = triton._blocks_for(cfg, jnp.bfloat16, which)
+        default = TritonBlockSizes.default(cfg.dims, jnp.bfloat16)
+        assert plain[:2] == {"fwd": (default.block_q, default.block_k),
+                             "dq": (default.block_q_dq, default.block_k_dq),
+                             "dkdv": (default.block_q_dkdv, default.block_k_dkdv)}[which]
+    given = TritonBlockSizes(block_q=128, block_k=128)
+    assert triton._blocks_for(dataclasses.replace(cfg, block_sizes=given), jnp.bfloat16,
+                              "fwd", tile_bytes)[:2] == (128, 128)
+
+
+def test_tile_bytes_counts_inputs_varying_along_both_sequences():
+    T = 64
+    full, row = jnp.zeros((2, 1, T, T)), jnp.zeros((2, 1, 1, T))
+    assert triton._tile_bytes(None, None) == 0
+    assert triton._tile_bytes(full, None) == 4 and triton._tile_bytes(row, None) == 0
+    assert triton._tile_bytes(full.astype(jnp.bfloat16), masks.causal()) == 2
+    arr = masks.from_array(jnp.ones((T, T), bool))
+    assert triton._tile_bytes(full, arr) == 5
+    seg = masks.segments(jnp.zeros((2, T), jnp.int32), jnp.zeros((2, T), jnp.int32))
+    assert triton._tile_bytes(None, seg) == 0
 
 
 def test_spec_block_sizes_are_used():

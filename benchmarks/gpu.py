@@ -1,0 +1,491 @@
+"""One-shot GPU benchmark: every flash peer and the decode kernels in one process.
+
+Made for a GPU machine lent for minutes: everything runs in one Python process
+(one JAX start-up, one compilation per row), each section within its own time
+budget, and every row is printed as soon as it is measured.
+
+    python benchmarks/gpu.py                      # flash (T=8k, D=128) and decode
+    python benchmarks/gpu.py --flash-grid full    # D 64/128/256 x T 1k..32k
+    python benchmarks/gpu.py --sections decode --out-dir /tmp/res
+
+Sections:
+
+* ``flash``: forward and forward+backward (``jax.grad`` of ``sum(out * w)``
+  with respect to q, k and v), bf16, ``B·T = 16k`` tokens, ``H·D = 2048``,
+  causal and not, for every peer that can run here:
+  ``fnattn`` (``impl="auto"``: cuDNN for the specs it computes exactly,
+  otherwise the Triton kernels), ``fnattn:triton`` (``impl="pallas"``),
+  ``fnattn:mosaic_gpu`` (the Mosaic GPU forward, with the Triton backward),
+  ``jax.nn:cudnn``, ``jax.nn:xla``, ``tokamax:mosaic``, ``tokamax:triton`` and
+  ``jax:attention_mgpu`` (JAX's Mosaic GPU example kernel; its backward has no
+  causal mask). A document-masked row (packed documents with segment ids,
+  causal) compares fnattn with ``jax.nn`` given the same mask as an array.
+  Each fnattn row's output is compared with ``jax.nn:cudnn``'s (or the XLA
+  one's) on the same inputs.
+* ``decode``: one new token per sequence against a contiguous cache
+  (``fnattn.decode``) and a paged cache (``fnattn.paged_attention``, page 16,
+  pages a random permutation of the pool), bf16, Hq=32, Hkv=8, D=128, B 1..64,
+  context 4k..32k, next to plain ``jnp`` and ``jax.nn``; bandwidth counts the
+  visible K and V once plus q and the output, against the device's peak HBM
+  bandwidth and against a device-to-device copy measured in the same run.
+
+Time: ``n`` calls issued back to back and waited for once (so host dispatch
+overlaps the device work, as in a training or serving loop), the median of
+``--reps`` such batches. Memory: XLA's temporary plus output buffers of the
+compiled call (``memory_analysis``). FLOPs: ``fnattn.cost.estimate`` (causal
+counts half; forward+backward is 3.5 forwards), the same count for every peer.
+
+Writes ``<out-dir>/gpu_<section>_<device>.{md,csv}``.
+"""
+
+import argparse
+import csv
+import datetime
+import functools
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+import fnattn  # noqa: E402
+from fnattn import AttentionSpec, core, cost, masks  # noqa: E402
+
+PEAK_BW = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
+
+
+# ----------------------------------------------------------------------------------
+# timing
+# ----------------------------------------------------------------------------------
+
+
+def timed(fn, args, reps, min_batch_s=0.05):
+    """(median s, min s, max s, XLA MB, result) of ``fn(*args)`` compiled once."""
+    compiled = jax.jit(fn).lower(*args).compile()
+    try:
+        ma = compiled.memory_analysis()
+        mem = (ma.temp_size_in_bytes + ma.output_size_in_bytes) / 2**20
+    except Exception:  # noqa: BLE001 - not every backend reports it
+        mem = float("nan")
+    out = jax.block_until_ready(compiled(*args))
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(*args))
+    one = time.perf_counter() - t0
+    n = max(1, min(200, int(min_batch_s / max(one, 1e-6))))
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            r = compiled(*args)
+        jax.block_until_ready(r)
+        times.append((time.perf_counter() - t0) / n)
+    return float(np.median(times)), min(times), max(times), mem, out
+
+
+def timed_pair(fa, fb, args, reps, min_batch_s=0.05):
+    """Medians (s) of ``fa`` and ``fb`` timed in alternating batches, so that clock
+    and temperature drift reach both alike: (median a, median b)."""
+    ca, cb = (jax.jit(f).lower(*args).compile() for f in (fa, fb))
+    jax.block_until_ready((ca(*args), cb(*args)))
+    t0 = time.perf_counter()
+    jax.block_until_ready(ca(*args))
+    n = max(1, min(200, int(min_batch_s / max(time.perf_counter() - t0, 1e-6))))
+    ta, tb = [], []
+    for _ in range(reps):
+        for c, ts in ((ca, ta), (cb, tb)):
+            t0 = time.perf_counter()
+            for _ in range(n):
+                r = c(*args)
+            jax.block_until_ready(r)
+            ts.append((time.perf_counter() - t0) / n)
+    return float(np.median(ta)), float(np.median(tb))
+
+
+def _diff(a, b):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    return float(np.max(np.abs(a - b)))
+
+
+# ----------------------------------------------------------------------------------
+# flash peers
+# ----------------------------------------------------------------------------------
+
+
+def _mosaic_gpu_lowering():
+    from fnattn.flash import api, mosaic_gpu, xla
+    return (("default", xla.LOWERING), ("cuda", api._with_tangent(mosaic_gpu.LOWERING)))
+
+
+def flash_peer(impl, causal, segments=None):
+    """``f(q, k, v) -> out`` for one peer, or raises (the row records why)."""
+    mask = masks.causal() if causal else None
+    if segments is not None:
+        mask = masks.causal() & masks.segments(segments, segments)
+    if impl in ("fnattn", "fnattn:triton", "fnattn:mosaic_gpu"):
+        spec = AttentionSpec(mask=mask, return_lse=False,
+                             impl="pallas" if impl == "fnattn:triton" else "auto")
+        if impl == "fnattn:mosaic_gpu":
+            table = _mosaic_gpu_lowering()
+            return lambda q, k, v: core.run(spec, q, k, v, fn="flash", table=table).out
+        return lambda q, k, v: fnattn.flash(spec, q, k, v).out
+    if impl.startswith("jax.nn:"):
+        which = impl.split(":")[1]
+        if segments is not None:
+            def f(q, k, v):
+                T = q.shape[1]
+                allowed = (segments[:, :, None] == segments[:, None, :]) & jnp.tril(
+                    jnp.ones((T, T), bool))
+                return jax.nn.dot_product_attention(q, k, v, mask=allowed[:, None],
+                                                    implementation=which)
+            return f
+        return lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal,
+                                                            implementation=which)
+    if impl.startswith("tokamax:"):
+        import tokamax
+        which = impl.split(":")[1]
+        if segments is not None:
+            raise NotImplementedError("segment ids through tokamax's public API")
+        return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal,
+                                                             implementation=which)
+    if impl == "jax:attention_mgpu":
+        from jax.experimental.pallas.ops.gpu import attention_mgpu as am
+        if segments is not None:
+            raise NotImplementedError("no segment ids")
+        cfg = am.TuningConfig(block_q=64, block_kv=128, max_concurrent_steps=2, causal=causal,
+                              block_q_dkv=64, block_kv_dkv=64, block_q_dq=64, block_kv_dq=64)
+        # (its shared-memory tiles are float16: it takes float16 inputs only)
+        def f(q, k, v):
+            q, k, v = (x.astype(jnp.float16) for x in (q, k, v))
+            return am.attention(q, k, v, cfg)
+        f.cast_inputs = jnp.float16
+        return f
+    raise ValueError(impl)
+
+
+# jax.nn:cudnn first: its output is what the fnattn rows are compared with.
+FLASH_IMPLS = ("jax.nn:cudnn", "fnattn", "fnattn:triton", "fnattn:mosaic_gpu", "jax.nn:xla",
+               "tokamax:mosaic", "tokamax:triton", "jax:attention_mgpu")
+
+
+def flash_section(args, rows, deadline):
+    if args.flash_grid == "full":
+        grid = [(T, D) for D in (64, 128, 256) for T in (1024, 2048, 4096, 8192, 16384, 32768)]
+    elif args.flash_grid == "core":
+        grid = [(8192, 128), (2048, 128), (32768, 128), (8192, 64), (8192, 256)]
+    else:
+        grid = [tuple(int(x) for x in item.split("x")) for item in args.flash_grid.split(",")]
+    impls = [i for i in FLASH_IMPLS if i in args.impls.split(",")] if args.impls else FLASH_IMPLS
+    modes = args.modes.split(",")
+    for T, D in grid:
+        B, H = max(1, 16384 // T), 2048 // D
+        ks = jax.random.split(jax.random.key(T + D), 4)
+        q, k, v, w = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in ks)
+        cases = [(c, None) for c in (False, True)]
+        if T == args.doc_T and D == 128:
+            # packed documents of random lengths (mean T/8), causal within each
+            rng = np.random.default_rng(0)
+            cuts = np.sort(rng.choice(np.arange(1, T), size=7, replace=False))
+            seg = np.zeros(T, np.int32)
+            for c in cuts:
+                seg[c:] += 1
+            cases.append((True, jnp.asarray(np.broadcast_to(seg, (B, T)).copy())))
+        for causal, seg in cases:
+            for mode in modes:
+                ref_out = None
+                for impl in impls:
+                    if time.time() > deadline:
+                        print("flash: time budget spent, stopping", flush=True)
+                        return
+                    row = dict(section="flash", impl=impl, B=B, T=T, H=H, D=D, causal=int(causal),
+                               mask="documents" if seg is not None else
+                               ("causal" if causal else "none"), mode=mode)
+                    if impl == "jax.nn:xla" and B * H * T * T * 4 > args.xla_max_bytes:
+                        rows.append(dict(row, status="skipped (T×T logits too large)"))
+                        print(_flash_line(rows[-1]), flush=True)
+                        continue
+                    try:
+                        f = flash_peer(impl, causal, seg)
+                        fn = _pass(f, mode, w)
+                        inputs = (q, k, v)
+                        cast = getattr(f, "cast_inputs", None)
+                        if cast is not None:  # (cast outside the timed call)
+                            inputs = tuple(x.astype(cast) for x in inputs)
+                        t, lo, hi, mem, out = timed(fn, inputs, args.reps)
+                        if impl == "fnattn" and seg is None and args.pair_reps:
+                            # fnattn's default against cuDNN, batches alternating
+                            ta, tb = timed_pair(fn, _pass(flash_peer("jax.nn:cudnn", causal),
+                                                          mode, w), inputs, args.pair_reps)
+                            row.update(paired_ms=ta * 1e3, paired_cudnn_ms=tb * 1e3,
+                                       cudnn_over_fnattn=tb / ta)
+                        cspec = AttentionSpec(mask=masks.causal() if causal else None)
+                        flops = cost.estimate(cspec, q, k, v).flops
+                        if mode != "fwd":
+                            flops += cost.estimate(cspec, q, k, v, backward=True).flops
+                        row.update(status="ok", time_ms=t * 1e3, min_ms=lo * 1e3, max_ms=hi * 1e3,
+                                   tflops=flops / t / 1e12, xla_mb=mem)
+                        o = out if mode == "fwd" else out[0]
+                        if impl.startswith("jax.nn") and ref_out is None:
+                            ref_out = o
+                        if ref_out is not None and impl.startswith("fnattn"):
+                            row["diff_vs_jax_nn"] = _diff(o, ref_out)
+                        del out, o
+                    except Exception as e:  # noqa: BLE001 - a peer that cannot run
+                        msg = f"{type(e).__name__}: {e}".splitlines()[0][:160]
+                        row.update(status="error: " + msg)
+                        if args.verbose:
+                            traceback.print_exc()
+                    rows.append(row)
+                    print(_flash_line(row), flush=True)
+        del q, k, v, w
+
+
+def _pass(f, mode, w):
+    if mode == "fwd":
+        return f
+
+    def loss(q, k, v):
+        return jnp.sum(f(q, k, v).astype(jnp.float32) * w.astype(jnp.float32))
+    return jax.grad(loss, argnums=(0, 1, 2))
+
+
+def _flash_line(r):
+    s = (f"{r['impl']:20s} T={r['T']:6d} D={r['D']:3d} {r['mask']:9s} {r['mode']:8s} ")
+    if r["status"] != "ok":
+        return s + r["status"]
+    extra = f"  |out - jax.nn| {r['diff_vs_jax_nn']:.1e}" if "diff_vs_jax_nn" in r else ""
+    if "cudnn_over_fnattn" in r:
+        extra += (f"  alternating with cuDNN: {r['paired_ms']:.3f} vs {r['paired_cudnn_ms']:.3f} ms"
+                  f" ({r['cudnn_over_fnattn']:.3f}x)")
+    return s + (f"{r['time_ms']:8.3f} ms ({r['min_ms']:.3f}-{r['max_ms']:.3f}) "
+                f"{r['tflops']:6.1f} TFLOP/s  xla {r['xla_mb']:7.0f} MB{extra}")
+
+
+# ----------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------
+
+
+def copy_bandwidth(reps):
+    """Bytes read + written per second of a device-to-device copy of 2 GiB."""
+    x = jnp.ones((2**30,), jnp.bfloat16)
+    t, *_ = timed(lambda x: x[::-1], (x,), reps)  # (a reversal: not elided)
+    return 2 * x.nbytes / t
+
+
+def decode_section(args, rows, deadline):
+    from fnattn.paged import bench
+    from fnattn.paged.common import PagedBlockSizes
+    from fnattn.decoding.api import DecodeBlockSizes
+
+    dev = jax.devices()[0]
+    peak = next((bw for name, bw in PEAK_BW.items() if name in dev.device_kind), None)
+    copy_bw = copy_bandwidth(args.reps)
+    print(f"device-to-device copy: {copy_bw / 1e9:.0f} GB/s"
+          + (f" ({copy_bw / peak:.0%} of the {peak / 1e12:.2f} TB/s peak)" if peak else ""),
+          flush=True)
+    Hq, Hkv, D, ps, dtype = 32, 8, 128, 16, jnp.bfloat16
+    grid = [tuple(int(x) for x in item.split("x")) for item in args.decode_grid.split(",")]
+    for B, S in grid:
+        if time.time() > deadline:
+            print("decode: time budget spent, stopping", flush=True)
+            return
+        prob = bench.decode_problem(batch=B, context=S, num_q_heads=Hq, num_kv_heads=Hkv,
+                                    head_dim=D, page_size=ps, dtype=dtype)
+        nbytes = bench.decode_bytes(prob)
+        ks = jax.random.split(jax.random.key(B + S), 3)
+        cont = (jax.random.normal(ks[0], (B, 1, Hq, D), dtype),
+                jax.random.normal(ks[1], (B, S, Hkv, D), dtype),
+                jax.random.normal(ks[2], (B, S, Hkv, D), dtype), jnp.full((B,), S, jnp.int32))
+
+        def dec(block_sizes=None):
+            spec = AttentionSpec(mask=masks.causal(), return_lse=False, block_sizes=block_sizes)
+            return lambda q, k, v, n: fnattn.decode(spec, q, k, v, kv_lengths=n).out
+
+        entries = [("contiguous", "fnattn.decode", dec(), cont),
+                   ("contiguous", "jnp einsum+softmax", _jnp_decode, cont),
+                   ("contiguous", "jax.nn:cudnn", _jaxnn_decode("cudnn"), cont),
+                   ("contiguous", "jax.nn:xla", _jaxnn_decode("xla"), cont),
+                   ("paged", "fnattn.paged_attention", bench.decode_fn("auto"), prob.args),
+                   ("paged", "jnp gather+softmax", bench.gather_decode, prob.args)]
+        if f"{B}x{S}" in args.decode_sweep.split(","):
+            for ns in (None, 8):
+                for bk in (64, 128):
+                    for st in (2, 3, 4):
+                        entries.append(("contiguous", f"fnattn.decode splits={ns} bk={bk} "
+                                        f"stages={st}", dec(DecodeBlockSizes(
+                                            num_splits=ns, block_k=bk, num_stages=st)), cont))
+            for ns in (None, 16):
+                for bk in (64, 128):
+                    for st in (2, 3, 4):
+                        entries.append(("paged", f"fnattn.paged splits={ns} bk={bk} stages={st}",
+                                        bench.decode_fn("auto", PagedBlockSizes(
+                                            block_k=bk, num_splits=ns, num_stages=st)),
+                                        prob.args))
+        refs = {}
+        for cache, name, fn, fargs in entries:
+            if time.time() > deadline:
+                break
+            row = dict(section="decode", cache=cache, impl=name, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D,
+                       page_size=ps if cache == "paged" else "")
+            try:
+                t, lo, hi, mem, out = timed(fn, fargs, args.reps)
+                if not name.startswith("fnattn"):
+                    refs.setdefault(cache, out)
+                row.update(status="ok", time_ms=t * 1e3, min_ms=lo * 1e3, max_ms=hi * 1e3,
+                           gb_s=nbytes / t / 1e9, frac_peak=(nbytes / t / peak) if peak else None,
+                           frac_copy=nbytes / t / copy_bw, xla_mb=mem)
+                if cache in refs and name.startswith("fnattn"):
+                    row["diff"] = _diff(out, refs[cache])
+            except Exception as e:  # noqa: BLE001
+                row.update(status="error: " + f"{type(e).__name__}: {e}".splitlines()[0][:160])
+                if args.verbose:
+                    traceback.print_exc()
+            rows.append(row)
+            print(_decode_line(row), flush=True)
+    rows.append(dict(section="decode", cache="copy", impl="device-to-device copy", status="ok",
+                     gb_s=copy_bw / 1e9, frac_peak=copy_bw / peak if peak else None))
+
+
+def _jnp_decode(q, k, v, lengths):
+    B, Tq, Hq, D = q.shape
+    G = Hq // k.shape[2]
+    k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
+    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * D ** -0.5
+    ok = jnp.arange(k.shape[1])[None, None, None, :] < lengths[:, None, None, None]
+    p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
+    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v).astype(q.dtype)
+
+
+def _jaxnn_decode(which):
+    def f(q, k, v, lengths):
+        return jax.nn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths,
+                                            implementation=which)
+    return f
+
+
+def _decode_line(r):
+    s = f"{r['cache']:10s} {r['impl']:38s} B={r['B']:3d} S={r['S']:6d} "
+    if r["status"] != "ok":
+        return s + r["status"]
+    return s + (f"{r['time_ms']:8.3f} ms {r['gb_s']:7.0f} GB/s "
+                + (f"{r['frac_peak']:6.1%} of peak " if r.get("frac_peak") else "")
+                + f"{r['frac_copy']:6.1%} of copy  xla {r['xla_mb']:6.0f} MB"
+                + (f"  |diff| {r['diff']:.1e}" if "diff" in r else ""))
+
+
+# ----------------------------------------------------------------------------------
+# output
+# ----------------------------------------------------------------------------------
+
+
+def write(rows, section, args, started):
+    dev = jax.devices()[0]
+    kind = dev.device_kind.replace(" ", "_").replace("/", "_")
+    os.makedirs(args.out_dir, exist_ok=True)
+    stem = os.path.join(args.out_dir, f"gpu_{section}_{kind}")
+    mine = [r for r in rows if r["section"] == section]
+    if not mine:
+        return
+    fields = sorted({k for r in mine for k in r}, key=lambda k: (k != "impl", k))
+    with open(stem + ".csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=fields)
+        w.writeheader()
+        w.writerows(mine)
+    head = [f"# fnattn GPU benchmark: {section}", "",
+            f"- date: {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
+            f"- device: {dev.device_kind}; {os.cpu_count()} CPUs, {platform.machine()}",
+            f"- jax {jax.__version__}, Python {platform.python_version()}",
+            f"- command: `python benchmarks/gpu.py {' '.join(sys.argv[1:])}` "
+            f"({(time.time() - started) / 60:.1f} min for the whole run)",
+            "- time: median of batches of calls issued back to back; XLA MB: temporary + "
+            "output buffers of the compiled call; 'alternating': fnattn's default and cuDNN "
+            "timed in alternating batches (medians), the steadier ratio", ""]
+    if section == "flash":
+        lines = ["| T | D | mask | pass | impl | ms | TFLOP/s | XLA MB | ÷ cuDNN time | "
+                 "|out − jax.nn| |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in mine:
+            h = f"| {r['T']} | {r['D']} | {r['mask']} | {r['mode']} | {r['impl']} "
+            if r["status"] != "ok":
+                lines.append(h + f"| {r['status']} | | | | |")
+                continue
+            cud = next((x for x in mine if x["impl"] == "jax.nn:cudnn" and x["status"] == "ok"
+                        and all(x[c] == r[c] for c in ("T", "D", "mask", "mode"))), None)
+            ratio = f"{cud['time_ms'] / r['time_ms']:.2f}×" if cud else ""
+            if "cudnn_over_fnattn" in r:
+                ratio += (f" (alternating: {r['cudnn_over_fnattn']:.3f}×, {r['paired_ms']:.3f} vs "
+                          f"{r['paired_cudnn_ms']:.3f} ms)")
+            d = f"{r['diff_vs_jax_nn']:.1e}" if "diff_vs_jax_nn" in r else ""
+            lines.append(h + f"| {r['time_ms']:.3f} | {r['tflops']:.0f} | {r['xla_mb']:.0f} | "
+                         f"{ratio} | {d} |")
+        head.append("- TFLOP/s: `fnattn.cost.estimate`'s FLOPs (4·B·H·T²·D forward, halved "
+                    "when causal, ×3.5 forward+backward) over the time; ÷ cuDNN time: "
+                    "jax.nn:cudnn's time over this row's (> 1: faster than cuDNN)\n")
+    else:
+        lines = ["| cache | impl | B | S | ms | GB/s | % of peak HBM | % of copy | XLA MB | "
+                 "|diff| |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in mine:
+            if r["cache"] == "copy":
+                lines.append(f"| copy | device-to-device copy | | | | {r['gb_s']:.0f} | "
+                             f"{(r['frac_peak'] or 0):.1%} | 100% | | |")
+                continue
+            h = f"| {r['cache']} | {r['impl']} | {r['B']} | {r['S']} "
+            if r["status"] != "ok":
+                lines.append(h + f"| {r['status']} | | | | | |")
+                continue
+            fp = f"{r['frac_peak']:.1%}" if r.get("frac_peak") else ""
+            d = f"{r['diff']:.1e}" if "diff" in r else ""
+            lines.append(h + f"| {r['time_ms']:.3f} | {r['gb_s']:.0f} | {fp} | "
+                         f"{r['frac_copy']:.1%} | {r['xla_mb']:.0f} | {d} |")
+        head.append("- GB/s: K and V of the visible context read once, plus q and the output, "
+                    "over the time; peak HBM: the data sheet's (H100 SXM 3.35 TB/s)\n")
+    with open(stem + ".md", "w") as fh:
+        fh.write("\n".join(head + lines) + "\n")
+    print("wrote", stem + ".md", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sections", default="flash,decode")
+    ap.add_argument("--flash-grid", default="8192x128",
+                    help="'full', 'core', or comma-separated TxD items")
+    ap.add_argument("--impls", default=None, help="comma-separated flash peers")
+    ap.add_argument("--modes", default="fwd,fwd+bwd")
+    ap.add_argument("--doc-T", type=int, default=8192, help="T of the document-masked row")
+    ap.add_argument("--decode-grid", default="16x4096,16x16384,64x4096,64x8192,1x32768,4x16384")
+    ap.add_argument("--decode-sweep", default="",
+                    help="BxS items at which split and block-size variants of the decode "
+                         "kernels are timed too")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--pair-reps", type=int, default=10,
+                    help="alternating batches of fnattn (impl='auto') and cuDNN (0: none)")
+    ap.add_argument("--xla-max-bytes", type=float, default=8e9)
+    ap.add_argument("--budget", default="flash=300,decode=120",
+                    help="seconds per section")
+    ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    budgets = {k: float(v) for k, v in (x.split("=") for x in args.budget.split(","))}
+    dev = jax.devices()[0]
+    print(f"{dev.device_kind} jax {jax.__version__}", flush=True)
+    started = time.time()
+    rows = []
+    for section in args.sections.split(","):
+        deadline = time.time() + budgets.get(section, 300)
+        try:
+            {"flash": flash_section, "decode": decode_section}[section](args, rows, deadline)
+        finally:
+            write(rows, section, args, started)
+    with open(os.path.join(args.out_dir, "gpu_rows.json"), "w") as fh:
+        json.dump(rows, fh)
+
+
+if __name__ == "__main__":
+    main()
