@@ -124,13 +124,15 @@ def _mosaic_gpu_lowering():
     return (("default", xla.LOWERING), ("cuda", api._with_tangent(mosaic_gpu.LOWERING)))
 
 
-def flash_peer(impl, causal, segments=None):
+def flash_peer(impl, causal, segments=None, softcap=None):
     """``f(q, k, v) -> out`` for one peer, or raises (the row records why)."""
     mask = masks.causal() if causal else None
     if segments is not None:
         mask = masks.causal() & masks.segments(segments, segments)
+    if softcap is not None and impl.startswith(("jax.nn", "jax:")):
+        raise NotImplementedError("no soft-cap")
     if impl in ("fnattn", "fnattn:triton", "fnattn:mosaic_gpu"):
-        spec = AttentionSpec(mask=mask, return_lse=False,
+        spec = AttentionSpec(mask=mask, return_lse=False, softcap=softcap,
                              impl="pallas" if impl == "fnattn:triton" else "auto")
         if impl == "fnattn:mosaic_gpu":
             table = _mosaic_gpu_lowering()
@@ -153,8 +155,8 @@ def flash_peer(impl, causal, segments=None):
         which = impl.split(":")[1]
         if segments is not None:
             raise NotImplementedError("segment ids through tokamax's public API")
-        return lambda q, k, v: tokamax.dot_product_attention(q, k, v, is_causal=causal,
-                                                             implementation=which)
+        return lambda q, k, v: tokamax.dot_product_attention(
+            q, k, v, is_causal=causal, logits_soft_cap=softcap, implementation=which)
     if impl == "jax:attention_mgpu":
         from jax.experimental.pallas.ops.gpu import attention_mgpu as am
         if segments is not None:
@@ -188,7 +190,9 @@ def flash_section(args, rows, deadline):
         B, H = max(1, 16384 // T), 2048 // D
         ks = jax.random.split(jax.random.key(T + D), 4)
         q, k, v, w = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in ks)
-        cases = [(c, None) for c in (False, True)]
+        cases = [(c, None, None) for c in (False, True)]
+        if args.softcap:
+            cases.append((True, None, args.softcap))
         if T == args.doc_T and D == 128:
             # packed documents of random lengths (mean T/8), causal within each
             rng = np.random.default_rng(0)
@@ -196,8 +200,8 @@ def flash_section(args, rows, deadline):
             seg = np.zeros(T, np.int32)
             for c in cuts:
                 seg[c:] += 1
-            cases.append((True, jnp.asarray(np.broadcast_to(seg, (B, T)).copy())))
-        for causal, seg in cases:
+            cases.append((True, jnp.asarray(np.broadcast_to(seg, (B, T)).copy()), None))
+        for causal, seg, cap in cases:
             for mode in modes:
                 ref_out = None
                 for impl in impls:
@@ -206,20 +210,21 @@ def flash_section(args, rows, deadline):
                         return
                     row = dict(section="flash", impl=impl, B=B, T=T, H=H, D=D, causal=int(causal),
                                mask="documents" if seg is not None else
-                               ("causal" if causal else "none"), mode=mode)
+                               ("causal" if causal else "none") + (
+                                   "+softcap" if cap else ""), mode=mode)
                     if impl == "jax.nn:xla" and B * H * T * T * 4 > args.xla_max_bytes:
                         rows.append(dict(row, status="skipped (T×T logits too large)"))
                         print(_flash_line(rows[-1]), flush=True)
                         continue
                     try:
-                        f = flash_peer(impl, causal, seg)
+                        f = flash_peer(impl, causal, seg, cap)
                         fn = _pass(f, mode, w)
                         inputs = (q, k, v)
                         cast = getattr(f, "cast_inputs", None)
                         if cast is not None:  # (cast outside the timed call)
                             inputs = tuple(x.astype(cast) for x in inputs)
                         t, lo, hi, mem, out = timed(fn, inputs, args.reps)
-                        if impl == "fnattn" and seg is None and args.pair_reps:
+                        if impl == "fnattn" and seg is None and cap is None and args.pair_reps:
                             # fnattn's default against cuDNN, batches alternating
                             ta, tb = timed_pair(fn, _pass(flash_peer("jax.nn:cudnn", causal),
                                                           mode, w), inputs, args.pair_reps)
@@ -257,7 +262,7 @@ def _pass(f, mode, w):
 
 
 def _flash_line(r):
-    s = (f"{r['impl']:20s} T={r['T']:6d} D={r['D']:3d} {r['mask']:9s} {r['mode']:8s} ")
+    s = (f"{r['impl']:20s} T={r['T']:6d} D={r['D']:3d} {r['mask']:14s} {r['mode']:8s} ")
     if r["status"] != "ok":
         return s + r["status"]
     extra = f"  |out - jax.nn| {r['diff_vs_jax_nn']:.1e}" if "diff_vs_jax_nn" in r else ""
@@ -459,6 +464,8 @@ def main():
     ap.add_argument("--impls", default=None, help="comma-separated flash peers")
     ap.add_argument("--modes", default="fwd,fwd+bwd")
     ap.add_argument("--doc-T", type=int, default=8192, help="T of the document-masked row")
+    ap.add_argument("--softcap", type=float, default=None,
+                    help="also a causal row with this soft-cap (which cuDNN cannot run)")
     ap.add_argument("--decode-grid", default="16x4096,16x16384,64x4096,64x8192,1x32768,4x16384")
     ap.add_argument("--decode-sweep", default="",
                     help="BxS items at which split and block-size variants of the decode "

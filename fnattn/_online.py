@@ -136,7 +136,7 @@ def finish_exp2(acc, m, l):
 def step_exp2(carry, s, allowed, load_v, *, scale: float, softcap=None):
     """One kv-tile of the online softmax in base 2, as the serving Triton kernels
     run it: ``s`` holds the raw products ``q @ k.T`` (float32), ``allowed`` the
-    keys each row may see, and ``load_v()`` loads the tile's values (called
+    keys each row may see (None: all of them), and ``load_v()`` loads the tile's values (called
     after the probabilities, where the kernels have always loaded them).
 
     A row that has seen no visible key keeps ``m = -inf``, and is shifted by 0
@@ -148,7 +148,7 @@ def step_exp2(carry, s, allowed, load_v, *, scale: float, softcap=None):
     else:
         s = jnp.tanh(s * (scale / softcap))
         c = softcap * LOG2E
-    s = jnp.where(allowed, s * c, -jnp.inf)
+    s = s * c if allowed is None else jnp.where(allowed, s * c, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
     p = jnp.exp2(s - m_use[:, None])

@@ -51,6 +51,42 @@ def key_block_range(mask, Tq: int, lengths, offsets, block_k: int, num_blocks: i
     return jnp.where(anyv, lo, 0), jnp.where(anyv, hi, 0)
 
 
+def full_block_range(mask, Tq: int, lengths, block_k: int, num_blocks: int):
+    """[a, b) per sequence, each (B,) int32: a run of blocks (aligned to each
+    sequence's first key) that lie wholly inside ``[0, lengths[b])`` and that the
+    mask shows to every query row (``tile_bounds``' ``all_true``): a kernel visits
+    them with no mask and no bounds code. The first such run; ``a = b`` when there
+    is none. Every block of ``[a, b)`` is also in :func:`key_block_range`'s range.
+
+    >>> import jax.numpy as jnp
+    >>> from fnattn import masks
+    >>> a, b = full_block_range(masks.causal(), 1, jnp.array([130, 64, 10]), 32, 8)
+    >>> a.tolist(), b.tolist()
+    ([0, 0, 0], [4, 2, 0])
+    >>> # the last query (position 129) sees keys 89..129: only block 3 (96..127)
+    >>> a, b = full_block_range(masks.sliding_window(40), 1, jnp.array([130]), 32, 8)
+    >>> a.tolist(), b.tolist()
+    ([3], [4])
+    """
+    j = jnp.arange(num_blocks, dtype=I32)[None, :]
+    col = lambda x: x[:, None]  # noqa: E731
+    full = (j + 1) * block_k <= col(lengths)
+    if mask is not None:
+        k_lo = j * block_k
+        t = masks.TileBounds(b=col(jnp.arange(lengths.shape[0], dtype=I32)),
+                             h=jnp.zeros((1, 1), I32), q_lo=jnp.zeros((1, 1), I32),
+                             q_hi=jnp.full((1, 1), Tq - 1, I32), pos_lo=col(lengths - Tq),
+                             pos_hi=col(lengths - 1), k_lo=k_lo, k_hi=k_lo + block_k - 1)
+        _, every = mask.tile_bounds(t, [])
+        full = full & jnp.broadcast_to(every, full.shape)
+    anyf = full.any(axis=1)
+    a = jnp.argmax(full, axis=1).astype(I32)
+    # the run ends at the first block from a on that is not full
+    rest = full | (j < col(a))
+    b = jnp.where(rest.all(axis=1), num_blocks, jnp.argmin(rest, axis=1)).astype(I32)
+    return jnp.where(anyf, a, 0), jnp.where(anyf, b, 0)
+
+
 def split_range(lo, hi, split, num_splits: int):
     """The blocks of split ``split`` out of ``num_splits`` of [lo, hi)."""
     # lax.div (truncating; operands >= 0): jnp's floor division lowers through

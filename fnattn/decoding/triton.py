@@ -144,6 +144,9 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length = meta_ref[b, 0], meta_ref[b, 1]
     lo, hi = common.split_range(meta_ref[b, 2], meta_ref[b, 3], sp, K.splits)
+    # [fa, fb): this split's blocks inside the sequence that every row sees whole
+    fa = jnp.minimum(jnp.maximum(meta_ref[b, 4], lo), hi)
+    fb = jnp.minimum(jnp.maximum(meta_ref[b, 5], fa), hi)
 
     r_i = lax.broadcasted_iota(I32, (K.M,), 0)
     t_i, g_i = lax.div(r_i, jnp.int32(K.G)), lax.rem(r_i, jnp.int32(K.G))
@@ -153,7 +156,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
     vmask = None if K.Dv == K.Dvp else vcols < K.Dv
 
     def both(a, c):
-        return a if c is None else a & c
+        return c if a is None else (a if c is None else a & c)
 
     q = q_ref[b, h]
     mask = K.mask()
@@ -161,13 +164,23 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         raw_rows = t_i[:, None]
         qpos_rows = (length - K.Tq + t_i)[:, None]
         head_rows = (h * K.G + g_i)[:, None]
-    def body(j, carry):
+    def body(j, carry, full=False):
+        """One block of keys; ``full``: inside the sequence and seen whole by every
+        row (no bounds, no mask, no sanitising: the keys are all used)."""
         kpos = j * K.bk + lax.broadcasted_iota(I32, (K.bk,), 0)
-        ok = kpos < length
+        ok = None if full else kpos < length
         slot = (start + kpos)[:, None]
-        k = plgpu.load(k_ref.at[b, slot, h, dcols], mask=both(ok[:, None], dmask), other=0.0)
-        load_v = lambda: plgpu.load(v_ref.at[b, slot, h, vcols],  # noqa: E731
-                                    mask=both(ok[:, None], vmask), other=0.0)
+        krows = None if full else ok[:, None]
+
+        def load(ref, cols, cmask):
+            m = both(krows, cmask)
+            return plgpu.load(ref.at[b, slot, h, cols], **(
+                {} if m is None else dict(mask=m, other=0.0)))
+        k = load(k_ref, dcols, dmask)
+        load_v = lambda: load(v_ref, vcols, vmask)  # noqa: E731
+        if full:
+            s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
+            return online.step_exp2(carry, s, None, load_v, scale=K.scale, softcap=K.softcap)
         bad = None
         if mask is not None:
             # Slots outside the range are never loaded; keys of the sequence that the
@@ -187,7 +200,9 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
     acc = jnp.zeros((K.M, K.Dvp), F32)
     m = jnp.full((K.M,), -jnp.inf, F32)
     l = jnp.zeros((K.M,), F32)
-    acc, m, l = lax.fori_loop(lo, hi, body, (acc, m, l))
+    carry = lax.fori_loop(lo, fa, body, (acc, m, l))
+    carry = lax.fori_loop(fa, fb, functools.partial(body, full=True), carry)
+    acc, m, l = lax.fori_loop(fb, hi, body, carry)
 
     if K.sinks:
         acc, m, l = online.join_sink(acc, m, l, sinks_ref[h] * LOG2E, exp=jnp.exp2)
@@ -227,7 +242,8 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
 
     lo, hi = common.key_block_range(cfg.mask, Tq, lengths, jnp.zeros_like(lengths), bk,
                                     common.cdiv(S, bk))
-    meta = jnp.stack([starts, lengths, lo, hi], axis=1).astype(I32)
+    fa, fb = common.full_block_range(cfg.mask, Tq, lengths, bk, common.cdiv(S, bk))
+    meta = jnp.stack([starts, lengths, lo, hi, fa, fb], axis=1).astype(I32)
     # The query tile of each (sequence, kv head): small, so padded here (rows and
     # head dim); the caches are only ever read in place.
     qg = common.group_rows(q.astype(k.dtype), Hkv, M)

@@ -188,6 +188,8 @@ class Work(NamedTuple):
     seq_tok: Any  # first packed token row of the sequence
     k_lo: Any     # key blocks [k_lo, k_hi) may hold a visible key
     k_hi: Any
+    f_lo: Any     # key blocks [f_lo, f_hi) lie inside [0, kv_len) and every row of
+    f_hi: Any     # the item sees all their keys (the mask need not be evaluated)
 
     def stacked(self):
         return jnp.stack(list(self), axis=1).astype(I32)
@@ -238,7 +240,9 @@ def work_list(cfg: Cfg, meta: Meta, block_q: int, block_k: int) -> Work:
     seq_tok = meta.q_start[seq]
     tok = seq_tok + row0
     k_lo, k_hi = key_block_range(cfg, seq, row0, rows, q_pos, kv_len, block_k)
-    return Work(seq, tok, rows, row0, q_pos, kv_len, new_start, seq_tok, k_lo, k_hi)
+    f_lo, f_hi = full_block_range(cfg, seq, row0, rows, q_pos, kv_len, block_k)
+    return Work(seq, tok, rows, row0, q_pos, kv_len, new_start, seq_tok, k_lo, k_hi, f_lo,
+                f_hi)
 
 
 def key_block_range(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
@@ -264,6 +268,31 @@ def key_block_range(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
     lo = jnp.argmax(may, axis=1).astype(I32)
     hi = (n_blocks - jnp.argmax(may[:, ::-1], axis=1)).astype(I32)
     return jnp.where(anyv, lo, 0), jnp.where(anyv, hi, 0)
+
+
+def full_block_range(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
+    """[f_lo, f_hi): the first run of key blocks wholly inside ``[0, kv_len)``
+    whose keys every row of the item may see (the mask's ``tile_bounds``
+    ``all_true``): kernels skip the mask and the sanitising of hidden keys there.
+    ``f_lo = f_hi`` when there is none (and for unused items)."""
+    n_blocks = cdiv(cfg.capacity, block_k)
+    j = jnp.arange(n_blocks, dtype=I32)[None, :]
+    col = lambda x: x[:, None]  # noqa: E731
+    full = ((j + 1) * block_k <= col(kv_len)) & col(rows > 0)
+    mask = cfg.mask()
+    if mask is not None:
+        last = jnp.maximum(rows - 1, 0)
+        t = masks.TileBounds(b=col(seq), h=jnp.zeros((1, 1), I32), q_lo=col(row0),
+                             q_hi=col(row0 + last), pos_lo=col(q_pos),
+                             pos_hi=col(q_pos + last), k_lo=j * block_k,
+                             k_hi=j * block_k + block_k - 1)
+        _, every = mask.tile_bounds(t, [])
+        full = full & jnp.broadcast_to(every, full.shape)
+    anyf = full.any(axis=1)
+    a = jnp.argmax(full, axis=1).astype(I32)
+    rest = full | (j < col(a))
+    b = jnp.where(rest.all(axis=1), n_blocks, jnp.argmin(rest, axis=1)).astype(I32)
+    return jnp.where(anyf, a, 0), jnp.where(anyf, b, 0)
 
 
 def split_range(k_lo, k_hi, split, num_splits):

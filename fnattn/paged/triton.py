@@ -158,7 +158,10 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
                          mask=both((ok & is_new)[:, None], cmask), other=0.0)
         return jnp.where(is_new[:, None], new, old)
 
-    def body(j, carry):
+    def body(j, carry, full=False):
+        """One block of keys; ``full``: inside [0, kv_len) and seen whole by every
+        row of the item, so neither the mask nor the sanitising of hidden keys
+        runs (keys of missing pages are still never loaded)."""
         kpos = j * K.bk + lax.broadcasted_iota(I32, (K.bk,), 0)
         lpage = jnp.minimum(lax.div(kpos, I32(K.ps)), K.P - 1)
         page = plgpu.load(pt_ref.at[seq, lpage])
@@ -167,7 +170,7 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         k = load_kv(k_ref, nk_ref, dcols, dmask, slot, ok, kpos)
         load_v = lambda: load_kv(v_ref, nv_ref, vcols, vmask, slot, ok, kpos)  # noqa: E731
         bad = None
-        if mask is not None:
+        if mask is not None and not full:
             # Slots past the length and invalid pages are never loaded; keys of the
             # sequence that the mask hides from some rows may still hold NaN.
             k, v, bad = online.finite_keys(k, load_v())
@@ -176,16 +179,21 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         if bad is not None:
             s = jnp.where(bad[None, :], jnp.nan, s)
         allowed = ok[None, :]
-        if mask is not None:
+        if mask is not None and not full:
             pos = common.positions(seq, head_rows, raw_rows, qpos_rows, kpos[None, :])
             allowed = allowed & mask.predicate(pos, [])
         return online.step_exp2(carry, s, allowed, load_v, scale=K.scale, softcap=K.softcap)
 
     lo, hi = common.split_range(f["k_lo"], f["k_hi"], sp, K.splits)
+    # this split's share of the blocks every row sees whole
+    fa = jnp.minimum(jnp.maximum(f["f_lo"], lo), hi)
+    fb = jnp.minimum(jnp.maximum(f["f_hi"], fa), hi)
     acc = jnp.zeros((K.M, K.Dvp), F32)
     m = jnp.full((K.M,), -jnp.inf, F32)
     l = jnp.zeros((K.M,), F32)
-    acc, m, l = lax.fori_loop(lo, hi, body, (acc, m, l))
+    carry = lax.fori_loop(lo, fa, body, (acc, m, l))
+    carry = lax.fori_loop(fa, fb, functools.partial(body, full=True), carry)
+    acc, m, l = lax.fori_loop(fb, hi, body, carry)
 
     if K.sinks:
         sink = plgpu.load(sinks_ref.at[h, g_i]) * LOG2E
