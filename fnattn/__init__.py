@@ -11,6 +11,7 @@ from fnattn.core import attention
 from fnattn.decoding import DecodeBlockSizes, decode, decode_with_update
 from fnattn.flash.api import flash
 from fnattn.flash.mosaic import MosaicBlockSizes
+from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
 from fnattn.flash.triton import TritonBlockSizes
 from fnattn.flash.xla import XlaBlockSizes
 from fnattn.merging import merge
@@ -27,6 +28,7 @@ __all__ = [
     "DecodeBlockSizes",
     "LayeredPagedKVCache",
     "MosaicBlockSizes",
+    "MosaicGpuBlockSizes",
     "PagedBlockSizes",
     "PagedKVCache",
     "TritonBlockSizes",

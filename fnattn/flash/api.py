@@ -9,6 +9,9 @@ platform  impl="auto"                                  impl="pallas"
 cuda      cuDNN's fused attention for the specs it     Pallas Triton kernels
           computes exactly (fnattn/flash/cudnn.py,
           whose docstring has the routing table);
+          on Hopper the Pallas Mosaic GPU forward
+          (fnattn/flash/mosaic_gpu.py, Triton
+          backward) for the specs it takes; the
           Pallas Triton kernels (fnattn/flash/triton)
           for the rest
 tpu       Pallas Mosaic kernels (fnattn/flash/mosaic)  the same
@@ -28,11 +31,11 @@ from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import _checks, core
-from fnattn.flash import cudnn, mosaic, triton, xla
+from fnattn.flash import blocks, cudnn, mosaic, mosaic_gpu, triton, xla
 from fnattn.reference import reference
 from fnattn.spec import AttentionOutput, AttentionSpec
 
-__all__ = ["flash", "lowering_table"]
+__all__ = ["cuda_kernel", "flash", "lowering_table"]
 
 
 def lowering_table(impl: str, dtype=None):
@@ -77,7 +80,18 @@ def _table(impl: str, dtype):
 
 @functools.lru_cache(maxsize=None)
 def _cuda_auto():
-    return _with_tangent(cudnn.pick(triton.LOWERING, triton.symbolic))
+    return _with_tangent(cudnn.pick(cuda_kernel, triton.symbolic))
+
+
+def cuda_kernel(cfg, q, bias, sinks, mask):
+    """The Pallas lowering impl="auto" runs on cuda where cuDNN does not: the
+    Mosaic GPU forward (with the Triton backward) on a Hopper GPU for the specs it
+    takes (:func:`fnattn.flash.mosaic_gpu.route`), else the Triton kernels.
+    ``TritonBlockSizes`` in the spec choose the Triton kernels."""
+    if blocks.pick(cfg.block_sizes, triton.TritonBlockSizes, None) is None and \
+            mosaic_gpu.route(cfg, q.dtype, mask, bias, sinks):
+        return mosaic_gpu.LOWERING
+    return triton.LOWERING
 
 
 @functools.lru_cache(maxsize=None)

@@ -2,8 +2,10 @@
 for the specs cuDNN computes exactly as fnattn does.
 
 **Routing** (:func:`reasons`; decided at trace time, per call, from static facts only):
-a spec goes to cuDNN when every row of this table holds, and to the Pallas Triton
-kernels (:mod:`fnattn.flash.triton`) otherwise.
+a spec goes to cuDNN when every row of this table holds, and to the Pallas kernels
+otherwise: the Mosaic GPU forward (:mod:`fnattn.flash.mosaic_gpu`) on Hopper GPUs
+for the specs it takes, the Triton kernels (:mod:`fnattn.flash.triton`) for the
+rest (:func:`fnattn.flash.api.cuda_kernel`).
 
 ===================  ==========================================================
 what                 routed to cuDNN when
@@ -21,8 +23,10 @@ sizes                static (``jax.export`` with symbolic sizes: the XLA lowerin
 cuDNN                present when the program is traced
 ===================  ==========================================================
 
-Segment ids, prefix-LM, chunked and array masks, and everything with a bias go to
-the Triton kernels, which skip empty tiles of any mask.
+Soft-capped and chunked specs, and masks built with ``|`` and ``~``, go to the
+Mosaic GPU kernel on Hopper; segment ids, prefix-LM and array masks, and
+everything with a bias or sinks, go to the Triton kernels, which skip empty
+tiles of any mask.
 
 **The contract kept.** Rows that see no key (past their query length, with a
 length-0 key sequence, or past a window's reach) give ``out = 0`` and
@@ -358,14 +362,16 @@ LOWERING = Lowering("flash-cudnn", _forward, _backward, takes_absent_cotangents=
 
 
 def pick(kernel, symbolic):
-    """impl="auto" on cuda: cuDNN where :func:`route` says so, else ``kernel`` (the
-    Triton lowering), or the XLA one for symbolic sizes the kernel cannot take."""
+    """impl="auto" on cuda: cuDNN where :func:`route` says so, else
+    ``kernel(cfg, q, bias, sinks, mask)`` (the Mosaic GPU or the Triton lowering,
+    :func:`fnattn.flash.api.cuda_kernel`), or the XLA one for symbolic sizes the
+    kernels cannot take."""
     from fnattn.flash import xla
 
     def choose(cfg, q, bias, sinks, mask):
         if route(cfg, q.dtype, mask, bias, sinks):
             return LOWERING
-        return xla.LOWERING if symbolic(cfg) else kernel
+        return xla.LOWERING if symbolic(cfg) else kernel(cfg, q, bias, sinks, mask)
 
     def fwd(cfg, q, k, v, bias, sinks, mask, seed):
         low = choose(cfg, q, bias, sinks, mask)
@@ -375,7 +381,7 @@ def pick(kernel, symbolic):
             except NotImplementedError:
                 # cuDNN's own checks refused it (a GPU or version limit this table
                 # does not know): the kernels, whose residuals are the same.
-                low = kernel
+                low = kernel(cfg, q, bias, sinks, mask)
         return low.fwd(cfg, q, k, v, bias, sinks, mask, seed)
 
     def bwd(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse):
@@ -385,7 +391,7 @@ def pick(kernel, symbolic):
                 return low.bwd(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo,
                                d_out, d_lse)
             except NotImplementedError:
-                low = kernel
+                low = kernel(cfg, q, bias, sinks, mask)
         if not low.takes_absent_cotangents:
             d_out = jnp.zeros_like(out) if d_out is None else d_out
             d_lse = jnp.zeros_like(lse) if d_lse is None else d_lse
@@ -395,5 +401,5 @@ def pick(kernel, symbolic):
         # cuDNN's lowering (a custom_partitioning) needs the devices
         return route(cfg, q.dtype, mask, bias, sinks)
 
-    return Lowering("flash-auto-cuda", fwd, bwd, kernel.jvp, takes_absent_cotangents=True,
-                    needs_devices=needs_devices)
+    return Lowering("flash-auto-cuda", fwd, bwd, triton.LOWERING.jvp,
+                    takes_absent_cotangents=True, needs_devices=needs_devices)

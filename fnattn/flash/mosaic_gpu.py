@@ -65,7 +65,8 @@ from fnattn import _online as online
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks, triton
 
-__all__ = ["MosaicGpuBlockSizes", "LOWERING", "forward", "supports", "interpret_params"]
+__all__ = ["MosaicGpuBlockSizes", "LOWERING", "available", "forward", "route", "supports",
+           "interpret_params"]
 
 LOG2E, LN2 = online.LOG2E, online.LN2
 F32 = jnp.float32
@@ -180,6 +181,31 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
         elif _static_classes(cfg, mask, 128, 64) is None:
             why.append(f"a mask whose tile classes are not static ({mask!r})")
     return why
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> Optional[str]:
+    """None when this process can compile the kernel (a Hopper GPU, compute
+    capability 9.x, and Mosaic GPU importable), else why not. Asked when a
+    program is traced for cuda, like cuDNN's presence."""
+    try:
+        _plgpu()
+    except ImportError as e:
+        return f"Mosaic GPU cannot be imported ({e})"
+    try:
+        gpus = jax.devices("gpu")
+    except RuntimeError:
+        return "no GPU in this process"
+    caps = {str(getattr(d, "compute_capability", "")) for d in gpus}
+    if not caps or not all(c.startswith("9.") for c in caps):
+        return f"the kernel needs a Hopper GPU (compute capability 9.x); found {sorted(caps)}"
+    return None
+
+
+def route(cfg, dtype, mask, bias, sinks) -> bool:
+    """Whether impl="auto" on cuda runs this call's forward here (when cuDNN does
+    not): every feature supported and a Hopper GPU present."""
+    return not supports(cfg, dtype, mask, bias, sinks) and available() is None
 
 
 def _refuse(cfg, dtype, mask, bias, sinks):

@@ -10,7 +10,9 @@ Three groups:
 * the real kernel on an NVIDIA GPU (skipped without one).
 """
 
+import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -18,7 +20,8 @@ import numpy as np
 import pytest
 
 import fnattn
-from fnattn import AttentionSpec, core, masks, xla
+from fnattn import AttentionSpec, core, masks
+from fnattn.flash import xla
 from fnattn._checks import Dims
 from fnattn._dispatch import Config, Lowering
 from fnattn.flash import mosaic_gpu
@@ -190,7 +193,7 @@ def test_lowers_for_cuda(D, mask):
     f = jax.jit(lambda q, k, v: core.run(spec, q, k, v, fn="flash",
                                          table=(("default", LOWERING),)).out)
     text = f.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    assert re.search(r"custom_call @mosaic_gpu", text)
 
 
 # ----------------------------------------------------------------------------------
@@ -239,3 +242,66 @@ def test_gpu_mosaic_gpu_forward_matches_reference(T, D, name):
     np.testing.assert_allclose(f32(res.out), f32(ref.out), atol=2e-2, rtol=2e-2)
     np.testing.assert_array_equal(np.isfinite(res.lse), np.isfinite(ref.lse))
     np.testing.assert_allclose(f32(res.lse), f32(ref.lse), atol=2e-2, rtol=2e-2)
+
+
+# ----------------------------------------------------------------------------------
+# impl="auto" on cuda: which kernel runs
+# ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def hopper(monkeypatch):
+    """Tracing as in a process with a Hopper GPU (this CPU has none)."""
+    monkeypatch.setattr(mosaic_gpu, "available", lambda: None)
+
+
+def test_available_needs_a_hopper_gpu():
+    assert mosaic_gpu.available() is not None   # (no GPU in this process)
+    cfg = cfg_of()
+    assert not mosaic_gpu.route(cfg, jnp.bfloat16, masks.causal(), None, None)
+
+
+def test_cuda_kernel_choice(hopper):
+    from fnattn.flash import triton
+    from fnattn.flash.api import cuda_kernel
+    cfg = cfg_of()
+    q16, q32 = jnp.zeros((1, 128, 4, 64), jnp.bfloat16), jnp.zeros((1, 128, 4, 64))
+    assert cuda_kernel(cfg, q16, None, None, masks.causal()) is LOWERING
+    assert cuda_kernel(cfg, q16, None, None, masks.chunked(32)) is LOWERING
+    assert cuda_kernel(cfg, q32, None, None, masks.causal()) is triton.LOWERING
+    assert cuda_kernel(cfg, q16, jnp.zeros((128, 128)), None, None) is triton.LOWERING
+    seg = masks.segments(jnp.zeros((1, 128), jnp.int32))
+    assert cuda_kernel(cfg, q16, None, None, seg) is triton.LOWERING
+    given = dataclasses.replace(cfg, block_sizes=fnattn.TritonBlockSizes())
+    assert cuda_kernel(given, q16, None, None, masks.causal()) is triton.LOWERING
+    given = dataclasses.replace(cfg, block_sizes=MosaicGpuBlockSizes(block_k=64))
+    assert cuda_kernel(given, q16, None, None, masks.causal()) is LOWERING
+
+
+def _lowered(spec, q, k, v):
+    def loss(q, k, v):
+        return jnp.sum(fnattn.attention(spec, q, k, v).out.astype(jnp.float32))
+    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+        lowering_platforms=("cuda",)).as_text()
+    # (the Mosaic GPU custom call; the test file's own name is in the locations)
+    mgpu = re.search(r"custom_call @mosaic_gpu", text) is not None
+    return mgpu, sorted(set(re.findall(r"fnattn_flash_\w+", text)))
+
+
+@pytest.mark.parametrize("on_hopper", [False, True])
+def test_auto_runs_the_mosaic_gpu_forward_on_hopper(monkeypatch, on_hopper):
+    """A soft-capped causal spec (which cuDNN cannot run): on Hopper the Mosaic GPU
+    forward and the Triton dq and dk/dv kernels; elsewhere the three Triton
+    kernels. A spec with a bias stays on Triton either way."""
+    pytest.importorskip("absl")
+    if on_hopper:
+        monkeypatch.setattr(mosaic_gpu, "available", lambda: None)
+    q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
+    spec = AttentionSpec(mask=masks.causal(), softcap=30.0)
+    mgpu, kernels = _lowered(spec, q, k, k)
+    assert mgpu == on_hopper
+    assert kernels == (["fnattn_flash_dkdv", "fnattn_flash_dq"] if on_hopper else
+                       ["fnattn_flash_dkdv", "fnattn_flash_dq", "fnattn_flash_fwd"])
+    mgpu, kernels = _lowered(spec.replace(bias=jnp.zeros((256, 256))), q, k, k)
+    assert not mgpu and "fnattn_flash_fwd" in kernels
