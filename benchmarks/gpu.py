@@ -314,8 +314,9 @@ def decode_section(args, rows, deadline):
             spec = AttentionSpec(mask=masks.causal(), return_lse=False, block_sizes=block_sizes)
             return lambda q, k, v, n: fnattn.decode(spec, q, k, v, kv_lengths=n).out
 
+        from decode import jnp_decode  # (benchmarks/decode.py's plain baseline)
         entries = [("contiguous", "fnattn.decode", dec(), cont),
-                   ("contiguous", "jnp einsum+softmax", _jnp_decode, cont),
+                   ("contiguous", "jnp einsum+softmax", jnp_decode, cont),
                    ("contiguous", "jax.nn:cudnn", _jaxnn_decode("cudnn"), cont),
                    ("contiguous", "jax.nn:xla", _jaxnn_decode("xla"), cont),
                    ("paged", "fnattn.paged_attention", bench.decode_fn("auto"), prob.args),
@@ -357,16 +358,6 @@ def decode_section(args, rows, deadline):
             print(_decode_line(row), flush=True)
     rows.append(dict(section="decode", cache="copy", impl="device-to-device copy", status="ok",
                      gb_s=copy_bw / 1e9, frac_peak=copy_bw / peak if peak else None))
-
-
-def _jnp_decode(q, k, v, lengths):
-    B, Tq, Hq, D = q.shape
-    G = Hq // k.shape[2]
-    k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
-    s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * D ** -0.5
-    ok = jnp.arange(k.shape[1])[None, None, None, :] < lengths[:, None, None, None]
-    p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
-    return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v).astype(q.dtype)
 
 
 def _jaxnn_decode(which):

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnattn import masks
-from fnattn.paged.common import cdiv, pow2  # noqa: F401  (the kernels' shared helpers)
+from fnattn.paged.common import cdiv, first_run, pow2  # noqa: F401  (shared helpers)
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -79,12 +79,7 @@ def full_block_range(mask, Tq: int, lengths, block_k: int, num_blocks: int):
                              pos_hi=col(lengths - 1), k_lo=k_lo, k_hi=k_lo + block_k - 1)
         _, every = mask.tile_bounds(t, [])
         full = full & jnp.broadcast_to(every, full.shape)
-    anyf = full.any(axis=1)
-    a = jnp.argmax(full, axis=1).astype(I32)
-    # the run ends at the first block from a on that is not full
-    rest = full | (j < col(a))
-    b = jnp.where(rest.all(axis=1), num_blocks, jnp.argmin(rest, axis=1)).astype(I32)
-    return jnp.where(anyf, a, 0), jnp.where(anyf, b, 0)
+    return first_run(full)
 
 
 def split_range(lo, hi, split, num_splits: int):

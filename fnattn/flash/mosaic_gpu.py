@@ -456,14 +456,6 @@ def _visible(q0, j, b, h, P: _Plan):
 # ----------------------------------------------------------------------------------
 
 
-def _pad(x, axis, size):
-    if x.shape[axis] == size:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, size - x.shape[axis])
-    return jnp.pad(x, widths)
-
-
 @functools.lru_cache(maxsize=256)
 def _schedule(treedef, batch, num_heads, q_len, kv_len, rows, bk, q_offset):
     """The kernel's visiting table as a read-only NumPy int32 array
@@ -550,7 +542,8 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     )
     if mask is not None:
         k, v = _hidden_keys_inert(k, v)
-    out, m, l = call(_pad(q, 1, Tqp), _pad(k, 1, Tkp), _pad(v, 1, Tkp), jnp.asarray(table))
+    out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(k, 1, Tkp), triton._pad(v, 1, Tkp),
+                     jnp.asarray(table))
     lse, lse_lo = online.lse_parts(m[:, :, :d.q_len], l[:, :, :d.q_len], log=jnp.log2,
                                    scale=LN2)
     return out[:, :d.q_len], lse, lse_lo

@@ -288,10 +288,19 @@ def full_block_range(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
                              k_hi=j * block_k + block_k - 1)
         _, every = mask.tile_bounds(t, [])
         full = full & jnp.broadcast_to(every, full.shape)
-    anyf = full.any(axis=1)
-    a = jnp.argmax(full, axis=1).astype(I32)
-    rest = full | (j < col(a))
-    b = jnp.where(rest.all(axis=1), n_blocks, jnp.argmin(rest, axis=1)).astype(I32)
+    return first_run(full)
+
+
+def first_run(flags):
+    """[a, b) per row of ``flags`` (rows, n) bool, each (rows,) int32: the first run
+    of consecutive True entries; ``a = b = 0`` in a row with none."""
+    n = flags.shape[1]
+    j = jnp.arange(n, dtype=I32)[None, :]
+    anyf = flags.any(axis=1)
+    a = jnp.argmax(flags, axis=1).astype(I32)
+    # the run ends at the first entry from a on that is False
+    rest = flags | (j < a[:, None])
+    b = jnp.where(rest.all(axis=1), n, jnp.argmin(rest, axis=1)).astype(I32)
     return jnp.where(anyf, a, 0), jnp.where(anyf, b, 0)
 
 
