@@ -194,7 +194,7 @@ def available() -> Optional[str]:
         return f"Mosaic GPU cannot be imported ({e})"
     try:
         gpus = jax.devices("gpu")
-    except RuntimeError:
+    except (RuntimeError, ValueError):  # (no GPU backend in this process)
         return "no GPU in this process"
     caps = {str(getattr(d, "compute_capability", "")) for d in gpus}
     if not caps or not all(c.startswith("9.") for c in caps):
