@@ -488,11 +488,8 @@ def _hidden_keys_inert(k, v):
     that do not see them drop the logit) and their non-finite V entries become 0.
     One elementwise pass over K and V, only for masked specs (without a mask
     every visited key is seen by every row, and padding is zeros)."""
-    fk = jnp.isfinite(k).all(axis=-1, keepdims=True)
-    fv = jnp.isfinite(v)
-    bad = ~(fk & fv.all(axis=-1, keepdims=True))
-    return (jnp.where(bad, jnp.asarray(jnp.nan, k.dtype), k),
-            jnp.where(fv, v, jnp.zeros((), v.dtype)))
+    k, v, bad = online.finite_keys(k, v)  # (bad: (B, T, Hkv), the keys' flags)
+    return jnp.where(bad[..., None], jnp.asarray(jnp.nan, k.dtype), k), v
 
 
 def _blocks_for(cfg):
