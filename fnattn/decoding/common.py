@@ -8,8 +8,9 @@ may hold a key visible to one of its ``Tq`` queries: a sliding window over a
 long context reads the window only.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -20,66 +21,66 @@ F32 = jnp.float32
 I32 = jnp.int32
 
 
-def key_block_range(mask, Tq: int, lengths, offsets, block_k: int, num_blocks: int):
-    """[lo, hi) per sequence, each (B,) int32: the blocks that may matter.
+class BlockRanges(NamedTuple):
+    """Per sequence, each (B,) int32: ``[lo, hi)`` the key blocks that may matter,
+    and ``[full_lo, full_hi)`` a run of them that every query row sees whole."""
+
+    lo: jax.Array
+    hi: jax.Array
+    full_lo: jax.Array
+    full_hi: jax.Array
+
+
+def block_ranges(mask, Tq: int, lengths, offsets, block_k: int, num_blocks: int) -> BlockRanges:
+    """The key blocks a sequence visits, and the ones it visits with no mask code.
 
     Block ``j`` holds the logical key positions ``j * block_k - offsets[b]`` to
     ``j * block_k + block_k - 1 - offsets[b]`` (``offsets`` is 0 for blocks
     aligned to each sequence's first key, ``starts`` for blocks aligned to cache
-    slots); a block matters when one of them is in ``[0, lengths[b])`` and
-    ``mask.tile_bounds`` says it may be visible. Sequences with no such block get
-    ``lo = hi = 0``.
-    """
-    live = lengths > 0
-    first = lax.div(offsets, jnp.int32(block_k))
-    end = jnp.where(live, cdiv(offsets + lengths, block_k), first)  # offsets + lengths >= 0
-    if mask is None:
-        return jnp.where(live, first, 0), jnp.where(live, end, 0)
-    j = jnp.arange(num_blocks, dtype=I32)[None, :]
-    col = lambda x: x[:, None]
-    k_lo = j * block_k - col(offsets)
-    t = masks.TileBounds(b=col(jnp.arange(lengths.shape[0], dtype=I32)),
-                         h=jnp.zeros((1, 1), I32), q_lo=jnp.zeros((1, 1), I32),
-                         q_hi=jnp.full((1, 1), Tq - 1, I32), pos_lo=col(lengths - Tq),
-                         pos_hi=col(lengths - 1), k_lo=k_lo, k_hi=k_lo + block_k - 1)
-    may, _ = mask.tile_bounds(t, [])
-    may = jnp.broadcast_to(may, (lengths.shape[0], num_blocks))
-    may = may & (j >= col(first)) & (j < col(end))
-    anyv = may.any(axis=1)
-    lo = jnp.argmax(may, axis=1).astype(I32)
-    hi = (num_blocks - jnp.argmax(may[:, ::-1], axis=1)).astype(I32)
-    return jnp.where(anyv, lo, 0), jnp.where(anyv, hi, 0)
+    slots).
 
+    * ``[lo, hi)``: the blocks holding a position in ``[0, lengths[b])`` that
+      ``mask.tile_bounds`` says may be visible (``lo = hi = 0`` when none is).
+    * ``[full_lo, full_hi)``: the first run of blocks lying wholly inside
+      ``[0, lengths[b])`` that the mask shows to every query row (``tile_bounds``'
+      ``all_true``): a kernel visits them with no mask and no bounds code. Empty
+      (``full_lo = full_hi``) when there is none; always inside ``[lo, hi)``.
 
-def full_block_range(mask, Tq: int, lengths, block_k: int, num_blocks: int):
-    """[a, b) per sequence, each (B,) int32: a run of blocks (aligned to each
-    sequence's first key) that lie wholly inside ``[0, lengths[b])`` and that the
-    mask shows to every query row (``tile_bounds``' ``all_true``): a kernel visits
-    them with no mask and no bounds code. The first such run; ``a = b`` when there
-    is none. Every block of ``[a, b)`` is also in :func:`key_block_range`'s range.
+    One ``tile_bounds`` evaluation over every (sequence, block) pair gives both.
 
     >>> import jax.numpy as jnp
     >>> from fnattn import masks
-    >>> a, b = full_block_range(masks.causal(), 1, jnp.array([130, 64, 10]), 32, 8)
-    >>> a.tolist(), b.tolist()
-    ([0, 0, 0], [4, 2, 0])
-    >>> # the last query (position 129) sees keys 89..129: only block 3 (96..127)
-    >>> a, b = full_block_range(masks.sliding_window(40), 1, jnp.array([130]), 32, 8)
-    >>> a.tolist(), b.tolist()
-    ([3], [4])
+    >>> L = jnp.array([130, 64, 10])
+    >>> r = block_ranges(masks.causal(), 1, L, jnp.zeros_like(L), 32, 8)
+    >>> r.lo.tolist(), r.hi.tolist(), r.full_lo.tolist(), r.full_hi.tolist()
+    ([0, 0, 0], [5, 2, 1], [0, 0, 0], [4, 2, 0])
+    >>> # the last query (position 129) sees keys 89..129: blocks 2 to 4, block 3 whole
+    >>> r = block_ranges(masks.sliding_window(40), 1, L[:1], jnp.zeros((1,), jnp.int32), 32, 8)
+    >>> r.lo.tolist(), r.hi.tolist(), r.full_lo.tolist(), r.full_hi.tolist()
+    ([2], [5], [3], [4])
     """
+    B = lengths.shape[0]
+    live = lengths > 0
+    first = lax.div(offsets, jnp.int32(block_k))
+    end = jnp.where(live, cdiv(offsets + lengths, block_k), first)  # offsets + lengths >= 0
     j = jnp.arange(num_blocks, dtype=I32)[None, :]
     col = lambda x: x[:, None]  # noqa: E731
-    full = (j + 1) * block_k <= col(lengths)
+    k_lo = j * block_k - col(offsets)  # logical position of each block's first slot
+    may = (j >= col(first)) & (j < col(end))
+    whole = (k_lo >= 0) & (k_lo + block_k <= col(lengths))
     if mask is not None:
-        k_lo = j * block_k
-        t = masks.TileBounds(b=col(jnp.arange(lengths.shape[0], dtype=I32)),
-                             h=jnp.zeros((1, 1), I32), q_lo=jnp.zeros((1, 1), I32),
-                             q_hi=jnp.full((1, 1), Tq - 1, I32), pos_lo=col(lengths - Tq),
-                             pos_hi=col(lengths - 1), k_lo=k_lo, k_hi=k_lo + block_k - 1)
-        _, every = mask.tile_bounds(t, [])
-        full = full & jnp.broadcast_to(every, full.shape)
-    return first_run(full)
+        t = masks.TileBounds(b=col(jnp.arange(B, dtype=I32)), h=jnp.zeros((1, 1), I32),
+                             q_lo=jnp.zeros((1, 1), I32), q_hi=jnp.full((1, 1), Tq - 1, I32),
+                             pos_lo=col(lengths - Tq), pos_hi=col(lengths - 1), k_lo=k_lo,
+                             k_hi=k_lo + block_k - 1)
+        visible, every = mask.tile_bounds(t, [])
+        may = may & jnp.broadcast_to(visible, may.shape)
+        whole = whole & jnp.broadcast_to(every, whole.shape)
+    anyv = may.any(axis=1)
+    lo = jnp.argmax(may, axis=1).astype(I32)
+    hi = (num_blocks - jnp.argmax(may[:, ::-1], axis=1)).astype(I32)
+    full_lo, full_hi = first_run(whole)
+    return BlockRanges(jnp.where(anyv, lo, 0), jnp.where(anyv, hi, 0), full_lo, full_hi)
 
 
 def split_range(lo, hi, split, num_splits: int):

@@ -10,7 +10,7 @@ or 256, two for D = 64, all of them for head dims like 80 or 96. Pallas's
 pipeline copies block ``i + 1`` while the kernel computes on block ``i``; the
 block index comes from a scalar-prefetched table of each sequence's key-block
 range ``[lo, hi)`` (slot-aligned; from the sequence's slots and the mask's
-``tile_bounds``, see :func:`fnattn.decoding.common.key_block_range`). Steps past
+``tile_bounds``, see :func:`fnattn.decoding.common.block_ranges`). Steps past
 the end of a split's range repeat its last block index, which the pipeline does
 not copy again, and skip the computation: only the blocks a sequence may see
 are read, each once per (sequence, group of hb kv heads).
@@ -253,7 +253,7 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
     # TPUs have no float16 arithmetic: such caches run in float32 (a copy).
     cd = F32 if k.dtype == jnp.float16 else k.dtype
 
-    lo, hi = common.key_block_range(cfg.mask, Tq, lengths, starts, bk, n_blocks)
+    lo, hi, _, _ = common.block_ranges(cfg.mask, Tq, lengths, starts, bk, n_blocks)
     meta = jnp.stack([starts, lengths, lo, hi], axis=1).astype(I32).reshape(-1)
     # q of kv head h = hg * hb + hh as rows of (B, ng, hb, M, hb * D), in head hh's
     # columns of the block of hb heads (zeros elsewhere).

@@ -18,7 +18,7 @@ columns), so the cache is never copied.
 
 Each program visits only its share of the blocks ``[lo, hi)`` that hold the
 sequence's keys and that the mask's ``tile_bounds`` says may be visible
-(computed in the wrapper, :func:`fnattn.decoding.common.key_block_range`): a
+(computed in the wrapper, :func:`fnattn.decoding.common.block_ranges`): a
 sliding window over a long context reads the window only. Scale and soft-cap
 are applied to the float32 logits; the online softmax runs in base 2 with
 ``log2(e)`` folded into the scale.
@@ -240,10 +240,9 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
            scale=cfg.scale, softcap=cfg.softcap, mask_treedef=cfg.mask_treedef,
            sinks=sinks is not None and splits == 1)
 
-    lo, hi = common.key_block_range(cfg.mask, Tq, lengths, jnp.zeros_like(lengths), bk,
-                                    common.cdiv(S, bk))
-    fa, fb = common.full_block_range(cfg.mask, Tq, lengths, bk, common.cdiv(S, bk))
-    meta = jnp.stack([starts, lengths, lo, hi, fa, fb], axis=1).astype(I32)
+    r = common.block_ranges(cfg.mask, Tq, lengths, jnp.zeros_like(lengths), bk,
+                            common.cdiv(S, bk))
+    meta = jnp.stack([starts, lengths, *r], axis=1).astype(I32)
     # The query tile of each (sequence, kv head): small, so padded here (rows and
     # head dim); the caches are only ever read in place.
     qg = common.group_rows(q.astype(k.dtype), Hkv, M)

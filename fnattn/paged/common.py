@@ -239,56 +239,42 @@ def work_list(cfg: Cfg, meta: Meta, block_q: int, block_k: int) -> Work:
     q_pos = new_start + row0
     seq_tok = meta.q_start[seq]
     tok = seq_tok + row0
-    k_lo, k_hi = key_block_range(cfg, seq, row0, rows, q_pos, kv_len, block_k)
-    f_lo, f_hi = full_block_range(cfg, seq, row0, rows, q_pos, kv_len, block_k)
+    k_lo, k_hi, f_lo, f_hi = key_block_ranges(cfg, seq, row0, rows, q_pos, kv_len, block_k)
     return Work(seq, tok, rows, row0, q_pos, kv_len, new_start, seq_tok, k_lo, k_hi, f_lo,
                 f_hi)
 
 
-def key_block_range(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
-    """[k_lo, k_hi): the key blocks that may hold a key visible to some row of each item.
+def key_block_ranges(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
+    """``(k_lo, k_hi, f_lo, f_hi)``, each (items,) int32, from one evaluation of the
+    mask's ``tile_bounds`` (the block-sparsity protocol of :mod:`fnattn.masks`)
+    on every (item, key block) pair:
 
-    Uses the mask's ``tile_bounds`` (the block-sparsity protocol of
-    :mod:`fnattn.masks`) on every (item, key block) pair, plus ``k < kv_len``.
+    * ``[k_lo, k_hi)``: the key blocks that may hold a key ``< kv_len`` visible
+      to some row of the item;
+    * ``[f_lo, f_hi)``: the first run of key blocks wholly inside ``[0, kv_len)``
+      whose keys every row of the item sees (``all_true``): kernels skip the mask
+      and the sanitising of hidden keys there. ``f_lo = f_hi`` when there is
+      none (and for unused items); always inside ``[k_lo, k_hi)``.
     """
     n_blocks = cdiv(cfg.capacity, block_k)
     in_len = cdiv(kv_len, block_k)  # blocks holding a key < kv_len
-    mask = cfg.mask()
-    if mask is None:
-        return jnp.zeros_like(kv_len), in_len
     j = jnp.arange(n_blocks, dtype=I32)[None, :]
     col = lambda x: x[:, None]  # noqa: E731
-    last = jnp.maximum(rows - 1, 0)
-    t = masks.TileBounds(b=col(seq), h=jnp.zeros((1, 1), I32), q_lo=col(row0),
-                         q_hi=col(row0 + last), pos_lo=col(q_pos), pos_hi=col(q_pos + last),
-                         k_lo=j * block_k, k_hi=j * block_k + block_k - 1)
-    may, _ = mask.tile_bounds(t, [])
-    may = jnp.broadcast_to(may, (seq.shape[0], n_blocks)) & (j < col(in_len))
-    anyv = may.any(axis=1)
-    lo = jnp.argmax(may, axis=1).astype(I32)
-    hi = (n_blocks - jnp.argmax(may[:, ::-1], axis=1)).astype(I32)
-    return jnp.where(anyv, lo, 0), jnp.where(anyv, hi, 0)
-
-
-def full_block_range(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
-    """[f_lo, f_hi): the first run of key blocks wholly inside ``[0, kv_len)``
-    whose keys every row of the item may see (the mask's ``tile_bounds``
-    ``all_true``): kernels skip the mask and the sanitising of hidden keys there.
-    ``f_lo = f_hi`` when there is none (and for unused items)."""
-    n_blocks = cdiv(cfg.capacity, block_k)
-    j = jnp.arange(n_blocks, dtype=I32)[None, :]
-    col = lambda x: x[:, None]  # noqa: E731
-    full = ((j + 1) * block_k <= col(kv_len)) & col(rows > 0)
+    may = j < col(in_len)
+    whole = ((j + 1) * block_k <= col(kv_len)) & col(rows > 0)
     mask = cfg.mask()
     if mask is not None:
         last = jnp.maximum(rows - 1, 0)
         t = masks.TileBounds(b=col(seq), h=jnp.zeros((1, 1), I32), q_lo=col(row0),
-                             q_hi=col(row0 + last), pos_lo=col(q_pos),
-                             pos_hi=col(q_pos + last), k_lo=j * block_k,
-                             k_hi=j * block_k + block_k - 1)
-        _, every = mask.tile_bounds(t, [])
-        full = full & jnp.broadcast_to(every, full.shape)
-    return first_run(full)
+                             q_hi=col(row0 + last), pos_lo=col(q_pos), pos_hi=col(q_pos + last),
+                             k_lo=j * block_k, k_hi=j * block_k + block_k - 1)
+        visible, every = mask.tile_bounds(t, [])
+        may = may & jnp.broadcast_to(visible, may.shape)
+        whole = whole & jnp.broadcast_to(every, whole.shape)
+    anyv = may.any(axis=1)
+    lo = jnp.argmax(may, axis=1).astype(I32)
+    hi = (n_blocks - jnp.argmax(may[:, ::-1], axis=1)).astype(I32)
+    return (jnp.where(anyv, lo, 0), jnp.where(anyv, hi, 0)) + first_run(whole)
 
 
 def first_run(flags):

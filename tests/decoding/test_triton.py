@@ -203,17 +203,27 @@ def test_block_sizes_reach_the_kernel_launch():
         DecodeBlockSizes(block_k=0)
 
 
-def test_key_block_range_skips_blocks_outside_the_window():
+def test_block_ranges_skip_blocks_outside_the_window():
     """A window of 8 over 1000 keys visits 2 blocks of 16 (positions 991..999 from the
-    first key: blocks 61 and 62); slot-aligned blocks shift with the start."""
+    first key: blocks 61 and 62), of which none is seen whole by the query;
+    slot-aligned blocks shift with the start."""
     mask = masks.causal() & masks.sliding_window(8)
     L, a = jnp.array([1000, 5, 0]), jnp.array([0, 30, 9])
-    lo, hi = common.key_block_range(mask, 1, L, jnp.zeros_like(L), 16, 64)
-    assert lo.tolist() == [61, 0, 0] and hi.tolist() == [63, 1, 0]
-    lo, hi = common.key_block_range(None, 1, L, a, 16, 64)
-    assert lo.tolist() == [0, 1, 0] and hi.tolist() == [63, 3, 0]
-    lo, hi = common.key_block_range(mask, 2, L, a, 16, 64)
-    assert lo.tolist() == [61, 1, 0] and hi.tolist() == [63, 3, 0]
+    r = common.block_ranges(mask, 1, L, jnp.zeros_like(L), 16, 64)
+    assert r.lo.tolist() == [61, 0, 0] and r.hi.tolist() == [63, 1, 0]
+    assert r.full_lo.tolist() == r.full_hi.tolist()  # (no block seen whole)
+    r = common.block_ranges(None, 1, L, a, 16, 64)
+    assert r.lo.tolist() == [0, 1, 0] and r.hi.tolist() == [63, 3, 0]
+    # blocks wholly inside [0, L) from slot a: sequence 0 all but its last block
+    # (992..1007 is past 999), sequence 1 none (5 keys from slot 30)
+    assert r.full_lo.tolist() == [0, 0, 0] and r.full_hi.tolist() == [62, 0, 0]
+    r = common.block_ranges(mask, 2, L, a, 16, 64)
+    assert r.lo.tolist() == [61, 1, 0] and r.hi.tolist() == [63, 3, 0]
+    # a window of 400: the last query (position 999) sees 599..999, the first of
+    # two (998) sees 598..998, so blocks 38 (608..623) to 61 (976..991) whole
+    r = common.block_ranges(masks.causal() & masks.sliding_window(400), 2, L[:1],
+                            a[:1] * 0, 16, 64)
+    assert r.full_lo.tolist() == [38] and r.full_hi.tolist() == [62]
 
 
 ON_GPU = jax.devices()[0].platform == "gpu"
