@@ -19,3 +19,12 @@ def rng():
 
 def pytest_report_header(config):
     return f"jax {jax.__version__}, devices {jax.devices()}"
+
+
+def pytest_collection_finish(session):
+    # The 8-device checks run in one subprocess (tests/test_shard_map.py): start it
+    # now, beside the rest of the suite, when its test is among those collected.
+    for item in session.items:
+        if item.name == "test_shard_map_on_eight_host_devices":
+            item.module.launch()
+            break
