@@ -16,10 +16,16 @@ Sections:
   ``fnattn`` (``impl="auto"``: cuDNN for the specs it computes exactly,
   otherwise the Triton kernels), ``fnattn:triton`` (``impl="pallas"``),
   ``fnattn:mosaic_gpu`` (the Mosaic GPU forward, with the Triton backward),
+  ``fnattn:mosaic_gpu_bwd`` (the same forward with the Mosaic GPU backward,
+  ``fnattn/flash/mosaic_gpu_bwd.py``; its forward row repeats the previous one's),
   ``jax.nn:cudnn``, ``jax.nn:xla``, ``tokamax:mosaic``, ``tokamax:triton`` and
   ``jax:attention_mgpu`` (JAX's Mosaic GPU example kernel; its backward has no
   causal mask). A document-masked row (packed documents with segment ids,
-  causal) compares fnattn with ``jax.nn`` given the same mask as an array.
+  causal) compares fnattn with ``jax.nn`` given the same mask as an array;
+  there ``fnattn`` (``impl="auto"``) runs the Triton kernels and
+  ``fnattn:mosaic_gpu`` the Mosaic GPU forward's segment-id path (which
+  ``impl="auto"`` picks only once it is timed: its TFLOP/s count the causal
+  FLOPs, so compare its time with ``fnattn:triton``'s and with the causal row's).
   Each fnattn row's output is compared with ``jax.nn:cudnn``'s (or the XLA
   one's) on the same inputs.
 * ``decode``: one new token per sequence against a contiguous cache
@@ -119,9 +125,12 @@ def _diff(a, b):
 # ----------------------------------------------------------------------------------
 
 
-def _mosaic_gpu_lowering():
-    from fnattn.flash import api, mosaic_gpu, xla
-    return (("default", xla.LOWERING), ("cuda", api._with_tangent(mosaic_gpu.LOWERING)))
+def _mosaic_gpu_lowering(backward):
+    """The lowering table of the Mosaic GPU forward, with the Triton backward or
+    (``backward``) the Mosaic GPU one."""
+    from fnattn.flash import api, mosaic_gpu, mosaic_gpu_bwd, xla
+    low = mosaic_gpu_bwd.LOWERING if backward else mosaic_gpu.LOWERING
+    return (("default", xla.LOWERING), ("cuda", api._with_tangent(low)))
 
 
 def flash_peer(impl, causal, segments=None, softcap=None):
@@ -131,11 +140,11 @@ def flash_peer(impl, causal, segments=None, softcap=None):
         mask = masks.causal() & masks.segments(segments, segments)
     if softcap is not None and impl.startswith(("jax.nn", "jax:")):
         raise NotImplementedError("no soft-cap")
-    if impl in ("fnattn", "fnattn:triton", "fnattn:mosaic_gpu"):
+    if impl in ("fnattn", "fnattn:triton", "fnattn:mosaic_gpu", "fnattn:mosaic_gpu_bwd"):
         spec = AttentionSpec(mask=mask, return_lse=False, softcap=softcap,
                              impl="pallas" if impl == "fnattn:triton" else "auto")
-        if impl == "fnattn:mosaic_gpu":
-            table = _mosaic_gpu_lowering()
+        if impl.startswith("fnattn:mosaic_gpu"):
+            table = _mosaic_gpu_lowering(backward=impl == "fnattn:mosaic_gpu_bwd")
             return lambda q, k, v: core.run(spec, q, k, v, fn="flash", table=table).out
         return lambda q, k, v: fnattn.flash(spec, q, k, v).out
     if impl.startswith("jax.nn:"):
@@ -173,8 +182,9 @@ def flash_peer(impl, causal, segments=None, softcap=None):
 
 
 # jax.nn:cudnn first: its output is what the fnattn rows are compared with.
-FLASH_IMPLS = ("jax.nn:cudnn", "fnattn", "fnattn:triton", "fnattn:mosaic_gpu", "jax.nn:xla",
-               "tokamax:mosaic", "tokamax:triton", "jax:attention_mgpu")
+FLASH_IMPLS = ("jax.nn:cudnn", "fnattn", "fnattn:triton", "fnattn:mosaic_gpu",
+               "fnattn:mosaic_gpu_bwd", "jax.nn:xla", "tokamax:mosaic", "tokamax:triton",
+               "jax:attention_mgpu")
 
 
 def flash_section(args, rows, deadline):

@@ -12,6 +12,7 @@ from fnattn.decoding import DecodeBlockSizes, decode, decode_with_update
 from fnattn.flash.api import flash
 from fnattn.flash.mosaic import MosaicBlockSizes
 from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
+from fnattn.flash.mosaic_gpu_bwd import MosaicGpuBwdBlockSizes
 from fnattn.flash.triton import TritonBlockSizes
 from fnattn.flash.xla import XlaBlockSizes
 from fnattn.merging import merge
@@ -29,6 +30,7 @@ __all__ = [
     "LayeredPagedKVCache",
     "MosaicBlockSizes",
     "MosaicGpuBlockSizes",
+    "MosaicGpuBwdBlockSizes",
     "PagedBlockSizes",
     "PagedKVCache",
     "TritonBlockSizes",

@@ -31,7 +31,7 @@ from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import _checks, core
-from fnattn.flash import blocks, cudnn, mosaic, mosaic_gpu, triton, xla
+from fnattn.flash import blocks, cudnn, mosaic, mosaic_gpu, mosaic_gpu_bwd, triton, xla
 from fnattn.reference import reference
 from fnattn.spec import AttentionOutput, AttentionSpec
 
@@ -84,14 +84,33 @@ def _cuda_auto():
 
 
 def cuda_kernel(cfg, q, bias, sinks, mask):
-    """The Pallas lowering impl="auto" runs on cuda where cuDNN does not: the
-    Mosaic GPU forward (with the Triton backward) on a Hopper GPU for the specs it
-    takes (:func:`fnattn.flash.mosaic_gpu.route`), else the Triton kernels.
-    ``TritonBlockSizes`` in the spec choose the Triton kernels."""
-    if blocks.pick(cfg.block_sizes, triton.TritonBlockSizes, None) is None and \
-            mosaic_gpu.route(cfg, q.dtype, mask, bias, sinks):
-        return mosaic_gpu.LOWERING
-    return triton.LOWERING
+    """The Pallas lowering impl="auto" runs on cuda where cuDNN does not.
+
+    * ``TritonBlockSizes`` in the spec: the Triton kernels;
+    * on a Hopper GPU, for the specs the Mosaic GPU forward takes
+      (:func:`fnattn.flash.mosaic_gpu.route`): that forward, with the Triton
+      backward, or with the Mosaic GPU backward (:mod:`fnattn.flash.mosaic_gpu_bwd`)
+      when ``MosaicGpuBwdBlockSizes`` are in the spec and it takes the spec too;
+    * else the Triton kernels.
+
+    On a machine without a Hopper GPU (this one, when the doctests run) every
+    spec gets the Triton kernels:
+
+    >>> from fnattn import masks
+    >>> from fnattn._checks import Dims
+    >>> from fnattn._dispatch import Config
+    >>> cfg = Config(Dims(1, 256, 256, 4, 4, 128, 128), 128 ** -0.5, None, 0.0, None)
+    >>> q = jnp.zeros((1, 256, 4, 128), jnp.bfloat16)
+    >>> cuda_kernel(cfg, q, None, None, masks.causal()).name
+    'flash-triton'
+    """
+    if blocks.pick(cfg.block_sizes, triton.TritonBlockSizes, None) is not None or \
+            not mosaic_gpu.route(cfg, q.dtype, mask, bias, sinks):
+        return triton.LOWERING
+    if blocks.pick(cfg.block_sizes, mosaic_gpu_bwd.MosaicGpuBwdBlockSizes, None) is not None \
+            and not mosaic_gpu_bwd.supports(cfg, q.dtype, mask, bias, sinks):
+        return mosaic_gpu_bwd.LOWERING
+    return mosaic_gpu.LOWERING
 
 
 @functools.lru_cache(maxsize=None)

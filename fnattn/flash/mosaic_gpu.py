@@ -14,14 +14,36 @@ rows of one (batch, query head) and runs three warpgroups.
   memory slots; per slot a *loaded* barrier (TMA done) and a *consumed*
   barrier (both consumers done with it) hand it back and forth.
 
-Which kv-tiles a program visits comes from the mask's static block schedule
-(:func:`fnattn.masks.block_classes_static` at the granularity of the whole
-``2 * block_q`` tile, then :func:`fnattn.flash.blocks.schedule_static`): one
-int32 row per (batch|1, head|1, q-tile), ``[n_full, n_visited, kv-tiles...]``,
-FULL tiles first. Producer and consumers read the same row, so they iterate the
-same list. FULL tiles run without mask code; the others evaluate the mask's
-predicate elementwise on the tile's positions (and the bound of ragged
-sequences: keys past ``Tk`` are not visible). EMPTY tiles are never loaded.
+Which kv-tiles a program visits comes from the mask's block classes at the
+granularity of the whole ``2 * block_q`` tile, compressed into the Triton
+kernels' table (``triton._table``) and then into one list: one int32 row per
+(batch|1, head|1, q-tile), ``[n_full, n_visited, kv-tiles...]``, FULL tiles
+first. For a mask without arrays the classes are static
+(:func:`fnattn.masks.block_classes_static`) and the table is a NumPy constant
+built at trace time; for a mask holding arrays (segment ids, lengths, prefix
+lengths, positions) it is computed in XLA from them
+(:func:`fnattn.masks.block_classes`, :func:`fnattn.flash.blocks.schedule`), so
+a new packing of documents does not recompile. Producer and consumers read the
+same row, so they iterate the same list. FULL tiles run without mask code; the
+others evaluate the mask's predicate elementwise on the tile (and the bound of
+ragged sequences: keys past ``Tk`` are not visible). EMPTY tiles are never
+loaded.
+
+The mask's arrays reach the predicate in the ``wgmma`` register layout, sorted
+by what they vary along (canonical shape ``(B|1, H|1, Tq|1, Tk|1)``, int32):
+
+* per query row (query segment ids, query positions): each consumer copies its
+  ``block_q`` values by TMA into shared memory once, reads them in the layout
+  of a row of the accumulator (``Layout.WGMMA.reduce(1)``) and broadcasts them
+  along the keys;
+* per key (kv segment ids, key positions): the producer copies the tile's
+  ``block_k`` values by TMA with K, into a ring beside K's, for PARTIAL tiles
+  only; consumers read them in the layout of a column
+  (``Layout.WGMMA.reduce(0)``) while ``Q K^T`` runs, before they hand K's slot
+  back;
+* per (batch, head) (lengths, prefix lengths): read as scalars once.
+
+Arrays that vary along both queries and keys (``from_array``) are refused.
 
 Keys a row may not see contribute nothing to it whatever their bits: hidden
 logits are set to -inf on PARTIAL tiles, and for masked specs the wrapper makes
@@ -35,9 +57,17 @@ are those of the Triton lowering, whose backward kernels :data:`LOWERING`
 reuses.
 
 Supported: float16 / bfloat16, ``D == Dv``, ``D % 64 == 0``, ``D <= 256``, any
-scale, soft-cap, GQA, no mask or an array-free mask (causal, sliding windows,
-chunks and their ``&``, ``|``, ``~``). :func:`supports` lists what else a spec
-asks for; :func:`forward` refuses it with ``NotImplementedError``.
+scale, soft-cap, GQA, no mask, an array-free mask (causal, sliding windows,
+chunks and their ``&``, ``|``, ``~``) or a mask holding per-row, per-key or
+per-sequence integer arrays (segments, lengths, prefix-LM, ``at_positions``,
+combined with the others). :func:`supports` lists what else a spec asks for;
+:func:`forward` refuses it with ``NotImplementedError``.
+
+impl="auto" on a Hopper GPU (:func:`route`) runs this kernel for the specs it
+takes, except those whose mask holds arrays: their path has not been timed on
+an H100 yet (:func:`_explicit_only`), so they run here only when the spec's
+block sizes include :class:`MosaicGpuBlockSizes`, and on the Triton kernels
+otherwise.
 
 >>> import jax.numpy as jnp
 >>> from fnattn import masks
@@ -46,12 +76,16 @@ asks for; :func:`forward` refuses it with ``NotImplementedError``.
 >>> cfg = Config(Dims(1, 256, 256, 4, 2, 128, 128), 128 ** -0.5, None, 0.0, None)
 >>> supports(cfg, jnp.bfloat16, masks.causal(), None, None)
 []
+>>> ids = jnp.zeros((1, 256), jnp.int32)
+>>> supports(cfg, jnp.bfloat16, masks.causal() & masks.segments(ids), None, None)
+[]
 >>> supports(cfg, jnp.float32, None, jnp.zeros((256, 256)), None)  # doctest: +ELLIPSIS
 ['a bias ...', 'float32 inputs ...']
 """
 
 import dataclasses
 import functools
+import types
 from typing import Optional
 
 import jax
@@ -133,23 +167,26 @@ class MosaicGpuBlockSizes:
             return cls(block_q=64, block_k=128, max_concurrent_steps=2)
         return cls(block_q=64, block_k=64, max_concurrent_steps=2)
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
-        """Shared memory a program allocates: Q/O tiles, the K/V ring, row state."""
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, *, row_arrays: int = 0,
+                   key_arrays: int = 0) -> int:
+        """Shared memory a program allocates: Q/O tiles, the K/V ring, row state,
+        and the int32 tiles of a mask's per-row and per-key arrays (segment ids,
+        positions: ``row_arrays`` and ``key_arrays`` of them).
+
+        >>> MosaicGpuBlockSizes().smem_bytes(128, row_arrays=1, key_arrays=1)
+        166400
+        """
         q = 2 * self.block_q * head_dim * itemsize
         kv = 2 * self.max_concurrent_steps * self.block_k * head_dim * itemsize
         rows = 2 * 2 * self.block_q * 4
-        return q + kv + rows
+        ids = 4 * (2 * self.block_q * row_arrays
+                   + self.max_concurrent_steps * self.block_k * key_arrays)
+        return q + kv + rows + ids
 
 
 # ----------------------------------------------------------------------------------
 # What the kernel takes
 # ----------------------------------------------------------------------------------
-
-
-def _static_classes(cfg, mask, block_rows, block_k):
-    d = cfg.dims
-    return masks.block_classes_static(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len,
-                                      block_rows, block_k, q_offset=cfg.q_offset)
 
 
 def supports(cfg, dtype, mask, bias, sinks) -> list:
@@ -174,13 +211,23 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
     symbolic = _checks.symbolic_sizes(B=d.batch, Tq=d.q_len, Tk=d.kv_len)
     if symbolic:
         why.append(f"symbolic sizes {symbolic}")
-    elif mask is not None:
-        if mask.num_operands:
-            why.append(f"a mask holding arrays ({mask!r}: segment ids, lengths, prefix "
-                       "lengths, array masks)")
-        elif _static_classes(cfg, mask, 128, 64) is None:
-            why.append(f"a mask whose tile classes are not static ({mask!r})")
+    if mask is not None and mask.num_operands:
+        why += _operand_refusals(mask)
     return why
+
+
+def _operand_refusals(mask) -> list:
+    """What the kernel cannot read among the mask's arrays (shapes and dtypes only)."""
+    why = []
+    for op in jax.eval_shape(lambda m: m.operands(), mask):
+        if op.shape[2] > 1 and op.shape[3] > 1:
+            why.append(f"a mask array that varies along both queries and keys ({mask!r}; "
+                       "the kernel reads per-row, per-key and per-sequence arrays)")
+        elif not (op.dtype == jnp.bool_ or (jnp.issubdtype(op.dtype, jnp.integer)
+                                            and jnp.dtype(op.dtype).itemsize <= 4)):
+            why.append(f"a mask array of dtype {jnp.dtype(op.dtype).name} ({mask!r}: the "
+                       "kernel reads integers of at most 32 bits)")
+    return list(dict.fromkeys(why))
 
 
 @functools.lru_cache(maxsize=None)
@@ -202,10 +249,27 @@ def available() -> Optional[str]:
     return None
 
 
+def _explicit_only(cfg, mask) -> bool:
+    """Whether this kernel takes the spec only when asked for by name
+    (``MosaicGpuBlockSizes`` in the spec's block sizes).
+
+    True for masks whose visiting table is computed in XLA (masks holding
+    arrays: segment ids, lengths, prefix lengths, positions), whose arrays the
+    kernel streams per tile. That path has not been timed on an H100 yet:
+    until a measurement shows it at >= 80 % of the dense rate per visited tile,
+    impl="auto" keeps such specs on the Triton kernels.
+    """
+    return mask is not None and _static_table_of(cfg, mask) is None
+
+
 def route(cfg, dtype, mask, bias, sinks) -> bool:
     """Whether impl="auto" on cuda runs this call's forward here (when cuDNN does
-    not): every feature supported and a Hopper GPU present."""
-    return not supports(cfg, dtype, mask, bias, sinks) and available() is None
+    not): every feature supported, a Hopper GPU present, and for masks holding
+    arrays (:func:`_explicit_only`) ``MosaicGpuBlockSizes`` in the spec."""
+    if supports(cfg, dtype, mask, bias, sinks) or available() is not None:
+        return False
+    asked = blocks.pick(cfg.block_sizes, MosaicGpuBlockSizes, None) is not None
+    return asked or not _explicit_only(cfg, mask)
 
 
 def _refuse(cfg, dtype, mask, bias, sinks):
@@ -218,6 +282,11 @@ def _refuse(cfg, dtype, mask, bias, sinks):
 # ----------------------------------------------------------------------------------
 # Static facts of one call
 # ----------------------------------------------------------------------------------
+
+
+# How the kernel reads each mask array, from its canonical (B|1, H|1, Tq|1, Tk|1)
+# shape: one value per (batch, head); one per query row; one per key.
+_KINDS = ("scalar", "rows", "cols")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,10 +308,16 @@ class _Plan:
     sched_b: bool         # the schedule varies along batch / heads
     sched_h: bool
     interpreted: bool     # run by the Mosaic GPU interpreter
+    operands: tuple = ()  # per mask array, in the mask's order: (kind, index in its stack)
+    stacks: tuple = ()    # per kind present, in _KINDS order: (kind, count, along b, along h)
 
     @property
     def rows(self) -> int:
         return 2 * self.bq
+
+    def stack(self, kind):
+        """``(count, along_b, along_h)`` of the arrays of ``kind``, or None."""
+        return next((s[1:] for s in self.stacks if s[0] == kind), None)
 
 
 def _compat_transpose(ref):
@@ -252,13 +327,16 @@ def _compat_transpose(ref):
     return _plgpu().transpose_ref(ref, (1, 0))
 
 
-def _kernel(q_ref, k_ref, v_ref, sched_ref, o_ref, m_ref, l_ref, *, P: _Plan, dtype):
+def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
     plgpu = _plgpu()
     ring = P.stages
     q_tiles = pl.cdiv(q_ref.shape[1], P.rows)
+    ids_ref = {s[0]: r for s, r in zip(P.stacks, refs)}
+    o_ref, m_ref, l_ref = refs[len(P.stacks):]
+    n_rows = (P.stack("rows") or (0,))[0]
+    n_cols = (P.stack("cols") or (0,))[0]
 
-    def body(q_smem, k_smem, v_smem, m_smem, l_smem, q_ready, k_ready, v_ready, k_free,
-             v_free, turn):
+    def body(S):
         b, h = lax.axis_index("batch"), lax.axis_index("heads")
         # Heaviest q-tiles (the last, under causal-like masks) start first.
         tile = q_tiles - 1 - lax.axis_index("tiles")
@@ -272,57 +350,85 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, o_ref, m_ref, l_ref, *, P: _Plan, dt
         def slot_of(t):
             return lax.rem(t, jnp.int32(ring))
 
+        def ids_at(kind):
+            """The (batch|0, head|0) of this program in the stacked arrays of ``kind``."""
+            _, along_b, along_h = P.stack(kind)
+            return (b if along_b else 0, h if along_h else 0)
+
         def take_turn():
             # The two consumers alternate at this barrier: one runs its softmax
             # while the other's matrix multiplies occupy the tensor cores.
-            plgpu.barrier_arrive(turn)
-            plgpu.barrier_wait(turn)
+            plgpu.barrier_arrive(S.turn)
+            plgpu.barrier_wait(S.turn)
 
         @pl.when(wg < 2)
         def _consume():
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-            mine = q_smem.at[wg]
+            mine = S.q_smem.at[wg]
             q0 = tile * P.rows + wg * P.bq
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, P.bq), h], mine, q_ready.at[wg])
-            plgpu.barrier_wait(q_ready.at[wg])
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, P.bq), h], mine, S.q_ready.at[wg])
+            if n_rows:  # the arrays along the query rows: once per program
+                plgpu.copy_gmem_to_smem(
+                    ids_ref["rows"].at[ids_at("rows") + (slice(None), pl.ds(q0, P.bq))],
+                    S.rows_smem.at[wg], S.rows_ready.at[wg])
+            plgpu.barrier_wait(S.q_ready.at[wg])
 
             rows_layout = plgpu.Layout.WGMMA.reduce(1)
             m = _in_layout(jnp.full((P.bq,), -jnp.inf, F32), rows_layout, P)
             l = _in_layout(jnp.full((P.bq,), 0.0, F32), rows_layout, P)
             acc = _in_layout(jnp.full((P.bq, P.D), 0.0, F32), plgpu.Layout.WGMMA, P)
+            row_ids, scalars = [], []
+            if n_rows:
+                plgpu.barrier_wait(S.rows_ready.at[wg])
+                row_ids = [_load(S.rows_smem.at[wg, c], rows_layout, P) for c in range(n_rows)]
+            if P.stack("scalar") is not None:
+                at = ids_at("scalar")
+                scalars = [ids_ref["scalar"][at + (c,)] for c in range(P.stack("scalar")[0])]
 
             @pl.when(n_seen > 0)
             def _():
-                plgpu.barrier_wait(k_ready.at[0])
+                plgpu.barrier_wait(S.k_ready.at[0])
 
             pl.when(wg == 1)(take_turn)
 
             def step(t, carry, partial: bool):
                 acc, m, l = carry
                 slot = slot_of(t)
+                reads_ids = partial and n_cols > 0
+
+                def kv_ids():
+                    # The arrays along the keys of this tile, streamed with K.
+                    plgpu.barrier_wait(S.cols_ready.at[slot])
+                    return [_load(S.cols_smem.at[slot, c], plgpu.Layout.WGMMA.reduce(0), P)
+                            for c in range(n_cols)]
 
                 def scores(s_ref):
-                    plgpu.wgmma(s_ref, mine, _compat_transpose(k_smem.at[slot]))
+                    plgpu.wgmma(s_ref, mine, _compat_transpose(S.k_smem.at[slot]))
                     take_turn()
-                    return s_ref[...]
+                    ids = kv_ids() if reads_ids else []  # (while the multiply runs)
+                    return s_ref[...], ids
 
                 if P.interpreted:
                     # The interpreter's ``wgmma`` takes no transposed ref: the
                     # same product from the tiles in shared memory.
-                    s = lax.dot_general(mine[...], k_smem.at[slot][...],
+                    s = lax.dot_general(mine[...], S.k_smem.at[slot][...],
                                         (((1,), (1,)), ((), ())), preferred_element_type=F32)
                     take_turn()
+                    ids = kv_ids() if reads_ids else []
                 else:
-                    s = pl.run_scoped(scores, plgpu.ACC((P.bq, P.bk), F32))
-                plgpu.barrier_arrive(k_free.at[slot])
+                    s, ids = pl.run_scoped(scores, plgpu.ACC((P.bq, P.bk), F32))
+                # (K and the tile's key arrays are read: the slot may be refilled)
+                plgpu.barrier_arrive(S.k_free.at[slot])
                 if P.softcap is None:
                     c = P.scale * LOG2E
                 else:  # softcap * tanh(scale * s / softcap), its factor folded into c
                     s = jnp.tanh(s * (P.scale / P.softcap))
                     c = P.softcap * LOG2E
-                visible = _visible(q0, kv_tile(t), b, h, P) if partial else None
-                if visible is not None:
-                    s = jnp.where(visible, s, -jnp.inf)
+                if partial:
+                    ops = _tile_operands(scalars, row_ids, ids, P)
+                    visible = _visible(q0, kv_tile(t), b, h, ops, P)
+                    if visible is not None:
+                        s = jnp.where(visible, s, -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1) * c)
                 # A row that has seen no key keeps m = -inf; shifting it by 0
                 # keeps its p at exp2(-inf) = 0 instead of NaN. FULL tiles come
@@ -333,29 +439,29 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, o_ref, m_ref, l_ref, *, P: _Plan, dt
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p = p.astype(dtype)
-                plgpu.barrier_arrive(turn)
-                plgpu.barrier_wait(v_ready.at[slot])
-                plgpu.barrier_wait(turn)
+                plgpu.barrier_arrive(S.turn)
+                plgpu.barrier_wait(S.v_ready.at[slot])
+                plgpu.barrier_wait(S.turn)
 
                 def accumulate(acc_ref):
-                    plgpu.wgmma(acc_ref, p, v_smem.at[slot])
+                    plgpu.wgmma(acc_ref, p, S.v_smem.at[slot])
 
                     # Wait for the next K while this multiply runs.
                     @pl.when(t + 1 < n_seen)
                     def _():
-                        plgpu.barrier_wait(k_ready.at[slot_of(t + 1)])
+                        plgpu.barrier_wait(S.k_ready.at[slot_of(t + 1)])
 
                 if P.interpreted:
                     # The interpreter's ``wgmma`` takes no operand in registers:
                     # the same product from the tile in shared memory.
-                    acc = acc + jnp.dot(p, v_smem.at[slot][...], preferred_element_type=F32)
+                    acc = acc + jnp.dot(p, S.v_smem.at[slot][...], preferred_element_type=F32)
 
                     @pl.when(t + 1 < n_seen)
                     def _():
-                        plgpu.barrier_wait(k_ready.at[slot_of(t + 1)])
+                        plgpu.barrier_wait(S.k_ready.at[slot_of(t + 1)])
                 else:
                     acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
-                plgpu.barrier_arrive(v_free.at[slot])
+                plgpu.barrier_arrive(S.v_free.at[slot])
                 return acc, m_new, l
 
             carry = lax.fori_loop(jnp.int32(0), n_full, functools.partial(step, partial=False),
@@ -366,12 +472,12 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, o_ref, m_ref, l_ref, *, P: _Plan, dt
 
             inv = 1.0 / jnp.where(l > 0, l, 1.0)
             mine[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-            m_smem.at[wg][...] = m
-            l_smem.at[wg][...] = l
+            S.m_smem.at[wg][...] = m
+            S.l_smem.at[wg][...] = l
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(mine, o_ref.at[b, pl.ds(q0, P.bq), h])
-            plgpu.copy_smem_to_gmem(m_smem.at[wg], m_ref.at[b, h, pl.ds(q0, P.bq)])
-            plgpu.copy_smem_to_gmem(l_smem.at[wg], l_ref.at[b, h, pl.ds(q0, P.bq)])
+            plgpu.copy_smem_to_gmem(S.m_smem.at[wg], m_ref.at[b, h, pl.ds(q0, P.bq)])
+            plgpu.copy_smem_to_gmem(S.l_smem.at[wg], l_ref.at[b, h, pl.ds(q0, P.bq)])
             plgpu.wait_smem_to_gmem(0)
 
         @pl.when(wg == 2)
@@ -379,54 +485,78 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, o_ref, m_ref, l_ref, *, P: _Plan, dt
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
             kv_head = lax.div(h, jnp.int32(P.G))
 
-            def issue(t, slot):
+            def copy_k(t, slot):
                 rows = (b, pl.ds(kv_tile(t) * P.bk, P.bk), kv_head)
-                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[rows], S.k_smem.at[slot], S.k_ready.at[slot])
+                if n_cols:  # the key arrays ride with K, for PARTIAL tiles only
+                    @pl.when(t >= n_full)
+                    def _():
+                        keys = ids_at("cols") + (slice(None), pl.ds(kv_tile(t) * P.bk, P.bk))
+                        plgpu.copy_gmem_to_smem(ids_ref["cols"].at[keys], S.cols_smem.at[slot],
+                                                S.cols_ready.at[slot])
+
+            def copy_v(t, slot):
+                rows = (b, pl.ds(kv_tile(t) * P.bk, P.bk), kv_head)
+                plgpu.copy_gmem_to_smem(v_ref.at[rows], S.v_smem.at[slot], S.v_ready.at[slot])
+
+            def issue(t, slot):
+                copy_k(t, slot)
+                copy_v(t, slot)
 
             for t in range(ring):  # fill the ring
                 pl.when(t < n_seen)(functools.partial(issue, jnp.int32(t), t))
 
             def refill(t, _):
                 slot = slot_of(t)
-                rows = (b, pl.ds(kv_tile(t) * P.bk, P.bk), kv_head)
-                plgpu.barrier_wait(k_free.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_ready.at[slot])
-                plgpu.barrier_wait(v_free.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_ready.at[slot])
+                plgpu.barrier_wait(S.k_free.at[slot])
+                copy_k(t, slot)
+                plgpu.barrier_wait(S.v_free.at[slot])
+                copy_v(t, slot)
 
             lax.fori_loop(jnp.int32(ring), jnp.maximum(n_seen, ring), refill, None)
 
             def drain(t, _):
                 # Sees the ring's last hand-backs too, so every barrier phase is
                 # observed before the barriers go (the interpreter checks it).
-                plgpu.barrier_wait(k_free.at[slot_of(t)])
-                plgpu.barrier_wait(v_free.at[slot_of(t)])
+                plgpu.barrier_wait(S.k_free.at[slot_of(t)])
+                plgpu.barrier_wait(S.v_free.at[slot_of(t)])
 
             lax.fori_loop(jnp.maximum(n_seen - ring, 0), n_seen, drain, None)
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
-    pl.run_scoped(
-        body,
-        plgpu.SMEM((2, P.bq, P.D), dtype, transforms=swizzled),
-        plgpu.SMEM((ring, P.bk, P.D), dtype, transforms=swizzled),
-        plgpu.SMEM((ring, P.bk, P.D), dtype, transforms=swizzled),
-        plgpu.SMEM((2, P.bq), F32),
-        plgpu.SMEM((2, P.bq), F32),
-        plgpu.Barrier(num_barriers=2),
-        plgpu.Barrier(num_barriers=ring),
-        plgpu.Barrier(num_barriers=ring),
-        plgpu.Barrier(num_arrivals=2, num_barriers=ring),
-        plgpu.Barrier(num_arrivals=2, num_barriers=ring),
-        plgpu.Barrier(num_arrivals=2),
-        collective_axes="wg",
+    scratch = dict(
+        q_smem=plgpu.SMEM((2, P.bq, P.D), dtype, transforms=swizzled),
+        k_smem=plgpu.SMEM((ring, P.bk, P.D), dtype, transforms=swizzled),
+        v_smem=plgpu.SMEM((ring, P.bk, P.D), dtype, transforms=swizzled),
+        m_smem=plgpu.SMEM((2, P.bq), F32),
+        l_smem=plgpu.SMEM((2, P.bq), F32),
+        q_ready=plgpu.Barrier(num_barriers=2),
+        k_ready=plgpu.Barrier(num_barriers=ring),
+        v_ready=plgpu.Barrier(num_barriers=ring),
+        k_free=plgpu.Barrier(num_arrivals=2, num_barriers=ring),
+        v_free=plgpu.Barrier(num_arrivals=2, num_barriers=ring),
+        turn=plgpu.Barrier(num_arrivals=2),
     )
+    if n_rows:
+        scratch.update(rows_smem=plgpu.SMEM((2, n_rows, P.bq), jnp.int32),
+                       rows_ready=plgpu.Barrier(num_barriers=2))
+    if n_cols:
+        scratch.update(cols_smem=plgpu.SMEM((ring, n_cols, P.bk), jnp.int32),
+                       cols_ready=plgpu.Barrier(num_barriers=ring))
+    names = tuple(scratch)
+    pl.run_scoped(lambda *r: body(types.SimpleNamespace(**dict(zip(names, r)))),
+                  *scratch.values(), collective_axes="wg")
 
 
 def _in_layout(x, layout, P: _Plan):
     """``x`` placed in the register layout of ``wgmma`` results (a no-op for
     the interpreter, which has no layouts)."""
     return x if P.interpreted else _plgpu().layout_cast(x, layout)
+
+
+def _load(ref, layout, P: _Plan):
+    """A 1-D shared-memory ref read into registers in ``layout``."""
+    return ref[...] if P.interpreted else _plgpu().load(ref, (), layout=layout)
 
 
 def _iota(shape, axis, P: _Plan):
@@ -436,15 +566,31 @@ def _iota(shape, axis, P: _Plan):
     return plgpu.broadcasted_iota(jnp.int32, shape, axis, layout=plgpu.Layout.WGMMA)
 
 
-def _visible(q0, j, b, h, P: _Plan):
+def _tile_operands(scalars, row_ids, kv_ids, P: _Plan):
+    """The mask's arrays on one (bq, bk) tile, in the mask's order: the per-row
+    and per-key vectors broadcast to the tile (in registers, no data moves),
+    the per-(batch, head) values as scalars."""
+    shape = (P.bq, P.bk)
+    pick = {"scalar": lambda i: scalars[i],
+            "rows": lambda i: lax.broadcast_in_dim(row_ids[i], shape, [0]),
+            "cols": lambda i: lax.broadcast_in_dim(kv_ids[i], shape, [1])}
+    return [pick[kind](i) for kind, i in P.operands]
+
+
+def _visible(q0, j, b, h, ops, P: _Plan):
     """Which keys of kv-tile ``j`` the consumer's rows ``q0 ..`` may see (WGMMA
-    layout), or None for all of them (a tile PARTIAL only for padded rows)."""
+    layout), or None for all of them (a tile PARTIAL only for padded rows).
+    ``ops``: the mask's arrays on the tile (:func:`_tile_operands`)."""
     qi = q0 + _iota((P.bq, P.bk), 0, P)
     kj = j * P.bk + _iota((P.bq, P.bk), 1, P)
     ok = None
     if P.mask_treedef is not None:
         pos = masks.Positions(b=b, h=h, q=qi, q_pos=qi + P.offset, k=kj)
-        ok = masks.from_treedef(P.mask_treedef).predicate(pos, [])
+        # The predicate reads the tiles in ``ops``; the leaves are placeholders
+        # (not None, which would read as an absent optional array).
+        mask = jax.tree_util.tree_unflatten(P.mask_treedef,
+                                            [0] * P.mask_treedef.num_leaves)
+        ok = mask.predicate(pos, ops)
     if P.ragged_k:
         inside = kj < P.Tk
         ok = inside if ok is None else ok & inside
@@ -456,27 +602,110 @@ def _visible(q0, j, b, h, P: _Plan):
 # ----------------------------------------------------------------------------------
 
 
+def _schedule(cfg, mask, rows, bk):
+    """The kernel's visiting table, int32 (B|1, H|1, q-tiles, 2 + kv-tiles):
+    ``[n_full, n_visited, FULL tiles..., PARTIAL tiles..., repeats of the
+    last]``. A read-only NumPy constant when the mask's tile classes are static
+    (no arrays); otherwise computed in XLA from the mask's arrays
+    (:func:`fnattn.masks.block_classes`), as the Triton kernels' table is."""
+    d = cfg.dims
+    if mask is None or not mask.num_operands:
+        table = static_schedule(None if mask is None else jax.tree_util.tree_structure(mask),
+                                d.batch, d.num_q_heads, d.q_len, d.kv_len, rows, bk,
+                                cfg.q_offset)
+        if table is not None:
+            return table
+    cls = masks.block_classes(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len, rows, bk,
+                              q_offset=cfg.q_offset)
+    return _one_list(jnp, triton._table(jnp, blocks.schedule, cls, False, 1))
+
+
 @functools.lru_cache(maxsize=256)
-def _schedule(treedef, batch, num_heads, q_len, kv_len, rows, bk, q_offset):
-    """The kernel's visiting table as a read-only NumPy int32 array
-    (B|1, H|1, q-tiles, 2 + kv-tiles): ``[n_full, n_visited, FULL tiles...,
-    PARTIAL tiles..., repeats of the last]``."""
-    mask = masks.from_treedef(treedef)
-    cls = masks.block_classes_static(mask, batch, num_heads, q_len, kv_len, rows, bk,
-                                     q_offset=q_offset)
-    full = blocks.schedule_static(np.where(cls == masks.FULL, cls, masks.EMPTY))
-    part = blocks.schedule_static(np.where(cls == masks.PARTIAL, cls, masks.EMPTY))
-    n_kv = cls.shape[-1]
-    cols = np.arange(n_kv)
-    nf, n = full.count[..., None], (full.count + part.count)[..., None]
-    # Slot t holds the t-th FULL tile, then the (t - n_full)-th PARTIAL one.
-    from_part = np.take_along_axis(part.index, np.clip(cols - nf, 0, n_kv - 1), axis=-1)
-    order = np.where(cols < nf, full.index, from_part)
-    last = np.take_along_axis(order, np.maximum(n - 1, 0), axis=-1)
-    order = np.where(cols < n, order, np.where(n > 0, last, 0))
-    table = np.concatenate([nf, n, order], axis=-1).astype(np.int32)
+def static_schedule(treedef, batch, num_heads, q_len, kv_len, block_rows, block_cols, q_offset,
+                    *, transpose=False, heads_per_row=1):
+    """The visiting table of the array-free mask ``treedef`` (None: no mask) as a
+    read-only NumPy int32 array (B|1, H|1, row-tiles, 2 + col-tiles), or None
+    when the mask's tile classes are not static. Per row ``[n_full, n_visited,
+    FULL tiles..., PARTIAL tiles..., repeats of the last]``: one list, that a
+    producer and its consumers walk alike.
+
+    Rows are q tiles of ``block_rows`` and columns kv tiles of ``block_cols``
+    (the forward's walk); with ``transpose``, rows are kv tiles of
+    ``block_cols`` and columns the q tiles of ``block_rows`` that see them (the
+    backward's dK/dV walk, :mod:`fnattn.flash.mosaic_gpu_bwd`). ``heads_per_row``
+    > 1 merges the rows of that many consecutive heads (a tile FULL if FULL for
+    all of them, visited if any sees it). The Triton kernels' table
+    (:func:`fnattn.flash.triton._static_table`) made one list.
+
+    >>> t = static_schedule(jax.tree_util.tree_structure(masks.causal()), 1, 1, 256, 256,
+    ...                     64, 128, None, transpose=True)
+    >>> t[0, 0].tolist()  # kv tile 0: 4 q tiles (2 FULL); kv tile 1: 2 q tiles
+    [[2, 4, 2, 3, 0, 1], [0, 2, 2, 3, 3, 3]]
+    """
+    split = triton._static_table(treedef, batch, num_heads, q_len, kv_len, block_rows,
+                                 block_cols, q_offset, transpose, heads_per_row)
+    if split is None:
+        return None
+    table = _one_list(np, split)
     table.flags.writeable = False
     return table
+
+
+def _static_table_of(cfg, mask):
+    """The visiting table of ``cfg`` at its block sizes when it is static, else None."""
+    if mask is not None and mask.num_operands:
+        return None
+    d, bs = cfg.dims, _blocks_for(cfg)
+    treedef = None if mask is None else jax.tree_util.tree_structure(mask)
+    return static_schedule(treedef, d.batch, d.num_q_heads, d.q_len, d.kv_len,
+                           2 * bs.block_q, bs.block_k, cfg.q_offset)
+
+
+def _one_list(xp, split):
+    """The Triton kernels' table ``[n_full, n_partial, FULL tiles (n_kv), PARTIAL
+    tiles (n_kv)]`` as one list, FULL tiles then PARTIAL ones (the producer
+    walks a single list): ``[n_full, n_visited, tiles..., repeats of the last]``."""
+    n_kv = (split.shape[-1] - 2) // 2
+    nf = split[..., :1]
+    n = nf + split[..., 1:2]
+    full, part = split[..., 2:2 + n_kv], split[..., 2 + n_kv:]
+    cols = xp.arange(n_kv, dtype=np.int32)
+    # Slot t holds the t-th FULL tile, then the (t - n_full)-th PARTIAL one.
+    order = xp.where(cols < nf, full,
+                     xp.take_along_axis(part, xp.clip(cols - nf, 0, n_kv - 1), axis=-1))
+    last = xp.take_along_axis(order, xp.maximum(n - 1, 0), axis=-1)
+    order = xp.where(cols < n, order, xp.where(n > 0, last, 0))
+    return xp.concatenate([nf, n, order], axis=-1).astype(np.int32)
+
+
+def _id_arrays(mask, Tqp, Tkp):
+    """The mask's arrays as the kernel reads them: int32, one stack per kind
+    (:data:`_KINDS`), each (B|1, H|1, n) for scalars or (B|1, H|1, n, T) padded
+    to whole tiles for rows and keys. Returns ``(operands, stacks, arrays)``,
+    the first two for :class:`_Plan`."""
+    if mask is None or not mask.num_operands:
+        return (), (), []
+    groups = {kind: [] for kind in _KINDS}
+    operands = []
+    for op in mask.operands():
+        along_q, along_k = op.shape[2] > 1, op.shape[3] > 1  # (never both: refused)
+        kind = "rows" if along_q else "cols" if along_k else "scalar"
+        operands.append((kind, len(groups[kind])))
+        groups[kind].append((op[:, :, :, 0] if along_q else op[:, :, 0, :]).astype(jnp.int32))
+    stacks, arrays = [], []
+    for kind in _KINDS:
+        xs = groups[kind]
+        if not xs:
+            continue
+        lead = (max(x.shape[0] for x in xs), max(x.shape[1] for x in xs))
+        x = jnp.stack([jnp.broadcast_to(x, lead + x.shape[2:]) for x in xs], axis=2)
+        if kind == "scalar":
+            x = x[..., 0]
+        else:
+            x = triton._pad(x, 3, Tqp if kind == "rows" else Tkp)
+        stacks.append((kind, len(xs), lead[0] > 1, lead[1] > 1))
+        arrays.append(x)
+    return tuple(operands), tuple(stacks), arrays
 
 
 def _hidden_keys_inert(k, v):
@@ -513,18 +742,18 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     bs = _blocks_for(cfg)
     rows, bk = 2 * bs.block_q, bs.block_k
     Tqp, Tkp = -(-d.q_len // rows) * rows, -(-d.kv_len // bk) * bk
-    treedef = None if mask is None else jax.tree_util.tree_structure(mask)
-    table = _schedule(treedef, d.batch, d.num_q_heads, d.q_len, d.kv_len, rows, bk,
-                      cfg.q_offset)
+    table = _schedule(cfg, mask, rows, bk)
+    operands, stacks, id_arrays = _id_arrays(mask, Tqp, Tkp)
     n_kv = Tkp // bk
     P = _Plan(G=d.group, Tk=d.kv_len,
               offset=d.kv_len - d.q_len if cfg.q_offset is None else cfg.q_offset,
               bq=bs.block_q, bk=bk, stages=min(bs.max_concurrent_steps, max(n_kv, 1)),
               n_kv=n_kv, D=d.head_dim, scale=float(cfg.scale),
               softcap=None if cfg.softcap is None else float(cfg.softcap),
-              mask_treedef=treedef, ragged_k=d.kv_len % bk != 0,
+              mask_treedef=None if mask is None else jax.tree_util.tree_structure(mask),
+              ragged_k=d.kv_len % bk != 0,
               sched_b=table.shape[0] > 1, sched_h=table.shape[1] > 1,
-              interpreted=bool(interpret))
+              interpreted=bool(interpret), operands=operands, stacks=stacks)
     rows_out = jax.ShapeDtypeStruct((d.batch, d.num_q_heads, Tqp), F32)
     call = plgpu.kernel(
         functools.partial(_kernel, P=P, dtype=q.dtype),
@@ -540,7 +769,7 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     if mask is not None:
         k, v = _hidden_keys_inert(k, v)
     out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(k, 1, Tkp), triton._pad(v, 1, Tkp),
-                     jnp.asarray(table))
+                     jnp.asarray(table), *id_arrays)
     lse, lse_lo = online.lse_parts(m[:, :, :d.q_len], l[:, :, :d.q_len], log=jnp.log2,
                                    scale=LN2)
     return out[:, :d.q_len], lse, lse_lo

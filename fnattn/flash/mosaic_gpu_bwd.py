@@ -1,0 +1,737 @@
+"""The Pallas Mosaic GPU backward of flash attention (Hopper, sm90a).
+
+One fused kernel computes dQ, dK and dV, in the manner of FlashAttention-3:
+a program owns a tile of keys of one (batch, kv head) and walks the query
+tiles that see it, for every query head of its GQA group; dK and dV stay in
+registers for the whole walk, and dQ is added into a float32 buffer in global
+memory with TMA reductions (``copy_smem_to_gmem(..., reduction_op="add")``),
+each program adding its share. The five products per step all run on
+``wgmma``: ``S^T = K Q^T``, ``dP^T = V dO^T``, ``dV += P^T dO``,
+``dK += dS^T Q``, ``dQ += dS K`` (seven would be needed by a dQ kernel apart).
+
+Every program runs three warpgroups:
+
+* Warpgroup 2 (*producer*) loads K and V once, then streams the step's Q and
+  dO tiles (64 rows) and row statistics (``lse`` in base 2 and ``delta``)
+  into a ring of ``max_concurrent_steps`` shared memory slots with TMA; a
+  *ready* barrier per slot (all of a slot's copies) and a *consumed* barrier
+  (both consumers done with it) hand the slots back and forth.
+* Warpgroups 0 and 1 (*consumers*) compute. Their split depends on the head
+  dim, because a consumer must hold a dK and a dV accumulator of 64 key rows:
+
+  - ``D <= 128`` (*row split*): a program owns 128 keys and each consumer 64
+    of them, with dK and dV over the whole head dim (2 x D/2 float32 registers
+    a thread). Each writes its rows of dS^T to shared memory (double-buffered),
+    both meet at a barrier, and dQ (64 x D) is computed in 64-column chunks,
+    ``dS (64 x 128) @ K[:, chunk]``, chunk ``j`` by consumer ``j % 2`` (at
+    ``D = 64``, the single chunk alternates between them step by step).
+  - ``D > 128`` (*column split*): a program owns 64 keys, both consumers
+    compute the same S^T and dP^T (twice the work for those two products: no
+    register budget fits 64 x D float32 dK and dV at D = 256), and each
+    accumulates dK and dV for its group of columns (128 + 128 at D = 256,
+    128 + 64 at D = 192); Q, dO, K and V tiles are stored as those two column
+    groups. The consumer with fewer columns writes dS^T to shared memory and
+    computes all of dQ's chunks; no barrier.
+
+dQ's float32 sum is a zeroed buffer the kernel adds into (aliased in and out
+through ``pl.run_state``); XLA scales and casts it afterwards. Shared memory
+(:meth:`MosaicGpuBwdBlockSizes.smem_bytes`, default rings): 145.5 KiB at D = 64,
+193 KiB at D = 128 (K and V 64, the Q / dO ring 64, dS^T 32, dQ staging 32),
+169 KiB at D = 192 and 217 KiB at D = 256 (K and V 64, the ring 128, dS^T 8,
+dQ staging 16).
+
+Which query tiles a program visits comes from the mask's static block
+schedule, transposed (:func:`fnattn.flash.mosaic_gpu.static_schedule`: per kv
+tile, the q tiles that see it, FULL first; heads of a GQA group merged, a tile FULL only if FULL for
+all of them). FULL tiles run without mask code; PARTIAL ones evaluate the
+mask's predicate and the ragged-length bound elementwise; EMPTY ones are never
+loaded. Programs visit kv tiles in order: under causal-like masks the first
+ones, which see the most query tiles, start first.
+
+Residuals are the forward's (those of every flash lowering): ``lse`` in
+natural log with ``lse_lo``. The wrapper folds them into ``lse2 = (lse +
+lse_lo) * log2(e)``, +inf for rows whose ``lse`` is not finite (rows that saw
+nothing; rows that saw a non-finite key) and for padding rows, so that
+``P = exp2(s * c - lse2)`` is 0 there; and ``delta = rowsum(dO * O) - d_lse``
+(the lse cotangent folded in: ``dS = P * (dP - delta)``). Soft-cap multiplies
+dS by ``1 - tanh^2``.
+
+Keys a row may not see contribute nothing to it whatever their bits: for a
+masked spec the wrapper zeroes non-finite K and V entries
+(:func:`fnattn._online.finite_keys`), PARTIAL tiles set hidden logits to -inf
+and hidden dS entries to 0 (so 0 * inf never happens), and a row that did see
+a non-finite key already has a NaN ``out`` and so a NaN ``delta``: its
+gradients are NaN, as with every lowering.
+
+GQA: when there are enough programs, one program accumulates dK and dV over
+the whole group and writes them in the input dtype. When ``B * Hkv * kv
+tiles`` is small, the group is split over programs (as the Triton backward
+does, :data:`fnattn.flash.triton.MIN_DKDV_PROGRAMS`) and float32 partials are
+summed in XLA (row split only).
+
+Supported: float16 / bfloat16, ``D == Dv``, ``D % 64 == 0``, ``D <= 256``,
+any scale, soft-cap, GQA, ragged lengths, no mask or an array-free mask
+(causal, sliding windows, chunks and their ``&``, ``|``, ``~``): what the
+Mosaic GPU forward takes, less masks holding arrays. :func:`supports` lists what
+else a spec asks for; :func:`backward` refuses it with ``NotImplementedError``.
+
+Not timed on a GPU yet, so impl="auto" runs it only when asked for:
+``MosaicGpuBwdBlockSizes`` in the spec's block sizes
+(:func:`fnattn.flash.api.cuda_kernel`); otherwise the Mosaic GPU forward keeps
+the Triton backward.
+
+On CPU the same kernel runs in the Mosaic GPU interpreter (``interpret=``
+:func:`fnattn.flash.mosaic_gpu.interpret_params`). The interpreter takes no
+transposed or register ``wgmma`` operand and has no TMA reduction: there the
+products are ``jnp`` dots of the same shared-memory tiles and each dQ chunk is
+read, added and written back (programs run one after the other there).
+
+>>> from fnattn._checks import Dims
+>>> from fnattn._dispatch import Config
+>>> cfg = Config(Dims(1, 8192, 8192, 16, 16, 128, 128), 128 ** -0.5, None, 0.0, None)
+>>> supports(cfg, jnp.bfloat16, None, None, None)
+[]
+>>> MosaicGpuBwdBlockSizes.default(128).smem_bytes(128) <= SMEM_BYTES
+True
+"""
+
+import dataclasses
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+
+from fnattn import _checks, masks
+from fnattn import _online as online
+from fnattn._dispatch import Lowering
+from fnattn.flash import blocks, mosaic_gpu, triton
+from fnattn.flash.mosaic_gpu import SMEM_BYTES, _compat_transpose, _in_layout, _iota, _plgpu
+
+__all__ = ["MosaicGpuBwdBlockSizes", "LOWERING", "backward", "supports"]
+
+LOG2E = online.LOG2E
+F32 = jnp.float32
+# The Triton kernels take what this one refuses.
+_ELSEWHERE = ("the Pallas Triton backward (fnattn/flash/triton.py, impl='pallas') "
+              "supports it")
+# Consumers hold dK, dV and the tiles of S^T and dP^T; the producer only issues copies.
+_CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 232, 40
+# Rows of a q tile and keys per consumer: the M of one warpgroup's wgmma.
+TILE = 64
+# The widest head dim whose dK and dV (64 rows each, float32) one consumer holds.
+_ROW_SPLIT_MAX_D = 128
+
+
+# ----------------------------------------------------------------------------------
+# Block sizes
+# ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuBwdBlockSizes:
+    """Pipeline depth of the Mosaic GPU backward.
+
+    The tiles are fixed by the design (64 query rows a step, 64 keys a
+    consumer); what may be tuned is how far the producer runs ahead.
+
+    Attributes:
+      max_concurrent_steps: depth of the Q / dO / row-statistics ring, 2 to 4.
+
+    >>> tuple(MosaicGpuBwdBlockSizes.default(d).smem_bytes(d) for d in (64, 128, 192, 256))
+    (148992, 197632, 173056, 222208)
+    >>> MosaicGpuBwdBlockSizes(max_concurrent_steps=1)
+    Traceback (most recent call last):
+    ...
+    ValueError: MosaicGpuBwdBlockSizes: max_concurrent_steps must be 2, 3 or 4; got 1
+    """
+
+    max_concurrent_steps: int = 2
+
+    def __post_init__(self):
+        if self.max_concurrent_steps not in (2, 3, 4):
+            raise ValueError("MosaicGpuBwdBlockSizes: max_concurrent_steps must be 2, 3 or 4; "
+                             f"got {self.max_concurrent_steps!r}")
+
+    @classmethod
+    def default(cls, head_dim: int) -> "MosaicGpuBwdBlockSizes":
+        """The deepest ring that leaves the shared memory of an H100 comfortable."""
+        return cls(max_concurrent_steps=3 if head_dim <= 64 else 2)
+
+    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+        """Shared memory a program allocates: K and V, the Q / dO / statistics
+        ring, dS^T and the float32 staging of dQ chunks."""
+        ring = self.max_concurrent_steps
+        if head_dim <= _ROW_SPLIT_MAX_D:
+            keys, ds_tiles, stages = 2 * TILE, 2 * 2, 2
+        else:
+            keys, ds_tiles, stages = TILE, 1, 1
+        kv = 2 * keys * head_dim * itemsize
+        q_do = 2 * ring * TILE * head_dim * itemsize
+        stats = ring * 2 * TILE * 4
+        ds = ds_tiles * TILE * TILE * itemsize
+        return kv + q_do + stats + ds + stages * TILE * TILE * 4
+
+
+# ----------------------------------------------------------------------------------
+# What the kernel takes
+# ----------------------------------------------------------------------------------
+
+
+def supports(cfg, dtype, mask, bias, sinks) -> list:
+    """Why the spec's backward cannot run on this kernel (empty: it can), from static
+    facts. ``mask`` is the mask object (or None); ``bias`` and ``sinks`` are arrays
+    or None.
+
+    >>> from fnattn._checks import Dims
+    >>> from fnattn._dispatch import Config
+    >>> cfg = Config(Dims(1, 256, 256, 4, 2, 80, 80), 0.1, None, 0.0, None)
+    >>> supports(cfg, jnp.float16, masks.causal(), None, None)
+    ['head dim D=80 (the kernel takes multiples of 64 up to 256)']
+    """
+    d = cfg.dims
+    why = []
+    if bias is not None:
+        why.append("a bias (the kernel adds nothing to the logits)")
+    if sinks is not None:
+        why.append("attention sinks")
+    if cfg.dropout_rate > 0:
+        why.append(f"dropout (rate {cfg.dropout_rate})")
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        why.append(f"{jnp.dtype(dtype).name} inputs (the kernel takes float16 or bfloat16)")
+    if d.head_dim != d.v_head_dim:
+        why.append(f"a value head dim Dv={d.v_head_dim} unlike D={d.head_dim}")
+    if isinstance(d.head_dim, int) and (d.head_dim % 64 or d.head_dim > 256):
+        why.append(f"head dim D={d.head_dim} (the kernel takes multiples of 64 up to 256)")
+    symbolic = _checks.symbolic_sizes(B=d.batch, Tq=d.q_len, Tk=d.kv_len)
+    if symbolic:
+        why.append(f"symbolic sizes {symbolic}")
+    elif mask is not None:
+        if mask.num_operands:
+            why.append(f"a mask holding arrays ({mask!r}: segment ids, lengths, prefix "
+                       "lengths, array masks)")
+        elif masks.block_classes_static(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len,
+                                        TILE, TILE, q_offset=cfg.q_offset) is None:
+            why.append(f"a mask whose tile classes are not static ({mask!r})")
+    return why
+
+
+def _refuse(cfg, dtype, mask, bias, sinks):
+    why = supports(cfg, dtype, mask, bias, sinks)
+    if why:
+        raise NotImplementedError(
+            f"flash: the Mosaic GPU backward does not support {'; '.join(why)}; {_ELSEWHERE}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything the kernel needs at trace time (hashable)."""
+
+    B: int
+    Hq: int
+    G: int                # query heads per kv head
+    Gp: int               # query heads per program (divides G)
+    Tq: int
+    Tk: int               # unpadded kv length (keys past it are not visible)
+    q_offset: Optional[int]
+    offset: int           # aligned query position = row + offset
+    D: int
+    ring: int
+    scale: float
+    softcap: Optional[float]
+    mask_treedef: object  # None without a mask
+    interpreted: bool     # run by the Mosaic GPU interpreter
+
+    @property
+    def row_split(self) -> bool:
+        return self.D <= _ROW_SPLIT_MAX_D
+
+    @property
+    def kv_rows(self) -> int:
+        """Keys of one program."""
+        return 2 * TILE if self.row_split else TILE
+
+    @property
+    def row_groups(self) -> int:
+        return 2 if self.row_split else 1
+
+    @property
+    def col_groups(self) -> tuple:
+        """(first column, width) of the column groups tiles are stored in."""
+        if self.row_split:
+            return ((0, self.D),)
+        w0 = TILE * -(-self.D // (2 * TILE))
+        return ((0, w0), (w0, self.D - w0))
+
+    @property
+    def dq_wg(self) -> int:
+        """Column split: the consumer that computes dQ (the one with fewer columns)."""
+        return 1
+
+    @property
+    def Hp(self) -> int:
+        return self.Hq // self.Gp
+
+    @property
+    def direct(self) -> bool:
+        """One program per kv head: dK and dV written in the input dtype."""
+        return self.Gp == self.G
+
+    @property
+    def Tqp(self) -> int:
+        return -(-self.Tq // TILE) * TILE
+
+    @property
+    def Tkp(self) -> int:
+        return -(-self.Tk // self.kv_rows) * self.kv_rows
+
+    @property
+    def ragged_k(self) -> bool:
+        return self.Tk % self.kv_rows != 0
+
+    def table(self):
+        return mosaic_gpu.static_schedule(self.mask_treedef, self.B, self.Hq, self.Tq, self.Tk,
+                                          TILE, self.kv_rows, self.q_offset, transpose=True,
+                                          heads_per_row=self.Gp)
+
+
+# ----------------------------------------------------------------------------------
+# Kernel
+# ----------------------------------------------------------------------------------
+
+
+def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, dq_ref, dk_ref, dv_ref, *,
+            P: _Plan, sched_b: bool, sched_h: bool, dtype):
+    plgpu = _plgpu()
+    ring, RG, CG = P.ring, P.row_groups, len(P.col_groups)
+    full_cols = CG == 1
+
+    def body(q_smem, do_smem, k_smem, v_smem, st_smem, ds_smem, stage, ready, consumed,
+             kv_ready, pair, dq_bar):
+        hp, tile, b = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("batch")
+        wg = lax.axis_index("wg")
+        kv0 = tile * P.kv_rows
+        kv_head = lax.div(hp * P.Gp, jnp.int32(P.G))
+        row = (b if sched_b else 0, hp if sched_h else 0, tile)
+        n_steps = sched_ref[row + (1,)] * P.Gp
+        full_steps = sched_ref[row + (0,)] * P.Gp
+
+        def at_step(t):
+            """(q tile, query head) of step t: each scheduled tile for every head."""
+            if P.Gp == 1:
+                s, g = t, 0
+            else:
+                s, g = lax.div(t, jnp.int32(P.Gp)), lax.rem(t, jnp.int32(P.Gp))
+            return sched_ref[row + (2 + s,)], hp * P.Gp + g
+
+        def slot_of(t):
+            return lax.rem(t, jnp.int32(ring))
+
+        def cols(h):
+            c0, w = P.col_groups[h]
+            return () if full_cols else (pl.ds(c0, w),)
+
+        @pl.when(wg == 2)
+        def _produce():
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            for r in range(RG):
+                keys = (b, pl.ds(kv0 + r * TILE, TILE), kv_head)
+                for h in range(CG):
+                    plgpu.copy_gmem_to_smem(k_ref.at[keys + cols(h)], k_smem[h].at[r],
+                                            kv_ready.at[0])
+                    plgpu.copy_gmem_to_smem(v_ref.at[keys + cols(h)], v_smem[h].at[r],
+                                            kv_ready.at[0])
+
+            def issue(t, slot):
+                i, head = at_step(t)
+                rows = (b, pl.ds(i * TILE, TILE), head)
+                for h in range(CG):
+                    plgpu.copy_gmem_to_smem(q_ref.at[rows + cols(h)], q_smem[h].at[slot],
+                                            ready.at[slot])
+                    plgpu.copy_gmem_to_smem(do_ref.at[rows + cols(h)], do_smem[h].at[slot],
+                                            ready.at[slot])
+                plgpu.copy_gmem_to_smem(st_ref.at[b, head, pl.ds(0, 2), pl.ds(i * TILE, TILE)],
+                                        st_smem.at[slot], ready.at[slot])
+
+            for t in range(ring):  # fill the ring
+                pl.when(t < n_steps)(functools.partial(issue, jnp.int32(t), t))
+
+            def refill(t, _):
+                slot = slot_of(t)
+                plgpu.barrier_wait(consumed.at[slot])
+                issue(t, slot)
+
+            lax.fori_loop(jnp.int32(ring), jnp.maximum(n_steps, ring), refill, None)
+
+            def drain(t, _):
+                # The ring's last hand-backs, so that every barrier phase is seen
+                # before the barriers go (the interpreter checks it).
+                plgpu.barrier_wait(consumed.at[slot_of(t)])
+
+            lax.fori_loop(jnp.maximum(n_steps - ring, 0), n_steps, drain, None)
+
+        for c in range(2):
+            pl.when(wg == c)(functools.partial(
+                _consume, c, P=P, dtype=dtype, b=b, hp=hp, kv0=kv0, n_steps=n_steps,
+                full_steps=full_steps, at_step=at_step, slot_of=slot_of,
+                refs=(q_smem, do_smem, k_smem, v_smem, st_smem, ds_smem, stage, ready,
+                      consumed, kv_ready, pair, dq_bar, dq_ref, dk_ref, dv_ref)))
+
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    staged = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+    widths = [w for _, w in P.col_groups]
+    ds_bufs, ds_groups, n_stages = (2, RG, 2) if P.row_split else (1, 1, 1)
+    pl.run_scoped(
+        body,
+        tuple(plgpu.SMEM((ring, TILE, w), dtype, transforms=swizzled) for w in widths),
+        tuple(plgpu.SMEM((ring, TILE, w), dtype, transforms=swizzled) for w in widths),
+        tuple(plgpu.SMEM((RG, TILE, w), dtype, transforms=swizzled) for w in widths),
+        tuple(plgpu.SMEM((RG, TILE, w), dtype, transforms=swizzled) for w in widths),
+        plgpu.SMEM((ring, 2, TILE), F32),
+        plgpu.SMEM((ds_bufs, ds_groups, TILE, TILE), dtype, transforms=swizzled),
+        plgpu.SMEM((n_stages, TILE, TILE), F32, transforms=staged),
+        plgpu.Barrier(num_arrivals=2 * CG + 1, num_barriers=ring),
+        plgpu.Barrier(num_arrivals=2, num_barriers=ring),
+        plgpu.Barrier(num_arrivals=2 * CG * RG),
+        plgpu.Barrier(num_arrivals=2),
+        plgpu.Barrier(num_barriers=2) if P.interpreted else None,
+        collective_axes="wg",
+    )
+
+
+def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, slot_of, refs):
+    """Consumer warpgroup ``c`` (static): its dK and dV, and its share of dQ."""
+    plgpu = _plgpu()
+    (q_smem, do_smem, k_smem, v_smem, st_smem, ds_smem, stage, ready, consumed, kv_ready,
+     pair, dq_bar, dq_ref, dk_ref, dv_ref) = refs
+    plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+    RG, CG = P.row_groups, len(P.col_groups)
+    mine_r = c if P.row_split else 0      # the key rows of this consumer (row group)
+    mine_h = 0 if P.row_split else c      # the dK / dV columns of this consumer (col group)
+    c0, w = P.col_groups[mine_h]
+    keys0 = kv0 + mine_r * TILE
+    n_chunks = P.D // TILE
+    plgpu.barrier_wait(kv_ready.at[0])
+
+    def dot(a, b_, contract_b=0):
+        return lax.dot_general(a, b_, (((1,), (contract_b,)), ((), ())),
+                               preferred_element_type=F32)
+
+    def scores(slot):
+        """S^T = K Q^T and dP^T = V dO^T of this consumer's keys, (64, 64) float32."""
+        if P.interpreted:
+            # The interpreter's ``wgmma`` takes no transposed ref: the same
+            # products from the tiles in shared memory.
+            st = sum(dot(k_smem[h].at[mine_r][...], q_smem[h].at[slot][...], 1)
+                     for h in range(CG))
+            dpt = sum(dot(v_smem[h].at[mine_r][...], do_smem[h].at[slot][...], 1)
+                      for h in range(CG))
+            return st, dpt
+
+        def products(s_ref, dp_ref):
+            for h in range(CG):
+                plgpu.wgmma(s_ref, k_smem[h].at[mine_r], _compat_transpose(q_smem[h].at[slot]))
+            for h in range(CG):
+                plgpu.wgmma(dp_ref, v_smem[h].at[mine_r],
+                            _compat_transpose(do_smem[h].at[slot]))
+            return s_ref[...], dp_ref[...]
+
+        return pl.run_scoped(products, plgpu.ACC((TILE, TILE), F32),
+                             plgpu.ACC((TILE, TILE), F32))
+
+    def row_stat(slot, which):
+        """lse2 (0) or delta (1) of the step's 64 rows, broadcast over the keys."""
+        ref = st_smem.at[slot, which]
+        x = ref[...] if P.interpreted else plgpu.load(
+            ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+        return lax.broadcast_in_dim(x, (TILE, TILE), [1])
+
+    def probs_and_ds(st, dpt, slot, i, head, partial):
+        visible = _visible_t(i, keys0, b, head, P) if partial else None
+        if P.softcap is None:
+            x, c_ = st, P.scale * LOG2E
+        else:  # logit = softcap * tanh(scale * s / softcap), its factor folded into c
+            th = jnp.tanh(st * (P.scale / P.softcap))
+            x, c_ = th, P.softcap * LOG2E
+        if visible is not None:
+            x = jnp.where(visible, x, -jnp.inf)
+        pt = jnp.exp2(x * c_ - row_stat(slot, 0))
+        dst = pt * (dpt - row_stat(slot, 1))
+        if P.softcap is not None:
+            dst = dst * (1.0 - th * th)
+        if visible is not None:  # exactly 0 for hidden keys, whatever dP holds there
+            dst = jnp.where(visible, dst, 0.0)
+        return pt.astype(dtype), dst.astype(dtype)
+
+    def accumulate(dk, dv, pt, dst, slot):
+        """dV += P^T dO and dK += dS^T Q over this consumer's columns."""
+        if P.interpreted:
+            # The interpreter's ``wgmma`` takes no operand in registers.
+            return (dk + dot(dst, q_smem[mine_h].at[slot][...]),
+                    dv + dot(pt, do_smem[mine_h].at[slot][...]))
+
+        def products(refs):
+            dk_acc, dv_acc = refs
+            plgpu.wgmma(dv_acc, pt, do_smem[mine_h].at[slot])
+            plgpu.wgmma(dk_acc, dst, q_smem[mine_h].at[slot])
+
+        return pl.run_state(products)((plgpu.ACC.init(dk), plgpu.ACC.init(dv)))
+
+    def dq_chunk(j, buf, i, head):
+        """dQ[:, 64j:64j+64] of the step: dS (64 x keys) @ K[:, chunk], added to gmem."""
+        h = next(n for n, (g0, gw) in enumerate(P.col_groups) if g0 <= j * TILE < g0 + gw)
+        off = j * TILE - P.col_groups[h][0]
+        groups = range(RG) if P.row_split else (0,)
+        if P.interpreted:
+            # (dS^T transposed: contract the key axis of both tiles)
+            acc = sum(lax.dot_general(ds_smem.at[buf, r][...],
+                                      k_smem[h].at[r][:, pl.ds(off, TILE)],
+                                      (((0,), (0,)), ((), ())), preferred_element_type=F32)
+                      for r in groups)
+        else:
+            def product(acc_ref):
+                for r in groups:
+                    plgpu.wgmma(acc_ref, _compat_transpose(ds_smem.at[buf, r]),
+                                k_smem[h].at[r].at[:, pl.ds(off, TILE)])
+                return acc_ref[...]
+
+            acc = pl.run_scoped(product, plgpu.ACC((TILE, TILE), F32))
+        _add_to_gmem(acc, stage.at[c if P.row_split else 0],
+                     dq_ref.at[b, pl.ds(i * TILE, TILE), head, pl.ds(j * TILE, TILE)],
+                     None if dq_bar is None else dq_bar.at[c], P)
+
+    def step(t, carry, partial: bool):
+        dk, dv = carry
+        slot = slot_of(t)
+        i, head = at_step(t)
+        plgpu.barrier_wait(ready.at[slot])
+        st, dpt = scores(slot)
+        pt, dst = probs_and_ds(st, dpt, slot, i, head, partial)
+        dk, dv = accumulate(dk, dv, pt, dst, slot)
+        plgpu.barrier_arrive(consumed.at[slot])
+        if P.row_split:
+            buf = lax.rem(t, jnp.int32(2))
+            ds_smem.at[buf, mine_r][...] = dst
+            plgpu.commit_smem()
+            # Both consumers' rows of dS^T are in shared memory. (The buffer
+            # written next step is the other one; this one is rewritten only
+            # after the next meeting, when both are done reading it.)
+            plgpu.barrier_arrive(pair.at[0])
+            plgpu.barrier_wait(pair.at[0])
+            for j in range(n_chunks):
+                if n_chunks % 2:  # D = 64: the one chunk alternates between consumers
+                    pl.when(lax.rem(t, jnp.int32(2)) == c)(
+                        functools.partial(dq_chunk, j, buf, i, head))
+                elif j % 2 == c:
+                    dq_chunk(j, buf, i, head)
+        elif c == P.dq_wg:
+            ds_smem.at[0, 0][...] = dst
+            plgpu.commit_smem()
+            for j in range(n_chunks):
+                dq_chunk(j, 0, i, head)
+        return dk, dv
+
+    zeros = _in_layout(jnp.full((TILE, w), 0.0, F32), plgpu.Layout.WGMMA, P)
+    carry = lax.fori_loop(jnp.int32(0), full_steps, functools.partial(step, partial=False),
+                          (zeros, zeros))
+    dk, dv = lax.fori_loop(full_steps, n_steps, functools.partial(step, partial=True), carry)
+    # Every dQ product has read K and dS^T (the other consumer's included)
+    # before K's and V's tiles become the output buffers.
+    plgpu.barrier_arrive(pair.at[0])
+    plgpu.barrier_wait(pair.at[0])
+    dk = dk * P.scale
+    out_rows = pl.ds(keys0, TILE)
+    if P.direct:
+        for x, smem, out in ((dk, k_smem, dk_ref), (dv, v_smem, dv_ref)):
+            buf = smem[mine_h].at[mine_r]
+            buf[...] = x.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(buf, out.at[(b, out_rows, hp) + (
+                () if CG == 1 else (pl.ds(c0, w),))])
+    else:  # float32 partials, in 64-column chunks through the dQ staging tile
+        for x, out in ((dk, dk_ref), (dv, dv_ref)):
+            for j in range(w // TILE):
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                stage.at[c][...] = x[:, j * TILE:(j + 1) * TILE]
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(stage.at[c], out.at[b, out_rows, hp,
+                                                            pl.ds(c0 + j * TILE, TILE)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _add_to_gmem(x, stage, dst, bar, P: _Plan):
+    """``dst += x`` for a (64, 64) float32 tile, through the staging tile ``stage``."""
+    plgpu = _plgpu()
+    if P.interpreted:
+        # No TMA reduction in the interpreter; it runs programs one at a time,
+        # so read, add and write back is the same sum.
+        plgpu.copy_gmem_to_smem(dst, stage, bar)
+        plgpu.barrier_wait(bar)
+        stage[...] = stage[...] + x
+        plgpu.copy_smem_to_gmem(stage, dst)
+        plgpu.wait_smem_to_gmem(0)
+        return
+    # The previous chunk's reduction has finished reading the staging tile.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    stage[...] = x
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage, dst, reduction_op="add")
+
+
+def _visible_t(i, keys0, b, h, P: _Plan):
+    """Which (key, query) pairs of the transposed tile (keys ``keys0 ..``, q tile
+    ``i``) are visible (WGMMA layout), or None for all of them."""
+    qi = i * TILE + _iota((TILE, TILE), 1, P)
+    kj = keys0 + _iota((TILE, TILE), 0, P)
+    ok = None
+    if P.mask_treedef is not None:
+        pos = masks.Positions(b=b, h=h, q=qi, q_pos=qi + P.offset, k=kj)
+        ok = masks.from_treedef(P.mask_treedef).predicate(pos, [])
+    if P.ragged_k:
+        inside = kj < P.Tk
+        ok = inside if ok is None else ok & inside
+    return ok
+
+
+# ----------------------------------------------------------------------------------
+# Wrapper
+# ----------------------------------------------------------------------------------
+
+
+def _launch(P: _Plan, interpret, dtype, q, k, v, do, stats):
+    """``(dq float32 (B, Tqp, Hq, D), dk, dv (B, Tkp, Hp, D))`` of the padded inputs.
+
+    Under ``vmap`` the mapped axis joins the batch (one launch), or, when the
+    schedule varies along the batch, the launches run one per mapped element.
+    """
+
+    @jax.custom_batching.custom_vmap
+    def run(q, k, v, do, stats):
+        return _launch_now(P, interpret, dtype, q, k, v, do, stats)
+
+    @run.def_vmap
+    def _rule(axis_size, in_batched, q, k, v, do, stats):
+        args = [x if bat else jnp.broadcast_to(x, (axis_size,) + x.shape)
+                for x, bat in zip((q, k, v, do, stats), in_batched)]
+        if P.table().shape[0] == 1:
+            wide = dataclasses.replace(P, B=axis_size * P.B)
+            outs = _launch(wide, interpret, dtype,
+                           *(x.reshape((-1,) + x.shape[2:]) for x in args))
+            outs = tuple(o.reshape((axis_size, P.B) + o.shape[1:]) for o in outs)
+        else:
+            outs = lax.map(lambda a: _launch(P, interpret, dtype, *a), tuple(args))
+        return outs, (True, True, True)
+
+    return run(q, k, v, do, stats)
+
+
+def _launch_now(P: _Plan, interpret, dtype, q, k, v, do, stats):
+    plgpu = _plgpu()
+    table = P.table()
+    call = functools.partial(
+        pl.kernel,
+        functools.partial(_kernel, P=P, sched_b=table.shape[0] > 1, sched_h=table.shape[1] > 1,
+                          dtype=dtype),
+        mesh=plgpu.Mesh(grid=(P.Hp, P.Tkp // P.kv_rows, P.B),
+                        grid_names=("heads", "tiles", "batch"), num_threads=3,
+                        thread_name="wg"),
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        name="fnattn_flash_mosaic_gpu_bwd")
+    args = (q, k, v, do, stats, jnp.asarray(table))
+    dq_type = jax.ShapeDtypeStruct((P.B, P.Tqp, P.Hq, P.D), F32)
+    kv_type = jax.ShapeDtypeStruct((P.B, P.Tkp, P.Hp, P.D), dtype if P.direct else F32)
+    if interpret:
+        # The interpreter's outputs start at zero when asked to: dQ's sum then
+        # starts there. (It takes no aliased buffer without a memory space.)
+        params = mosaic_gpu.interpret_params() if interpret is True else interpret
+        params = dataclasses.replace(params, uninitialized_memory="zero")
+        return call(out_type=(dq_type, kv_type, kv_type), interpret=params)(*args)
+
+    def stateful(refs):
+        # dQ's float32 sum starts at zero: a buffer the kernel adds into, aliased
+        # in and out (``run_state`` keeps the mutation inside this function).
+        call(out_type=(), interpret=False)(*args, *refs)
+
+    return pl.run_state(stateful)((jnp.zeros(dq_type.shape, F32),
+                                   lax.empty(kv_type.shape, kv_type.dtype),
+                                   lax.empty(kv_type.shape, kv_type.dtype)))
+
+
+def _blocks_for(cfg):
+    return blocks.pick(cfg.block_sizes, MosaicGpuBwdBlockSizes,
+                       MosaicGpuBwdBlockSizes.default(cfg.dims.head_dim))
+
+
+def _plan(cfg, mask, interpret) -> _Plan:
+    d = cfg.dims
+    bs = _blocks_for(cfg)
+    if bs.smem_bytes(d.head_dim) > SMEM_BYTES:
+        raise ValueError(
+            f"flash: MosaicGpuBwdBlockSizes(max_concurrent_steps={bs.max_concurrent_steps}) "
+            f"needs {bs.smem_bytes(d.head_dim)} bytes of shared memory at head dim "
+            f"{d.head_dim}, more than the {SMEM_BYTES} of a Hopper block; use a smaller "
+            "max_concurrent_steps")
+    row_split = d.head_dim <= _ROW_SPLIT_MAX_D
+    n_kv = -(-d.kv_len // (2 * TILE if row_split else TILE))
+    # Too few programs for the GPU: split the GQA group (row split only, which
+    # has a float32 staging tile per consumer for the partials).
+    Gp = triton._heads_per_dkdv_program(d, n_kv) if row_split else d.group
+    return _Plan(B=d.batch, Hq=d.num_q_heads, G=d.group, Gp=Gp, Tq=d.q_len, Tk=d.kv_len,
+                 q_offset=cfg.q_offset,
+                 offset=d.kv_len - d.q_len if cfg.q_offset is None else cfg.q_offset,
+                 D=d.head_dim, ring=bs.max_concurrent_steps, scale=float(cfg.scale),
+                 softcap=None if cfg.softcap is None else float(cfg.softcap),
+                 mask_treedef=None if mask is None else jax.tree_util.tree_structure(mask),
+                 interpreted=bool(interpret))
+
+
+def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, *,
+             interpret=False):
+    """``(dq, dk, dv, dbias, dsinks)`` of the flash backward on the Mosaic GPU kernel.
+
+    The signature and results of every flash lowering's ``bwd``: "bthd" inputs,
+    the forward's ``out``, ``lse`` and ``lse_lo`` (B, Hq, Tq) float32, and the
+    cotangents ``d_out`` and ``d_lse``. ``dbias`` and ``dsinks`` are None (a bias
+    and sinks are refused). ``interpret``: False to compile for the GPU, or the
+    parameters of the Mosaic GPU interpreter
+    (:func:`fnattn.flash.mosaic_gpu.interpret_params`) to run the same kernel on CPU.
+    """
+    del seed  # dropout is refused
+    _refuse(cfg, q.dtype, mask, bias, sinks)
+    d = cfg.dims
+    P = _plan(cfg, mask, interpret)
+    # delta folds in the lse cotangent: dS = P * (dP - (rowsum(dO * O) - d_lse)).
+    delta = (jnp.einsum("bthd,bthd->bht", out.astype(F32), d_out.astype(F32))
+             - d_lse.astype(F32))
+    # P = exp2(s * c - lse2): +inf where lse is not finite (rows that saw
+    # nothing, or a non-finite key) and on padding rows, so that P = 0 there.
+    lse2 = lse * LOG2E + lse_lo * LOG2E
+    lse2 = jnp.where(jnp.isfinite(lse) & jnp.isfinite(lse2), lse2, jnp.inf)
+    stats = jnp.stack([triton._pad(lse2, 2, P.Tqp, jnp.inf), triton._pad(delta, 2, P.Tqp)],
+                      axis=2)
+    if mask is not None:
+        # Hidden keys contribute nothing whatever their bits: their dS is 0 on
+        # PARTIAL tiles, and zeroed K and V keep dS @ K and dO V^T finite there.
+        k, v, _ = online.finite_keys(k, v)
+    dq, dk, dv = _launch(P, interpret, q.dtype, triton._pad(q, 1, P.Tqp),
+                         triton._pad(k, 1, P.Tkp), triton._pad(v, 1, P.Tkp),
+                         triton._pad(d_out.astype(q.dtype), 1, P.Tqp), stats)
+    dq = (dq[:, :d.q_len] * P.scale).astype(q.dtype)
+
+    def finish(x, dtype):
+        x = x[:, :d.kv_len]
+        if not P.direct:
+            x = x.reshape(x.shape[:2] + (d.num_kv_heads, P.Hp // d.num_kv_heads, d.head_dim))
+            x = x.sum(3)
+        return x.astype(dtype)
+
+    return dq, finish(dk, k.dtype), finish(dv, v.dtype), None, None
+
+
+# The Mosaic GPU forward with this backward: what impl="auto" runs on Hopper when
+# the spec holds MosaicGpuBwdBlockSizes (fnattn.flash.api.cuda_kernel).
+LOWERING = Lowering("flash-mosaic-gpu-fa3", mosaic_gpu.LOWERING.fwd,
+                    functools.partial(backward, interpret=False))

@@ -1,0 +1,376 @@
+"""The Pallas Mosaic GPU backward (fnattn/flash/mosaic_gpu_bwd.py).
+
+Three groups:
+
+* the Mosaic GPU interpreter on CPU: gradients through ``core.run`` with the
+  interpreted Mosaic GPU forward and this backward, against the float32
+  gradients of ``fnattn.reference``. The interpreter takes no transposed or
+  register ``wgmma`` operand and no TMA reduction, so there the products are
+  ``jnp`` dots of the same shared-memory tiles and dQ is read, added and
+  written back;
+* lowering for "cuda" on CPU: the real ``wgmma`` kernel over head dims, masks,
+  GQA and ``vmap``;
+* the real kernels on an NVIDIA GPU (skipped without one).
+
+The interpreted tests compile each warpgroup program once
+(tests/mosaic_gpu_interpreter.py).
+"""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fnattn
+from fnattn import AttentionSpec, core, masks
+from fnattn._checks import Dims
+from fnattn._dispatch import Config, Lowering
+from fnattn.flash import mosaic_gpu, mosaic_gpu_bwd, triton, xla
+from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
+from fnattn.flash.mosaic_gpu_bwd import MosaicGpuBwdBlockSizes
+from mosaic_gpu_interpreter import compile_once, reset_after_failure
+
+ON_GPU = jax.devices()[0].platform == "gpu"
+SMALL = MosaicGpuBlockSizes(block_q=64, block_k=64, max_concurrent_steps=2)
+
+
+def f32(x):
+    return np.asarray(jnp.asarray(x, jnp.float32))
+
+
+def qkv(*, B=1, Tq=128, Tk=128, Hq=1, Hkv=1, D=64, dtype=jnp.float16, seed=0):
+    kq, kk, kv, ko, kl = jax.random.split(jax.random.key(seed), 5)
+    normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32)  # noqa: E731
+    q = normal(kq, (B, Tq, Hq, D)).astype(dtype)
+    k = normal(kk, (B, Tk, Hkv, D)).astype(dtype)
+    v = normal(kv, (B, Tk, Hkv, D)).astype(dtype)
+    d_out = normal(ko, (B, Tq, Hq, D)).astype(dtype)
+    d_lse = normal(kl, (B, Hq, Tq))
+    return q, k, v, d_out, d_lse
+
+
+# ----------------------------------------------------------------------------------
+# Interpreted on CPU
+# ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def interpreted():
+    """The lowering table of the interpreted Mosaic GPU forward and backward."""
+    ip = mosaic_gpu.interpret_params()
+    table = (("default", Lowering(
+        "flash-mosaic-gpu-bwd-interpret", functools.partial(mosaic_gpu.forward, interpret=ip),
+        functools.partial(mosaic_gpu_bwd.backward, interpret=ip))),)
+    with compile_once():
+        yield table
+
+
+@functools.partial(jax.jit, static_argnums=(0, 6))
+def _vjp(spec, q, k, v, d_out, d_lse, table):
+    def f(q, k, v):
+        res = core.run(spec, q, k, v, fn="flash", table=table)
+        return res.out, res.lse
+
+    (out, lse), vjp = jax.vjp(f, q, k, v)
+    return out, lse, vjp((d_out, d_lse))
+
+
+def outputs_and_grads(spec, q, k, v, d_out, d_lse, table):
+    """``(out, lse, (dq, dk, dv))`` through ``core.run`` with ``table``: the VJP for
+    the cotangents of ``out`` and ``lse``, under ``jit``."""
+    try:
+        return jax.block_until_ready(_vjp(spec, q, k, v, d_out, d_lse, table))
+    except Exception:
+        reset_after_failure()
+        raise
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def reference(spec, q, k, v, d_out, d_lse):
+    """The float32 reference's ``(out, lse, (dq, dk, dv))``."""
+    def f(q, k, v):
+        res = fnattn.reference(spec, q, k, v)
+        return res.out, res.lse
+
+    (out, lse), vjp = jax.vjp(f, *(x.astype(jnp.float32) for x in (q, k, v)))
+    return out, lse, vjp((d_out.astype(jnp.float32), d_lse))
+
+
+def assert_grads_close(grads, ref_grads, *, tol=2e-2, names=("dq", "dk", "dv")):
+    for name, g, r in zip(names, grads, ref_grads):
+        assert g.shape == r.shape, name
+        g, r = f32(g), f32(r)
+        assert np.isfinite(g).all(), name
+        scale = max(float(np.abs(r).max()), 1e-6)
+        np.testing.assert_allclose(g / scale, r / scale, atol=tol, err_msg=name)
+
+
+# name: (mask, spec settings, sizes, the whole GQA group in one program)
+INTERPRET_CASES = {
+    # Causal, bottom-right aligned with Tq > Tk: the first 64 rows see no key
+    # (lse = -inf, zero gradients); GQA 2:1 accumulated over the group in-kernel.
+    "causal_gqa_rows_that_see_nothing": (
+        masks.causal(), {}, dict(Tq=128, Tk=64, Hq=2, Hkv=1, D=64), True),
+    # A sliding window, soft-cap and scale, ragged Tq != Tk (PARTIAL tiles from
+    # the mask and from the ragged bound), the GQA group split over programs
+    # (float32 partials), head dim 128 (two dQ column chunks), bfloat16.
+    "window_softcap_ragged_gqa_split": (
+        masks.sliding_window(40, 20), dict(softcap=2.0, scale=0.3),
+        dict(Tq=100, Tk=150, Hq=2, Hkv=1, D=128, dtype=jnp.bfloat16), False),
+    # No mask, head dim 256: the column split (both consumers on the same keys).
+    "no_mask_head_dim_256": (None, {}, dict(Tq=64, Tk=128, D=256), False),
+}
+
+
+@pytest.mark.parametrize("name", INTERPRET_CASES)
+def test_interpreted_gradients_match_reference(name, interpreted, monkeypatch):
+    mask, settings, sizes, whole_group = INTERPRET_CASES[name]
+    if whole_group:  # (the small problem would otherwise split the group)
+        monkeypatch.setattr(triton, "MIN_DKDV_PROGRAMS", 0)
+    q, k, v, d_out, d_lse = qkv(**sizes)
+    spec = AttentionSpec(mask=mask, return_lse=True, block_sizes=SMALL, **settings)
+    out, lse, grads = outputs_and_grads(spec, q, k, v, d_out, d_lse, interpreted)
+    r_out, r_lse, r_grads = reference(spec, q, k, v, d_out, d_lse)
+    np.testing.assert_allclose(f32(out), f32(r_out), atol=2e-2, rtol=2e-2)
+    np.testing.assert_array_equal(np.isfinite(f32(lse)), np.isfinite(f32(r_lse)))
+    assert [g.dtype for g in grads] == [q.dtype, k.dtype, v.dtype]
+    assert_grads_close(grads, r_grads)
+    if name == "causal_gqa_rows_that_see_nothing":
+        assert (f32(lse)[:, :, :64] == -np.inf).all()
+        assert (f32(grads[0])[:, :64] == 0).all()  # (d_lse reaches them: still 0)
+
+
+def test_interpreted_poisoned_hidden_keys(interpreted):
+    """NaN and inf in K and V of keys a window hides from some rows, on PARTIAL
+    tiles: the rows that do not see them get the clean reference's dq, and the
+    keys only such rows see get its dk and dv; the rows that see one are NaN."""
+    q, k, v, d_out, d_lse = qkv(Tq=128, Tk=128)
+    spec = AttentionSpec(mask=masks.sliding_window(16, 16), return_lse=True, block_sizes=SMALL)
+    bad_k, bad_v = 100, 90
+    k2 = k.at[0, bad_k, 0, 3].set(jnp.nan)
+    v2 = v.at[0, bad_v, 0, 5].set(jnp.inf).at[0, bad_k, 0, 7].set(jnp.nan)
+    out, _, (dq, dk, dv) = outputs_and_grads(spec, q, k2, v2, d_out, d_lse, interpreted)
+    _, _, (r_dq, r_dk, r_dv) = reference(spec, q, k, v, d_out, d_lse)
+    clean_rows = slice(0, bad_v - 16)      # rows 0..73 see neither key
+    clean_keys = slice(0, bad_v - 32)      # keys 0..57: seen only by clean rows
+    assert_grads_close((dq[:, clean_rows], dk[:, clean_keys], dv[:, clean_keys]),
+                       (r_dq[:, clean_rows], r_dk[:, clean_keys], r_dv[:, clean_keys]))
+    assert np.isnan(f32(out)[0, bad_v - 16:bad_k + 17]).all(axis=-1).all()
+    assert np.isnan(f32(dq)[0, bad_v - 16:bad_k + 17]).any(axis=-1).all()
+
+
+# ----------------------------------------------------------------------------------
+# Tables, block sizes and what the kernel refuses
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("transpose", [False, True], ids=["forward", "transposed"])
+@pytest.mark.parametrize("mask", [None, masks.causal() & masks.sliding_window(100),
+                                  masks.chunked(96) | masks.sliding_window(20, 20)],
+                         ids=["none", "causal_window", "chunks_or_window"])
+def test_schedule_table_lists_every_tile_that_sees_something(mask, transpose):
+    """Per row tile, the column tiles to visit: every tile with a visible pair is
+    listed, FULL ones first and only when every pair is visible (no padding)."""
+    Tq, Tk, bq, bk = 300, 500, 64, 128
+    treedef = None if mask is None else jax.tree_util.tree_structure(mask)
+    table = mosaic_gpu.static_schedule(treedef, 1, 1, Tq, Tk, bq, bk, None,
+                                      transpose=transpose)[0, 0]
+    seen = np.asarray(masks.materialize(mask, 1, 1, Tq, Tk, validate=False))[0, 0]
+    seen = np.broadcast_to(seen, (Tq, Tk))
+    if transpose:
+        seen, bq, bk = seen.T, bk, bq
+    assert table.shape == (-(-seen.shape[0] // bq), 2 + -(-seen.shape[1] // bk))
+    for r, (n_full, n_seen, *order) in enumerate(table):
+        assert len(set(order[:n_seen])) == n_seen
+        rows = seen[r * bq:(r + 1) * bq]
+        for c in range(len(order)):
+            tile = rows[:, c * bk:(c + 1) * bk]
+            if tile.any():
+                assert c in order[:n_seen], (r, c)
+            if c in order[:n_full]:
+                assert tile.all() and tile.shape == (bq, bk), (r, c)
+
+
+def cfg_of(*, D=64, Dv=None, dropout=0.0, Tq=128, Tk=128):
+    return Config(Dims(1, Tq, Tk, 4, 2, D, D if Dv is None else Dv), D ** -0.5, None,
+                  dropout, None)
+
+
+@pytest.mark.parametrize("what, args, words", [
+    ("bias", dict(bias=jnp.zeros((128, 128))), "a bias"),
+    ("sinks", dict(sinks=jnp.zeros((4,))), "attention sinks"),
+    ("segments", dict(mask=masks.segments(jnp.zeros((1, 128), jnp.int32))),
+     "a mask holding arrays"),
+    ("float32", dict(dtype=jnp.float32), "float32 inputs"),
+    ("d80", dict(cfg=cfg_of(D=80)), "head dim D=80"),
+    ("d320", dict(cfg=cfg_of(D=320)), "head dim D=320"),
+    ("dv", dict(cfg=cfg_of(D=64, Dv=128)), "value head dim"),
+    ("dropout", dict(cfg=cfg_of(dropout=0.1)), "dropout"),
+])
+def test_refuses_with_reasons_and_names_the_triton_backward(what, args, words):
+    a = dict(cfg=cfg_of(), dtype=jnp.bfloat16, mask=None, bias=None, sinks=None)
+    a.update(args)
+    why = mosaic_gpu_bwd.supports(a["cfg"], a["dtype"], a["mask"], a["bias"], a["sinks"])
+    assert len(why) == 1 and words in why[0], why
+    d = a["cfg"].dims
+    x = jnp.zeros((1, 128, 4, d.head_dim), a["dtype"])
+    rows = jnp.zeros((1, 4, 128))
+    with pytest.raises(NotImplementedError,
+                       match=r"Mosaic GPU backward .*Triton backward \(fnattn/flash/triton.py"):
+        mosaic_gpu_bwd.backward(a["cfg"], x, None, None, a["bias"], a["sinks"], a["mask"],
+                                None, x, rows, rows, x, rows)
+
+
+def test_supports_array_free_masks():
+    for mask in (None, masks.causal(), masks.sliding_window(5, 7), masks.chunked(32),
+                 masks.causal() | ~masks.sliding_window(3)):
+        assert mosaic_gpu_bwd.supports(cfg_of(), jnp.float16, mask, None, None) == []
+
+
+def test_block_sizes_fit_shared_memory():
+    for D in (64, 128, 192, 256):
+        assert MosaicGpuBwdBlockSizes.default(D).smem_bytes(D) <= mosaic_gpu.SMEM_BYTES
+    assert MosaicGpuBwdBlockSizes(max_concurrent_steps=3).smem_bytes(256) > mosaic_gpu.SMEM_BYTES
+    cfg = dataclasses.replace(cfg_of(D=256),
+                              block_sizes=MosaicGpuBwdBlockSizes(max_concurrent_steps=3))
+    with pytest.raises(ValueError, match="max_concurrent_steps"):
+        mosaic_gpu_bwd._plan(cfg, None, False)
+
+
+# ----------------------------------------------------------------------------------
+# Lowering for "cuda" on CPU
+# ----------------------------------------------------------------------------------
+
+
+def _lowered_grad(spec, q, k, v, *, vmapped=False):
+    def loss(q, k, v):
+        res = core.run(spec, q, k, v, fn="flash", table=(("default", mosaic_gpu_bwd.LOWERING),))
+        return jnp.sum(res.out.astype(jnp.float32)) + jnp.sum(res.lse)
+
+    grad = jax.grad(loss, argnums=(0, 1, 2))
+    if vmapped:
+        grad = jax.vmap(grad)
+    return jax.jit(grad).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("D, mask, Hq, softcap", [
+    (64, "causal", 8, None),
+    (128, "window", 2, None),
+    (192, "chunks", 4, None),
+    (256, "causal", 4, 30.0),
+])
+def test_gradient_lowers_for_cuda(D, mask, Hq, softcap):
+    """The gradient lowers to Mosaic GPU custom calls only: the forward's and this
+    backward's, and none of the Triton kernels. Ragged lengths 1000 x 1500 and
+    2 kv heads: at D = 64 a GQA group of 4 split over programs (float32
+    partials), at 128 no GQA, at 192 and 256 the column split (columns 128 +
+    64 and 128 + 128) with a group of 2 in one program, soft-cap at 256."""
+    pytest.importorskip("absl")
+    mask = {"causal": masks.causal(),
+            "window": masks.causal() & masks.sliding_window(300),
+            "chunks": masks.chunked(256) & masks.causal()}[mask]
+    q = jax.ShapeDtypeStruct((2, 1000, Hq, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 1500, 2, D), jnp.bfloat16)
+    text = _lowered_grad(AttentionSpec(mask=mask, softcap=softcap, return_lse=True), q, k, k)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+    assert not re.search(r"fnattn_flash_(dq|dkdv|fwd)", text)
+
+
+def test_vmapped_gradient_lowers_for_cuda():
+    pytest.importorskip("absl")
+    q = jax.ShapeDtypeStruct((3, 1, 256, 2, 128), jnp.float16)
+    text = _lowered_grad(AttentionSpec(mask=masks.causal(), return_lse=True), q, q, q,
+                         vmapped=True)
+    assert re.search(r"custom_call @mosaic_gpu", text)
+
+
+# ----------------------------------------------------------------------------------
+# On an NVIDIA GPU
+# ----------------------------------------------------------------------------------
+
+GPU_CASES = {
+    "causal_window_gqa4_ragged_d128": (masks.causal() & masks.sliding_window(700), None,
+                                       dict(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=128)),
+    "causal_softcap_gqa4_ragged_d256": (masks.causal(), 20.0,
+                                        dict(B=1, Tq=1500, Tk=1000, Hq=8, Hkv=2, D=256)),
+    "none_d64": (None, None, dict(B=2, Tq=1024, Tk=1024, Hq=4, Hkv=4, D=64)),
+    "causal_d128_long": (masks.causal(), None, dict(B=1, Tq=4096, Tk=4096, Hq=4, Hkv=4, D=128)),
+}
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
+@pytest.mark.parametrize("name", GPU_CASES)
+def test_gpu_gradients_match_xla(name):
+    mask, softcap, sizes = GPU_CASES[name]
+    q, k, v, d_out, d_lse = qkv(dtype=jnp.bfloat16, seed=1, **sizes)
+    spec = AttentionSpec(mask=mask, softcap=softcap, return_lse=True)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def go(table, q, k, v, d_out, d_lse):
+        def f(q, k, v):
+            res = core.run(spec, q, k, v, fn="flash", table=table)
+            return res.out, res.lse
+        (out, lse), vjp = jax.vjp(f, q, k, v)
+        return out, lse, vjp((d_out, d_lse))
+
+    _, _, grads = go((("default", mosaic_gpu_bwd.LOWERING),), q, k, v, d_out, d_lse)
+    _, _, ref = go((("default", xla.LOWERING),),
+                   *(x.astype(jnp.float32) for x in (q, k, v, d_out)), d_lse)
+    assert_grads_close(grads, ref, tol=3e-2)
+
+
+# ----------------------------------------------------------------------------------
+# impl="auto" on cuda: when this backward runs
+# ----------------------------------------------------------------------------------
+
+
+def test_cuda_kernel_takes_this_backward_only_when_asked(monkeypatch):
+    """On Hopper (stood in for), ``MosaicGpuBwdBlockSizes`` in the spec gives the
+    Mosaic GPU forward and backward; without them, or for a spec this backward
+    refuses (segment ids), the Mosaic GPU forward keeps the Triton backward; and
+    ``TritonBlockSizes`` or a GPU other than Hopper give Triton throughout."""
+    from fnattn.flash.api import cuda_kernel
+    cfg = cfg_of()
+    q = jnp.zeros((1, 128, 4, 64), jnp.bfloat16)
+    seg = masks.segments(jnp.zeros((1, 128), jnp.int32))
+    bwd = dataclasses.replace(cfg, block_sizes=(SMALL, MosaicGpuBwdBlockSizes()))
+    assert cuda_kernel(bwd, q, None, None, masks.causal()) is triton.LOWERING  # (no Hopper)
+    monkeypatch.setattr(mosaic_gpu, "available", lambda: None)
+    assert cuda_kernel(bwd, q, None, None, masks.causal()) is mosaic_gpu_bwd.LOWERING
+    assert cuda_kernel(bwd, q, None, None, None) is mosaic_gpu_bwd.LOWERING
+    assert cuda_kernel(cfg, q, None, None, masks.causal()) is mosaic_gpu.LOWERING
+    assert cuda_kernel(bwd, q, None, None, seg) is mosaic_gpu.LOWERING
+    assert cuda_kernel(bwd, q.astype(jnp.float32), None, None, None) is triton.LOWERING
+    both = dataclasses.replace(cfg, block_sizes=(MosaicGpuBwdBlockSizes(),
+                                                 fnattn.TritonBlockSizes()))
+    assert cuda_kernel(both, q, None, None, None) is triton.LOWERING
+
+
+def test_auto_gradient_lowers_to_this_backward_when_asked(monkeypatch):
+    """The same choice seen in the program impl="auto" lowers for cuda on Hopper: a
+    soft-capped causal spec (no cuDNN) with ``MosaicGpuBwdBlockSizes`` has two
+    Mosaic GPU custom calls and no Triton kernel; without them, the Mosaic GPU
+    forward and the Triton dq and dk/dv kernels."""
+    pytest.importorskip("absl")
+    monkeypatch.setattr(mosaic_gpu, "available", lambda: None)
+    q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
+
+    def lowered(spec):
+        def loss(q, k, v):
+            return jnp.sum(fnattn.attention(spec, q, k, v).out.astype(jnp.float32))
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
+            lowering_platforms=("cuda",)).as_text()
+
+    spec = AttentionSpec(mask=masks.causal(), softcap=30.0)
+    text = lowered(spec.replace(block_sizes=(MosaicGpuBlockSizes(), MosaicGpuBwdBlockSizes())))
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+    assert not re.search(r"fnattn_flash_(dq|dkdv|fwd)", text)
+    text = lowered(spec)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+    assert sorted(set(re.findall(r"fnattn_flash_\w+", text))) == ["fnattn_flash_dkdv",
+                                                                   "fnattn_flash_dq"]
