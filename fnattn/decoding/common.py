@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnattn import masks
-from fnattn.paged.common import cdiv, first_run, pow2  # noqa: F401  (shared helpers)
+from fnattn.paged.common import cdiv, first_run, pow2, span  # noqa: F401  (shared helpers)
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -76,11 +76,7 @@ def block_ranges(mask, Tq: int, lengths, offsets, block_k: int, num_blocks: int)
         visible, every = mask.tile_bounds(t, [])
         may = may & jnp.broadcast_to(visible, may.shape)
         whole = whole & jnp.broadcast_to(every, whole.shape)
-    anyv = may.any(axis=1)
-    lo = jnp.argmax(may, axis=1).astype(I32)
-    hi = (num_blocks - jnp.argmax(may[:, ::-1], axis=1)).astype(I32)
-    full_lo, full_hi = first_run(whole)
-    return BlockRanges(jnp.where(anyv, lo, 0), jnp.where(anyv, hi, 0), full_lo, full_hi)
+    return BlockRanges(*span(may), *first_run(whole))
 
 
 def split_range(lo, hi, split, num_splits: int):

@@ -194,6 +194,16 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
 
     ``mask`` is the mask object (or None); ``bias`` and ``sinks`` are arrays or None.
     """
+    why = maskless_refusals(cfg, dtype, bias, sinks)
+    if mask is not None and mask.num_operands:
+        why += _operand_refusals(mask)
+    return why
+
+
+def maskless_refusals(cfg, dtype, bias, sinks) -> list:
+    """What the Mosaic GPU kernels (this forward and :mod:`fnattn.flash.mosaic_gpu_bwd`)
+    refuse apart from the mask: a bias, sinks, dropout, dtypes other than
+    float16/bfloat16, head dims, symbolic sizes."""
     d = cfg.dims
     why = []
     if bias is not None:
@@ -211,8 +221,6 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
     symbolic = _checks.symbolic_sizes(B=d.batch, Tq=d.q_len, Tk=d.kv_len)
     if symbolic:
         why.append(f"symbolic sizes {symbolic}")
-    if mask is not None and mask.num_operands:
-        why += _operand_refusals(mask)
     return why
 
 

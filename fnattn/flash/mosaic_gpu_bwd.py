@@ -193,23 +193,8 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
     ['head dim D=80 (the kernel takes multiples of 64 up to 256)']
     """
     d = cfg.dims
-    why = []
-    if bias is not None:
-        why.append("a bias (the kernel adds nothing to the logits)")
-    if sinks is not None:
-        why.append("attention sinks")
-    if cfg.dropout_rate > 0:
-        why.append(f"dropout (rate {cfg.dropout_rate})")
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        why.append(f"{jnp.dtype(dtype).name} inputs (the kernel takes float16 or bfloat16)")
-    if d.head_dim != d.v_head_dim:
-        why.append(f"a value head dim Dv={d.v_head_dim} unlike D={d.head_dim}")
-    if isinstance(d.head_dim, int) and (d.head_dim % 64 or d.head_dim > 256):
-        why.append(f"head dim D={d.head_dim} (the kernel takes multiples of 64 up to 256)")
-    symbolic = _checks.symbolic_sizes(B=d.batch, Tq=d.q_len, Tk=d.kv_len)
-    if symbolic:
-        why.append(f"symbolic sizes {symbolic}")
-    elif mask is not None:
+    why = mosaic_gpu.maskless_refusals(cfg, dtype, bias, sinks)
+    if mask is not None and not _checks.symbolic_sizes(B=d.batch, Tq=d.q_len, Tk=d.kv_len):
         if mask.num_operands:
             why.append(f"a mask holding arrays ({mask!r}: segment ids, lengths, prefix "
                        "lengths, array masks)")

@@ -271,10 +271,17 @@ def key_block_ranges(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
         visible, every = mask.tile_bounds(t, [])
         may = may & jnp.broadcast_to(visible, may.shape)
         whole = whole & jnp.broadcast_to(every, whole.shape)
-    anyv = may.any(axis=1)
-    lo = jnp.argmax(may, axis=1).astype(I32)
-    hi = (n_blocks - jnp.argmax(may[:, ::-1], axis=1)).astype(I32)
-    return (jnp.where(anyv, lo, 0), jnp.where(anyv, hi, 0)) + first_run(whole)
+    return span(may) + first_run(whole)
+
+
+def span(flags):
+    """[a, b) per row of ``flags`` (rows, n) bool, each (rows,) int32: from the first
+    True entry to one past the last; ``a = b = 0`` in a row with none."""
+    n = flags.shape[1]
+    anyf = flags.any(axis=1)
+    a = jnp.argmax(flags, axis=1).astype(I32)
+    b = (n - jnp.argmax(flags[:, ::-1], axis=1)).astype(I32)
+    return jnp.where(anyf, a, 0), jnp.where(anyf, b, 0)
 
 
 def first_run(flags):
