@@ -110,6 +110,32 @@ def clean_unless_garbage(compute):
     return lax.cond(finite, lambda: tuple(results), lambda: tuple(compute(True)[:-1]))
 
 
+def delta_rows(out, d_out, d_lse, dtype=F32):
+    """``rowsum(out * d_out) - d_lse``, (B, Hq, Tq) in ``dtype``, from "bthd" ``out``
+    and ``d_out``: the row statistic of every flash backward, with the lse
+    cotangent folded in (``dS = P * (dP - delta)``).
+
+    >>> out = d_out = jnp.ones((1, 2, 1, 3))
+    >>> delta_rows(out, d_out, jnp.array([[[0.5, 1.0]]])).tolist()
+    [[[2.5, 2.0]]]
+    """
+    return (jnp.einsum("bthd,bthd->bht", out.astype(dtype), d_out.astype(dtype))
+            - d_lse.astype(dtype))
+
+
+def lse2_rows(lse, lse_lo):
+    """``(lse + lse_lo) * log2(e)``: the natural-log row statistic in base 2 (the
+    kernels recompute ``P = exp2(s * c - lse2)``), and +inf where it is not
+    finite (rows that saw no key, an infinite sink), so that P = 0 there. A NaN
+    row (it saw a non-finite key) also gets +inf; its NaN delta keeps it NaN.
+
+    >>> lse2_rows(jnp.array([0.0, -jnp.inf, jnp.inf]), jnp.zeros(3)).tolist()
+    [0.0, inf, inf]
+    """
+    lse2 = lse * LOG2E + lse_lo * LOG2E
+    return jnp.where(jnp.isfinite(lse) & jnp.isfinite(lse2), lse2, jnp.inf)
+
+
 def sink_grad(sinks, lse, lse_lo, delta):
     """d(sinks) (Hq,), float32 (float64 for a float64 ``delta``), from a backward's
     row statistics (B, Hq, Tq): ``delta = rowsum(out * d_out) - d_lse``. The sink's probability is

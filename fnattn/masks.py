@@ -692,7 +692,7 @@ class Canonical(Mask):
     treedef: Any
 
     def _inner(self):
-        return jax.tree_util.tree_unflatten(self.treedef, [0] * self.treedef.num_leaves)
+        return from_treedef(self.treedef)
 
     def operands(self):
         return tuple(self.ops)
@@ -866,11 +866,14 @@ def at_positions(mask: Mask | None, q_positions, kv_positions) -> Mask:
 
 
 def from_treedef(treedef) -> Mask | None:
-    """The array-free mask whose structure is ``treedef`` (None for None).
+    """The mask whose structure is ``treedef`` (None for None), its arrays (if it
+    holds any) replaced by placeholders.
 
-    Kernels whose masks hold no arrays (decode, paged) keep only the mask's
-    static structure, ``jax.tree_util.tree_structure(mask)``; this rebuilds the
-    mask from it to call its predicate.
+    Kernels keep only the mask's static structure,
+    ``jax.tree_util.tree_structure(mask)``; this rebuilds the mask from it to call
+    its predicate, which reads the arrays' tiles from its ``ops`` argument. (The
+    placeholders are not None, which would read as an absent optional array such
+    as ``q_lengths``.)
 
     >>> import jax
     >>> m = from_treedef(jax.tree_util.tree_structure(causal() & sliding_window(4)))
@@ -879,7 +882,7 @@ def from_treedef(treedef) -> Mask | None:
     """
     if treedef is None:
         return None
-    return jax.tree_util.tree_unflatten(treedef, [])
+    return jax.tree_util.tree_unflatten(treedef, [0] * treedef.num_leaves)
 
 
 def materialize(mask: Mask | None, batch: int, num_heads: int, q_len: int, kv_len: int,

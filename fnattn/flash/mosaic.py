@@ -234,10 +234,10 @@ def _allowed(K: _K, op_refs, b, h, r_blk, c_blk):
     ok = k < K.Tk
     if K.mask_treedef is not None:
         tiles = [_load(r, op, K, b, h) for r, op in zip(op_refs, K.ops)]
-        # Predicates read only the tiles; the leaves are placeholders.
-        mask = jax.tree_util.tree_unflatten(K.mask_treedef, [0] * K.mask_treedef.num_leaves)
+        # Predicates read only the tiles (the mask's arrays are placeholders).
         pos = masks.Positions(b=b, h=h, q=q, q_pos=q + K.off, k=k)
-        ok = ok & jnp.broadcast_to(mask.predicate(pos, tiles), ok.shape)
+        ok = ok & jnp.broadcast_to(
+            masks.from_treedef(K.mask_treedef).predicate(pos, tiles), ok.shape)
     return ok
 
 
@@ -875,7 +875,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     Pt = _plan(cfg, bs.block_q_dkv, bs.block_k_dkv)
     cd = _compute_dtype(q.dtype)
 
-    delta = jnp.einsum("bthd,bthd->bht", out.astype(F32), d_out.astype(F32)) - d_lse.astype(F32)
+    delta = _online.delta_rows(out, d_out, d_lse)
     # Rows without any visible key (lse = -inf), rows an infinite sink took
     # (+inf) and padded rows get lse = +inf and lse_lo = 0, so that
     # exp((s - lse) - lse_lo) = 0 there: no NaN, no contribution. A NaN row

@@ -591,16 +591,22 @@ def _visible(q0, j, b, h, ops, P: _Plan):
     ``ops``: the mask's arrays on the tile (:func:`_tile_operands`)."""
     qi = q0 + _iota((P.bq, P.bk), 0, P)
     kj = j * P.bk + _iota((P.bq, P.bk), 1, P)
+    return visible_pairs(qi, kj, b, h, ops, P.mask_treedef, P.offset,
+                         P.Tk if P.ragged_k else None)
+
+
+def visible_pairs(qi, kj, b, h, ops, mask_treedef, offset, kv_len):
+    """Which (query ``qi``, key ``kj``) pairs of a tile are visible: the mask's
+    predicate (``ops``: its arrays on the tile; ``offset``: aligned query
+    position minus row) and, unless ``kv_len`` is None, ``kj < kv_len``. None
+    when neither applies (every pair visible). The Mosaic GPU kernels' PARTIAL
+    tiles, forward and backward (:mod:`fnattn.flash.mosaic_gpu_bwd`)."""
     ok = None
-    if P.mask_treedef is not None:
-        pos = masks.Positions(b=b, h=h, q=qi, q_pos=qi + P.offset, k=kj)
-        # The predicate reads the tiles in ``ops``; the leaves are placeholders
-        # (not None, which would read as an absent optional array).
-        mask = jax.tree_util.tree_unflatten(P.mask_treedef,
-                                            [0] * P.mask_treedef.num_leaves)
-        ok = mask.predicate(pos, ops)
-    if P.ragged_k:
-        inside = kj < P.Tk
+    if mask_treedef is not None:
+        pos = masks.Positions(b=b, h=h, q=qi, q_pos=qi + offset, k=kj)
+        ok = masks.from_treedef(mask_treedef).predicate(pos, ops)
+    if kv_len is not None:
+        inside = kj < kv_len
         ok = inside if ok is None else ok & inside
     return ok
 
@@ -614,15 +620,13 @@ def _schedule(cfg, mask, rows, bk):
     """The kernel's visiting table, int32 (B|1, H|1, q-tiles, 2 + kv-tiles):
     ``[n_full, n_visited, FULL tiles..., PARTIAL tiles..., repeats of the
     last]``. A read-only NumPy constant when the mask's tile classes are static
-    (no arrays); otherwise computed in XLA from the mask's arrays
-    (:func:`fnattn.masks.block_classes`), as the Triton kernels' table is."""
+    (no arrays, :func:`_static_table_of`); otherwise computed in XLA from the
+    mask's arrays (:func:`fnattn.masks.block_classes`), as the Triton kernels'
+    table is. ``rows`` and ``bk``: the tiles of ``cfg``'s block sizes."""
+    table = _static_table_of(cfg, mask)
+    if table is not None:
+        return table
     d = cfg.dims
-    if mask is None or not mask.num_operands:
-        table = static_schedule(None if mask is None else jax.tree_util.tree_structure(mask),
-                                d.batch, d.num_q_heads, d.q_len, d.kv_len, rows, bk,
-                                cfg.q_offset)
-        if table is not None:
-            return table
     cls = masks.block_classes(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len, rows, bk,
                               q_offset=cfg.q_offset)
     return _one_list(jnp, triton._table(jnp, blocks.schedule, cls, False, 1))

@@ -571,14 +571,8 @@ def _visible_t(i, keys0, b, h, P: _Plan):
     ``i``) are visible (WGMMA layout), or None for all of them."""
     qi = i * TILE + _iota((TILE, TILE), 1, P)
     kj = keys0 + _iota((TILE, TILE), 0, P)
-    ok = None
-    if P.mask_treedef is not None:
-        pos = masks.Positions(b=b, h=h, q=qi, q_pos=qi + P.offset, k=kj)
-        ok = masks.from_treedef(P.mask_treedef).predicate(pos, [])
-    if P.ragged_k:
-        inside = kj < P.Tk
-        ok = inside if ok is None else ok & inside
-    return ok
+    return mosaic_gpu.visible_pairs(qi, kj, b, h, [], P.mask_treedef, P.offset,
+                                    P.Tk if P.ragged_k else None)
 
 
 # ----------------------------------------------------------------------------------
@@ -689,12 +683,10 @@ def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_l
     d = cfg.dims
     P = _plan(cfg, mask, interpret)
     # delta folds in the lse cotangent: dS = P * (dP - (rowsum(dO * O) - d_lse)).
-    delta = (jnp.einsum("bthd,bthd->bht", out.astype(F32), d_out.astype(F32))
-             - d_lse.astype(F32))
+    delta = online.delta_rows(out, d_out, d_lse)
     # P = exp2(s * c - lse2): +inf where lse is not finite (rows that saw
     # nothing, or a non-finite key) and on padding rows, so that P = 0 there.
-    lse2 = lse * LOG2E + lse_lo * LOG2E
-    lse2 = jnp.where(jnp.isfinite(lse) & jnp.isfinite(lse2), lse2, jnp.inf)
+    lse2 = online.lse2_rows(lse, lse_lo)
     stats = jnp.stack([triton._pad(lse2, 2, P.Tqp, jnp.inf), triton._pad(delta, 2, P.Tqp)],
                       axis=2)
     if mask is not None:

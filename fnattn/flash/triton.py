@@ -281,11 +281,8 @@ def _allowed(op_refs, head, pos, i, j, K: _K, transposed: bool):
     ok = None
     if K.has_mask:
         tiles = [_tile(r, v, head, i, j, K, transposed) for r, v in zip(op_refs, K.op_varies)]
-        # The predicate reads only the tiles; the leaves are placeholders (not None,
-        # which would read as an absent optional array such as q_lengths).
-        mask = jax.tree_util.tree_unflatten(K.mask_treedef,
-                                            [0] * K.mask_treedef.num_leaves)
-        ok = mask.predicate(pos, tiles).astype(jnp.bool_)
+        # The predicate reads only the tiles (the mask's arrays are placeholders).
+        ok = masks.from_treedef(K.mask_treedef).predicate(pos, tiles).astype(jnp.bool_)
     if K.ragged_k:
         inb = pos.k < K.Tk
         ok = inb if ok is None else ok & inb
@@ -886,7 +883,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     _refuse_symbolic(cfg, interpret)
     B, Hq, Hkv, G = d.batch, d.num_q_heads, d.num_kv_heads, d.group
     # delta folds in the lse cotangent: dS = P * (dP - (rowsum(dO * O) - d_lse)).
-    delta = jnp.einsum("bthd,bthd->bht", out.astype(F32), d_out.astype(F32)) - d_lse.astype(F32)
+    delta = online.delta_rows(out, d_out, d_lse)
     # The per-row statistics the kernels recompute P from (`_row_names`): +inf
     # where lse is not finite (rows that saw nothing, an infinite sink) and on
     # padding rows, so that P = 0 there.
@@ -894,8 +891,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     if bias is not None and cfg.softcap is None:  # K.large: natural lse and lse_lo
         rows = (jnp.where(fin, lse, jnp.inf), delta, jnp.where(fin, lse_lo, 0.0))
     else:  # base 2 (the lse_lo folded in: it only matters for huge logits)
-        lse2 = lse * LOG2E + lse_lo * LOG2E
-        rows = (jnp.where(fin & jnp.isfinite(lse2), lse2, jnp.inf), delta)
+        rows = (online.lse2_rows(lse, lse_lo), delta)
 
     def pad_rows(T):
         return [_pad(x, 2, T, jnp.inf if n == 0 else 0.0) for n, x in enumerate(rows)]

@@ -457,8 +457,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     A = P.acc
     classes = _classes(mask, P)
     per_row = _batch_rows(P, classes)
-    delta = jnp.einsum("bthd,bthd->bht", out.astype(A), d_out.astype(A))
-    delta = delta - d_lse.astype(A)                          # (B, Hq, Tq)
+    delta = online.delta_rows(out, d_out, d_lse, A)          # (B, Hq, Tq)
     # Rows with lse = -inf have no probability mass: p = exp(s - inf) = 0, and
     # so do rows of a +inf sink; a NaN row (it saw a non-finite key) stays NaN.
     lse_safe = jnp.where(lse == -jnp.inf, jnp.inf, lse).astype(A)
