@@ -21,10 +21,21 @@ def pytest_report_header(config):
     return f"jax {jax.__version__}, devices {jax.devices()}"
 
 
+_SHARD_MAP = pytest.StashKey()
+
+
 def pytest_collection_finish(session):
     # The 8-device checks run in one subprocess (tests/test_shard_map.py): start it
     # now, beside the rest of the suite, when its test is among those collected.
     for item in session.items:
         if item.name == "test_shard_map_on_eight_host_devices":
-            item.module.launch()
+            session.config.stash[_SHARD_MAP] = item.module.launch()
             break
+
+
+def pytest_sessionfinish(session):
+    # A run that stops before that test (-x, an interrupt) ends the subprocess too.
+    proc = session.config.stash.get(_SHARD_MAP, None)
+    if proc is not None and proc.poll() is None:
+        proc.kill()
+        proc.communicate()

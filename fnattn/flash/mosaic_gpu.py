@@ -203,7 +203,17 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
 def maskless_refusals(cfg, dtype, bias, sinks) -> list:
     """What the Mosaic GPU kernels (this forward and :mod:`fnattn.flash.mosaic_gpu_bwd`)
     refuse apart from the mask: a bias, sinks, dropout, dtypes other than
-    float16/bfloat16, head dims, symbolic sizes."""
+    float16/bfloat16, head dims, symbolic sizes.
+
+    >>> from fnattn._checks import Dims
+    >>> from fnattn._dispatch import Config
+    >>> cfg = Config(Dims(1, 256, 256, 4, 2, 96, 96), 0.1, None, 0.2, None)
+    >>> for why in maskless_refusals(cfg, jnp.bfloat16, None, jnp.zeros((4,))):
+    ...     print(why)
+    attention sinks
+    dropout (rate 0.2)
+    head dim D=96 (the kernel takes multiples of 64 up to 256)
+    """
     d = cfg.dims
     why = []
     if bias is not None:
@@ -600,7 +610,15 @@ def visible_pairs(qi, kj, b, h, ops, mask_treedef, offset, kv_len):
     predicate (``ops``: its arrays on the tile; ``offset``: aligned query
     position minus row) and, unless ``kv_len`` is None, ``kj < kv_len``. None
     when neither applies (every pair visible). The Mosaic GPU kernels' PARTIAL
-    tiles, forward and backward (:mod:`fnattn.flash.mosaic_gpu_bwd`)."""
+    tiles, forward and backward (:mod:`fnattn.flash.mosaic_gpu_bwd`).
+
+    >>> qi, kj = jnp.arange(3)[:, None], jnp.arange(4)[None, :]
+    >>> tree = jax.tree_util.tree_structure(masks.causal())
+    >>> visible_pairs(qi, kj, 0, 0, [], tree, 0, 3).astype(int).tolist()
+    [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]]
+    >>> visible_pairs(qi, kj, 0, 0, [], None, 0, None) is None
+    True
+    """
     ok = None
     if mask_treedef is not None:
         pos = masks.Positions(b=b, h=h, q=qi, q_pos=qi + offset, k=kj)

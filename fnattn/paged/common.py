@@ -276,7 +276,12 @@ def key_block_ranges(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
 
 def span(flags):
     """[a, b) per row of ``flags`` (rows, n) bool, each (rows,) int32: from the first
-    True entry to one past the last; ``a = b = 0`` in a row with none."""
+    True entry to one past the last; ``a = b = 0`` in a row with none.
+
+    >>> a, b = span(jnp.array([[0, 1, 0, 1, 0], [0, 0, 0, 0, 0]], bool))
+    >>> a.tolist(), b.tolist()
+    ([1, 0], [4, 0])
+    """
     n = flags.shape[1]
     anyf = flags.any(axis=1)
     a = jnp.argmax(flags, axis=1).astype(I32)
