@@ -13,7 +13,8 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["LN2", "LOG2E", "clean_unless_garbage", "finish_exp2", "finite_keys",
-           "group_sink_column", "join_sink", "lse_parts", "sink_grad", "step_exp", "step_exp2"]
+           "group_sink_column", "join_sink", "lse_parts", "sink_grad", "sink_rescale", "step_exp",
+           "step_exp2"]
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -32,14 +33,28 @@ def join_sink(acc, m, l, sink, *, exp=jnp.exp):
     saw nothing keeps ``m = -inf, l = 0``), and a sink of +inf takes all the
     mass (``m = +inf, l = 1, acc = 0``: out 0 and lse +inf).
     """
+    a, m, l = sink_rescale(m, l, sink, exp=exp)
+    acc = acc * (a[..., None] if a.ndim < acc.ndim else a)
+    return acc, m, l
+
+
+def sink_rescale(m, l, sink, *, exp=jnp.exp):
+    """``(a, m, l)`` of :func:`join_sink` without the accumulator: the factor
+    ``a`` (one per row) the accumulator is multiplied by, and the joined ``m``
+    and ``l``. Elementwise only, so that kernels whose row vectors cannot gain
+    an axis (Mosaic GPU's register layouts) scale the accumulator their own way.
+
+    >>> a, m, l = sink_rescale(jnp.array([0.0, -jnp.inf]), jnp.array([1.0, 0.0]), 0.0)
+    >>> a.tolist(), m.tolist(), l.tolist()
+    ([1.0, 0.0], [0.0, 0.0], [2.0, 1.0])
+    """
     m_fin = jnp.maximum(m, sink)
     # -inf: nothing seen and no sink, shift by 0 so both exponentials give 0.
     m_use = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
     a = exp(m - m_use)
     # sink == m_use covers sink = +inf, where sink - m_use would be inf - inf.
     l = l * a + jnp.where(sink == m_use, 1.0, exp(sink - m_use))
-    acc = acc * (a[..., None] if a.ndim < acc.ndim else a)
-    return acc, m_fin, l
+    return a, m_fin, l
 
 
 def lse_parts(m, l, *, log=jnp.log, scale=1.0):

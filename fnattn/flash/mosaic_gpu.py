@@ -50,6 +50,10 @@ logits are set to -inf on PARTIAL tiles, and for masked specs the wrapper makes
 non-finite keys inert first (:func:`_hidden_keys_inert`: one elementwise pass
 over K and V).
 
+Attention sinks (one logit per query head, float32) join each row's state after
+its last tile (:func:`fnattn._online.sink_rescale`): they add to the denominator
+and to ``lse``, never to the output's numerator.
+
 The kernel writes the output and the base-2 row state ``(m, l)``; the wrapper
 turns the latter into ``lse`` and ``lse_lo`` (:func:`fnattn._online.lse_parts`),
 so a row that sees no key gets ``out = 0`` and ``lse = -inf``. The residuals
@@ -57,7 +61,7 @@ are those of the Triton lowering, whose backward kernels :data:`LOWERING`
 reuses.
 
 Supported: float16 / bfloat16, ``D == Dv``, ``D % 64 == 0``, ``D <= 256``, any
-scale, soft-cap, GQA, no mask, an array-free mask (causal, sliding windows,
+scale, soft-cap, attention sinks, GQA, no mask, an array-free mask (causal, sliding windows,
 chunks and their ``&``, ``|``, ``~``) or a mask holding per-row, per-key or
 per-sequence integer arrays (segments, lengths, prefix-LM, ``at_positions``,
 combined with the others). :func:`supports` lists what else a spec asks for;
@@ -202,15 +206,15 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
 
 def maskless_refusals(cfg, dtype, bias, sinks) -> list:
     """What the Mosaic GPU kernels (this forward and :mod:`fnattn.flash.mosaic_gpu_bwd`)
-    refuse apart from the mask: a bias, sinks, dropout, dtypes other than
+    refuse apart from the mask: a bias, dropout, dtypes other than
     float16/bfloat16, head dims, symbolic sizes.
 
     >>> from fnattn._checks import Dims
     >>> from fnattn._dispatch import Config
     >>> cfg = Config(Dims(1, 256, 256, 4, 2, 96, 96), 0.1, None, 0.2, None)
-    >>> for why in maskless_refusals(cfg, jnp.bfloat16, None, jnp.zeros((4,))):
+    >>> for why in maskless_refusals(cfg, jnp.bfloat16, jnp.zeros((1, 4, 256, 256)), None):
     ...     print(why)
-    attention sinks
+    a bias (the kernel adds nothing to the logits)
     dropout (rate 0.2)
     head dim D=96 (the kernel takes multiples of 64 up to 256)
     """
@@ -218,8 +222,6 @@ def maskless_refusals(cfg, dtype, bias, sinks) -> list:
     why = []
     if bias is not None:
         why.append("a bias (the kernel adds nothing to the logits)")
-    if sinks is not None:
-        why.append("attention sinks")
     if cfg.dropout_rate > 0:
         why.append(f"dropout (rate {cfg.dropout_rate})")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
@@ -326,6 +328,7 @@ class _Plan:
     sched_b: bool         # the schedule varies along batch / heads
     sched_h: bool
     interpreted: bool     # run by the Mosaic GPU interpreter
+    sinks: bool = False   # one sink logit per query head, joined to each row's state
     operands: tuple = ()  # per mask array, in the mask's order: (kind, index in its stack)
     stacks: tuple = ()    # per kind present, in _KINDS order: (kind, count, along b, along h)
 
@@ -350,7 +353,9 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
     ring = P.stages
     q_tiles = pl.cdiv(q_ref.shape[1], P.rows)
     ids_ref = {s[0]: r for s, r in zip(P.stacks, refs)}
-    o_ref, m_ref, l_ref = refs[len(P.stacks):]
+    refs = refs[len(P.stacks):]
+    sinks_ref, refs = (refs[0], refs[1:]) if P.sinks else (None, refs)
+    o_ref, m_ref, l_ref = refs
     n_rows = (P.stack("rows") or (0,))[0]
     n_cols = (P.stack("cols") or (0,))[0]
 
@@ -489,6 +494,9 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
             pl.when(wg == 0)(take_turn)
 
             inv = 1.0 / jnp.where(l > 0, l, 1.0)
+            if P.sinks:  # the head's sink joins the denominator only
+                a, m, l = online.sink_rescale(m, l, sinks_ref[h] * LOG2E, exp=jnp.exp2)
+                inv = a / jnp.where(l > 0, l, 1.0)
             mine[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
             S.m_smem.at[wg][...] = m
             S.l_smem.at[wg][...] = l
@@ -783,7 +791,8 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
               mask_treedef=None if mask is None else jax.tree_util.tree_structure(mask),
               ragged_k=d.kv_len % bk != 0,
               sched_b=table.shape[0] > 1, sched_h=table.shape[1] > 1,
-              interpreted=bool(interpret), operands=operands, stacks=stacks)
+              interpreted=bool(interpret), sinks=sinks is not None, operands=operands,
+              stacks=stacks)
     rows_out = jax.ShapeDtypeStruct((d.batch, d.num_q_heads, Tqp), F32)
     call = plgpu.kernel(
         functools.partial(_kernel, P=P, dtype=q.dtype),
@@ -798,8 +807,9 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     )
     if mask is not None:
         k, v = _hidden_keys_inert(k, v)
+    extra = [] if sinks is None else [sinks.astype(F32)]
     out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(k, 1, Tkp), triton._pad(v, 1, Tkp),
-                     jnp.asarray(table), *id_arrays)
+                     jnp.asarray(table), *id_arrays, *extra)
     lse, lse_lo = online.lse_parts(m[:, :, :d.q_len], l[:, :, :d.q_len], log=jnp.log2,
                                    scale=LN2)
     return out[:, :d.q_len], lse, lse_lo

@@ -70,7 +70,9 @@ does, :data:`fnattn.flash.triton.MIN_DKDV_PROGRAMS`) and float32 partials are
 summed in XLA (row split only).
 
 Supported: float16 / bfloat16, ``D == Dv``, ``D % 64 == 0``, ``D <= 256``,
-any scale, soft-cap, GQA, ragged lengths, no mask or an array-free mask
+any scale, soft-cap, attention sinks (``P`` comes from the forward's ``lse``,
+which holds the sink; their gradient is a sum over the row statistics in XLA), GQA,
+ragged lengths, no mask or an array-free mask
 (causal, sliding windows, chunks and their ``&``, ``|``, ``~``): what the
 Mosaic GPU forward takes, less masks holding arrays. :func:`supports` lists what
 else a spec asks for; :func:`backward` refuses it with ``NotImplementedError``.
@@ -673,8 +675,9 @@ def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_l
 
     The signature and results of every flash lowering's ``bwd``: "bthd" inputs,
     the forward's ``out``, ``lse`` and ``lse_lo`` (B, Hq, Tq) float32, and the
-    cotangents ``d_out`` and ``d_lse``. ``dbias`` and ``dsinks`` are None (a bias
-    and sinks are refused). ``interpret``: False to compile for the GPU, or the
+    cotangents ``d_out`` and ``d_lse``. ``dbias`` is None (a bias is refused);
+    ``dsinks`` comes from the row statistics in XLA (:func:`fnattn._online.sink_grad`),
+    None without sinks. ``interpret``: False to compile for the GPU, or the
     parameters of the Mosaic GPU interpreter
     (:func:`fnattn.flash.mosaic_gpu.interpret_params`) to run the same kernel on CPU.
     """
@@ -705,7 +708,10 @@ def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_l
             x = x.sum(3)
         return x.astype(dtype)
 
-    return dq, finish(dk, k.dtype), finish(dv, v.dtype), None, None
+    dsinks = None
+    if sinks is not None:  # (the forward's lse holds the sink: dQ, dK, dV need nothing more)
+        dsinks = online.sink_grad(sinks, lse, lse_lo, delta).astype(sinks.dtype)
+    return dq, finish(dk, k.dtype), finish(dv, v.dtype), None, dsinks
 
 
 # The Mosaic GPU forward with this backward: what impl="auto" runs on Hopper when

@@ -127,6 +127,22 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf():
     assert np.all(np.isfinite(np.asarray(res.lse[:, :, 64:])))
 
 
+def test_interpreted_sinks_join_the_denominator():
+    """One sink per query head: finite, -inf (no sink) and +inf (takes all the
+    mass: out 0, lse +inf), with GQA 2:1 and causal rows that see no key (out 0,
+    lse = the sink)."""
+    q, k, v = qkv(Tq=128, Tk=64, Hq=4, Hkv=2)
+    sinks = jnp.array([0.5, -jnp.inf, jnp.inf, 3.0])
+    spec = AttentionSpec(mask=masks.causal(), sinks=sinks, return_lse=True,
+                         block_sizes=SMALL)
+    res = check(spec, q, k, v)
+    out, lse = np.asarray(res.out, np.float32), np.asarray(res.lse)
+    assert np.all(out[:, :64] == 0) and np.all(out[:, :, 2] == 0)
+    np.testing.assert_array_equal(lse[0, :, :64], np.broadcast_to(np.asarray(sinks)[:, None],
+                                                                  (4, 64)))
+    assert np.all(lse[0, 2] == np.inf) and np.isfinite(lse[0, [0, 3], 64:]).all()
+
+
 def test_poisoned_keys_reach_only_the_rows_that_see_them():
     """NaN and inf in K and V of keys a causal mask hides from early rows (on the
     diagonal tile, which the kernel visits): those rows are unchanged; the rows
@@ -220,7 +236,6 @@ def cfg_of(*, D=64, Dv=None, dropout=0.0, Tq=128, Tk=128):
 
 @pytest.mark.parametrize("what, args, words", [
     ("bias", dict(bias=jnp.zeros((128, 128))), "a bias"),
-    ("sinks", dict(sinks=jnp.zeros((4,))), "attention sinks"),
     ("from_array", dict(mask=masks.from_array(jnp.ones((128, 128), bool))),
      "a mask array that varies along both queries and keys"),
     ("float_lengths", dict(mask=masks.lengths(kv_lengths=jnp.zeros((1,), jnp.float32))),
@@ -277,13 +292,15 @@ def lowered_has_mosaic_gpu_call(spec, q, k, table):
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("mask", [None, "causal", "window", "chunked"])
 def test_lowers_for_cuda(D, mask):
+    """Every head dim and array-free mask; soft-cap at D = 256, sinks at D = 128."""
     pytest.importorskip("absl")
     mask = {None: None, "causal": masks.causal(),
             "window": masks.causal() & masks.sliding_window(100),
             "chunked": masks.chunked(64)}[mask]
     q = jax.ShapeDtypeStruct((2, 1000, 8, D), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 1000, 2, D), jnp.bfloat16)
-    spec = AttentionSpec(mask=mask, softcap=30.0 if D == 256 else None)
+    spec = AttentionSpec(mask=mask, softcap=30.0 if D == 256 else None,
+                         sinks=jnp.linspace(-1.0, 1.0, 8) if D == 128 else None)
     assert lowered_has_mosaic_gpu_call(spec, q, k, (("default", LOWERING),))
 
 
@@ -347,11 +364,12 @@ def gpu_against_xla(spec, q, k, v):
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
 @pytest.mark.parametrize("D", [128, 256])
 def test_gpu_mosaic_gpu_ragged_softcap_gqa_and_gradients(D):
-    """Ragged lengths (1000 x 1500), soft-cap, GQA 4:1, D up to 256, and the gradients
-    (the Triton backward from this kernel's residuals) against the XLA lowering."""
+    """Ragged lengths (1000 x 1500), soft-cap, sinks, GQA 4:1, D up to 256, and the
+    gradients (the Triton backward from this kernel's residuals) against the XLA
+    lowering."""
     q, k, v = qkv(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=D, dtype=jnp.bfloat16, seed=1)
     spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(700), softcap=20.0,
-                         return_lse=True)
+                         sinks=jnp.linspace(-2.0, 2.0, 8), return_lse=True)
     gpu_against_xla(spec, q, k, v)
 
 
@@ -414,6 +432,8 @@ def test_cuda_kernel_choice(hopper):
     assert cuda_kernel(cfg, q16, None, None, masks.chunked(32)) is LOWERING
     assert cuda_kernel(cfg, q32, None, None, masks.causal()) is triton.LOWERING
     assert cuda_kernel(cfg, q16, jnp.zeros((128, 128)), None, None) is triton.LOWERING
+    # Sinks cost a per-row epilogue only: the same path as without them.
+    assert cuda_kernel(cfg, q16, None, jnp.zeros((4,)), masks.causal()) is LOWERING
     seg = masks.segments(jnp.zeros((1, 128), jnp.int32))
     assert cuda_kernel(cfg, q16, None, None, seg) is triton.LOWERING
     given = dataclasses.replace(cfg, block_sizes=fnattn.TritonBlockSizes())

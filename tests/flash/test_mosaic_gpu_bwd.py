@@ -69,38 +69,50 @@ def interpreted():
         yield table
 
 
+def _with_sinks(run, spec, sinks):
+    """``run(spec, q, k, v)`` as a function of ``(q, k, v)``, or of ``(q, k, v,
+    sinks)`` when ``sinks`` is given (the spec is static: its sinks travel apart)."""
+    if sinks is None:
+        return lambda q, k, v: run(spec, q, k, v)
+    return lambda q, k, v, s: run(spec.replace(sinks=s), q, k, v)
+
+
 @functools.partial(jax.jit, static_argnums=(0, 6))
-def _vjp(spec, q, k, v, d_out, d_lse, table):
-    def f(q, k, v):
+def _vjp(spec, q, k, v, d_out, d_lse, table, sinks):
+    def run(spec, q, k, v):
         res = core.run(spec, q, k, v, fn="flash", table=table)
         return res.out, res.lse
 
-    (out, lse), vjp = jax.vjp(f, q, k, v)
+    args = (q, k, v) if sinks is None else (q, k, v, sinks)
+    (out, lse), vjp = jax.vjp(_with_sinks(run, spec, sinks), *args)
     return out, lse, vjp((d_out, d_lse))
 
 
-def outputs_and_grads(spec, q, k, v, d_out, d_lse, table):
+def outputs_and_grads(spec, q, k, v, d_out, d_lse, table, sinks=None):
     """``(out, lse, (dq, dk, dv))`` through ``core.run`` with ``table``: the VJP for
-    the cotangents of ``out`` and ``lse``, under ``jit``."""
+    the cotangents of ``out`` and ``lse``, under ``jit``; with ``sinks`` (the
+    spec's, given apart) also their gradient, last."""
     try:
-        return jax.block_until_ready(_vjp(spec, q, k, v, d_out, d_lse, table))
+        return jax.block_until_ready(_vjp(spec, q, k, v, d_out, d_lse, table, sinks))
     except Exception:
         reset_after_failure()
         raise
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def reference(spec, q, k, v, d_out, d_lse):
-    """The float32 reference's ``(out, lse, (dq, dk, dv))``."""
-    def f(q, k, v):
+def reference(spec, q, k, v, d_out, d_lse, sinks=None):
+    """The float32 reference's ``(out, lse, (dq, dk, dv[, dsinks]))``."""
+    def run(spec, q, k, v):
         res = fnattn.reference(spec, q, k, v)
         return res.out, res.lse
 
-    (out, lse), vjp = jax.vjp(f, *(x.astype(jnp.float32) for x in (q, k, v)))
+    args = tuple(x.astype(jnp.float32) for x in (q, k, v))
+    args += () if sinks is None else (sinks,)
+    (out, lse), vjp = jax.vjp(_with_sinks(run, spec, sinks), *args)
     return out, lse, vjp((d_out.astype(jnp.float32), d_lse))
 
 
-def assert_grads_close(grads, ref_grads, *, tol=2e-2, names=("dq", "dk", "dv")):
+def assert_grads_close(grads, ref_grads, *, tol=2e-2, names=("dq", "dk", "dv", "dsinks")):
     for name, g, r in zip(names, grads, ref_grads):
         assert g.shape == r.shape, name
         g, r = f32(g), f32(r)
@@ -115,6 +127,10 @@ INTERPRET_CASES = {
     # (lse = -inf, zero gradients); GQA 2:1 accumulated over the group in-kernel.
     "causal_gqa_rows_that_see_nothing": (
         masks.causal(), {}, dict(Tq=128, Tk=64, Hq=2, Hkv=1, D=64), True),
+    # The same with a sink per head: rows that see no key have lse = the sink
+    # and still zero dq; d(sinks) against the reference's.
+    "causal_gqa_sinks": (
+        masks.causal(), dict(sinks=(0.5, -1.0)), dict(Tq=128, Tk=64, Hq=2, Hkv=1, D=64), True),
     # A sliding window, soft-cap and scale, ragged Tq != Tk (PARTIAL tiles from
     # the mask and from the ragged bound), the GQA group split over programs
     # (float32 partials), head dim 128 (two dQ column chunks), bfloat16.
@@ -132,15 +148,22 @@ def test_interpreted_gradients_match_reference(name, interpreted, monkeypatch):
     if whole_group:  # (the small problem would otherwise split the group)
         monkeypatch.setattr(triton, "MIN_DKDV_PROGRAMS", 0)
     q, k, v, d_out, d_lse = qkv(**sizes)
+    settings = dict(settings)
+    sinks = settings.pop("sinks", None)
+    sinks = None if sinks is None else jnp.array(sinks, jnp.float32)
     spec = AttentionSpec(mask=mask, return_lse=True, block_sizes=SMALL, **settings)
-    out, lse, grads = outputs_and_grads(spec, q, k, v, d_out, d_lse, interpreted)
-    r_out, r_lse, r_grads = reference(spec, q, k, v, d_out, d_lse)
+    out, lse, grads = outputs_and_grads(spec, q, k, v, d_out, d_lse, interpreted, sinks)
+    r_out, r_lse, r_grads = reference(spec, q, k, v, d_out, d_lse, sinks)
     np.testing.assert_allclose(f32(out), f32(r_out), atol=2e-2, rtol=2e-2)
     np.testing.assert_array_equal(np.isfinite(f32(lse)), np.isfinite(f32(r_lse)))
-    assert [g.dtype for g in grads] == [q.dtype, k.dtype, v.dtype]
+    np.testing.assert_allclose(f32(lse), f32(r_lse), atol=2e-2, rtol=2e-2)
+    dtypes = [q.dtype, k.dtype, v.dtype] + ([] if sinks is None else [jnp.float32])
+    assert [g.dtype for g in grads] == dtypes
     assert_grads_close(grads, r_grads)
-    if name == "causal_gqa_rows_that_see_nothing":
-        assert (f32(lse)[:, :, :64] == -np.inf).all()
+    if name.startswith("causal_gqa"):
+        rows_lse = -np.inf if sinks is None else np.asarray(sinks)[None, :, None]
+        np.testing.assert_array_equal(f32(lse)[:, :, :64],
+                                      np.broadcast_to(rows_lse, (1, 2, 64)))
         assert (f32(grads[0])[:, :64] == 0).all()  # (d_lse reaches them: still 0)
 
 
@@ -202,7 +225,6 @@ def cfg_of(*, D=64, Dv=None, dropout=0.0, Tq=128, Tk=128):
 
 @pytest.mark.parametrize("what, args, words", [
     ("bias", dict(bias=jnp.zeros((128, 128))), "a bias"),
-    ("sinks", dict(sinks=jnp.zeros((4,))), "attention sinks"),
     ("segments", dict(mask=masks.segments(jnp.zeros((1, 128), jnp.int32))),
      "a mask holding arrays"),
     ("float32", dict(dtype=jnp.float32), "float32 inputs"),
@@ -267,15 +289,17 @@ def test_gradient_lowers_for_cuda(D, mask, Hq, softcap):
     """The gradient lowers to Mosaic GPU custom calls only: the forward's and this
     backward's, and none of the Triton kernels. Ragged lengths 1000 x 1500 and
     2 kv heads: at D = 64 a GQA group of 4 split over programs (float32
-    partials), at 128 no GQA, at 192 and 256 the column split (columns 128 +
-    64 and 128 + 128) with a group of 2 in one program, soft-cap at 256."""
+    partials), at 128 no GQA and sinks, at 192 and 256 the column split (columns
+    128 + 64 and 128 + 128) with a group of 2 in one program, soft-cap at 256."""
     pytest.importorskip("absl")
     mask = {"causal": masks.causal(),
             "window": masks.causal() & masks.sliding_window(300),
             "chunks": masks.chunked(256) & masks.causal()}[mask]
     q = jax.ShapeDtypeStruct((2, 1000, Hq, D), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 1500, 2, D), jnp.bfloat16)
-    text = _lowered_grad(AttentionSpec(mask=mask, softcap=softcap, return_lse=True), q, k, k)
+    sinks = jnp.linspace(-1.0, 1.0, Hq) if D == 128 else None
+    text = _lowered_grad(AttentionSpec(mask=mask, softcap=softcap, sinks=sinks,
+                                       return_lse=True), q, k, k)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
     assert not re.search(r"fnattn_flash_(dq|dkdv|fwd)", text)
 
@@ -297,7 +321,7 @@ GPU_CASES = {
                                        dict(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=128)),
     "causal_softcap_gqa4_ragged_d256": (masks.causal(), 20.0,
                                         dict(B=1, Tq=1500, Tk=1000, Hq=8, Hkv=2, D=256)),
-    "none_d64": (None, None, dict(B=2, Tq=1024, Tk=1024, Hq=4, Hkv=4, D=64)),
+    "none_sinks_d64": (None, None, dict(B=2, Tq=1024, Tk=1024, Hq=4, Hkv=4, D=64)),
     "causal_d128_long": (masks.causal(), None, dict(B=1, Tq=4096, Tk=4096, Hq=4, Hkv=4, D=128)),
 }
 
@@ -307,7 +331,8 @@ GPU_CASES = {
 def test_gpu_gradients_match_xla(name):
     mask, softcap, sizes = GPU_CASES[name]
     q, k, v, d_out, d_lse = qkv(dtype=jnp.bfloat16, seed=1, **sizes)
-    spec = AttentionSpec(mask=mask, softcap=softcap, return_lse=True)
+    sinks = jnp.linspace(-1.0, 1.0, sizes["Hq"]) if "sinks" in name else None
+    spec = AttentionSpec(mask=mask, softcap=softcap, sinks=sinks, return_lse=True)
 
     @functools.partial(jax.jit, static_argnums=0)
     def go(table, q, k, v, d_out, d_lse):
@@ -342,6 +367,7 @@ def test_cuda_kernel_takes_this_backward_only_when_asked(monkeypatch):
     monkeypatch.setattr(mosaic_gpu, "available", lambda: None)
     assert cuda_kernel(bwd, q, None, None, masks.causal()) is mosaic_gpu_bwd.LOWERING
     assert cuda_kernel(bwd, q, None, None, None) is mosaic_gpu_bwd.LOWERING
+    assert cuda_kernel(bwd, q, None, jnp.zeros((4,)), None) is mosaic_gpu_bwd.LOWERING
     assert cuda_kernel(cfg, q, None, None, masks.causal()) is mosaic_gpu.LOWERING
     assert cuda_kernel(bwd, q, None, None, seg) is mosaic_gpu.LOWERING
     assert cuda_kernel(bwd, q.astype(jnp.float32), None, None, None) is triton.LOWERING
