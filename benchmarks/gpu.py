@@ -25,7 +25,8 @@ Sections:
   there ``fnattn`` (``impl="auto"``) runs the Triton kernels and
   ``fnattn:mosaic_gpu`` the Mosaic GPU forward's segment-id path (which
   ``impl="auto"`` picks only once it is timed: its TFLOP/s count the causal
-  FLOPs, so compare its time with ``fnattn:triton``'s and with the causal row's).
+  FLOPs, so compare its time with ``fnattn:triton``'s and with the causal row's),
+  and ``fnattn:mosaic_gpu_bwd`` that of the Mosaic GPU backward as well.
   Each fnattn row's output is compared with ``jax.nn:cudnn``'s (or the XLA
   one's) on the same inputs.
 * ``decode``: one new token per sequence against a contiguous cache

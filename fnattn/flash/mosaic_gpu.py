@@ -200,7 +200,7 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
     """
     why = maskless_refusals(cfg, dtype, bias, sinks)
     if mask is not None and mask.num_operands:
-        why += _operand_refusals(mask)
+        why += operand_refusals(mask)
     return why
 
 
@@ -236,8 +236,10 @@ def maskless_refusals(cfg, dtype, bias, sinks) -> list:
     return why
 
 
-def _operand_refusals(mask) -> list:
-    """What the kernel cannot read among the mask's arrays (shapes and dtypes only)."""
+def operand_refusals(mask) -> list:
+    """What the Mosaic GPU kernels cannot read among the mask's arrays (shapes and
+    dtypes only): arrays along both queries and keys, and non-integers or integers
+    wider than 32 bits."""
     why = []
     for op in jax.eval_shape(lambda m: m.operands(), mask):
         if op.shape[2] > 1 and op.shape[3] > 1:
@@ -338,7 +340,13 @@ class _Plan:
 
     def stack(self, kind):
         """``(count, along_b, along_h)`` of the arrays of ``kind``, or None."""
-        return next((s[1:] for s in self.stacks if s[0] == kind), None)
+        return stack_of(self.stacks, kind)
+
+
+def stack_of(stacks, kind):
+    """``(count, along_b, along_h)`` of the stacked mask arrays of ``kind`` in
+    ``stacks`` (:func:`id_arrays`), or None when there are none."""
+    return next((s[1:] for s in stacks if s[0] == kind), None)
 
 
 def _compat_transpose(ref):
@@ -652,10 +660,25 @@ def _schedule(cfg, mask, rows, bk):
     table = _static_table_of(cfg, mask)
     if table is not None:
         return table
-    d = cfg.dims
-    cls = masks.block_classes(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len, rows, bk,
-                              q_offset=cfg.q_offset)
-    return _one_list(jnp, triton._table(jnp, blocks.schedule, cls, False, 1))
+    return dynamic_schedule(mask, cfg.dims, cfg.q_offset, rows, bk)
+
+
+def dynamic_schedule(mask, dims, q_offset, block_rows, block_cols, *, transpose=False,
+                     heads_per_row=1):
+    """:func:`static_schedule`'s table for a mask holding arrays, computed in XLA
+    from them (:func:`fnattn.masks.block_classes`): a jnp int32 array of the same
+    layout, so that a new packing of documents does not recompile.
+
+    >>> from fnattn._checks import Dims
+    >>> ids = jnp.array([[0] * 64 + [1] * 192])
+    >>> t = dynamic_schedule(masks.segments(ids), Dims(1, 256, 256, 1, 1, 64, 64), None,
+    ...                      64, 128, transpose=True)
+    >>> t[0, 0].tolist()  # kv tile 0 (both documents): every q tile PARTIAL; 1: 3 FULL
+    [[0, 4, 0, 1, 2, 3], [3, 3, 1, 2, 3, 3]]
+    """
+    cls = masks.block_classes(mask, dims.batch, dims.num_q_heads, dims.q_len, dims.kv_len,
+                              block_rows, block_cols, q_offset=q_offset)
+    return _one_list(jnp, triton._table(jnp, blocks.schedule, cls, transpose, heads_per_row))
 
 
 @functools.lru_cache(maxsize=256)
@@ -716,11 +739,23 @@ def _one_list(xp, split):
     return xp.concatenate([nf, n, order], axis=-1).astype(np.int32)
 
 
-def _id_arrays(mask, Tqp, Tkp):
-    """The mask's arrays as the kernel reads them: int32, one stack per kind
-    (:data:`_KINDS`), each (B|1, H|1, n) for scalars or (B|1, H|1, n, T) padded
-    to whole tiles for rows and keys. Returns ``(operands, stacks, arrays)``,
-    the first two for :class:`_Plan`."""
+def id_arrays(mask, Tqp, Tkp):
+    """The mask's arrays as the Mosaic GPU kernels read them: int32, one stack
+    per kind (:data:`_KINDS`), each (B|1, H|1, n) for scalars or (B|1, H|1, n,
+    T) padded to ``Tqp`` rows or ``Tkp`` keys. Returns ``(operands, stacks,
+    arrays)``, the first two for the kernels' plans.
+
+    >>> ids = jnp.zeros((2, 100), jnp.int32)
+    >>> ops, stacks, arrays = id_arrays(masks.segments(ids) & masks.lengths(jnp.ones(2, int)),
+    ...                                 128, 256)
+    >>> ops  # the segment ids' query and key sides, then the lengths
+    (('rows', 0), ('cols', 0), ('scalar', 0))
+    >>> for (kind, n, along_b, along_h), x in zip(stacks, arrays):
+    ...     print(kind, n, along_b, along_h, x.shape)
+    scalar 1 True False (2, 1, 1)
+    rows 1 True False (2, 1, 1, 128)
+    cols 1 True False (2, 1, 1, 256)
+    """
     if mask is None or not mask.num_operands:
         return (), (), []
     groups = {kind: [] for kind in _KINDS}
@@ -781,7 +816,7 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     rows, bk = 2 * bs.block_q, bs.block_k
     Tqp, Tkp = -(-d.q_len // rows) * rows, -(-d.kv_len // bk) * bk
     table = _schedule(cfg, mask, rows, bk)
-    operands, stacks, id_arrays = _id_arrays(mask, Tqp, Tkp)
+    operands, stacks, ids = id_arrays(mask, Tqp, Tkp)
     n_kv = Tkp // bk
     P = _Plan(G=d.group, Tk=d.kv_len,
               offset=d.kv_len - d.q_len if cfg.q_offset is None else cfg.q_offset,
@@ -809,7 +844,7 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
         k, v = _hidden_keys_inert(k, v)
     extra = [] if sinks is None else [sinks.astype(F32)]
     out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(k, 1, Tkp), triton._pad(v, 1, Tkp),
-                     jnp.asarray(table), *id_arrays, *extra)
+                     jnp.asarray(table), *ids, *extra)
     lse, lse_lo = online.lse_parts(m[:, :, :d.q_len], l[:, :, :d.q_len], log=jnp.log2,
                                    scale=LN2)
     return out[:, :d.q_len], lse, lse_lo

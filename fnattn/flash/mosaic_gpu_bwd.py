@@ -40,13 +40,21 @@ through ``pl.run_state``); XLA scales and casts it afterwards. Shared memory
 169 KiB at D = 192 and 217 KiB at D = 256 (K and V 64, the ring 128, dS^T 8,
 dQ staging 16).
 
-Which query tiles a program visits comes from the mask's static block
-schedule, transposed (:func:`fnattn.flash.mosaic_gpu.static_schedule`: per kv
-tile, the q tiles that see it, FULL first; heads of a GQA group merged, a tile FULL only if FULL for
-all of them). FULL tiles run without mask code; PARTIAL ones evaluate the
-mask's predicate and the ragged-length bound elementwise; EMPTY ones are never
-loaded. Programs visit kv tiles in order: under causal-like masks the first
-ones, which see the most query tiles, start first.
+Which query tiles a program visits comes from the mask's block schedule,
+transposed (:func:`fnattn.flash.mosaic_gpu.static_schedule`: per kv tile, the q
+tiles that see it, FULL first; heads of a GQA group merged, a tile FULL only if
+FULL for all of them): a NumPy constant for array-free masks, computed in XLA
+from the arrays for masks holding them (segment ids, lengths, prefix-LM,
+positions; :func:`fnattn.flash.mosaic_gpu.dynamic_schedule`). FULL tiles run
+without mask code; PARTIAL ones evaluate the mask's predicate and the
+ragged-length bound elementwise; EMPTY ones are never loaded. The mask's
+arrays reach the predicate on the transposed tile in registers: the arrays
+along the keys (kv segment ids) are copied once per program with K and V and
+read along the tile's rows; those along the query rows (query segment ids,
+positions) ride with the step's Q and dO, for PARTIAL steps only, and are
+read along its columns; per-sequence values (lengths) are read as scalars.
+Programs visit kv tiles in order: under causal-like masks the first ones,
+which see the most query tiles, start first.
 
 Residuals are the forward's (those of every flash lowering): ``lse`` in
 natural log with ``lse_lo``. The wrapper folds them into ``lse2 = (lse +
@@ -72,9 +80,9 @@ summed in XLA (row split only).
 Supported: float16 / bfloat16, ``D == Dv``, ``D % 64 == 0``, ``D <= 256``,
 any scale, soft-cap, attention sinks (``P`` comes from the forward's ``lse``,
 which holds the sink; their gradient is a sum over the row statistics in XLA), GQA,
-ragged lengths, no mask or an array-free mask
-(causal, sliding windows, chunks and their ``&``, ``|``, ``~``): what the
-Mosaic GPU forward takes, less masks holding arrays. :func:`supports` lists what
+ragged lengths, no mask, an array-free mask (causal, sliding windows, chunks and
+their ``&``, ``|``, ``~``) or a mask holding per-row, per-key or per-sequence
+integer arrays: what the Mosaic GPU forward takes. :func:`supports` lists what
 else a spec asks for; :func:`backward` refuses it with ``NotImplementedError``.
 
 Not timed on a GPU yet, so impl="auto" runs it only when asked for:
@@ -111,7 +119,8 @@ from fnattn import _checks, masks
 from fnattn import _online as online
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks, mosaic_gpu, triton
-from fnattn.flash.mosaic_gpu import SMEM_BYTES, _compat_transpose, _in_layout, _iota, _plgpu
+from fnattn.flash.mosaic_gpu import (SMEM_BYTES, _compat_transpose, _in_layout, _iota, _load,
+                                     _plgpu)
 
 __all__ = ["MosaicGpuBwdBlockSizes", "LOWERING", "backward", "supports"]
 
@@ -163,9 +172,16 @@ class MosaicGpuBwdBlockSizes:
         """The deepest ring that leaves the shared memory of an H100 comfortable."""
         return cls(max_concurrent_steps=3 if head_dim <= 64 else 2)
 
-    def smem_bytes(self, head_dim: int, itemsize: int = 2) -> int:
+    def smem_bytes(self, head_dim: int, itemsize: int = 2, *, row_arrays: int = 0,
+                   key_arrays: int = 0) -> int:
         """Shared memory a program allocates: K and V, the Q / dO / statistics
-        ring, dS^T and the float32 staging of dQ chunks."""
+        ring, dS^T, the float32 staging of dQ chunks, and the int32 tiles of a
+        mask's per-row arrays (in the ring, ``row_arrays`` of them) and per-key
+        arrays (the program's keys, ``key_arrays`` of them).
+
+        >>> MosaicGpuBwdBlockSizes().smem_bytes(128, row_arrays=1, key_arrays=1)
+        198656
+        """
         ring = self.max_concurrent_steps
         if head_dim <= _ROW_SPLIT_MAX_D:
             keys, ds_tiles, stages = 2 * TILE, 2 * 2, 2
@@ -175,7 +191,8 @@ class MosaicGpuBwdBlockSizes:
         q_do = 2 * ring * TILE * head_dim * itemsize
         stats = ring * 2 * TILE * 4
         ds = ds_tiles * TILE * TILE * itemsize
-        return kv + q_do + stats + ds + stages * TILE * TILE * 4
+        ids = 4 * (ring * TILE * row_arrays + keys * key_arrays)
+        return kv + q_do + stats + ds + stages * TILE * TILE * 4 + ids
 
 
 # ----------------------------------------------------------------------------------
@@ -198,8 +215,11 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
     why = mosaic_gpu.maskless_refusals(cfg, dtype, bias, sinks)
     if mask is not None and not _checks.symbolic_sizes(B=d.batch, Tq=d.q_len, Tk=d.kv_len):
         if mask.num_operands:
-            why.append(f"a mask holding arrays ({mask!r}: segment ids, lengths, prefix "
-                       "lengths, array masks)")
+            why += mosaic_gpu.operand_refusals(mask)
+            if any(op.shape[1] > 1 and op.shape[3] > 1
+                   for op in jax.eval_shape(lambda m: m.operands(), mask)):
+                # (no fnattn mask holds such arrays: segment ids are per batch row)
+                why.append(f"a mask array along the keys that varies along heads ({mask!r})")
         elif masks.block_classes_static(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len,
                                         TILE, TILE, q_offset=cfg.q_offset) is None:
             why.append(f"a mask whose tile classes are not static ({mask!r})")
@@ -231,6 +251,12 @@ class _Plan:
     softcap: Optional[float]
     mask_treedef: object  # None without a mask
     interpreted: bool     # run by the Mosaic GPU interpreter
+    operands: tuple = ()  # per mask array, in the mask's order: (kind, index in its stack)
+    stacks: tuple = ()    # per kind present: (kind, count, along b, along h)
+
+    def stack(self, kind):
+        """``(count, along_b, along_h)`` of the mask arrays of ``kind``, or None."""
+        return mosaic_gpu.stack_of(self.stacks, kind)
 
     @property
     def row_split(self) -> bool:
@@ -280,6 +306,7 @@ class _Plan:
         return self.Tk % self.kv_rows != 0
 
     def table(self):
+        """The visiting table of an array-free mask (a NumPy constant)."""
         return mosaic_gpu.static_schedule(self.mask_treedef, self.B, self.Hq, self.Tq, self.Tk,
                                           TILE, self.kv_rows, self.q_offset, transpose=True,
                                           heads_per_row=self.Gp)
@@ -290,14 +317,18 @@ class _Plan:
 # ----------------------------------------------------------------------------------
 
 
-def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, dq_ref, dk_ref, dv_ref, *,
-            P: _Plan, sched_b: bool, sched_h: bool, dtype):
+def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sched_b: bool,
+            sched_h: bool, dtype):
     plgpu = _plgpu()
     ring, RG, CG = P.ring, P.row_groups, len(P.col_groups)
     full_cols = CG == 1
+    ids_ref = {s[0]: r for s, r in zip(P.stacks, refs)}
+    dq_ref, dk_ref, dv_ref = refs[len(P.stacks):]
+    n_rows = (P.stack("rows") or (0,))[0]
+    n_cols = (P.stack("cols") or (0,))[0]
 
     def body(q_smem, do_smem, k_smem, v_smem, st_smem, ds_smem, stage, ready, consumed,
-             kv_ready, pair, dq_bar):
+             kv_ready, pair, dq_bar, rows_smem, rows_ready, cols_smem):
         hp, tile, b = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
         kv0 = tile * P.kv_rows
@@ -321,6 +352,11 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, dq_ref, dk_ref, dv_r
             c0, w = P.col_groups[h]
             return () if full_cols else (pl.ds(c0, w),)
 
+        def ids_at(kind, head):
+            """The (batch|0, head|0) of ``head`` in the stacked mask arrays of ``kind``."""
+            _, along_b, along_h = P.stack(kind)
+            return (b if along_b else 0, head if along_h else 0)
+
         @pl.when(wg == 2)
         def _produce():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
@@ -330,6 +366,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, dq_ref, dk_ref, dv_r
                     plgpu.copy_gmem_to_smem(k_ref.at[keys + cols(h)], k_smem[h].at[r],
                                             kv_ready.at[0])
                     plgpu.copy_gmem_to_smem(v_ref.at[keys + cols(h)], v_smem[h].at[r],
+                                            kv_ready.at[0])
+                if n_cols:  # the mask's arrays along the program's keys: once
+                    at = ids_at("cols", 0) + (slice(None), pl.ds(kv0 + r * TILE, TILE))
+                    plgpu.copy_gmem_to_smem(ids_ref["cols"].at[at], cols_smem.at[r],
                                             kv_ready.at[0])
 
             def issue(t, slot):
@@ -342,6 +382,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, dq_ref, dk_ref, dv_r
                                             ready.at[slot])
                 plgpu.copy_gmem_to_smem(st_ref.at[b, head, pl.ds(0, 2), pl.ds(i * TILE, TILE)],
                                         st_smem.at[slot], ready.at[slot])
+                if n_rows:  # the arrays along the step's rows, for PARTIAL steps only
+                    @pl.when(t >= full_steps)
+                    def _():
+                        at = ids_at("rows", head) + (slice(None), pl.ds(i * TILE, TILE))
+                        plgpu.copy_gmem_to_smem(ids_ref["rows"].at[at], rows_smem.at[slot],
+                                                rows_ready.at[slot])
 
             for t in range(ring):  # fill the ring
                 pl.when(t < n_steps)(functools.partial(issue, jnp.int32(t), t))
@@ -363,9 +409,10 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, dq_ref, dk_ref, dv_r
         for c in range(2):
             pl.when(wg == c)(functools.partial(
                 _consume, c, P=P, dtype=dtype, b=b, hp=hp, kv0=kv0, n_steps=n_steps,
-                full_steps=full_steps, at_step=at_step, slot_of=slot_of,
+                full_steps=full_steps, at_step=at_step, slot_of=slot_of, ids_at=ids_at,
                 refs=(q_smem, do_smem, k_smem, v_smem, st_smem, ds_smem, stage, ready,
-                      consumed, kv_ready, pair, dq_bar, dq_ref, dk_ref, dv_ref)))
+                      consumed, kv_ready, pair, dq_bar, dq_ref, dk_ref, dv_ref),
+                id_refs=(ids_ref, rows_smem, rows_ready, cols_smem)))
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     staged = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
@@ -382,18 +429,23 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, dq_ref, dk_ref, dv_r
         plgpu.SMEM((n_stages, TILE, TILE), F32, transforms=staged),
         plgpu.Barrier(num_arrivals=2 * CG + 1, num_barriers=ring),
         plgpu.Barrier(num_arrivals=2, num_barriers=ring),
-        plgpu.Barrier(num_arrivals=2 * CG * RG),
+        plgpu.Barrier(num_arrivals=RG * (2 * CG + (1 if n_cols else 0))),
         plgpu.Barrier(num_arrivals=2),
         plgpu.Barrier(num_barriers=2) if P.interpreted else None,
+        plgpu.SMEM((ring, n_rows, TILE), jnp.int32) if n_rows else None,
+        plgpu.Barrier(num_barriers=ring) if n_rows else None,
+        plgpu.SMEM((RG, n_cols, TILE), jnp.int32) if n_cols else None,
         collective_axes="wg",
     )
 
 
-def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, slot_of, refs):
+def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, slot_of, ids_at,
+             refs, id_refs):
     """Consumer warpgroup ``c`` (static): its dK and dV, and its share of dQ."""
     plgpu = _plgpu()
     (q_smem, do_smem, k_smem, v_smem, st_smem, ds_smem, stage, ready, consumed, kv_ready,
      pair, dq_bar, dq_ref, dk_ref, dv_ref) = refs
+    ids_ref, rows_smem, rows_ready, cols_smem = id_refs
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
     RG, CG = P.row_groups, len(P.col_groups)
     mine_r = c if P.row_split else 0      # the key rows of this consumer (row group)
@@ -436,8 +488,26 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
             ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
         return lax.broadcast_in_dim(x, (TILE, TILE), [1])
 
+    def tile_operands(slot, head):
+        """The mask's arrays on the step's transposed tile (keys x queries), in
+        the mask's order: the query rows' arrays along its columns, the keys'
+        along its rows (registers only), per-sequence values as scalars."""
+        shape, ops = (TILE, TILE), []
+        for kind, n in P.operands:
+            if kind == "scalar":
+                ops.append(ids_ref["scalar"][ids_at("scalar", head) + (n,)])
+            elif kind == "rows":
+                x = _load(rows_smem.at[slot, n], plgpu.Layout.WGMMA.reduce(0), P)
+                ops.append(lax.broadcast_in_dim(x, shape, [1]))
+            else:
+                x = _load(cols_smem.at[mine_r, n], plgpu.Layout.WGMMA.reduce(1), P)
+                ops.append(lax.broadcast_in_dim(x, shape, [0]))
+        return ops
+
     def probs_and_ds(st, dpt, slot, i, head, partial):
-        visible = _visible_t(i, keys0, b, head, P) if partial else None
+        visible = None
+        if partial:
+            visible = _visible_t(i, keys0, b, head, tile_operands(slot, head), P)
         if P.softcap is None:
             x, c_ = st, P.scale * LOG2E
         else:  # logit = softcap * tanh(scale * s / softcap), its factor folded into c
@@ -495,6 +565,8 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
         slot = slot_of(t)
         i, head = at_step(t)
         plgpu.barrier_wait(ready.at[slot])
+        if partial and rows_ready is not None:
+            plgpu.barrier_wait(rows_ready.at[slot])
         st, dpt = scores(slot)
         pt, dst = probs_and_ds(st, dpt, slot, i, head, partial)
         dk, dv = accumulate(dk, dv, pt, dst, slot)
@@ -568,12 +640,13 @@ def _add_to_gmem(x, stage, dst, bar, P: _Plan):
     plgpu.copy_smem_to_gmem(stage, dst, reduction_op="add")
 
 
-def _visible_t(i, keys0, b, h, P: _Plan):
+def _visible_t(i, keys0, b, h, ops, P: _Plan):
     """Which (key, query) pairs of the transposed tile (keys ``keys0 ..``, q tile
-    ``i``) are visible (WGMMA layout), or None for all of them."""
+    ``i``) are visible (WGMMA layout), or None for all of them. ``ops``: the
+    mask's arrays on the tile."""
     qi = i * TILE + _iota((TILE, TILE), 1, P)
     kj = keys0 + _iota((TILE, TILE), 0, P)
-    return mosaic_gpu.visible_pairs(qi, kj, b, h, [], P.mask_treedef, P.offset,
+    return mosaic_gpu.visible_pairs(qi, kj, b, h, ops, P.mask_treedef, P.offset,
                                     P.Tk if P.ragged_k else None)
 
 
@@ -582,36 +655,39 @@ def _visible_t(i, keys0, b, h, P: _Plan):
 # ----------------------------------------------------------------------------------
 
 
-def _launch(P: _Plan, interpret, dtype, q, k, v, do, stats):
-    """``(dq float32 (B, Tqp, Hq, D), dk, dv (B, Tkp, Hp, D))`` of the padded inputs.
+def _launch(P: _Plan, interpret, dtype, q, k, v, do, stats, table, ids):
+    """``(dq float32 (B, Tqp, Hq, D), dk, dv (B, Tkp, Hp, D))`` of the padded inputs,
+    the visiting table and the mask's arrays (:func:`fnattn.flash.mosaic_gpu.id_arrays`).
 
-    Under ``vmap`` the mapped axis joins the batch (one launch), or, when the
-    schedule varies along the batch, the launches run one per mapped element.
+    Under ``vmap`` the mapped axis joins the batch (one launch) when nothing but
+    the inputs varies along it; otherwise (the schedule or the mask's arrays
+    vary along the batch or the mapped axis) the launches run one per mapped
+    element.
     """
 
     @jax.custom_batching.custom_vmap
-    def run(q, k, v, do, stats):
-        return _launch_now(P, interpret, dtype, q, k, v, do, stats)
+    def run(q, k, v, do, stats, table, ids):
+        return _launch_now(P, interpret, dtype, q, k, v, do, stats, table, ids)
 
     @run.def_vmap
-    def _rule(axis_size, in_batched, q, k, v, do, stats):
-        args = [x if bat else jnp.broadcast_to(x, (axis_size,) + x.shape)
-                for x, bat in zip((q, k, v, do, stats), in_batched)]
-        if P.table().shape[0] == 1:
+    def _rule(axis_size, in_batched, *args):
+        args = jax.tree.map(
+            lambda x, bat: x if bat else jnp.broadcast_to(x, (axis_size,) + x.shape),
+            args, tuple(in_batched))
+        if table.shape[0] == 1 and not ids and not in_batched[5]:
             wide = dataclasses.replace(P, B=axis_size * P.B)
             outs = _launch(wide, interpret, dtype,
-                           *(x.reshape((-1,) + x.shape[2:]) for x in args))
+                           *(x.reshape((-1,) + x.shape[2:]) for x in args[:5]), table, ids)
             outs = tuple(o.reshape((axis_size, P.B) + o.shape[1:]) for o in outs)
         else:
-            outs = lax.map(lambda a: _launch(P, interpret, dtype, *a), tuple(args))
+            outs = lax.map(lambda a: _launch(P, interpret, dtype, *a), args)
         return outs, (True, True, True)
 
-    return run(q, k, v, do, stats)
+    return run(q, k, v, do, stats, jnp.asarray(table), list(ids))
 
 
-def _launch_now(P: _Plan, interpret, dtype, q, k, v, do, stats):
+def _launch_now(P: _Plan, interpret, dtype, q, k, v, do, stats, table, ids):
     plgpu = _plgpu()
-    table = P.table()
     call = functools.partial(
         pl.kernel,
         functools.partial(_kernel, P=P, sched_b=table.shape[0] > 1, sched_h=table.shape[1] > 1,
@@ -621,7 +697,7 @@ def _launch_now(P: _Plan, interpret, dtype, q, k, v, do, stats):
                         thread_name="wg"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         name="fnattn_flash_mosaic_gpu_bwd")
-    args = (q, k, v, do, stats, jnp.asarray(table))
+    args = (q, k, v, do, stats, table, *ids)
     dq_type = jax.ShapeDtypeStruct((P.B, P.Tqp, P.Hq, P.D), F32)
     kv_type = jax.ShapeDtypeStruct((P.B, P.Tkp, P.Hp, P.D), dtype if P.direct else F32)
     if interpret:
@@ -646,13 +722,17 @@ def _blocks_for(cfg):
                        MosaicGpuBwdBlockSizes.default(cfg.dims.head_dim))
 
 
-def _plan(cfg, mask, interpret) -> _Plan:
+def _plan(cfg, mask, interpret, operands=(), stacks=()) -> _Plan:
+    """The kernel's plan; ``operands`` and ``stacks``: those of the mask's arrays
+    (:func:`fnattn.flash.mosaic_gpu.id_arrays`)."""
     d = cfg.dims
     bs = _blocks_for(cfg)
-    if bs.smem_bytes(d.head_dim) > SMEM_BYTES:
+    count = lambda kind: (mosaic_gpu.stack_of(stacks, kind) or (0,))[0]  # noqa: E731
+    need = bs.smem_bytes(d.head_dim, row_arrays=count("rows"), key_arrays=count("cols"))
+    if need > SMEM_BYTES:
         raise ValueError(
             f"flash: MosaicGpuBwdBlockSizes(max_concurrent_steps={bs.max_concurrent_steps}) "
-            f"needs {bs.smem_bytes(d.head_dim)} bytes of shared memory at head dim "
+            f"needs {need} bytes of shared memory at head dim "
             f"{d.head_dim}, more than the {SMEM_BYTES} of a Hopper block; use a smaller "
             "max_concurrent_steps")
     row_split = d.head_dim <= _ROW_SPLIT_MAX_D
@@ -666,7 +746,7 @@ def _plan(cfg, mask, interpret) -> _Plan:
                  D=d.head_dim, ring=bs.max_concurrent_steps, scale=float(cfg.scale),
                  softcap=None if cfg.softcap is None else float(cfg.softcap),
                  mask_treedef=None if mask is None else jax.tree_util.tree_structure(mask),
-                 interpreted=bool(interpret))
+                 interpreted=bool(interpret), operands=tuple(operands), stacks=tuple(stacks))
 
 
 def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, *,
@@ -685,6 +765,14 @@ def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_l
     _refuse(cfg, q.dtype, mask, bias, sinks)
     d = cfg.dims
     P = _plan(cfg, mask, interpret)
+    ids = []
+    if mask is not None and mask.num_operands:  # its table and arrays from XLA
+        operands, stacks, ids = mosaic_gpu.id_arrays(mask, P.Tqp, P.Tkp)
+        P = _plan(cfg, mask, interpret, operands, stacks)
+        table = mosaic_gpu.dynamic_schedule(mask, d, cfg.q_offset, TILE, P.kv_rows,
+                                            transpose=True, heads_per_row=P.Gp)
+    else:
+        table = P.table()
     # delta folds in the lse cotangent: dS = P * (dP - (rowsum(dO * O) - d_lse)).
     delta = online.delta_rows(out, d_out, d_lse)
     # P = exp2(s * c - lse2): +inf where lse is not finite (rows that saw
@@ -698,7 +786,7 @@ def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_l
         k, v, _ = online.finite_keys(k, v)
     dq, dk, dv = _launch(P, interpret, q.dtype, triton._pad(q, 1, P.Tqp),
                          triton._pad(k, 1, P.Tkp), triton._pad(v, 1, P.Tkp),
-                         triton._pad(d_out.astype(q.dtype), 1, P.Tqp), stats)
+                         triton._pad(d_out.astype(q.dtype), 1, P.Tqp), stats, table, ids)
     dq = (dq[:, :d.q_len] * P.scale).astype(q.dtype)
 
     def finish(x, dtype):

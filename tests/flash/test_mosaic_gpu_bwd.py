@@ -71,13 +71,13 @@ def interpreted():
 
 def _with_sinks(run, spec, sinks):
     """``run(spec, q, k, v)`` as a function of ``(q, k, v)``, or of ``(q, k, v,
-    sinks)`` when ``sinks`` is given (the spec is static: its sinks travel apart)."""
+    sinks)`` when ``sinks`` is given (differentiated: the spec's travel apart)."""
     if sinks is None:
         return lambda q, k, v: run(spec, q, k, v)
     return lambda q, k, v, s: run(spec.replace(sinks=s), q, k, v)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 6))
+@functools.partial(jax.jit, static_argnums=6)
 def _vjp(spec, q, k, v, d_out, d_lse, table, sinks):
     def run(spec, q, k, v):
         res = core.run(spec, q, k, v, fn="flash", table=table)
@@ -99,7 +99,7 @@ def outputs_and_grads(spec, q, k, v, d_out, d_lse, table, sinks=None):
         raise
 
 
-@functools.partial(jax.jit, static_argnums=0)
+@jax.jit
 def reference(spec, q, k, v, d_out, d_lse, sinks=None):
     """The float32 reference's ``(out, lse, (dq, dk, dv[, dsinks]))``."""
     def run(spec, q, k, v):
@@ -186,6 +186,50 @@ def test_interpreted_poisoned_hidden_keys(interpreted):
     assert np.isnan(f32(dq)[0, bad_v - 16:bad_k + 17]).any(axis=-1).all()
 
 
+def documents(*lengths):
+    """Segment ids of consecutive documents of the given lengths, numbered from 0."""
+    return np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
+
+
+def test_interpreted_segments_lengths_and_poisoned_hidden_keys(interpreted):
+    """Segment ids and key lengths (the table from XLA, the query rows' ids
+    streamed with Q on PARTIAL steps, the keys' ids loaded once): batch 0 has
+    one query document and keys of two (FULL, PARTIAL and EMPTY tiles);
+    batch 1's rows of document 9 see no key (zero dq) and keys past the length
+    are hidden. NaN and inf on keys no row sees leave every gradient equal to
+    the clean reference's (zero for those keys)."""
+    q, k, v, d_out, d_lse = qkv(B=2, Tq=128, Tk=192, seed=3)
+    q_ids = np.stack([documents(128), np.r_[documents(30, 50), [9] * 10, [2] * 38]])
+    kv_ids = np.stack([documents(104, 88), documents(40, 60, 92)])
+    mask = (masks.segments(jnp.asarray(q_ids), jnp.asarray(kv_ids))
+            & masks.lengths(kv_lengths=jnp.array([192, 150])))
+    spec = AttentionSpec(mask=mask, return_lse=True, block_sizes=SMALL)
+    k2 = k.at[0, 110, 0, 4].set(jnp.inf).at[1, 170, 0, 1].set(jnp.nan)
+    v2 = v.at[0, 120, 0, 2].set(jnp.nan).at[1, 160, 0, 0].set(-jnp.inf)
+    out, lse, grads = outputs_and_grads(spec, q, k2, v2, d_out, d_lse, interpreted)
+    r_out, r_lse, r_grads = reference(spec, q, k, v, d_out, d_lse)
+    np.testing.assert_allclose(f32(out), f32(r_out), atol=2e-2, rtol=2e-2)
+    np.testing.assert_array_equal(np.isfinite(f32(lse)), np.isfinite(f32(r_lse)))
+    assert_grads_close(grads, r_grads)
+    assert (f32(grads[0])[1, 80:90] == 0).all()
+    assert (f32(grads[1])[0, 104:] == 0).all() and (f32(grads[2])[1, 150:] == 0).all()
+
+
+def test_interpreted_causal_segments_gqa_ragged(interpreted, monkeypatch):
+    """Causal & segments with queries aligned to the last keys, ragged 100 x 150,
+    GQA 2:1 over the group in one program, head dim 128, bfloat16."""
+    monkeypatch.setattr(triton, "MIN_DKDV_PROGRAMS", 0)
+    q, k, v, d_out, d_lse = qkv(Tq=100, Tk=150, Hq=2, Hkv=1, D=128, dtype=jnp.bfloat16,
+                                seed=4)
+    kv_ids = documents(40, 70, 40)
+    mask = masks.causal() & masks.segments(jnp.asarray(kv_ids[None, 50:]),
+                                           jnp.asarray(kv_ids[None]))
+    spec = AttentionSpec(mask=mask, return_lse=True, block_sizes=SMALL)
+    _, _, grads = outputs_and_grads(spec, q, k, v, d_out, d_lse, interpreted)
+    _, _, r_grads = reference(spec, q, k, v, d_out, d_lse)
+    assert_grads_close(grads, r_grads)
+
+
 # ----------------------------------------------------------------------------------
 # Tables, block sizes and what the kernel refuses
 # ----------------------------------------------------------------------------------
@@ -225,8 +269,10 @@ def cfg_of(*, D=64, Dv=None, dropout=0.0, Tq=128, Tk=128):
 
 @pytest.mark.parametrize("what, args, words", [
     ("bias", dict(bias=jnp.zeros((128, 128))), "a bias"),
-    ("segments", dict(mask=masks.segments(jnp.zeros((1, 128), jnp.int32))),
-     "a mask holding arrays"),
+    ("from_array", dict(mask=masks.from_array(jnp.ones((128, 128), bool))),
+     "a mask array that varies along both queries and keys"),
+    ("float_lengths", dict(mask=masks.lengths(kv_lengths=jnp.zeros((1,), jnp.float32))),
+     "a mask array of dtype float32"),
     ("float32", dict(dtype=jnp.float32), "float32 inputs"),
     ("d80", dict(cfg=cfg_of(D=80)), "head dim D=80"),
     ("d320", dict(cfg=cfg_of(D=320)), "head dim D=320"),
@@ -255,7 +301,8 @@ def test_supports_array_free_masks():
 
 def test_block_sizes_fit_shared_memory():
     for D in (64, 128, 192, 256):
-        assert MosaicGpuBwdBlockSizes.default(D).smem_bytes(D) <= mosaic_gpu.SMEM_BYTES
+        assert MosaicGpuBwdBlockSizes.default(D).smem_bytes(
+            D, row_arrays=2, key_arrays=2) <= mosaic_gpu.SMEM_BYTES
     assert MosaicGpuBwdBlockSizes(max_concurrent_steps=3).smem_bytes(256) > mosaic_gpu.SMEM_BYTES
     cfg = dataclasses.replace(cfg_of(D=256),
                               block_sizes=MosaicGpuBwdBlockSizes(max_concurrent_steps=3))
@@ -304,10 +351,36 @@ def test_gradient_lowers_for_cuda(D, mask, Hq, softcap):
     assert not re.search(r"fnattn_flash_(dq|dkdv|fwd)", text)
 
 
+@pytest.mark.parametrize("D, name", [(64, "causal_segments"), (128, "lengths_prefix_lm"),
+                                     (256, "at_positions")])
+def test_gradient_lowers_for_cuda_with_array_masks(D, name):
+    """Masks holding arrays, at the row split (64, 128; GQA 4:1 split over
+    programs at 64) and the column split (256): still only the two Mosaic GPU
+    custom calls."""
+    pytest.importorskip("absl")
+    B, T = 2, 1000
+    ids = jnp.asarray(np.stack([documents(300, 700), documents(250, 250, 500)]))
+    mask = {"causal_segments": masks.causal() & masks.segments(ids.astype(jnp.int16)),
+            "lengths_prefix_lm": masks.prefix_lm(jnp.full((B,), 100))
+            & masks.lengths(jnp.full((B,), 900), jnp.full((B,), 800)),
+            "at_positions": masks.at_positions(masks.causal() & masks.segments(ids),
+                                               jnp.arange(T) + 500, jnp.arange(T))}[name]
+    q = jax.ShapeDtypeStruct((B, T, 8, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, T, 2, D), jnp.bfloat16)
+    text = _lowered_grad(AttentionSpec(mask=mask, return_lse=True), q, k, k)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+    assert not re.search(r"fnattn_flash_(dq|dkdv|fwd)", text)
+
+
 def test_vmapped_gradient_lowers_for_cuda():
     pytest.importorskip("absl")
     q = jax.ShapeDtypeStruct((3, 1, 256, 2, 128), jnp.float16)
     text = _lowered_grad(AttentionSpec(mask=masks.causal(), return_lse=True), q, q, q,
+                         vmapped=True)
+    assert re.search(r"custom_call @mosaic_gpu", text)
+    # Segment ids shared by the mapped elements: one launch per element.
+    ids = jnp.asarray(documents(100, 156)[None])
+    text = _lowered_grad(AttentionSpec(mask=masks.segments(ids), return_lse=True), q, q, q,
                          vmapped=True)
     assert re.search(r"custom_call @mosaic_gpu", text)
 
@@ -323,6 +396,12 @@ GPU_CASES = {
                                         dict(B=1, Tq=1500, Tk=1000, Hq=8, Hkv=2, D=256)),
     "none_sinks_d64": (None, None, dict(B=2, Tq=1024, Tk=1024, Hq=4, Hkv=4, D=64)),
     "causal_d128_long": (masks.causal(), None, dict(B=1, Tq=4096, Tk=4096, Hq=4, Hkv=4, D=128)),
+    # Packed documents (segment ids), the queries those of the last 1000 keys.
+    "causal_segments_gqa4_ragged_d128": (
+        masks.causal() & masks.segments(
+            jnp.asarray(np.stack([documents(300, 200, 500), documents(500, 100, 90, 310)])),
+            jnp.asarray(np.stack([documents(800, 200, 500), documents(1000, 100, 90, 310)]))),
+        None, dict(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=128)),
 }
 
 
@@ -355,9 +434,9 @@ def test_gpu_gradients_match_xla(name):
 
 def test_cuda_kernel_takes_this_backward_only_when_asked(monkeypatch):
     """On Hopper (stood in for), ``MosaicGpuBwdBlockSizes`` in the spec gives the
-    Mosaic GPU forward and backward; without them, or for a spec this backward
-    refuses (segment ids), the Mosaic GPU forward keeps the Triton backward; and
-    ``TritonBlockSizes`` or a GPU other than Hopper give Triton throughout."""
+    Mosaic GPU forward and backward (segment ids included); without them the
+    Mosaic GPU forward keeps the Triton backward; and ``TritonBlockSizes`` or a
+    GPU other than Hopper give Triton throughout."""
     from fnattn.flash.api import cuda_kernel
     cfg = cfg_of()
     q = jnp.zeros((1, 128, 4, 64), jnp.bfloat16)
@@ -369,7 +448,7 @@ def test_cuda_kernel_takes_this_backward_only_when_asked(monkeypatch):
     assert cuda_kernel(bwd, q, None, None, None) is mosaic_gpu_bwd.LOWERING
     assert cuda_kernel(bwd, q, None, jnp.zeros((4,)), None) is mosaic_gpu_bwd.LOWERING
     assert cuda_kernel(cfg, q, None, None, masks.causal()) is mosaic_gpu.LOWERING
-    assert cuda_kernel(bwd, q, None, None, seg) is mosaic_gpu.LOWERING
+    assert cuda_kernel(bwd, q, None, None, seg) is mosaic_gpu_bwd.LOWERING
     assert cuda_kernel(bwd, q.astype(jnp.float32), None, None, None) is triton.LOWERING
     both = dataclasses.replace(cfg, block_sizes=(MosaicGpuBwdBlockSizes(),
                                                  fnattn.TritonBlockSizes()))
