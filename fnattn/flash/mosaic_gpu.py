@@ -50,6 +50,11 @@ logits are set to -inf on PARTIAL tiles, and for masked specs the wrapper makes
 non-finite keys inert first (:func:`_hidden_keys_inert`: one elementwise pass
 over K and V).
 
+Dropout draws :func:`fnattn.dropout.keep_mask` on every visited tile from the
+rows' and keys' global indices (the same bits as every other lowering): the
+denominator keeps every weight, ``P V`` only the kept ones, scaled by
+``1 / (1 - rate)``; the backward draws the same mask again.
+
 Attention sinks (one logit per query head, float32) join each row's state after
 its last tile (:func:`fnattn._online.sink_rescale`): they add to the denominator
 and to ``lse``, never to the output's numerator.
@@ -61,17 +66,18 @@ are those of the Triton lowering, whose backward kernels :data:`LOWERING`
 reuses.
 
 Supported: float16 / bfloat16, ``D == Dv``, ``D % 64 == 0``, ``D <= 256``, any
-scale, soft-cap, attention sinks, GQA, no mask, an array-free mask (causal, sliding windows,
-chunks and their ``&``, ``|``, ``~``) or a mask holding per-row, per-key or
-per-sequence integer arrays (segments, lengths, prefix-LM, ``at_positions``,
-combined with the others). :func:`supports` lists what else a spec asks for;
-:func:`forward` refuses it with ``NotImplementedError``.
+scale, soft-cap, attention sinks, dropout, GQA, no mask, an array-free mask
+(causal, sliding windows, chunks and their ``&``, ``|``, ``~``) or a mask
+holding per-row, per-key or per-sequence integer arrays (segments, lengths,
+prefix-LM, ``at_positions``, combined with the others). :func:`supports` lists
+what else a spec asks for; :func:`forward` refuses it with
+``NotImplementedError``.
 
 impl="auto" on a Hopper GPU (:func:`route`) runs this kernel for the specs it
-takes, except those whose mask holds arrays: their path has not been timed on
-an H100 yet (:func:`_explicit_only`), so they run here only when the spec's
-block sizes include :class:`MosaicGpuBlockSizes`, and on the Triton kernels
-otherwise.
+takes, except those whose mask holds arrays and those with dropout: their paths
+have not been timed on an H100 yet (:func:`_explicit_only`), so they run here
+only when the spec's block sizes include :class:`MosaicGpuBlockSizes`, and on
+the Triton kernels otherwise.
 
 >>> import jax.numpy as jnp
 >>> from fnattn import masks
@@ -98,7 +104,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fnattn import _checks, masks
+from fnattn import _checks, dropout, masks
 from fnattn import _online as online
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks, triton
@@ -206,24 +212,22 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
 
 def maskless_refusals(cfg, dtype, bias, sinks) -> list:
     """What the Mosaic GPU kernels (this forward and :mod:`fnattn.flash.mosaic_gpu_bwd`)
-    refuse apart from the mask: a bias, dropout, dtypes other than
-    float16/bfloat16, head dims, symbolic sizes.
+    refuse apart from the mask: a bias, dtypes other than float16/bfloat16,
+    head dims, symbolic sizes.
 
     >>> from fnattn._checks import Dims
     >>> from fnattn._dispatch import Config
     >>> cfg = Config(Dims(1, 256, 256, 4, 2, 96, 96), 0.1, None, 0.2, None)
-    >>> for why in maskless_refusals(cfg, jnp.bfloat16, jnp.zeros((1, 4, 256, 256)), None):
+    >>> for why in maskless_refusals(cfg, jnp.float32, jnp.zeros((1, 4, 256, 256)), None):
     ...     print(why)
     a bias (the kernel adds nothing to the logits)
-    dropout (rate 0.2)
+    float32 inputs (the kernel takes float16 or bfloat16)
     head dim D=96 (the kernel takes multiples of 64 up to 256)
     """
     d = cfg.dims
     why = []
     if bias is not None:
         why.append("a bias (the kernel adds nothing to the logits)")
-    if cfg.dropout_rate > 0:
-        why.append(f"dropout (rate {cfg.dropout_rate})")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         why.append(f"{jnp.dtype(dtype).name} inputs (the kernel takes float16 or bfloat16)")
     if d.head_dim != d.v_head_dim:
@@ -277,11 +281,13 @@ def _explicit_only(cfg, mask) -> bool:
 
     True for masks whose visiting table is computed in XLA (masks holding
     arrays: segment ids, lengths, prefix lengths, positions), whose arrays the
-    kernel streams per tile. That path has not been timed on an H100 yet:
-    until a measurement shows it at >= 80 % of the dense rate per visited tile,
-    impl="auto" keeps such specs on the Triton kernels.
+    kernel streams per tile, and for dropout, whose keep mask is a hash of
+    every (row, key) pair on every tile. Neither path has been timed on an
+    H100 yet: until a measurement shows the first at >= 80 % of the dense rate
+    per visited tile and the second ahead of the Triton kernel, impl="auto"
+    keeps such specs on the Triton kernels.
     """
-    return mask is not None and _static_table_of(cfg, mask) is None
+    return cfg.dropout_rate > 0 or (mask is not None and _static_table_of(cfg, mask) is None)
 
 
 def route(cfg, dtype, mask, bias, sinks) -> bool:
@@ -331,6 +337,7 @@ class _Plan:
     sched_h: bool
     interpreted: bool     # run by the Mosaic GPU interpreter
     sinks: bool = False   # one sink logit per query head, joined to each row's state
+    rate: float = 0.0     # dropout rate (0: none)
     operands: tuple = ()  # per mask array, in the mask's order: (kind, index in its stack)
     stacks: tuple = ()    # per kind present, in _KINDS order: (kind, count, along b, along h)
 
@@ -363,6 +370,7 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
     ids_ref = {s[0]: r for s, r in zip(P.stacks, refs)}
     refs = refs[len(P.stacks):]
     sinks_ref, refs = (refs[0], refs[1:]) if P.sinks else (None, refs)
+    seed_ref, refs = (refs[0], refs[1:]) if P.rate > 0 else (None, refs)
     o_ref, m_ref, l_ref = refs
     n_rows = (P.stack("rows") or (0,))[0]
     n_cols = (P.stack("cols") or (0,))[0]
@@ -415,6 +423,7 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
             if P.stack("scalar") is not None:
                 at = ids_at("scalar")
                 scalars = [ids_ref["scalar"][at + (c,)] for c in range(P.stack("scalar")[0])]
+            seed = None if seed_ref is None else dropout.seed_words(seed_ref)
 
             @pl.when(n_seen > 0)
             def _():
@@ -469,6 +478,9 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                if seed is not None:  # the denominator keeps every weight; P V the kept ones
+                    p = jnp.where(_keep(seed, q0, kv_tile(t), b, h, P), p * (1 / (1 - P.rate)),
+                                  0.0)
                 p = p.astype(dtype)
                 plgpu.barrier_arrive(S.turn)
                 plgpu.barrier_wait(S.v_ready.at[slot])
@@ -609,6 +621,14 @@ def _tile_operands(scalars, row_ids, kv_ids, P: _Plan):
             "rows": lambda i: lax.broadcast_in_dim(row_ids[i], shape, [0]),
             "cols": lambda i: lax.broadcast_in_dim(kv_ids[i], shape, [1])}
     return [pick[kind](i) for kind, i in P.operands]
+
+
+def _keep(seed, q0, j, b, h, P: _Plan):
+    """Dropout's keep mask on kv-tile ``j`` of the consumer's rows ``q0 ..`` (WGMMA
+    layout): :func:`fnattn.dropout.keep_mask` at the rows' and keys' indices."""
+    qi = q0 + _iota((P.bq, P.bk), 0, P)
+    kj = j * P.bk + _iota((P.bq, P.bk), 1, P)
+    return dropout.keep_mask(seed, b, h, qi, kj, P.rate)
 
 
 def _visible(q0, j, b, h, ops, P: _Plan):
@@ -808,7 +828,6 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     GPU, or the parameters of the Mosaic GPU interpreter (:func:`interpret_params`)
     to run the same kernel on CPU.
     """
-    del seed  # dropout is refused
     _refuse(cfg, q.dtype, mask, bias, sinks)
     plgpu = _plgpu()
     d = cfg.dims
@@ -826,8 +845,8 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
               mask_treedef=None if mask is None else jax.tree_util.tree_structure(mask),
               ragged_k=d.kv_len % bk != 0,
               sched_b=table.shape[0] > 1, sched_h=table.shape[1] > 1,
-              interpreted=bool(interpret), sinks=sinks is not None, operands=operands,
-              stacks=stacks)
+              interpreted=bool(interpret), sinks=sinks is not None,
+              rate=float(cfg.dropout_rate), operands=operands, stacks=stacks)
     rows_out = jax.ShapeDtypeStruct((d.batch, d.num_q_heads, Tqp), F32)
     call = plgpu.kernel(
         functools.partial(_kernel, P=P, dtype=q.dtype),
@@ -843,6 +862,8 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     if mask is not None:
         k, v = _hidden_keys_inert(k, v)
     extra = [] if sinks is None else [sinks.astype(F32)]
+    if cfg.dropout_rate > 0:
+        extra.append(seed)
     out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(k, 1, Tkp), triton._pad(v, 1, Tkp),
                      jnp.asarray(table), *ids, *extra)
     lse, lse_lo = online.lse_parts(m[:, :, :d.q_len], l[:, :, :d.q_len], log=jnp.log2,

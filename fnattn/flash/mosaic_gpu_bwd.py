@@ -79,7 +79,9 @@ summed in XLA (row split only).
 
 Supported: float16 / bfloat16, ``D == Dv``, ``D % 64 == 0``, ``D <= 256``,
 any scale, soft-cap, attention sinks (``P`` comes from the forward's ``lse``,
-which holds the sink; their gradient is a sum over the row statistics in XLA), GQA,
+which holds the sink; their gradient is a sum over the row statistics in XLA),
+dropout (the forward's keep mask drawn again on the transposed tile: ``dV``
+takes the kept weights, ``dP`` is masked and scaled alike), GQA,
 ragged lengths, no mask, an array-free mask (causal, sliding windows, chunks and
 their ``&``, ``|``, ``~``) or a mask holding per-row, per-key or per-sequence
 integer arrays: what the Mosaic GPU forward takes. :func:`supports` lists what
@@ -115,7 +117,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fnattn import _checks, masks
+from fnattn import _checks, dropout, masks
 from fnattn import _online as online
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks, mosaic_gpu, triton
@@ -253,6 +255,7 @@ class _Plan:
     interpreted: bool     # run by the Mosaic GPU interpreter
     operands: tuple = ()  # per mask array, in the mask's order: (kind, index in its stack)
     stacks: tuple = ()    # per kind present: (kind, count, along b, along h)
+    rate: float = 0.0     # dropout rate (0: none)
 
     def stack(self, kind):
         """``(count, along_b, along_h)`` of the mask arrays of ``kind``, or None."""
@@ -323,7 +326,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
     ring, RG, CG = P.ring, P.row_groups, len(P.col_groups)
     full_cols = CG == 1
     ids_ref = {s[0]: r for s, r in zip(P.stacks, refs)}
-    dq_ref, dk_ref, dv_ref = refs[len(P.stacks):]
+    refs = refs[len(P.stacks):]
+    seed_ref, refs = (refs[0], refs[1:]) if P.rate > 0 else (None, refs)
+    dq_ref, dk_ref, dv_ref = refs
     n_rows = (P.stack("rows") or (0,))[0]
     n_cols = (P.stack("cols") or (0,))[0]
 
@@ -412,7 +417,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
                 full_steps=full_steps, at_step=at_step, slot_of=slot_of, ids_at=ids_at,
                 refs=(q_smem, do_smem, k_smem, v_smem, st_smem, ds_smem, stage, ready,
                       consumed, kv_ready, pair, dq_bar, dq_ref, dk_ref, dv_ref),
-                id_refs=(ids_ref, rows_smem, rows_ready, cols_smem)))
+                id_refs=(ids_ref, rows_smem, rows_ready, cols_smem), seed_ref=seed_ref))
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     staged = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
@@ -440,12 +445,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
 
 
 def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, slot_of, ids_at,
-             refs, id_refs):
+             refs, id_refs, seed_ref):
     """Consumer warpgroup ``c`` (static): its dK and dV, and its share of dQ."""
     plgpu = _plgpu()
     (q_smem, do_smem, k_smem, v_smem, st_smem, ds_smem, stage, ready, consumed, kv_ready,
      pair, dq_bar, dq_ref, dk_ref, dv_ref) = refs
     ids_ref, rows_smem, rows_ready, cols_smem = id_refs
+    seed = None if seed_ref is None else dropout.seed_words(seed_ref)
     plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
     RG, CG = P.row_groups, len(P.col_groups)
     mine_r = c if P.row_split else 0      # the key rows of this consumer (row group)
@@ -516,12 +522,17 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
         if visible is not None:
             x = jnp.where(visible, x, -jnp.inf)
         pt = jnp.exp2(x * c_ - row_stat(slot, 0))
+        pvt = pt  # the weights dV sees: the kept ones, scaled
+        if seed is not None:  # the forward's keep mask, drawn again
+            keep = _keep_t(seed, i, keys0, b, head, P)
+            pvt = jnp.where(keep, pt * (1 / (1 - P.rate)), 0.0)
+            dpt = jnp.where(keep, dpt * (1 / (1 - P.rate)), 0.0)
         dst = pt * (dpt - row_stat(slot, 1))
         if P.softcap is not None:
             dst = dst * (1.0 - th * th)
         if visible is not None:  # exactly 0 for hidden keys, whatever dP holds there
             dst = jnp.where(visible, dst, 0.0)
-        return pt.astype(dtype), dst.astype(dtype)
+        return pvt.astype(dtype), dst.astype(dtype)
 
     def accumulate(dk, dv, pt, dst, slot):
         """dV += P^T dO and dK += dS^T Q over this consumer's columns."""
@@ -640,6 +651,15 @@ def _add_to_gmem(x, stage, dst, bar, P: _Plan):
     plgpu.copy_smem_to_gmem(stage, dst, reduction_op="add")
 
 
+def _keep_t(seed, i, keys0, b, h, P: _Plan):
+    """Dropout's keep mask on the transposed tile (keys ``keys0 ..``, q tile ``i``):
+    :func:`fnattn.dropout.keep_mask` at the rows' and keys' indices, as the
+    forward draws it."""
+    qi = i * TILE + _iota((TILE, TILE), 1, P)
+    kj = keys0 + _iota((TILE, TILE), 0, P)
+    return dropout.keep_mask(seed, b, h, qi, kj, P.rate)
+
+
 def _visible_t(i, keys0, b, h, ops, P: _Plan):
     """Which (key, query) pairs of the transposed tile (keys ``keys0 ..``, q tile
     ``i``) are visible (WGMMA layout), or None for all of them. ``ops``: the
@@ -655,38 +675,39 @@ def _visible_t(i, keys0, b, h, ops, P: _Plan):
 # ----------------------------------------------------------------------------------
 
 
-def _launch(P: _Plan, interpret, dtype, q, k, v, do, stats, table, ids):
+def _launch(P: _Plan, interpret, dtype, q, k, v, do, stats, table, extra):
     """``(dq float32 (B, Tqp, Hq, D), dk, dv (B, Tkp, Hp, D))`` of the padded inputs,
-    the visiting table and the mask's arrays (:func:`fnattn.flash.mosaic_gpu.id_arrays`).
+    the visiting table and ``extra``: the mask's arrays
+    (:func:`fnattn.flash.mosaic_gpu.id_arrays`), then dropout's seed.
 
     Under ``vmap`` the mapped axis joins the batch (one launch) when nothing but
     the inputs varies along it; otherwise (the schedule or the mask's arrays
-    vary along the batch or the mapped axis) the launches run one per mapped
-    element.
+    vary along the batch or the mapped axis, or dropout's mask, which depends
+    on the batch index) the launches run one per mapped element.
     """
 
     @jax.custom_batching.custom_vmap
-    def run(q, k, v, do, stats, table, ids):
-        return _launch_now(P, interpret, dtype, q, k, v, do, stats, table, ids)
+    def run(q, k, v, do, stats, table, extra):
+        return _launch_now(P, interpret, dtype, q, k, v, do, stats, table, extra)
 
     @run.def_vmap
     def _rule(axis_size, in_batched, *args):
         args = jax.tree.map(
             lambda x, bat: x if bat else jnp.broadcast_to(x, (axis_size,) + x.shape),
             args, tuple(in_batched))
-        if table.shape[0] == 1 and not ids and not in_batched[5]:
+        if table.shape[0] == 1 and not extra and not in_batched[5]:
             wide = dataclasses.replace(P, B=axis_size * P.B)
             outs = _launch(wide, interpret, dtype,
-                           *(x.reshape((-1,) + x.shape[2:]) for x in args[:5]), table, ids)
+                           *(x.reshape((-1,) + x.shape[2:]) for x in args[:5]), table, extra)
             outs = tuple(o.reshape((axis_size, P.B) + o.shape[1:]) for o in outs)
         else:
             outs = lax.map(lambda a: _launch(P, interpret, dtype, *a), args)
         return outs, (True, True, True)
 
-    return run(q, k, v, do, stats, jnp.asarray(table), list(ids))
+    return run(q, k, v, do, stats, jnp.asarray(table), list(extra))
 
 
-def _launch_now(P: _Plan, interpret, dtype, q, k, v, do, stats, table, ids):
+def _launch_now(P: _Plan, interpret, dtype, q, k, v, do, stats, table, extra):
     plgpu = _plgpu()
     call = functools.partial(
         pl.kernel,
@@ -697,7 +718,7 @@ def _launch_now(P: _Plan, interpret, dtype, q, k, v, do, stats, table, ids):
                         thread_name="wg"),
         compiler_params=plgpu.CompilerParams(approx_math=True),
         name="fnattn_flash_mosaic_gpu_bwd")
-    args = (q, k, v, do, stats, table, *ids)
+    args = (q, k, v, do, stats, table, *extra)
     dq_type = jax.ShapeDtypeStruct((P.B, P.Tqp, P.Hq, P.D), F32)
     kv_type = jax.ShapeDtypeStruct((P.B, P.Tkp, P.Hp, P.D), dtype if P.direct else F32)
     if interpret:
@@ -746,7 +767,8 @@ def _plan(cfg, mask, interpret, operands=(), stacks=()) -> _Plan:
                  D=d.head_dim, ring=bs.max_concurrent_steps, scale=float(cfg.scale),
                  softcap=None if cfg.softcap is None else float(cfg.softcap),
                  mask_treedef=None if mask is None else jax.tree_util.tree_structure(mask),
-                 interpreted=bool(interpret), operands=tuple(operands), stacks=tuple(stacks))
+                 interpreted=bool(interpret), operands=tuple(operands), stacks=tuple(stacks),
+                 rate=float(cfg.dropout_rate))
 
 
 def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, *,
@@ -761,7 +783,6 @@ def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_l
     parameters of the Mosaic GPU interpreter
     (:func:`fnattn.flash.mosaic_gpu.interpret_params`) to run the same kernel on CPU.
     """
-    del seed  # dropout is refused
     _refuse(cfg, q.dtype, mask, bias, sinks)
     d = cfg.dims
     P = _plan(cfg, mask, interpret)
@@ -786,7 +807,8 @@ def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_l
         k, v, _ = online.finite_keys(k, v)
     dq, dk, dv = _launch(P, interpret, q.dtype, triton._pad(q, 1, P.Tqp),
                          triton._pad(k, 1, P.Tkp), triton._pad(v, 1, P.Tkp),
-                         triton._pad(d_out.astype(q.dtype), 1, P.Tqp), stats, table, ids)
+                         triton._pad(d_out.astype(q.dtype), 1, P.Tqp), stats, table,
+                         ids + ([seed] if P.rate > 0 else []))
     dq = (dq[:, :d.q_len] * P.scale).astype(q.dtype)
 
     def finish(x, dtype):

@@ -143,6 +143,21 @@ def test_interpreted_sinks_join_the_denominator():
     assert np.all(lse[0, 2] == np.inf) and np.isfinite(lse[0, [0, 3], 64:]).all()
 
 
+def test_interpreted_dropout_matches_the_reference_bit_for_bit_masks():
+    """Dropout (rate 0.3) under a causal mask with GQA 2:1 on ragged 128 x 192: the
+    kernel draws the reference's keep mask (fnattn.dropout, from the global row,
+    key, batch and head indices), so outputs agree to rounding; lse keeps every
+    weight; a different key changes the output."""
+    q, k, v = qkv(Tq=128, Tk=192, Hq=4, Hkv=2, seed=5)
+    spec = AttentionSpec(mask=masks.causal(), dropout_rate=0.3,
+                         dropout_key=jax.random.key(7), return_lse=True, block_sizes=SMALL)
+    res = check(spec, q, k, v)
+    plain = check(spec.replace(dropout_rate=0.0, dropout_key=None), q, k, v)
+    np.testing.assert_allclose(np.asarray(res.lse), np.asarray(plain.lse), rtol=1e-6)
+    other = interpret(spec.replace(dropout_key=jax.random.key(8)), q, k, v)
+    assert not np.allclose(np.asarray(other.out, np.float32), np.asarray(res.out, np.float32))
+
+
 def test_poisoned_keys_reach_only_the_rows_that_see_them():
     """NaN and inf in K and V of keys a causal mask hides from early rows (on the
     diagonal tile, which the kernel visits): those rows are unchanged; the rows
@@ -243,7 +258,6 @@ def cfg_of(*, D=64, Dv=None, dropout=0.0, Tq=128, Tk=128):
     ("float32", dict(dtype=jnp.float32), "float32 inputs"),
     ("d80", dict(cfg=cfg_of(D=80)), "head dim D=80"),
     ("dv", dict(cfg=cfg_of(D=64, Dv=128)), "value head dim"),
-    ("dropout", dict(cfg=cfg_of(dropout=0.1)), "dropout"),
 ])
 def test_supports_refuses_with_reasons(what, args, words):
     a = dict(cfg=cfg_of(), dtype=jnp.bfloat16, mask=None, bias=None, sinks=None)
@@ -292,7 +306,8 @@ def lowered_has_mosaic_gpu_call(spec, q, k, table):
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("mask", [None, "causal", "window", "chunked"])
 def test_lowers_for_cuda(D, mask):
-    """Every head dim and array-free mask; soft-cap at D = 256, sinks at D = 128."""
+    """Every head dim and array-free mask; soft-cap at D = 256, sinks at D = 128,
+    dropout at D = 64."""
     pytest.importorskip("absl")
     mask = {None: None, "causal": masks.causal(),
             "window": masks.causal() & masks.sliding_window(100),
@@ -300,7 +315,9 @@ def test_lowers_for_cuda(D, mask):
     q = jax.ShapeDtypeStruct((2, 1000, 8, D), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 1000, 2, D), jnp.bfloat16)
     spec = AttentionSpec(mask=mask, softcap=30.0 if D == 256 else None,
-                         sinks=jnp.linspace(-1.0, 1.0, 8) if D == 128 else None)
+                         sinks=jnp.linspace(-1.0, 1.0, 8) if D == 128 else None,
+                         dropout_rate=0.1 if D == 64 else 0.0,
+                         dropout_key=jax.random.key(0) if D == 64 else None)
     assert lowered_has_mosaic_gpu_call(spec, q, k, (("default", LOWERING),))
 
 
@@ -389,6 +406,16 @@ def test_gpu_mosaic_gpu_forward_matches_reference(T, D, name):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
+def test_gpu_mosaic_gpu_dropout_matches_xla():
+    """Dropout (rate 0.2) with a causal mask, ragged 1000 x 1500, GQA 4:1: the real
+    kernel draws the XLA lowering's keep mask; out, lse and the gradients agree."""
+    q, k, v = qkv(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=128, dtype=jnp.bfloat16, seed=3)
+    spec = AttentionSpec(mask=masks.causal(), dropout_rate=0.2, dropout_key=jax.random.key(4),
+                         return_lse=True, block_sizes=MosaicGpuBlockSizes.default(128))
+    gpu_against_xla(spec, q, k, v)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
 @pytest.mark.parametrize("causal", [False, True])
 def test_gpu_mosaic_gpu_segments_match_xla(causal):
     """Packed documents (segment ids per batch row, ragged 1000 x 1500 with the
@@ -440,7 +467,12 @@ def test_cuda_kernel_choice(hopper):
     assert cuda_kernel(given, q16, None, None, masks.causal()) is triton.LOWERING
     given = dataclasses.replace(cfg, block_sizes=MosaicGpuBlockSizes(block_k=64))
     assert cuda_kernel(given, q16, None, None, masks.causal()) is LOWERING
-    # Masks holding arrays: only when asked for by name (awaiting an H100 timing).
+    # Masks holding arrays and dropout: only when asked for by name (awaiting an
+    # H100 timing).
+    drop = dataclasses.replace(cfg, dropout_rate=0.1)
+    assert cuda_kernel(drop, q16, None, None, masks.causal()) is triton.LOWERING
+    assert cuda_kernel(dataclasses.replace(drop, block_sizes=given.block_sizes), q16, None,
+                       None, masks.causal()) is LOWERING
     assert cuda_kernel(given, q16, None, None, seg) is LOWERING
     assert cuda_kernel(given, q16, None, None, masks.causal() & seg) is LOWERING
     assert cuda_kernel(given, q32, None, None, seg) is triton.LOWERING

@@ -137,6 +137,11 @@ INTERPRET_CASES = {
     "window_softcap_ragged_gqa_split": (
         masks.sliding_window(40, 20), dict(softcap=2.0, scale=0.3),
         dict(Tq=100, Tk=150, Hq=2, Hkv=1, D=128, dtype=jnp.bfloat16), False),
+    # Dropout (the forward's keep mask drawn again in the transposed tile), causal
+    # on ragged 128 x 192, GQA 2:1 over the group in one program.
+    "causal_dropout_gqa": (
+        masks.causal(), dict(dropout_rate=0.25, dropout_key=jax.random.key(3)),
+        dict(Tq=128, Tk=192, Hq=2, Hkv=1, D=64), True),
     # No mask, head dim 256: the column split (both consumers on the same keys).
     "no_mask_head_dim_256": (None, {}, dict(Tq=64, Tk=128, D=256), False),
 }
@@ -277,7 +282,6 @@ def cfg_of(*, D=64, Dv=None, dropout=0.0, Tq=128, Tk=128):
     ("d80", dict(cfg=cfg_of(D=80)), "head dim D=80"),
     ("d320", dict(cfg=cfg_of(D=320)), "head dim D=320"),
     ("dv", dict(cfg=cfg_of(D=64, Dv=128)), "value head dim"),
-    ("dropout", dict(cfg=cfg_of(dropout=0.1)), "dropout"),
 ])
 def test_refuses_with_reasons_and_names_the_triton_backward(what, args, words):
     a = dict(cfg=cfg_of(), dtype=jnp.bfloat16, mask=None, bias=None, sinks=None)
@@ -337,7 +341,8 @@ def test_gradient_lowers_for_cuda(D, mask, Hq, softcap):
     backward's, and none of the Triton kernels. Ragged lengths 1000 x 1500 and
     2 kv heads: at D = 64 a GQA group of 4 split over programs (float32
     partials), at 128 no GQA and sinks, at 192 and 256 the column split (columns
-    128 + 64 and 128 + 128) with a group of 2 in one program, soft-cap at 256."""
+    128 + 64 and 128 + 128) with a group of 2 in one program, soft-cap at 256,
+    dropout at 64 and 192."""
     pytest.importorskip("absl")
     mask = {"causal": masks.causal(),
             "window": masks.causal() & masks.sliding_window(300),
@@ -345,7 +350,10 @@ def test_gradient_lowers_for_cuda(D, mask, Hq, softcap):
     q = jax.ShapeDtypeStruct((2, 1000, Hq, D), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 1500, 2, D), jnp.bfloat16)
     sinks = jnp.linspace(-1.0, 1.0, Hq) if D == 128 else None
+    rate = 0.1 if D in (64, 192) else 0.0
     text = _lowered_grad(AttentionSpec(mask=mask, softcap=softcap, sinks=sinks,
+                                       dropout_rate=rate,
+                                       dropout_key=jax.random.key(0) if rate else None,
                                        return_lse=True), q, k, k)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
     assert not re.search(r"fnattn_flash_(dq|dkdv|fwd)", text)
@@ -396,6 +404,8 @@ GPU_CASES = {
                                         dict(B=1, Tq=1500, Tk=1000, Hq=8, Hkv=2, D=256)),
     "none_sinks_d64": (None, None, dict(B=2, Tq=1024, Tk=1024, Hq=4, Hkv=4, D=64)),
     "causal_d128_long": (masks.causal(), None, dict(B=1, Tq=4096, Tk=4096, Hq=4, Hkv=4, D=128)),
+    "causal_dropout_gqa4_d128": (masks.causal(), None,
+                                 dict(B=2, Tq=1000, Tk=1000, Hq=8, Hkv=2, D=128)),
     # Packed documents (segment ids), the queries those of the last 1000 keys.
     "causal_segments_gqa4_ragged_d128": (
         masks.causal() & masks.segments(
@@ -411,7 +421,8 @@ def test_gpu_gradients_match_xla(name):
     mask, softcap, sizes = GPU_CASES[name]
     q, k, v, d_out, d_lse = qkv(dtype=jnp.bfloat16, seed=1, **sizes)
     sinks = jnp.linspace(-1.0, 1.0, sizes["Hq"]) if "sinks" in name else None
-    spec = AttentionSpec(mask=mask, softcap=softcap, sinks=sinks, return_lse=True)
+    drop = dict(dropout_rate=0.2, dropout_key=jax.random.key(2)) if "dropout" in name else {}
+    spec = AttentionSpec(mask=mask, softcap=softcap, sinks=sinks, return_lse=True, **drop)
 
     @functools.partial(jax.jit, static_argnums=0)
     def go(table, q, k, v, d_out, d_lse):
@@ -449,6 +460,8 @@ def test_cuda_kernel_takes_this_backward_only_when_asked(monkeypatch):
     assert cuda_kernel(bwd, q, None, jnp.zeros((4,)), None) is mosaic_gpu_bwd.LOWERING
     assert cuda_kernel(cfg, q, None, None, masks.causal()) is mosaic_gpu.LOWERING
     assert cuda_kernel(bwd, q, None, None, seg) is mosaic_gpu_bwd.LOWERING
+    drop = dataclasses.replace(bwd, dropout_rate=0.1)
+    assert cuda_kernel(drop, q, None, None, masks.causal()) is mosaic_gpu_bwd.LOWERING
     assert cuda_kernel(bwd, q.astype(jnp.float32), None, None, None) is triton.LOWERING
     both = dataclasses.replace(cfg, block_sizes=(MosaicGpuBwdBlockSizes(),
                                                  fnattn.TritonBlockSizes()))
