@@ -235,6 +235,40 @@ def test_interpreted_causal_segments_gqa_ragged(interpreted, monkeypatch):
     assert_grads_close(grads, r_grads)
 
 
+def test_interpreted_vmap_over_dropout_keys_and_segment_ids(interpreted):
+    """``vmap`` over a spec whose dropout key and segment ids differ per instance:
+    each instance's output and gradient are the reference's for its own key and
+    documents (the forward batched by Pallas, the backward one launch per
+    instance)."""
+    q = qkv(Tq=128, Tk=128, Hq=2, Hkv=2, seed=6)[0]
+    keys = jax.random.split(jax.random.key(1), 3)
+    ids = jnp.asarray(np.stack([documents(64, 64), documents(32, 32, 32, 32),
+                                documents(128)])[:, None])
+
+    def value_and_grad(key, ids, reference):
+        spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), dropout_rate=0.3,
+                             dropout_key=key, return_lse=True, block_sizes=SMALL)
+
+        def loss(q):
+            if reference:
+                x = q.astype(jnp.float32)
+                res = fnattn.reference(spec, x, x, x)
+            else:
+                res = core.run(spec, q, q, q, fn="flash", table=interpreted)
+            return jnp.sum(res.out.astype(jnp.float32) ** 2), res.out
+        return jax.value_and_grad(loss, has_aux=True)(q)
+
+    try:
+        (_, out), grad = jax.jit(jax.vmap(lambda k, i: value_and_grad(k, i, False)))(keys, ids)
+    except Exception:
+        reset_after_failure()
+        raise
+    (_, r_out), r_grad = jax.jit(jax.vmap(lambda k, i: value_and_grad(k, i, True)))(keys, ids)
+    np.testing.assert_allclose(f32(out), f32(r_out), atol=2e-2, rtol=2e-2)
+    assert_grads_close((grad,), (r_grad,), names=("dq (k and v are q)",))
+    assert not np.allclose(f32(out[0]), f32(out[2]))  # (each instance its own mask)
+
+
 # ----------------------------------------------------------------------------------
 # Tables, block sizes and what the kernel refuses
 # ----------------------------------------------------------------------------------
