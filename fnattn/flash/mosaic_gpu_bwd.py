@@ -369,13 +369,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
                 keys = (b, pl.ds(kv0 + r * TILE, TILE), kv_head)
                 for h in range(CG):
                     plgpu.copy_gmem_to_smem(k_ref.at[keys + cols(h)], k_smem[h].at[r],
-                                            kv_ready.at[0])
+                                            kv_ready)
                     plgpu.copy_gmem_to_smem(v_ref.at[keys + cols(h)], v_smem[h].at[r],
-                                            kv_ready.at[0])
+                                            kv_ready)
                 if n_cols:  # the mask's arrays along the program's keys: once
                     at = ids_at("cols", 0) + (slice(None), pl.ds(kv0 + r * TILE, TILE))
                     plgpu.copy_gmem_to_smem(ids_ref["cols"].at[at], cols_smem.at[r],
-                                            kv_ready.at[0])
+                                            kv_ready)
 
             def issue(t, slot):
                 i, head = at_step(t)
@@ -459,7 +459,7 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
     c0, w = P.col_groups[mine_h]
     keys0 = kv0 + mine_r * TILE
     n_chunks = P.D // TILE
-    plgpu.barrier_wait(kv_ready.at[0])
+    plgpu.barrier_wait(kv_ready)
 
     def dot(a, b_, contract_b=0):
         return lax.dot_general(a, b_, (((1,), (contract_b,)), ((), ())),
@@ -589,8 +589,8 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
             # Both consumers' rows of dS^T are in shared memory. (The buffer
             # written next step is the other one; this one is rewritten only
             # after the next meeting, when both are done reading it.)
-            plgpu.barrier_arrive(pair.at[0])
-            plgpu.barrier_wait(pair.at[0])
+            plgpu.barrier_arrive(pair)
+            plgpu.barrier_wait(pair)
             for j in range(n_chunks):
                 if n_chunks % 2:  # D = 64: the one chunk alternates between consumers
                     pl.when(lax.rem(t, jnp.int32(2)) == c)(
@@ -610,8 +610,8 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
     dk, dv = lax.fori_loop(full_steps, n_steps, functools.partial(step, partial=True), carry)
     # Every dQ product has read K and dS^T (the other consumer's included)
     # before K's and V's tiles become the output buffers.
-    plgpu.barrier_arrive(pair.at[0])
-    plgpu.barrier_wait(pair.at[0])
+    plgpu.barrier_arrive(pair)
+    plgpu.barrier_wait(pair)
     dk = dk * P.scale
     out_rows = pl.ds(keys0, TILE)
     if P.direct:
