@@ -623,20 +623,23 @@ def _tile_operands(scalars, row_ids, kv_ids, P: _Plan):
     return [pick[kind](i) for kind, i in P.operands]
 
 
+def _tile_indices(q0, j, P: _Plan):
+    """``(rows, keys)``: the indices of the consumer's rows ``q0 ..`` and of kv-tile
+    ``j``'s keys on the (block_q, block_k) tile (WGMMA layout)."""
+    return q0 + _iota((P.bq, P.bk), 0, P), j * P.bk + _iota((P.bq, P.bk), 1, P)
+
+
 def _keep(seed, q0, j, b, h, P: _Plan):
     """Dropout's keep mask on kv-tile ``j`` of the consumer's rows ``q0 ..`` (WGMMA
     layout): :func:`fnattn.dropout.keep_mask` at the rows' and keys' indices."""
-    qi = q0 + _iota((P.bq, P.bk), 0, P)
-    kj = j * P.bk + _iota((P.bq, P.bk), 1, P)
-    return dropout.keep_mask(seed, b, h, qi, kj, P.rate)
+    return dropout.keep_mask(seed, b, h, *_tile_indices(q0, j, P), P.rate)
 
 
 def _visible(q0, j, b, h, ops, P: _Plan):
     """Which keys of kv-tile ``j`` the consumer's rows ``q0 ..`` may see (WGMMA
     layout), or None for all of them (a tile PARTIAL only for padded rows).
     ``ops``: the mask's arrays on the tile (:func:`_tile_operands`)."""
-    qi = q0 + _iota((P.bq, P.bk), 0, P)
-    kj = j * P.bk + _iota((P.bq, P.bk), 1, P)
+    qi, kj = _tile_indices(q0, j, P)
     return visible_pairs(qi, kj, b, h, ops, P.mask_treedef, P.offset,
                          P.Tk if P.ragged_k else None)
 

@@ -653,21 +653,24 @@ def _add_to_gmem(x, stage, dst, bar, P: _Plan):
     plgpu.copy_smem_to_gmem(stage, dst, reduction_op="add")
 
 
+def _tile_indices_t(i, keys0, P: _Plan):
+    """``(rows, keys)``: the query-row and key indices on the transposed tile (keys
+    ``keys0 ..`` along its rows, q tile ``i`` along its columns; WGMMA layout)."""
+    return i * TILE + _iota((TILE, TILE), 1, P), keys0 + _iota((TILE, TILE), 0, P)
+
+
 def _keep_t(seed, i, keys0, b, h, P: _Plan):
     """Dropout's keep mask on the transposed tile (keys ``keys0 ..``, q tile ``i``):
     :func:`fnattn.dropout.keep_mask` at the rows' and keys' indices, as the
     forward draws it."""
-    qi = i * TILE + _iota((TILE, TILE), 1, P)
-    kj = keys0 + _iota((TILE, TILE), 0, P)
-    return dropout.keep_mask(seed, b, h, qi, kj, P.rate)
+    return dropout.keep_mask(seed, b, h, *_tile_indices_t(i, keys0, P), P.rate)
 
 
 def _visible_t(i, keys0, b, h, ops, P: _Plan):
     """Which (key, query) pairs of the transposed tile (keys ``keys0 ..``, q tile
     ``i``) are visible (WGMMA layout), or None for all of them. ``ops``: the
     mask's arrays on the tile."""
-    qi = i * TILE + _iota((TILE, TILE), 1, P)
-    kj = keys0 + _iota((TILE, TILE), 0, P)
+    qi, kj = _tile_indices_t(i, keys0, P)
     return mosaic_gpu.visible_pairs(qi, kj, b, h, ops, P.mask_treedef, P.offset,
                                     P.Tk if P.ragged_k else None)
 
