@@ -88,9 +88,11 @@ def cuda_kernel(cfg, q, bias, sinks, mask):
 
     * ``TritonBlockSizes`` in the spec: the Triton kernels;
     * on a Hopper GPU, for the specs the Mosaic GPU forward takes
-      (:func:`fnattn.flash.mosaic_gpu.route`): that forward, with the Triton
-      backward, or with the Mosaic GPU backward (:mod:`fnattn.flash.mosaic_gpu_bwd`)
-      when ``MosaicGpuBwdBlockSizes`` are in the spec and it takes the spec too;
+      (:func:`fnattn.flash.mosaic_gpu.route`): that forward, with the Mosaic GPU
+      backward (:mod:`fnattn.flash.mosaic_gpu_bwd`) where
+      :func:`fnattn.flash.mosaic_gpu_bwd.route` says so (D <= 128 without
+      dropout, or ``MosaicGpuBwdBlockSizes`` in the spec), else with the Triton
+      backward;
     * else the Triton kernels.
 
     On a machine without a Hopper GPU (this one, when the doctests run) every
@@ -107,8 +109,7 @@ def cuda_kernel(cfg, q, bias, sinks, mask):
     if blocks.pick(cfg.block_sizes, triton.TritonBlockSizes, None) is not None or \
             not mosaic_gpu.route(cfg, q.dtype, mask, bias, sinks):
         return triton.LOWERING
-    if blocks.pick(cfg.block_sizes, mosaic_gpu_bwd.MosaicGpuBwdBlockSizes, None) is not None \
-            and not mosaic_gpu_bwd.supports(cfg, q.dtype, mask, bias, sinks):
+    if mosaic_gpu_bwd.route(cfg, q.dtype, mask, bias, sinks):
         return mosaic_gpu_bwd.LOWERING
     return mosaic_gpu.LOWERING
 

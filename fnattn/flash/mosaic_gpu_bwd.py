@@ -87,12 +87,14 @@ their ``&``, ``|``, ``~``) or a mask holding per-row, per-key or per-sequence
 integer arrays: what the Mosaic GPU forward takes. :func:`supports` lists what
 else a spec asks for; :func:`backward` refuses it with ``NotImplementedError``.
 
-Timed on an H100 at one shape only (T = 8192, D = 128: forward + backward
-1.32x the Triton backward's, 0.97x cuDNN's; see
-benchmarks/results/gpu_h100_2026-11-26_s20), so impl="auto" runs it only when
-asked for: ``MosaicGpuBwdBlockSizes`` in the spec's block sizes
-(:func:`fnattn.flash.api.cuda_kernel`); otherwise the Mosaic GPU forward keeps
-the Triton backward.
+Timed on an H100 at T = 8192, D = 128 (benchmarks/results/gpu_h100_2026-11-26_s20):
+forward + backward 1.32x faster than the Mosaic GPU forward with the Triton
+backward without a mask, 1.39x causal, 1.26x with packed documents, and 0.97x
+cuDNN's where cuDNN runs. So impl="auto" runs it wherever the Mosaic GPU
+forward runs and the head dim is at most 128, without dropout (:func:`route`,
+:func:`fnattn.flash.api.cuda_kernel`). Wider heads (the column split) and
+dropout await their own timing: there ``MosaicGpuBwdBlockSizes`` in the spec's
+block sizes asks for it, and otherwise the Triton backward runs.
 
 On CPU the same kernel runs in the Mosaic GPU interpreter (``interpret=``
 :func:`fnattn.flash.mosaic_gpu.interpret_params`). The interpreter takes no
@@ -126,7 +128,7 @@ from fnattn.flash import blocks, mosaic_gpu, triton
 from fnattn.flash.mosaic_gpu import (SMEM_BYTES, _compat_transpose, _in_layout, _iota, _load,
                                      _plgpu)
 
-__all__ = ["MosaicGpuBwdBlockSizes", "LOWERING", "backward", "supports"]
+__all__ = ["MosaicGpuBwdBlockSizes", "LOWERING", "backward", "route", "supports"]
 
 LOG2E = online.LOG2E
 F32 = jnp.float32
@@ -228,6 +230,32 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
                                         TILE, TILE, q_offset=cfg.q_offset) is None:
             why.append(f"a mask whose tile classes are not static ({mask!r})")
     return why
+
+
+def route(cfg, dtype, mask, bias, sinks) -> bool:
+    """Whether impl="auto" on cuda runs this call's backward here, once the Mosaic
+    GPU forward runs it (:func:`fnattn.flash.mosaic_gpu.route`): the kernel takes
+    the spec, and either ``MosaicGpuBwdBlockSizes`` are in the spec or it is a
+    timed case: a head dim of at most 128 (the row split; the column split of
+    wider heads recomputes S and dP per column half) without dropout.
+
+    >>> from fnattn._checks import Dims
+    >>> from fnattn._dispatch import Config
+    >>> cfg = Config(Dims(1, 256, 256, 4, 2, 128, 128), 0.1, None, 0.0, None)
+    >>> route(cfg, jnp.bfloat16, masks.causal(), None, None)
+    True
+    >>> wide = Config(Dims(1, 256, 256, 4, 2, 256, 256), 0.1, None, 0.0, None)
+    >>> route(wide, jnp.bfloat16, masks.causal(), None, None)
+    False
+    >>> route(dataclasses.replace(wide, block_sizes=MosaicGpuBwdBlockSizes()), jnp.bfloat16,
+    ...       masks.causal(), None, None)
+    True
+    """
+    if supports(cfg, dtype, mask, bias, sinks):
+        return False
+    if blocks.pick(cfg.block_sizes, MosaicGpuBwdBlockSizes, None) is not None:
+        return True
+    return cfg.dims.head_dim <= _ROW_SPLIT_MAX_D and cfg.dropout_rate == 0
 
 
 def _refuse(cfg, dtype, mask, bias, sinks):

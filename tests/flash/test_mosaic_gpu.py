@@ -451,77 +451,93 @@ def test_available_needs_a_hopper_gpu():
 
 
 def test_cuda_kernel_choice(hopper):
-    from fnattn.flash import triton
+    """Which kernels impl="auto" runs on a Hopper GPU (stood in for) where cuDNN
+    does not: "fa3" is the Mosaic GPU forward and backward, "mgpu" the Mosaic
+    GPU forward with the Triton backward (tests/flash/test_mosaic_gpu_bwd.py
+    checks the backward's side of the choice)."""
     from fnattn.flash.api import cuda_kernel
+    names = {"flash-mosaic-gpu-fa3": "fa3", "flash-mosaic-gpu": "mgpu",
+             "flash-triton": "triton"}
+
+    def kernel(cfg, q, bias, sinks, mask):
+        return names[cuda_kernel(cfg, q, bias, sinks, mask).name]
+
     cfg = cfg_of()
     q16, q32 = jnp.zeros((1, 128, 4, 64), jnp.bfloat16), jnp.zeros((1, 128, 4, 64))
-    assert cuda_kernel(cfg, q16, None, None, masks.causal()) is LOWERING
-    assert cuda_kernel(cfg, q16, None, None, masks.chunked(32)) is LOWERING
-    assert cuda_kernel(cfg, q32, None, None, masks.causal()) is triton.LOWERING
-    assert cuda_kernel(cfg, q16, jnp.zeros((128, 128)), None, None) is triton.LOWERING
+    assert kernel(cfg, q16, None, None, masks.causal()) == "fa3"
+    assert kernel(cfg, q16, None, None, masks.chunked(32)) == "fa3"
+    assert kernel(cfg, q32, None, None, masks.causal()) == "triton"
+    assert kernel(cfg, q16, jnp.zeros((128, 128)), None, None) == "triton"
     # Sinks cost a per-row epilogue only: the same path as without them.
-    assert cuda_kernel(cfg, q16, None, jnp.zeros((4,)), masks.causal()) is LOWERING
+    assert kernel(cfg, q16, None, jnp.zeros((4,)), masks.causal()) == "fa3"
+    # Masks holding arrays (timed on an H100 ahead of the Triton kernels) too.
     seg = masks.segments(jnp.zeros((1, 128), jnp.int32))
-    assert cuda_kernel(cfg, q16, None, None, seg) is triton.LOWERING
+    assert kernel(cfg, q16, None, None, seg) == "fa3"
+    assert kernel(cfg, q16, None, None, masks.causal() & seg) == "fa3"
+    assert kernel(cfg, q32, None, None, seg) == "triton"
+    # Wide heads: the backward's column split is untimed, so the Triton backward.
+    wide, q256 = cfg_of(D=256), jnp.zeros((1, 128, 4, 256), jnp.bfloat16)
+    assert kernel(wide, q256, None, None, masks.causal() & seg) == "mgpu"
     given = dataclasses.replace(cfg, block_sizes=fnattn.TritonBlockSizes())
-    assert cuda_kernel(given, q16, None, None, masks.causal()) is triton.LOWERING
+    assert kernel(given, q16, None, None, masks.causal()) == "triton"
+    assert kernel(given, q16, None, None, seg) == "triton"
     given = dataclasses.replace(cfg, block_sizes=MosaicGpuBlockSizes(block_k=64))
-    assert cuda_kernel(given, q16, None, None, masks.causal()) is LOWERING
-    # Masks holding arrays and dropout: only when asked for by name (awaiting an
-    # H100 timing).
+    assert kernel(given, q16, None, None, masks.causal()) == "fa3"
+    # Dropout: the Mosaic GPU forward only when asked for by name (awaiting an H100
+    # timing), and then the Triton backward unless that is asked for as well.
     drop = dataclasses.replace(cfg, dropout_rate=0.1)
-    assert cuda_kernel(drop, q16, None, None, masks.causal()) is triton.LOWERING
-    assert cuda_kernel(dataclasses.replace(drop, block_sizes=given.block_sizes), q16, None,
-                       None, masks.causal()) is LOWERING
-    assert cuda_kernel(given, q16, None, None, seg) is LOWERING
-    assert cuda_kernel(given, q16, None, None, masks.causal() & seg) is LOWERING
-    assert cuda_kernel(given, q32, None, None, seg) is triton.LOWERING
+    assert kernel(drop, q16, None, None, masks.causal()) == "triton"
+    assert kernel(dataclasses.replace(drop, block_sizes=given.block_sizes), q16, None,
+                  None, masks.causal()) == "mgpu"
     both = dataclasses.replace(cfg, block_sizes=(MosaicGpuBlockSizes(),
                                                  fnattn.TritonBlockSizes()))
-    assert cuda_kernel(both, q16, None, None, seg) is triton.LOWERING
+    assert kernel(both, q16, None, None, seg) == "triton"
 
 
 def _lowered(spec, q, k, v):
+    """(Mosaic GPU custom calls, Triton kernels) in the gradient program impl="auto"
+    lowers for cuda."""
     def loss(q, k, v):
         return jnp.sum(fnattn.attention(spec, q, k, v).out.astype(jnp.float32))
     text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
         lowering_platforms=("cuda",)).as_text()
     # (the Mosaic GPU custom call; the test file's own name is in the locations)
-    mgpu = re.search(r"custom_call @mosaic_gpu", text) is not None
+    mgpu = len(re.findall(r"custom_call @mosaic_gpu", text))
     return mgpu, sorted(set(re.findall(r"fnattn_flash_\w+", text)))
 
 
-@pytest.mark.parametrize("on_hopper", [False, True])
-def test_auto_runs_the_mosaic_gpu_forward_on_hopper(monkeypatch, on_hopper):
+_TRITON_BWD = ["fnattn_flash_dkdv", "fnattn_flash_dq"]
+_TRITON_ALL = ["fnattn_flash_dkdv", "fnattn_flash_dq", "fnattn_flash_fwd"]
+
+
+@pytest.mark.parametrize("on_hopper, D", [(False, 128), (True, 128), (True, 256)])
+def test_auto_runs_the_mosaic_gpu_kernels_on_hopper(monkeypatch, on_hopper, D):
     """A soft-capped causal spec (which cuDNN cannot run): on Hopper the Mosaic GPU
-    forward and the Triton dq and dk/dv kernels; elsewhere the three Triton
-    kernels. A spec with a bias stays on Triton either way."""
+    forward and backward at D=128, the Mosaic GPU forward and the Triton dq and
+    dk/dv kernels at D=256; elsewhere the three Triton kernels. A spec with a
+    bias stays on Triton either way."""
     pytest.importorskip("absl")
     if on_hopper:
         monkeypatch.setattr(mosaic_gpu, "available", lambda: None)
-    q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
-    k = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
+    q = jax.ShapeDtypeStruct((2, 256, 4, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 256, 2, D), jnp.bfloat16)
     spec = AttentionSpec(mask=masks.causal(), softcap=30.0)
-    mgpu, kernels = _lowered(spec, q, k, k)
-    assert mgpu == on_hopper
-    assert kernels == (["fnattn_flash_dkdv", "fnattn_flash_dq"] if on_hopper else
-                       ["fnattn_flash_dkdv", "fnattn_flash_dq", "fnattn_flash_fwd"])
+    expected = {(False, 128): (0, _TRITON_ALL), (True, 128): (2, []),
+                (True, 256): (1, _TRITON_BWD)}[on_hopper, D]
+    assert _lowered(spec, q, k, k) == expected
     mgpu, kernels = _lowered(spec.replace(bias=jnp.zeros((256, 256))), q, k, k)
     assert not mgpu and "fnattn_flash_fwd" in kernels
 
 
-@pytest.mark.parametrize("given", [False, True])
-def test_segment_ids_run_here_only_when_asked_for(hopper, given):
-    """On Hopper, impl="auto" keeps a packed-documents spec on the Triton kernels;
-    MosaicGpuBlockSizes in the spec runs its forward on the Mosaic GPU kernel
-    (with the Triton dq and dk/dv kernels from its residuals)."""
+@pytest.mark.parametrize("triton_sizes", [False, True])
+def test_segment_ids_run_on_the_mosaic_gpu_kernels(hopper, triton_sizes):
+    """On Hopper, impl="auto" runs a packed-documents spec on the Mosaic GPU
+    forward and backward; TritonBlockSizes in the spec ask for the Triton
+    kernels."""
     pytest.importorskip("absl")
     q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
     ids = jnp.asarray(np.stack([documents(100, 156), documents(256)]))
     spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), softcap=30.0,
-                         block_sizes=MosaicGpuBlockSizes() if given else None)
-    mgpu, kernels = _lowered(spec, q, k, k)
-    assert mgpu == given
-    assert kernels == (["fnattn_flash_dkdv", "fnattn_flash_dq"] if given else
-                       ["fnattn_flash_dkdv", "fnattn_flash_dq", "fnattn_flash_fwd"])
+                         block_sizes=fnattn.TritonBlockSizes() if triton_sizes else None)
+    assert _lowered(spec, q, k, k) == ((0, _TRITON_ALL) if triton_sizes else (2, []))

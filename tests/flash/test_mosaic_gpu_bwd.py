@@ -477,36 +477,44 @@ def test_gpu_gradients_match_xla(name):
 # ----------------------------------------------------------------------------------
 
 
-def test_cuda_kernel_takes_this_backward_only_when_asked(monkeypatch):
-    """On Hopper (stood in for), ``MosaicGpuBwdBlockSizes`` in the spec gives the
-    Mosaic GPU forward and backward (segment ids included); without them the
-    Mosaic GPU forward keeps the Triton backward; and ``TritonBlockSizes`` or a
-    GPU other than Hopper give Triton throughout."""
+def test_cuda_kernel_choice_of_the_backward(monkeypatch):
+    """On Hopper (stood in for), wherever the Mosaic GPU forward runs, this
+    backward runs too for D <= 128 without dropout (segment ids and sinks
+    included); for D=256 and dropout only with ``MosaicGpuBwdBlockSizes`` in
+    the spec, and the Triton backward otherwise; ``TritonBlockSizes`` or a GPU
+    other than Hopper give Triton throughout."""
     from fnattn.flash.api import cuda_kernel
     cfg = cfg_of()
     q = jnp.zeros((1, 128, 4, 64), jnp.bfloat16)
     seg = masks.segments(jnp.zeros((1, 128), jnp.int32))
     bwd = dataclasses.replace(cfg, block_sizes=(SMALL, MosaicGpuBwdBlockSizes()))
-    assert cuda_kernel(bwd, q, None, None, masks.causal()) is triton.LOWERING  # (no Hopper)
+    assert cuda_kernel(cfg, q, None, None, masks.causal()) is triton.LOWERING  # (no Hopper)
+    assert cuda_kernel(bwd, q, None, None, masks.causal()) is triton.LOWERING
     monkeypatch.setattr(mosaic_gpu, "available", lambda: None)
-    assert cuda_kernel(bwd, q, None, None, masks.causal()) is mosaic_gpu_bwd.LOWERING
-    assert cuda_kernel(bwd, q, None, None, None) is mosaic_gpu_bwd.LOWERING
-    assert cuda_kernel(bwd, q, None, jnp.zeros((4,)), None) is mosaic_gpu_bwd.LOWERING
-    assert cuda_kernel(cfg, q, None, None, masks.causal()) is mosaic_gpu.LOWERING
-    assert cuda_kernel(bwd, q, None, None, seg) is mosaic_gpu_bwd.LOWERING
-    drop = dataclasses.replace(bwd, dropout_rate=0.1)
+    for c in (cfg, bwd):
+        assert cuda_kernel(c, q, None, None, masks.causal()) is mosaic_gpu_bwd.LOWERING
+        assert cuda_kernel(c, q, None, None, None) is mosaic_gpu_bwd.LOWERING
+        assert cuda_kernel(c, q, None, jnp.zeros((4,)), None) is mosaic_gpu_bwd.LOWERING
+        assert cuda_kernel(c, q, None, None, seg) is mosaic_gpu_bwd.LOWERING
+        assert cuda_kernel(c, q.astype(jnp.float32), None, None, None) is triton.LOWERING
+    wide, q256 = cfg_of(D=256), jnp.zeros((1, 128, 4, 256), jnp.bfloat16)
+    assert cuda_kernel(wide, q256, None, None, seg) is mosaic_gpu.LOWERING
+    wide = dataclasses.replace(wide, block_sizes=MosaicGpuBwdBlockSizes())
+    assert cuda_kernel(wide, q256, None, None, seg) is mosaic_gpu_bwd.LOWERING
+    drop = dataclasses.replace(cfg, dropout_rate=0.1, block_sizes=SMALL)
+    assert cuda_kernel(drop, q, None, None, masks.causal()) is mosaic_gpu.LOWERING
+    drop = dataclasses.replace(drop, block_sizes=bwd.block_sizes)
     assert cuda_kernel(drop, q, None, None, masks.causal()) is mosaic_gpu_bwd.LOWERING
-    assert cuda_kernel(bwd, q.astype(jnp.float32), None, None, None) is triton.LOWERING
     both = dataclasses.replace(cfg, block_sizes=(MosaicGpuBwdBlockSizes(),
                                                  fnattn.TritonBlockSizes()))
     assert cuda_kernel(both, q, None, None, None) is triton.LOWERING
 
 
-def test_auto_gradient_lowers_to_this_backward_when_asked(monkeypatch):
+def test_auto_gradient_lowers_to_this_backward(monkeypatch):
     """The same choice seen in the program impl="auto" lowers for cuda on Hopper: a
-    soft-capped causal spec (no cuDNN) with ``MosaicGpuBwdBlockSizes`` has two
-    Mosaic GPU custom calls and no Triton kernel; without them, the Mosaic GPU
-    forward and the Triton dq and dk/dv kernels."""
+    soft-capped causal spec (no cuDNN) at D=128 has two Mosaic GPU custom calls
+    and no Triton kernel; with dropout, the Mosaic GPU forward asked for by
+    name and the Triton dq and dk/dv kernels."""
     pytest.importorskip("absl")
     monkeypatch.setattr(mosaic_gpu, "available", lambda: None)
     q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
@@ -519,10 +527,11 @@ def test_auto_gradient_lowers_to_this_backward_when_asked(monkeypatch):
             lowering_platforms=("cuda",)).as_text()
 
     spec = AttentionSpec(mask=masks.causal(), softcap=30.0)
-    text = lowered(spec.replace(block_sizes=(MosaicGpuBlockSizes(), MosaicGpuBwdBlockSizes())))
+    text = lowered(spec)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
     assert not re.search(r"fnattn_flash_(dq|dkdv|fwd)", text)
-    text = lowered(spec)
+    text = lowered(spec.replace(dropout_rate=0.1, dropout_key=jax.random.key(0),
+                                block_sizes=MosaicGpuBlockSizes()))
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
     assert sorted(set(re.findall(r"fnattn_flash_\w+", text))) == ["fnattn_flash_dkdv",
                                                                    "fnattn_flash_dq"]
