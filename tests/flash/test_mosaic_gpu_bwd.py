@@ -191,6 +191,26 @@ def test_interpreted_poisoned_hidden_keys(interpreted):
     assert np.isnan(f32(dq)[0, bad_v - 16:bad_k + 17]).any(axis=-1).all()
 
 
+def test_interpreted_float16_with_large_cotangents(interpreted):
+    """float16 under loss scaling: |dO| ~ 1e3 and |V| ~ 6, so that dO.V^T
+    overflows float16 in many entries (dP is accumulated in float32 by the
+    kernel), while every gradient fits float16: all finite and equal to the
+    float32 reference's, GQA 2:1 over the group in one program."""
+    rs = np.random.default_rng(3)
+    q = jnp.asarray(rs.standard_normal((1, 128, 2, 64)), jnp.float16)
+    k = jnp.asarray(rs.standard_normal((1, 128, 1, 64)), jnp.float16)
+    v = jnp.asarray(6 * rs.standard_normal((1, 128, 1, 64)), jnp.float16)
+    d_out = jnp.asarray(1e3 * rs.standard_normal((1, 128, 2, 64)), jnp.float16)
+    d_lse = jnp.zeros((1, 2, 128), jnp.float32)
+    dov = np.einsum("bqhd,bkd->bqhk", f32(d_out), f32(v)[:, :, 0])
+    assert (np.abs(dov) > np.finfo(np.float16).max).mean() > 0.1
+    spec = AttentionSpec(mask=masks.causal(), return_lse=True, block_sizes=SMALL)
+    _, _, grads = outputs_and_grads(spec, q, k, v, d_out, d_lse, interpreted)
+    _, _, r_grads = reference(spec, q, k, v, d_out, d_lse)
+    assert max(float(np.abs(f32(g)).max()) for g in r_grads) < 3e4
+    assert_grads_close(grads, r_grads)
+
+
 def documents(*lengths):
     """Segment ids of consecutive documents of the given lengths, numbered from 0."""
     return np.repeat(np.arange(len(lengths)), lengths).astype(np.int32)
@@ -440,6 +460,9 @@ GPU_CASES = {
     "causal_d128_long": (masks.causal(), None, dict(B=1, Tq=4096, Tk=4096, Hq=4, Hkv=4, D=128)),
     "causal_dropout_gqa4_d128": (masks.causal(), None,
                                  dict(B=2, Tq=1000, Tk=1000, Hq=8, Hkv=2, D=128)),
+    # float16 under loss scaling: dO.V^T overflows float16 (dP in float32).
+    "causal_float16_large_cotangents_gqa2_d64": (
+        masks.causal(), None, dict(B=1, Tq=1024, Tk=1024, Hq=4, Hkv=2, D=64)),
     # Packed documents (segment ids), the queries those of the last 1000 keys.
     "causal_segments_gqa4_ragged_d128": (
         masks.causal() & masks.segments(
@@ -453,7 +476,10 @@ GPU_CASES = {
 @pytest.mark.parametrize("name", GPU_CASES)
 def test_gpu_gradients_match_xla(name):
     mask, softcap, sizes = GPU_CASES[name]
-    q, k, v, d_out, d_lse = qkv(dtype=jnp.bfloat16, seed=1, **sizes)
+    f16 = "float16" in name
+    q, k, v, d_out, d_lse = qkv(dtype=jnp.float16 if f16 else jnp.bfloat16, seed=1, **sizes)
+    if f16:
+        v, d_out = 6 * v, 1e3 * d_out
     sinks = jnp.linspace(-1.0, 1.0, sizes["Hq"]) if "sinks" in name else None
     drop = dict(dropout_rate=0.2, dropout_key=jax.random.key(2)) if "dropout" in name else {}
     spec = AttentionSpec(mask=mask, softcap=softcap, sinks=sinks, return_lse=True, **drop)
