@@ -7,6 +7,7 @@ budget, and every row is printed as soon as it is measured.
     python benchmarks/gpu.py                      # flash (T=8k, D=128) and decode
     python benchmarks/gpu.py --flash-grid full    # D 64/128/256 x T 1k..32k
     python benchmarks/gpu.py --sections decode --out-dir /tmp/res
+    python benchmarks/gpu.py --softcap 30 --dropout 0.1 --modes fwd,bwd
 
 Sections:
 
@@ -14,19 +15,21 @@ Sections:
   with respect to q, k and v), bf16, ``B·T = 16k`` tokens, ``H·D = 2048``,
   causal and not, for every peer that can run here:
   ``fnattn`` (``impl="auto"``: cuDNN for the specs it computes exactly,
-  otherwise the Triton kernels), ``fnattn:triton`` (``impl="pallas"``),
-  ``fnattn:mosaic_gpu`` (the Mosaic GPU forward, with the Triton backward),
-  ``fnattn:mosaic_gpu_bwd`` (the same forward with the Mosaic GPU backward,
+  otherwise the Mosaic GPU kernels on Hopper where they take the spec, else the
+  Triton kernels), ``fnattn:triton`` (``impl="pallas"``), ``fnattn:mosaic_gpu``
+  (the Mosaic GPU forward, with the Triton backward), ``fnattn:mosaic_gpu_bwd``
+  (the same forward with the Mosaic GPU backward,
   ``fnattn/flash/mosaic_gpu_bwd.py``; its forward row repeats the previous one's),
   ``jax.nn:cudnn``, ``jax.nn:xla``, ``tokamax:mosaic``, ``tokamax:triton`` and
   ``jax:attention_mgpu`` (JAX's Mosaic GPU example kernel; its backward has no
-  causal mask). A document-masked row (packed documents with segment ids,
-  causal) compares fnattn with ``jax.nn`` given the same mask as an array;
-  there ``fnattn`` (``impl="auto"``) runs the Triton kernels and
-  ``fnattn:mosaic_gpu`` the Mosaic GPU forward's segment-id path (which
-  ``impl="auto"`` picks only once it is timed: its TFLOP/s count the causal
-  FLOPs, so compare its time with ``fnattn:triton``'s and with the causal row's),
-  and ``fnattn:mosaic_gpu_bwd`` that of the Mosaic GPU backward as well.
+  causal mask); ``pass:hidden_keys`` times alone the elementwise pass over K
+  and V that the Mosaic GPU forward runs for masked specs (forward rows only). ``--modes bwd`` times the backward alone (the forward and its
+  residuals computed by ``jax.vjp`` outside the timed call).
+  A document-masked row (packed documents with segment ids, causal) compares
+  fnattn with ``jax.nn`` given the same mask as an array. Its TFLOP/s count the
+  causal FLOPs; the column "per visited tile" counts the dense FLOPs times the
+  fraction of tiles the schedule visits, and the table's last lines give that
+  rate over the same peer's dense (no mask) rate.
   Each fnattn row's output is compared with ``jax.nn:cudnn``'s (or the XLA
   one's) on the same inputs.
 * ``decode``: one new token per sequence against a contiguous cache
@@ -134,20 +137,31 @@ def _mosaic_gpu_lowering(backward):
     return (("default", xla.LOWERING), ("cuda", api._with_tangent(low)))
 
 
-def flash_peer(impl, causal, segments=None, softcap=None):
+def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
     """``f(q, k, v) -> out`` for one peer, or raises (the row records why)."""
     mask = masks.causal() if causal else None
     if segments is not None:
         mask = masks.causal() & masks.segments(segments, segments)
     if softcap is not None and impl.startswith(("jax.nn", "jax:")):
         raise NotImplementedError("no soft-cap")
+    if dropout and not impl.startswith("fnattn"):
+        raise NotImplementedError("no dropout with fnattn's keep mask")
     if impl in ("fnattn", "fnattn:triton", "fnattn:mosaic_gpu", "fnattn:mosaic_gpu_bwd"):
-        spec = AttentionSpec(mask=mask, return_lse=False, softcap=softcap,
+        spec = AttentionSpec(mask=mask, return_lse=False, softcap=softcap, dropout_rate=dropout,
+                             dropout_key=jax.random.key(7) if dropout else None,
                              impl="pallas" if impl == "fnattn:triton" else "auto")
         if impl.startswith("fnattn:mosaic_gpu"):
             table = _mosaic_gpu_lowering(backward=impl == "fnattn:mosaic_gpu_bwd")
             return lambda q, k, v: core.run(spec, q, k, v, fn="flash", table=table).out
         return lambda q, k, v: fnattn.flash(spec, q, k, v).out
+    if impl == "pass:hidden_keys":
+        # The elementwise pass over K and V that the Mosaic GPU forward runs for
+        # masked specs (mosaic_gpu._hidden_keys_inert), alone: how much of that
+        # forward's time it is.
+        from fnattn.flash.mosaic_gpu import _hidden_keys_inert
+        if mask is None:
+            raise NotImplementedError("no pass without a mask")
+        return lambda q, k, v: _hidden_keys_inert(k, v)
     if impl.startswith("jax.nn:"):
         which = impl.split(":")[1]
         if segments is not None:
@@ -184,8 +198,8 @@ def flash_peer(impl, causal, segments=None, softcap=None):
 
 # jax.nn:cudnn first: its output is what the fnattn rows are compared with.
 FLASH_IMPLS = ("jax.nn:cudnn", "fnattn", "fnattn:triton", "fnattn:mosaic_gpu",
-               "fnattn:mosaic_gpu_bwd", "jax.nn:xla", "tokamax:mosaic", "tokamax:triton",
-               "jax:attention_mgpu")
+               "fnattn:mosaic_gpu_bwd", "pass:hidden_keys", "jax.nn:xla", "tokamax:mosaic",
+               "tokamax:triton", "jax:attention_mgpu")
 
 
 def flash_section(args, rows, deadline):
@@ -201,9 +215,11 @@ def flash_section(args, rows, deadline):
         B, H = max(1, 16384 // T), 2048 // D
         ks = jax.random.split(jax.random.key(T + D), 4)
         q, k, v, w = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in ks)
-        cases = [(c, None, None) for c in (False, True)]
+        cases = [(c, None, None, 0.0) for c in (False, True)]
         if args.softcap:
-            cases.append((True, None, args.softcap))
+            cases.append((True, None, args.softcap, 0.0))
+        if args.dropout:
+            cases.append((True, None, None, args.dropout))
         if T == args.doc_T and D == 128:
             # packed documents of random lengths (mean T/8), causal within each
             rng = np.random.default_rng(0)
@@ -211,8 +227,11 @@ def flash_section(args, rows, deadline):
             seg = np.zeros(T, np.int32)
             for c in cuts:
                 seg[c:] += 1
-            cases.append((True, jnp.asarray(np.broadcast_to(seg, (B, T)).copy()), None))
-        for causal, seg, cap in cases:
+            cases.append((True, jnp.asarray(np.broadcast_to(seg, (B, T)).copy()), None, 0.0))
+        for causal, seg, cap, drop in cases:
+            mask = masks.causal() & masks.segments(seg, seg) if seg is not None else (
+                masks.causal() if causal else None)
+            visited = visited_fraction(mask, B, H, T, D)
             for mode in modes:
                 ref_out = None
                 for impl in impls:
@@ -222,32 +241,45 @@ def flash_section(args, rows, deadline):
                     row = dict(section="flash", impl=impl, B=B, T=T, H=H, D=D, causal=int(causal),
                                mask="documents" if seg is not None else
                                ("causal" if causal else "none") + (
-                                   "+softcap" if cap else ""), mode=mode)
+                                   "+softcap" if cap else "") + (
+                                   "+dropout" if drop else ""), mode=mode)
+                    if impl.startswith("pass:") and mode != "fwd":
+                        continue
                     if impl == "jax.nn:xla" and B * H * T * T * 4 > args.xla_max_bytes:
                         rows.append(dict(row, status="skipped (T×T logits too large)"))
                         print(_flash_line(rows[-1]), flush=True)
                         continue
                     try:
-                        f = flash_peer(impl, causal, seg, cap)
-                        fn = _pass(f, mode, w)
+                        f = flash_peer(impl, causal, seg, cap, drop)
+                        fn, inputs_of = _pass(f, mode, w)
                         inputs = (q, k, v)
                         cast = getattr(f, "cast_inputs", None)
                         if cast is not None:  # (cast outside the timed call)
                             inputs = tuple(x.astype(cast) for x in inputs)
+                        inputs = inputs_of(*inputs)
                         t, lo, hi, mem, out = timed(fn, inputs, args.reps)
-                        if impl == "fnattn" and seg is None and cap is None and args.pair_reps:
+                        if (impl == "fnattn" and seg is None and not cap and not drop
+                                and args.pair_reps and mode != "bwd"):
                             # fnattn's default against cuDNN, batches alternating
                             ta, tb = timed_pair(fn, _pass(flash_peer("jax.nn:cudnn", causal),
-                                                          mode, w), inputs, args.pair_reps)
+                                                          mode, w)[0], inputs, args.pair_reps)
                             row.update(paired_ms=ta * 1e3, paired_cudnn_ms=tb * 1e3,
                                        cudnn_over_fnattn=tb / ta)
                         cspec = AttentionSpec(mask=masks.causal() if causal else None)
-                        flops = cost.estimate(cspec, q, k, v).flops
-                        if mode != "fwd":
+                        flops = cost.estimate(cspec, q, k, v, backward=mode == "bwd").flops
+                        if mode == "fwd+bwd":
                             flops += cost.estimate(cspec, q, k, v, backward=True).flops
+                        dense = cost.estimate(AttentionSpec(), q, k, v,
+                                              backward=mode == "bwd").flops
+                        if mode == "fwd+bwd":
+                            dense += cost.estimate(AttentionSpec(), q, k, v, backward=True).flops
                         row.update(status="ok", time_ms=t * 1e3, min_ms=lo * 1e3, max_ms=hi * 1e3,
-                                   tflops=flops / t / 1e12, xla_mb=mem)
+                                   tflops=flops / t / 1e12, xla_mb=mem, visited=visited,
+                                   tflops_visited=dense * visited / t / 1e12)
+                        if impl.startswith("pass:"):  # (no attention FLOPs: its time only)
+                            row.update(tflops=float("nan"), tflops_visited=float("nan"))
                         o = out if mode == "fwd" else out[0]
+                        del inputs
                         if impl.startswith("jax.nn") and ref_out is None:
                             ref_out = o
                         if ref_out is not None and impl.startswith("fnattn"):
@@ -264,12 +296,31 @@ def flash_section(args, rows, deadline):
 
 
 def _pass(f, mode, w):
+    """``(fn, inputs_of)``: what is timed for ``mode`` and how its inputs are made
+    from (q, k, v): the forward; the gradient of ``sum(out * w)`` (forward and
+    backward); or the backward alone (``bwd``: the forward and its residuals
+    are computed once, outside the timed call, by ``jax.vjp``)."""
     if mode == "fwd":
-        return f
+        return f, lambda *qkv: qkv
+    if mode == "bwd":
+        def inputs_of(*qkv):
+            out, f_vjp = jax.vjp(f, *qkv)
+            return f_vjp, w.astype(out.dtype)
+        return (lambda f_vjp, ct: f_vjp(ct)), inputs_of
 
     def loss(q, k, v):
         return jnp.sum(f(q, k, v).astype(jnp.float32) * w.astype(jnp.float32))
-    return jax.grad(loss, argnums=(0, 1, 2))
+    return jax.grad(loss, argnums=(0, 1, 2)), lambda *qkv: qkv
+
+
+def visited_fraction(mask, B, H, T, D):
+    """The fraction of (q tile, kv tile) pairs a mask's schedule visits (not
+    EMPTY), with the Mosaic GPU forward's default tiles for ``D``: what a
+    blockwise kernel computes, against the T² of a dense call."""
+    from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
+    bs = MosaicGpuBlockSizes.default(D)
+    cls = masks.block_classes(mask, B, H, T, T, 2 * bs.block_q, bs.block_k)
+    return float(jnp.mean((cls != masks.EMPTY).astype(jnp.float32)))
 
 
 def _flash_line(r):
@@ -416,12 +467,12 @@ def write(rows, section, args, started):
             "output buffers of the compiled call; 'alternating': fnattn's default and cuDNN "
             "timed in alternating batches (medians), the steadier ratio", ""]
     if section == "flash":
-        lines = ["| T | D | mask | pass | impl | ms | TFLOP/s | XLA MB | ÷ cuDNN time | "
-                 "|out − jax.nn| |", "|---|---|---|---|---|---|---|---|---|---|"]
+        lines = ["| T | D | mask | pass | impl | ms | TFLOP/s | per visited tile | XLA MB | "
+                 "÷ cuDNN time | |out − jax.nn| |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in mine:
             h = f"| {r['T']} | {r['D']} | {r['mask']} | {r['mode']} | {r['impl']} "
             if r["status"] != "ok":
-                lines.append(h + f"| {r['status']} | | | | |")
+                lines.append(h + f"| {r['status']} | | | | | |")
                 continue
             cud = next((x for x in mine if x["impl"] == "jax.nn:cudnn" and x["status"] == "ok"
                         and all(x[c] == r[c] for c in ("T", "D", "mask", "mode"))), None)
@@ -430,10 +481,15 @@ def write(rows, section, args, started):
                 ratio += (f" (alternating: {r['cudnn_over_fnattn']:.3f}×, {r['paired_ms']:.3f} vs "
                           f"{r['paired_cudnn_ms']:.3f} ms)")
             d = f"{r['diff_vs_jax_nn']:.1e}" if "diff_vs_jax_nn" in r else ""
-            lines.append(h + f"| {r['time_ms']:.3f} | {r['tflops']:.0f} | {r['xla_mb']:.0f} | "
+            lines.append(h + f"| {r['time_ms']:.3f} | {r['tflops']:.0f} | "
+                         f"{r['tflops_visited']:.0f} ({r['visited']:.1%}) | {r['xla_mb']:.0f} | "
                          f"{ratio} | {d} |")
+        lines += [""] + _visited_rates(mine)
         head.append("- TFLOP/s: `fnattn.cost.estimate`'s FLOPs (4·B·H·T²·D forward, halved "
-                    "when causal, ×3.5 forward+backward) over the time; ÷ cuDNN time: "
+                    "when causal, ×2.5 backward, ×3.5 forward+backward) over the time; the "
+                    "documents rows count the causal FLOPs. Per visited tile: the dense "
+                    "FLOPs times the fraction of tiles the mask's schedule visits (in "
+                    "brackets; the Mosaic GPU forward's tiles), over the time. ÷ cuDNN time: "
                     "jax.nn:cudnn's time over this row's (> 1: faster than cuDNN)\n")
     else:
         lines = ["| cache | impl | B | S | ms | GB/s | % of peak HBM | % of copy | XLA MB | "
@@ -458,16 +514,35 @@ def write(rows, section, args, started):
     print("wrote", stem + ".md", flush=True)
 
 
+def _visited_rates(rows):
+    """Lines comparing each documents row's rate per visited tile with the same
+    peer's dense rate (mask none, same T, D and pass)."""
+    out = []
+    for r in rows:
+        if r["mask"] != "documents" or r["status"] != "ok" or not r["impl"].startswith("fnattn"):
+            continue
+        dense = next((x for x in rows if x["mask"] == "none" and x["status"] == "ok" and
+                      all(x[c] == r[c] for c in ("impl", "T", "D", "mode"))), None)
+        if dense is not None:
+            out.append(f"- documents, {r['mode']}, {r['impl']}: {r['tflops_visited']:.0f} "
+                       f"TFLOP/s per visited tile = {r['tflops_visited'] / dense['tflops']:.0%} "
+                       f"of its dense rate ({dense['tflops']:.0f})")
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="flash,decode")
     ap.add_argument("--flash-grid", default="8192x128",
                     help="'full', 'core', or comma-separated TxD items")
     ap.add_argument("--impls", default=None, help="comma-separated flash peers")
-    ap.add_argument("--modes", default="fwd,fwd+bwd")
+    ap.add_argument("--modes", default="fwd,fwd+bwd",
+                    help="comma-separated: fwd, fwd+bwd, bwd (the backward alone)")
     ap.add_argument("--doc-T", type=int, default=8192, help="T of the document-masked row")
     ap.add_argument("--softcap", type=float, default=None,
                     help="also a causal row with this soft-cap (which cuDNN cannot run)")
+    ap.add_argument("--dropout", type=float, default=0.0,
+                    help="also a causal row with this dropout rate (fnattn's peers only)")
     ap.add_argument("--decode-grid", default="16x4096,16x16384,64x4096,64x8192,1x32768,4x16384")
     ap.add_argument("--decode-sweep", default="",
                     help="BxS items at which split and block-size variants of the decode "
