@@ -857,7 +857,7 @@ def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_l
     return dq, finish(dk, k.dtype), finish(dv, v.dtype), None, dsinks
 
 
-# The Mosaic GPU forward with this backward: what impl="auto" runs on Hopper when
-# the spec holds MosaicGpuBwdBlockSizes (fnattn.flash.api.cuda_kernel).
+# The Mosaic GPU forward with this backward: what impl="auto" runs on Hopper where
+# route() says so (fnattn.flash.api.cuda_kernel).
 LOWERING = Lowering("flash-mosaic-gpu-fa3", mosaic_gpu.LOWERING.fwd,
                     functools.partial(backward, interpret=False))
