@@ -240,6 +240,24 @@ def test_interpreted_segments_lengths_and_poisoned_hidden_keys(interpreted):
     assert (f32(grads[1])[0, 104:] == 0).all() and (f32(grads[2])[1, 150:] == 0).all()
 
 
+def test_interpreted_prefix_lm_lengths_at_positions(interpreted):
+    """Per-sequence scalars (prefix lengths, query and key lengths) and per-row
+    and per-key arrays (positions: the queries those of tokens 70..169 of 150
+    keys' sequence) in one mask, with a soft-cap, ragged 100 x 150, GQA 2:1: the
+    masks holding arrays that impl="auto" now sends here besides segment ids."""
+    q, k, v, d_out, d_lse = qkv(B=2, Tq=100, Tk=150, Hq=2, Hkv=1, seed=6)
+    inner = (masks.prefix_lm(jnp.array([10, 120]))
+             & masks.lengths(jnp.array([170, 150]), jnp.array([120, 150])))
+    mask = masks.at_positions(inner, jnp.arange(100) + 70, jnp.arange(150))
+    spec = AttentionSpec(mask=mask, softcap=2.5, return_lse=True, block_sizes=SMALL)
+    out, lse, grads = outputs_and_grads(spec, q, k, v, d_out, d_lse, interpreted)
+    r_out, r_lse, r_grads = reference(spec, q, k, v, d_out, d_lse)
+    np.testing.assert_allclose(f32(out), f32(r_out), atol=2e-2, rtol=2e-2)
+    np.testing.assert_array_equal(np.isfinite(f32(lse)), np.isfinite(f32(r_lse)))
+    assert not np.isfinite(f32(r_lse)).all()  # (rows past batch 1's query length)
+    assert_grads_close(grads, r_grads)
+
+
 def test_interpreted_causal_segments_gqa_ragged(interpreted, monkeypatch):
     """Causal & segments with queries aligned to the last keys, ragged 100 x 150,
     GQA 2:1 over the group in one program, head dim 128, bfloat16."""
@@ -496,6 +514,54 @@ def test_gpu_gradients_match_xla(name):
     _, _, ref = go((("default", xla.LOWERING),),
                    *(x.astype(jnp.float32) for x in (q, k, v, d_out)), d_lse)
     assert_grads_close(grads, ref, tol=3e-2)
+
+
+def _auto_masks(B, Tq, Tk):
+    """The masks impl="auto" sends to the Mosaic GPU kernels on Hopper (with a
+    soft-cap, so that cuDNN does not take them): each kind of mask array."""
+    kv_ids = jnp.asarray(np.stack([documents(300, 200, Tk - 500), documents(Tk)]))
+    q_ids = kv_ids[:, Tk - Tq:]
+    return {
+        "causal": masks.causal(),
+        "causal_segments": masks.causal() & masks.segments(q_ids, kv_ids),
+        "lengths_prefix_lm": (masks.prefix_lm(jnp.array([100, 700]))
+                              & masks.lengths(jnp.array([Tq, Tq - 150]),
+                                              jnp.array([Tk - 300, Tk]))),
+        "at_positions": masks.at_positions(masks.causal(), jnp.arange(Tq) + 700,
+                                           jnp.arange(Tk)),
+    }
+
+
+@pytest.mark.skipif(not ON_GPU or mosaic_gpu.available() is not None,
+                    reason="needs a Hopper GPU")
+@pytest.mark.parametrize("name", ["causal", "causal_segments", "lengths_prefix_lm",
+                                  "at_positions"])
+def test_gpu_auto_runs_the_mosaic_gpu_kernels_and_matches_xla(name):
+    """impl="auto" on a Hopper GPU, end to end: a soft-capped spec with each kind
+    of mask array lowers to the two Mosaic GPU kernels (no Triton kernel), and its
+    out, lse and gradients equal the XLA lowering's. Ragged 1000 x 1500, GQA 4:1."""
+    B, Tq, Tk = 2, 1000, 1500
+    q, k, v, d_out, d_lse = qkv(B=B, Tq=Tq, Tk=Tk, Hq=8, Hkv=2, D=128,
+                                dtype=jnp.bfloat16, seed=5)
+    spec = AttentionSpec(mask=_auto_masks(B, Tq, Tk)[name], softcap=25.0, return_lse=True)
+
+    def vjp(spec, q, k, v, d_out, d_lse):
+        def f(q, k, v):
+            res = fnattn.attention(spec, q, k, v)
+            return res.out, res.lse
+        (out, lse), pull = jax.vjp(f, q, k, v)
+        return out, lse, pull((d_out, d_lse))
+
+    go = jax.jit(vjp)
+    text = go.trace(spec, q, k, v, d_out, d_lse).lower().as_text()
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+    assert not re.search(r"fnattn_flash_(dq|dkdv|fwd)", text)
+    out, lse, grads = go(spec, q, k, v, d_out, d_lse)
+    r_out, r_lse, r_grads = go(spec.replace(impl="xla"),
+                               *(x.astype(jnp.float32) for x in (q, k, v, d_out)), d_lse)
+    np.testing.assert_allclose(f32(out), f32(r_out), atol=2e-2, rtol=2e-2)
+    np.testing.assert_array_equal(np.isfinite(f32(lse)), np.isfinite(f32(r_lse)))
+    assert_grads_close(grads, r_grads, tol=3e-2)
 
 
 # ----------------------------------------------------------------------------------
