@@ -23,8 +23,11 @@ Sections:
   ``jax.nn:cudnn``, ``jax.nn:xla``, ``tokamax:mosaic``, ``tokamax:triton`` and
   ``jax:attention_mgpu`` (JAX's Mosaic GPU example kernel; its backward has no
   causal mask); ``pass:hidden_keys`` times alone the elementwise pass over K
-  and V that the Mosaic GPU forward runs for masked specs (forward rows only). ``--modes bwd`` times the backward alone (the forward and its
-  residuals computed by ``jax.vjp`` outside the timed call).
+  and V that the Mosaic GPU forward runs for masked specs, and ``pass:schedule``
+  the XLA work that builds its visiting table and id arrays for a mask holding
+  arrays (forward rows only): with them, the kernel's own share of a row.
+  ``--modes bwd`` times the backward alone (the forward and its residuals
+  computed by ``jax.vjp`` outside the timed call).
   A document-masked row (packed documents with segment ids, causal) compares
   fnattn with ``jax.nn`` given the same mask as an array. Its TFLOP/s count the
   causal FLOPs; the column "per visited tile" counts the dense FLOPs times the
@@ -162,6 +165,20 @@ def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
         if mask is None:
             raise NotImplementedError("no pass without a mask")
         return lambda q, k, v: _hidden_keys_inert(k, v)
+    if impl == "pass:schedule":
+        # The XLA work before the Mosaic GPU forward's kernel for a mask holding
+        # arrays: its visiting table and the int32 stacks of the arrays.
+        from fnattn._checks import Dims
+        from fnattn.flash import mosaic_gpu as mg
+        if mask is None or not mask.num_operands:
+            raise NotImplementedError("no XLA work: the table is a constant without mask arrays")
+
+        def schedule(q, k, v):
+            (B, T, H, D), bs = q.shape, mg.MosaicGpuBlockSizes.default(q.shape[-1])
+            rows, bk = 2 * bs.block_q, bs.block_k
+            table = mg.dynamic_schedule(mask, Dims(B, T, T, H, k.shape[2], D, D), None, rows, bk)
+            return table, mg.id_arrays(mask, -(-T // rows) * rows, -(-T // bk) * bk)[2]
+        return schedule
     if impl.startswith("jax.nn:"):
         which = impl.split(":")[1]
         if segments is not None:
@@ -198,8 +215,8 @@ def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
 
 # jax.nn:cudnn first: its output is what the fnattn rows are compared with.
 FLASH_IMPLS = ("jax.nn:cudnn", "fnattn", "fnattn:triton", "fnattn:mosaic_gpu",
-               "fnattn:mosaic_gpu_bwd", "pass:hidden_keys", "jax.nn:xla", "tokamax:mosaic",
-               "tokamax:triton", "jax:attention_mgpu")
+               "fnattn:mosaic_gpu_bwd", "pass:hidden_keys", "pass:schedule", "jax.nn:xla",
+               "tokamax:mosaic", "tokamax:triton", "jax:attention_mgpu")
 
 
 def flash_section(args, rows, deadline):

@@ -235,9 +235,10 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
 def route(cfg, dtype, mask, bias, sinks) -> bool:
     """Whether impl="auto" on cuda runs this call's backward here, once the Mosaic
     GPU forward runs it (:func:`fnattn.flash.mosaic_gpu.route`): the kernel takes
-    the spec, and either ``MosaicGpuBwdBlockSizes`` are in the spec or it is a
-    timed case: a head dim of at most 128 (the row split; the column split of
-    wider heads recomputes S and dP per column half) without dropout.
+    the spec, and either ``MosaicGpuBwdBlockSizes`` are in the spec or the spec
+    takes the path timed on an H100: the row split (a head dim of at most 128;
+    timed at 128) without dropout. The column split of wider heads, which
+    recomputes S and dP per column half, and dropout are untimed.
 
     >>> from fnattn._checks import Dims
     >>> from fnattn._dispatch import Config
