@@ -140,11 +140,26 @@ def _mosaic_gpu_lowering(backward):
     return (("default", xla.LOWERING), ("cuda", api._with_tangent(low)))
 
 
+def _mask(causal, segments=None):
+    """The row's mask: packed documents (causal within each) when ``segments`` are
+    given, else causal or none."""
+    if segments is not None:
+        return masks.causal() & masks.segments(segments, segments)
+    return masks.causal() if causal else None
+
+
+def _program_tile(D):
+    """``(rows, keys)`` of one step of a Mosaic GPU forward program at head dim ``D``
+    with the default block sizes (two consumers of ``block_q`` rows each), as
+    ``fnattn.flash.mosaic_gpu.forward`` lays them out."""
+    from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
+    bs = MosaicGpuBlockSizes.default(D)
+    return 2 * bs.block_q, bs.block_k
+
+
 def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
     """``f(q, k, v) -> out`` for one peer, or raises (the row records why)."""
-    mask = masks.causal() if causal else None
-    if segments is not None:
-        mask = masks.causal() & masks.segments(segments, segments)
+    mask = _mask(causal, segments)
     if softcap is not None and impl.startswith(("jax.nn", "jax:")):
         raise NotImplementedError("no soft-cap")
     if dropout and not impl.startswith("fnattn"):
@@ -174,8 +189,8 @@ def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
             raise NotImplementedError("no XLA work: the table is a constant without mask arrays")
 
         def schedule(q, k, v):
-            (B, T, H, D), bs = q.shape, mg.MosaicGpuBlockSizes.default(q.shape[-1])
-            rows, bk = 2 * bs.block_q, bs.block_k
+            B, T, H, D = q.shape
+            rows, bk = _program_tile(D)
             table = mg.dynamic_schedule(mask, Dims(B, T, T, H, k.shape[2], D, D), None, rows, bk)
             return table, mg.id_arrays(mask, -(-T // rows) * rows, -(-T // bk) * bk)[2]
         return schedule
@@ -246,9 +261,7 @@ def flash_section(args, rows, deadline):
                 seg[c:] += 1
             cases.append((True, jnp.asarray(np.broadcast_to(seg, (B, T)).copy()), None, 0.0))
         for causal, seg, cap, drop in cases:
-            mask = masks.causal() & masks.segments(seg, seg) if seg is not None else (
-                masks.causal() if causal else None)
-            visited = visited_fraction(mask, B, H, T, D)
+            visited = visited_fraction(_mask(causal, seg), B, H, T, D)
             for mode in modes:
                 ref_out = None
                 for impl in impls:
@@ -282,14 +295,8 @@ def flash_section(args, rows, deadline):
                                                           mode, w)[0], inputs, args.pair_reps)
                             row.update(paired_ms=ta * 1e3, paired_cudnn_ms=tb * 1e3,
                                        cudnn_over_fnattn=tb / ta)
-                        cspec = AttentionSpec(mask=masks.causal() if causal else None)
-                        flops = cost.estimate(cspec, q, k, v, backward=mode == "bwd").flops
-                        if mode == "fwd+bwd":
-                            flops += cost.estimate(cspec, q, k, v, backward=True).flops
-                        dense = cost.estimate(AttentionSpec(), q, k, v,
-                                              backward=mode == "bwd").flops
-                        if mode == "fwd+bwd":
-                            dense += cost.estimate(AttentionSpec(), q, k, v, backward=True).flops
+                        flops = _flops(masks.causal() if causal else None, q, k, v, mode)
+                        dense = _flops(None, q, k, v, mode)
                         row.update(status="ok", time_ms=t * 1e3, min_ms=lo * 1e3, max_ms=hi * 1e3,
                                    tflops=flops / t / 1e12, xla_mb=mem, visited=visited,
                                    tflops_visited=dense * visited / t / 1e12)
@@ -330,13 +337,20 @@ def _pass(f, mode, w):
     return jax.grad(loss, argnums=(0, 1, 2)), lambda *qkv: qkv
 
 
+def _flops(mask, q, k, v, mode):
+    """``fnattn.cost.estimate``'s FLOPs of ``mode`` (fwd, bwd or fwd+bwd) for a mask
+    without arrays (or none)."""
+    spec = AttentionSpec(mask=mask)
+    fwd = cost.estimate(spec, q, k, v).flops
+    bwd = cost.estimate(spec, q, k, v, backward=True).flops
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
+
+
 def visited_fraction(mask, B, H, T, D):
     """The fraction of (q tile, kv tile) pairs a mask's schedule visits (not
     EMPTY), with the Mosaic GPU forward's default tiles for ``D``: what a
     blockwise kernel computes, against the T² of a dense call."""
-    from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
-    bs = MosaicGpuBlockSizes.default(D)
-    cls = masks.block_classes(mask, B, H, T, T, 2 * bs.block_q, bs.block_k)
+    cls = masks.block_classes(mask, B, H, T, T, *_program_tile(D))
     return float(jnp.mean((cls != masks.EMPTY).astype(jnp.float32)))
 
 

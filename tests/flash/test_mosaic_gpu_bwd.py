@@ -602,28 +602,23 @@ def test_cuda_kernel_choice_of_the_backward(monkeypatch):
     assert cuda_kernel(both, q, None, None, None) is triton.LOWERING
 
 
-def test_auto_gradient_lowers_to_this_backward(monkeypatch):
-    """The same choice seen in the program impl="auto" lowers for cuda on Hopper: a
-    soft-capped causal spec (no cuDNN) at D=128 has two Mosaic GPU custom calls
-    and no Triton kernel; with dropout, the Mosaic GPU forward asked for by
-    name and the Triton dq and dk/dv kernels."""
+def test_auto_gradient_with_dropout_lowers_to_the_triton_backward(monkeypatch):
+    """The same choice seen in the program impl="auto" lowers for cuda on Hopper:
+    a soft-capped causal spec (no cuDNN) with dropout and ``MosaicGpuBlockSizes``
+    has the Mosaic GPU forward and the Triton dq and dk/dv kernels. (Without
+    dropout, the two Mosaic GPU kernels: tests/flash/test_mosaic_gpu.py,
+    ``test_auto_runs_the_mosaic_gpu_kernels_on_hopper``, lowers that same spec.)"""
     pytest.importorskip("absl")
     monkeypatch.setattr(mosaic_gpu, "available", lambda: None)
     q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
+    spec = AttentionSpec(mask=masks.causal(), softcap=30.0, dropout_rate=0.1,
+                         dropout_key=jax.random.key(0), block_sizes=MosaicGpuBlockSizes())
 
-    def lowered(spec):
-        def loss(q, k, v):
-            return jnp.sum(fnattn.attention(spec, q, k, v).out.astype(jnp.float32))
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
-            lowering_platforms=("cuda",)).as_text()
-
-    spec = AttentionSpec(mask=masks.causal(), softcap=30.0)
-    text = lowered(spec)
-    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
-    assert not re.search(r"fnattn_flash_(dq|dkdv|fwd)", text)
-    text = lowered(spec.replace(dropout_rate=0.1, dropout_key=jax.random.key(0),
-                                block_sizes=MosaicGpuBlockSizes()))
+    def loss(q, k, v):
+        return jnp.sum(fnattn.attention(spec, q, k, v).out.astype(jnp.float32))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
+        lowering_platforms=("cuda",)).as_text()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
     assert sorted(set(re.findall(r"fnattn_flash_\w+", text))) == ["fnattn_flash_dkdv",
                                                                    "fnattn_flash_dq"]
