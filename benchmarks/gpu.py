@@ -20,6 +20,8 @@ Sections:
   (the Mosaic GPU forward, with the Triton backward), ``fnattn:mosaic_gpu_bwd``
   (the same forward with the Mosaic GPU backward,
   ``fnattn/flash/mosaic_gpu_bwd.py``; its forward row repeats the previous one's),
+  ``fnattn:mosaic_gpu_redo`` (those two with ``hidden_keys="redo"``: no pass over
+  K and V before a masked forward; the Triton forward recomputes flagged rows),
   ``jax.nn:cudnn``, ``jax.nn:xla``, ``tokamax:mosaic``, ``tokamax:triton`` and
   ``jax:attention_mgpu`` (JAX's Mosaic GPU example kernel; its backward has no
   causal mask); ``pass:hidden_keys`` times alone the elementwise pass over K
@@ -53,6 +55,7 @@ Writes ``<out-dir>/gpu_<section>_<device>.{md,csv}``.
 
 import argparse
 import csv
+import dataclasses
 import datetime
 import functools
 import json
@@ -164,10 +167,23 @@ def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
         raise NotImplementedError("no soft-cap")
     if dropout and not impl.startswith("fnattn"):
         raise NotImplementedError("no dropout with fnattn's keep mask")
-    if impl in ("fnattn", "fnattn:triton", "fnattn:mosaic_gpu", "fnattn:mosaic_gpu_bwd"):
+    if impl in ("fnattn", "fnattn:triton", "fnattn:mosaic_gpu", "fnattn:mosaic_gpu_bwd",
+                "fnattn:mosaic_gpu_redo"):
         spec = AttentionSpec(mask=mask, return_lse=False, softcap=softcap, dropout_rate=dropout,
                              dropout_key=jax.random.key(7) if dropout else None,
                              impl="pallas" if impl == "fnattn:triton" else "auto")
+        if impl == "fnattn:mosaic_gpu_redo":
+            from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
+            if mask is None:
+                raise NotImplementedError("no pass to leave out without a mask")
+            table = _mosaic_gpu_lowering(backward=True)
+
+            def redo(q, k, v):
+                bs = dataclasses.replace(MosaicGpuBlockSizes.default(q.shape[-1]),
+                                         hidden_keys="redo")
+                return core.run(spec.replace(block_sizes=bs), q, k, v, fn="flash",
+                                table=table).out
+            return redo
         if impl.startswith("fnattn:mosaic_gpu"):
             table = _mosaic_gpu_lowering(backward=impl == "fnattn:mosaic_gpu_bwd")
             return lambda q, k, v: core.run(spec, q, k, v, fn="flash", table=table).out
@@ -230,7 +246,8 @@ def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
 
 # jax.nn:cudnn first: its output is what the fnattn rows are compared with.
 FLASH_IMPLS = ("jax.nn:cudnn", "fnattn", "fnattn:triton", "fnattn:mosaic_gpu",
-               "fnattn:mosaic_gpu_bwd", "pass:hidden_keys", "pass:schedule", "jax.nn:xla",
+               "fnattn:mosaic_gpu_bwd", "fnattn:mosaic_gpu_redo", "pass:hidden_keys",
+               "pass:schedule", "jax.nn:xla",
                "tokamax:mosaic", "tokamax:triton", "jax:attention_mgpu")
 
 

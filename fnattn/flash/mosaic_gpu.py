@@ -48,7 +48,9 @@ Arrays that vary along both queries and keys (``from_array``) are refused.
 Keys a row may not see contribute nothing to it whatever their bits: hidden
 logits are set to -inf on PARTIAL tiles, and for masked specs the wrapper makes
 non-finite keys inert first (:func:`_hidden_keys_inert`: one elementwise pass
-over K and V).
+over K and V). With ``MosaicGpuBlockSizes(hidden_keys="redo")`` there is no
+pass: the kernel flags the rows that met a non-finite logit or output and the
+Triton forward recomputes their blocks (:func:`_redo_flagged`).
 
 Dropout draws :func:`fnattn.dropout.keep_mask` on every visited tile from the
 rows' and keys' global indices (the same bits as every other lowering): the
@@ -141,6 +143,13 @@ class MosaicGpuBlockSizes:
         this); 64 or 128 (``wgmma`` works on 64-row slabs).
       block_k: kv rows per step; 64 or 128.
       max_concurrent_steps: depth of the K/V ring in shared memory, 2 to 4.
+      hidden_keys: how a masked call keeps non-finite K/V bits of keys a row
+        may not see out of its result. ``"pass"``: an elementwise XLA pass over
+        K and V before the kernel (:func:`_hidden_keys_inert`). ``"redo"``: the
+        kernel reads K and V as they are and flags the rows where it met a
+        non-finite logit or output; the Triton forward recomputes the blocks of
+        those rows, and nothing else (:func:`_redo_flagged`). Same results;
+        ``"redo"`` moves no K/V bytes when the inputs are finite.
 
     >>> MosaicGpuBlockSizes.default(128).smem_bytes(128)
     164864
@@ -153,6 +162,7 @@ class MosaicGpuBlockSizes:
     block_q: int = 64
     block_k: int = 128
     max_concurrent_steps: int = 2
+    hidden_keys: str = "pass"
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -162,6 +172,9 @@ class MosaicGpuBlockSizes:
         if self.max_concurrent_steps not in (2, 3, 4):
             raise ValueError("MosaicGpuBlockSizes: max_concurrent_steps must be 2, 3 or 4; "
                              f"got {self.max_concurrent_steps!r}")
+        if self.hidden_keys not in ("pass", "redo"):
+            raise ValueError("MosaicGpuBlockSizes: hidden_keys must be 'pass' or 'redo'; "
+                             f"got {self.hidden_keys!r}")
 
     @classmethod
     def default(cls, head_dim: int) -> "MosaicGpuBlockSizes":
@@ -206,6 +219,11 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
     why = maskless_refusals(cfg, dtype, bias, sinks)
     if mask is not None and mask.num_operands:
         why += operand_refusals(mask)
+    d = cfg.dims
+    if (mask is not None and _blocks_for(cfg).hidden_keys == "redo"
+            and isinstance(d.head_dim, int) and d.head_dim & (d.head_dim - 1)):
+        why.append(f"hidden_keys='redo' at head dim D={d.head_dim} (the Triton forward that "
+                   "recomputes flagged rows takes powers of two; hidden_keys='pass' runs here)")
     return why
 
 
@@ -339,6 +357,7 @@ class _Plan:
     rate: float = 0.0     # dropout rate (0: none)
     operands: tuple = ()  # per mask array, in the mask's order: (kind, index in its stack)
     stacks: tuple = ()    # per kind present, in _KINDS order: (kind, count, along b, along h)
+    flag: bool = False    # m = NaN on rows that met a non-finite logit or output
 
     @property
     def rows(self) -> int:
@@ -458,6 +477,8 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                     s, ids = pl.run_scoped(scores, plgpu.ACC((P.bq, P.bk), F32))
                 # (K and the tile's key arrays are read: the slot may be refilled)
                 plgpu.barrier_arrive(S.k_free.at[slot])
+                if P.flag:  # 0, or NaN after a non-finite logit (hidden ones included)
+                    seen_nonfinite = (s * 0.0).sum(axis=1)
                 if P.softcap is None:
                     c = P.scale * LOG2E
                 else:  # softcap * tanh(scale * s / softcap), its factor folded into c
@@ -476,6 +497,8 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 alpha = jnp.exp2(m - m_use)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
+                if P.flag:  # (the row's l carries the NaN to the epilogue)
+                    l = l + seen_nonfinite
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if seed is not None:  # the denominator keeps every weight; P V the kept ones
                     p = jnp.where(_keep(seed, q0, kv_tile(t), b, h, P), p * (1 / (1 - P.rate)),
@@ -512,12 +535,14 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                                       carry)
             pl.when(wg == 0)(take_turn)
 
+            if P.flag:  # 0, or NaN on a row that met a non-finite logit, V or output
+                flagged = (l + (acc * 0.0).sum(axis=1)) * 0.0
             inv = 1.0 / jnp.where(l > 0, l, 1.0)
             if P.sinks:  # the head's sink joins the denominator only
                 a, m, l = online.sink_rescale(m, l, sinks_ref[h] * LOG2E, exp=jnp.exp2)
                 inv = a / jnp.where(l > 0, l, 1.0)
             mine[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-            S.m_smem.at[wg][...] = m
+            S.m_smem.at[wg][...] = (m + flagged) if P.flag else m
             S.l_smem.at[wg][...] = l
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(mine, o_ref.at[b, pl.ds(q0, P.bq), h])
@@ -816,6 +841,24 @@ def _hidden_keys_inert(k, v):
     return jnp.where(bad[..., None], jnp.asarray(jnp.nan, k.dtype), k), v
 
 
+def _redo_flagged(cfg, q, k, v, sinks, mask, seed, split, out, m, l, *, rows, bk, interpret):
+    """``(out, lse, lse_lo)``, padded to whole programs, of a kernel that ran with
+    ``P.flag`` on K and V as they are: the rows it flagged (m = NaN: a
+    non-finite logit, hidden or not, or a non-finite output) are recomputed, by
+    blocks of ``rows``, by the Triton forward
+    (:func:`fnattn.flash.triton.redo_forward`), which makes hidden keys inert
+    on the tiles it loads; the rest are this kernel's, in place.
+
+    A row the kernel did not flag met only finite K and V on every tile it
+    visited (a non-finite K gives a non-finite logit for every row of the
+    tile; a non-finite V gives a non-finite output, as ``0 * inf`` and ``p *
+    inf`` are), so there the pass of :func:`_hidden_keys_inert` would have
+    changed nothing the row sees: its results are the same bits."""
+    lse, lse_lo = online.lse_parts(m, l, log=jnp.log2, scale=LN2)
+    return triton.redo_forward(cfg, q, k, v, sinks, mask, seed, split, m, out, lse, lse_lo,
+                               bq=rows, bk=bk, interpret=interpret)
+
+
 def _blocks_for(cfg):
     return blocks.pick(cfg.block_sizes, MosaicGpuBlockSizes,
                        MosaicGpuBlockSizes.default(cfg.dims.head_dim))
@@ -836,7 +879,12 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     bs = _blocks_for(cfg)
     rows, bk = 2 * bs.block_q, bs.block_k
     Tqp, Tkp = -(-d.q_len // rows) * rows, -(-d.kv_len // bk) * bk
-    table = _schedule(cfg, mask, rows, bk)
+    redo = mask is not None and bs.hidden_keys == "redo"
+    if redo:  # the Triton forward walks the same tiles: one table, in both layouts
+        split = triton._schedule(mask, cfg, triton._make_k(cfg, mask, None, sinks, rows, bk))
+        table = _one_list(np if isinstance(split, np.ndarray) else jnp, split)
+    else:
+        table = _schedule(cfg, mask, rows, bk)
     operands, stacks, ids = id_arrays(mask, Tqp, Tkp)
     n_kv = Tkp // bk
     P = _Plan(G=d.group, Tk=d.kv_len,
@@ -848,7 +896,7 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
               ragged_k=d.kv_len % bk != 0,
               sched_b=table.shape[0] > 1, sched_h=table.shape[1] > 1,
               interpreted=bool(interpret), sinks=sinks is not None,
-              rate=float(cfg.dropout_rate), operands=operands, stacks=stacks)
+              rate=float(cfg.dropout_rate), operands=operands, stacks=stacks, flag=redo)
     rows_out = jax.ShapeDtypeStruct((d.batch, d.num_q_heads, Tqp), F32)
     call = plgpu.kernel(
         functools.partial(_kernel, P=P, dtype=q.dtype),
@@ -861,13 +909,16 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret or None,
     )
-    if mask is not None:
-        k, v = _hidden_keys_inert(k, v)
     extra = [] if sinks is None else [sinks.astype(F32)]
     if cfg.dropout_rate > 0:
         extra.append(seed)
-    out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(k, 1, Tkp), triton._pad(v, 1, Tkp),
+    kk, vv = _hidden_keys_inert(k, v) if mask is not None and not redo else (k, v)
+    out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(kk, 1, Tkp), triton._pad(vv, 1, Tkp),
                      jnp.asarray(table), *ids, *extra)
+    if redo:
+        out, lse, lse_lo = _redo_flagged(cfg, q, k, v, sinks, mask, seed, split, out, m, l,
+                                         rows=rows, bk=bk, interpret=bool(interpret))
+        return out[:, :d.q_len], lse[:, :, :d.q_len], lse_lo[:, :, :d.q_len]
     lse, lse_lo = online.lse_parts(m[:, :, :d.q_len], l[:, :, :d.q_len], log=jnp.log2,
                                    scale=LN2)
     return out[:, :d.q_len], lse, lse_lo

@@ -12,8 +12,10 @@ Three kernels, in this file's order:
   are never repeated. It works on transposed tiles (``S^T = K Q^T``) so that no
   (block, block) tile is transposed in registers.
 
-Then the wrappers ``_forward`` and ``_backward``, the two :class:`Lowering`
-objects and :class:`TritonBlockSizes`.
+Then the wrappers ``_forward`` and ``_backward``, ``redo_forward`` (the forward
+kernel recomputing only the blocks another kernel flagged, in place: the Mosaic
+GPU forward's ``hidden_keys="redo"``), the two :class:`Lowering` objects and
+:class:`TritonBlockSizes`.
 
 How the kernels see the data. Arrays are passed whole along the sequence axes
 (the BlockSpecs select only batch and head) and tiles are sliced with ``pl.ds``
@@ -367,11 +369,28 @@ def _heavy_first(n_q_blocks):
     return n_q_blocks - 1 - pl.program_id(0)
 
 
-def _fwd_kernel(*refs, K: _K, sched: bool):
-    R = _Refs(refs, K, ("q", "k", "v"), ("o", "lse", "lse_lo"), sched=sched)
+def _fwd_kernel(*refs, K: _K, sched: bool, redo: bool = False):
+    """One q-block of one head. ``redo``: the outputs alias earlier results (of
+    :func:`redo_forward`), and the block is computed only when its rows of the
+    ``flags`` input hold a NaN, with non-finite keys flagged on every tile."""
+    names = ("q", "k", "v", "flags") if redo else ("q", "k", "v")
+    R = _Refs(refs, K, names, ("o", "lse", "lse_lo"), sched=sched, aliased=3 if redo else 0)
     i, bh = _heavy_first(R.q.shape[0] // K.bq), pl.program_id(1)
     b, h = bh // K.Hq, bh % K.Hq
     rows = _q_rows(i, K)
+    if redo:
+        flags = R.flags[rows]
+        # (a float max, no boolean reduction: the operations Triton lowers)
+        pl.when(jnp.max(jnp.where(flags != flags, 1.0, 0.0)) > 0)(
+            functools.partial(_fwd_block, R, K, i, b, h, rows, every_tile=True))
+    else:
+        _fwd_block(R, K, i, b, h, rows)
+
+
+def _fwd_block(R: _Refs, K: _K, i, b, h, rows, *, every_tile=False):
+    """``every_tile``: keys with non-finite K/V give NaN logits on FULL tiles too
+    (``online.finite_keys``), not only where the mask hides keys; otherwise a
+    FULL tile leaves them to the arithmetic, where a -inf logit drops its key."""
     q = R.q[rows, :]
     guard = K.has_mask or K.ragged_k or K.bias_varies is not None
 
@@ -379,13 +398,15 @@ def _fwd_kernel(*refs, K: _K, sched: bool):
         acc, m, l = carry
         ks = _k_rows(j, K)
         k, v, bad = R.k[ks, :], None, None
-        if partial and K.has_mask:  # keys a row may not see: their K/V bits never matter
-            k, v, bad = online.finite_keys(k, R.v[ks, :])
+        if (partial or every_tile) and K.has_mask:  # keys a row may not see: their
+            k, v, bad = online.finite_keys(k, R.v[ks, :])  # K/V bits never matter
         bias_t = None if R.bias is None else _tile(R.bias, K.bias_varies, None, i, j, K, False)
         s, c, _ = _scores(q, k, bias_t, K)
         pos = _positions(b, h, i, j, K, False) if partial or R.seed is not None else None
         if partial:
             s = _masked(s, _allowed(R.ops, None, pos, i, j, K, False), bad, False)
+        elif bad is not None:
+            s = jnp.where(bad[None, :], jnp.nan, s)
         # A row with no visible key so far keeps m = -inf; shifting by 0 instead
         # of -inf keeps exp2 at exp2(-inf) = 0 rather than NaN.
         if K.large:  # m in natural units; (s - m) is exact where it matters
@@ -867,6 +888,52 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     )(_pad_bthd(q, Tqp, Dp), _pad_bthd(k, Tkp, Dp), _pad_bthd(v, Tkp, Dvp), *sched, *extra)
     return (out[:, :d.q_len, :, :d.v_head_dim], lse[:, :, :d.q_len],
             lse_lo[:, :, :d.q_len])
+
+
+def redo_forward(cfg, q, k, v, sinks, mask, seed, table, flags, out, lse, lse_lo, *, bq, bk,
+                 interpret):
+    """``(out, lse, lse_lo)`` as given, except the (bq)-row blocks whose ``flags``
+    hold a NaN, which the forward kernel computes again from ``q, k, v``.
+
+    For a kernel that ran on K and V as they are and flagged the rows where it
+    met a non-finite value (:mod:`fnattn.flash.mosaic_gpu`): this kernel makes
+    the keys a row may not see inert on the tiles it loads, so the blocks it
+    recomputes follow the rule every lowering follows. The given results are
+    updated in place (aliased): a block that is not recomputed costs the read
+    of its flags. ``out`` is (B, Tp, Hq, D), ``D`` a power of two, ``flags``,
+    ``lse`` and ``lse_lo`` are (B, Hq, Tp), float32, ``Tp`` a multiple of
+    ``bq``; ``table`` is :func:`_schedule`'s at (bq, bk) tiles (None without a
+    mask). No bias (the caller takes none)."""
+    d = cfg.dims
+    _refuse_symbolic(cfg, interpret)
+    Tp, Hq, G = out.shape[1], d.num_q_heads, d.group
+    Tkp, Dp = -(-d.kv_len // bk) * bk, out.shape[-1]
+    if Tp % bq or Tp < d.q_len or Dp != _pow2(max(d.head_dim, 16)) or d.head_dim != d.v_head_dim:
+        raise ValueError(f"redo_forward: out {out.shape} is not whole ({bq}-row) blocks of "
+                         f"the queries ({d.q_len}) at a power-of-two head dim ({d.head_dim})")
+    K = _make_k(cfg, mask, None, sinks, bq, bk)
+    extra, extra_specs = _extras(K, mask, None, sinks, seed, (Tp, Tkp), n_heads=Hq)
+    sched, sched_specs = (([], []) if table is None
+                          else ([table], [_sched_spec(table, Hq, heavy_first=True)]))
+    rows_spec, out_spec = _rows_spec(Tp, Hq), _seq_spec(Tp, Dp, Hq, lambda h: h)
+    stages = 2 if _smem_estimate("fwd", bq, bk, 2, Dp, Dp, q.dtype.itemsize, 0) <= SMEM_BUDGET \
+        else 1
+    first = 4 + len(sched) + len(extra)  # the aliased inputs follow the others
+    return _varying.pallas_call(
+        functools.partial(_fwd_kernel, K=K, sched=table is not None, redo=True),
+        grid=(Tp // bq, d.batch * Hq),
+        in_specs=[out_spec, _seq_spec(Tkp, Dp, Hq, lambda h: h // G),
+                  _seq_spec(Tkp, Dp, Hq, lambda h: h // G), rows_spec]
+        + sched_specs + extra_specs + [out_spec, rows_spec, rows_spec],
+        out_specs=[out_spec, rows_spec, rows_spec],
+        out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype),
+                   jax.ShapeDtypeStruct(lse.shape, F32), jax.ShapeDtypeStruct(lse.shape, F32)],
+        input_output_aliases={first: 0, first + 1: 1, first + 2: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=8 if bq >= 128 else 4,
+                                             num_stages=stages),
+        interpret=interpret, name="fnattn_flash_fwd_redo",
+    )(_pad_bthd(q, Tp, Dp), _pad_bthd(k, Tkp, Dp), _pad_bthd(v, Tkp, Dp), flags, *sched,
+      *extra, out, lse, lse_lo)
 
 
 def _heads_per_dkdv_program(d, n_kv_blocks):

@@ -174,6 +174,44 @@ def test_poisoned_keys_reach_only_the_rows_that_see_them():
     assert np.isnan(out[0, 100:, 0]).all() and np.isnan(out[0, 90:, 1]).all()
 
 
+REDO = dataclasses.replace(SMALL, hidden_keys="redo")
+
+
+def test_redo_gives_the_bits_of_the_pass_on_finite_inputs():
+    """hidden_keys="redo" on finite K and V flags no row: the kernel's own
+    results, bit for bit those of the pass (soft-capped causal, GQA 2:1, ragged)."""
+    q, k, v = qkv(Tq=100, Tk=150, Hq=2, Hkv=1)
+    spec = AttentionSpec(mask=masks.causal(), softcap=2.0, return_lse=True, block_sizes=SMALL)
+    a, b = interpret(spec, q, k, v), interpret(spec.replace(block_sizes=REDO), q, k, v)
+    np.testing.assert_array_equal(np.asarray(a.out, np.float32), np.asarray(b.out, np.float32))
+    np.testing.assert_array_equal(np.asarray(a.lse), np.asarray(b.lse))
+
+
+def test_redo_recomputes_the_flagged_programs_only():
+    """hidden_keys="redo" with poisoned keys. Head 0: key 10's K holds -inf where
+    every query is positive, so its logit is -inf for every row (a FULL tile for
+    rows 64..: no mask code there); the rows that see it are NaN all the same.
+    Head 1: key 200's V is NaN. Head 1's first program (rows 0..127) loads
+    neither: the kernel's bits. Everything else matches the pass and the
+    reference, NaN for NaN."""
+    q, k, v = qkv(Tq=256, Tk=256)
+    q = q.at[0, :, 0, 3].set(jnp.abs(q[0, :, 0, 3]) + 0.5)
+    spec = AttentionSpec(mask=masks.causal(), return_lse=True, block_sizes=REDO)
+    clean = interpret(spec, q, k, v)
+    k2, v2 = k.at[0, 10, 0, 3].set(-jnp.inf), v.at[0, 200, 1, 5].set(jnp.nan)
+    res = compare(interpret(spec, q, k2, v2), spec, q, k2, v2)
+    passed = interpret(spec.replace(block_sizes=SMALL), q, k2, v2)
+    f32 = lambda x: np.asarray(x, np.float32)  # noqa: E731
+    out, ref = f32(res.out), f32(clean.out)
+    assert np.isnan(out[0, 10:, 0]).all() and np.isnan(out[0, 200:, 1]).all()
+    assert np.isfinite(out[0, :10, 0]).all() and np.isfinite(out[0, :200, 1]).all()
+    np.testing.assert_array_equal(out[0, :128, 1], ref[0, :128, 1])
+    np.testing.assert_array_equal(np.asarray(res.lse)[0, 1, :128],
+                                  np.asarray(clean.lse)[0, 1, :128])
+    np.testing.assert_allclose(out, f32(passed.out), atol=2e-3, rtol=2e-3)
+    np.testing.assert_allclose(np.asarray(res.lse), np.asarray(passed.lse), atol=1e-4, rtol=1e-4)
+
+
 # ----------------------------------------------------------------------------------
 # Interpreted on CPU: masks holding arrays
 # ----------------------------------------------------------------------------------
@@ -218,6 +256,27 @@ ARRAY_MASK_CASES = ("segments_lengths_poisoned", "causal_segments_gqa_ragged")
 def interpreted_array_masks():
     """``{case: AttentionOutput}`` of :data:`ARRAY_MASK_CASES` from the interpreter."""
     return {name: interpret(*array_mask_case(name)) for name in ARRAY_MASK_CASES}
+
+
+def test_redo_with_array_masks_sinks_and_dropout_matches_the_pass():
+    """hidden_keys="redo" where the Triton forward recomputes flagged programs with
+    what else the spec holds: segment ids and lengths with poisoned keys inside
+    and outside the documents; sinks, dropout and GQA 2:1 on a ragged causal
+    spec with a NaN K on a hidden key. Out and lse match the pass's, NaN for NaN
+    (dropout draws the same bits in both kernels)."""
+    spec, q, k, v = array_mask_case("segments_lengths_poisoned")
+    q2, k2, v2 = qkv(Tq=150, Tk=150, Hq=4, Hkv=2, seed=6)
+    k2 = k2.at[0, 140, 1, 0].set(jnp.nan)
+    drop = AttentionSpec(mask=masks.causal(), sinks=jnp.array([0.5, -1.0, 2.0, 0.0]),
+                         dropout_rate=0.2, dropout_key=jax.random.key(3), return_lse=True,
+                         block_sizes=SMALL)
+    for spec, q, k, v in ((spec, q, k, v), (drop, q2, k2, v2)):
+        a = interpret(spec, q, k, v)
+        b = interpret(spec.replace(block_sizes=REDO), q, k, v)
+        assert np.isnan(np.asarray(b.out, np.float32)).any()
+        np.testing.assert_allclose(np.asarray(b.out, np.float32), np.asarray(a.out, np.float32),
+                                   atol=2e-3, rtol=2e-3)
+        np.testing.assert_allclose(np.asarray(b.lse), np.asarray(a.lse), atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ARRAY_MASK_CASES)
@@ -346,6 +405,44 @@ def test_lowers_for_cuda_with_array_masks(name):
     assert lowered_has_mosaic_gpu_call(spec, q, k, (("default", LOWERING),))
 
 
+@pytest.mark.parametrize("D", [64, 256])
+def test_redo_lowers_for_cuda_without_the_pass(D):
+    """hidden_keys="redo" (causal documents, soft-cap, sinks, GQA 4:1): the Mosaic
+    GPU kernel and the Triton kernel that recomputes flagged rows, and none of
+    the pass's ``is_finite`` over K and V in XLA; "pass" has those and no
+    Triton kernel."""
+    pytest.importorskip("absl")
+    B, T = 2, 1000
+    ids = jnp.asarray(np.stack([documents(300, 700), documents(250, 250, 500)]))
+    q = jax.ShapeDtypeStruct((B, T, 8, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, T, 2, D), jnp.bfloat16)
+    kv_finite = re.compile(rf"is_finite.*tensor<{B}x{T}x2x{D}xbf16>")
+    for hidden_keys, triton_calls, passes in (("pass", [], 2),
+                                              ("redo", ["fnattn_flash_fwd_redo"], 0)):
+        spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), softcap=30.0,
+                             sinks=jnp.zeros(8), block_sizes=dataclasses.replace(
+                                 MosaicGpuBlockSizes.default(D), hidden_keys=hidden_keys))
+        f = jax.jit(lambda q, k, v: core.run(spec, q, k, v, fn="flash",
+                                             table=(("default", LOWERING),)).out)
+        text = f.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+        assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
+        assert sorted(set(re.findall(r"fnattn_flash_\w+", text))) == triton_calls
+        assert len(kv_finite.findall(text)) == passes
+
+
+def test_redo_needs_a_power_of_two_head_dim():
+    """hidden_keys="redo" at D = 192 is refused with the reason (the Triton forward
+    that recomputes flagged rows takes powers of two); without a mask it runs."""
+    cfg = Config(Dims(1, 256, 256, 4, 2, 192, 192), 0.1, None, 0.0, None,
+                 block_sizes=dataclasses.replace(MosaicGpuBlockSizes.default(192),
+                                                 hidden_keys="redo"))
+    why = mosaic_gpu.supports(cfg, jnp.bfloat16, masks.causal(), None, None)
+    assert len(why) == 1 and "hidden_keys='redo'" in why[0] and "D=192" in why[0]
+    assert mosaic_gpu.supports(cfg, jnp.bfloat16, None, None, None) == []
+    with pytest.raises(ValueError, match="hidden_keys must be 'pass' or 'redo'"):
+        MosaicGpuBlockSizes(hidden_keys="skip")
+
+
 # ----------------------------------------------------------------------------------
 # On an NVIDIA GPU
 # ----------------------------------------------------------------------------------
@@ -413,6 +510,33 @@ def test_gpu_mosaic_gpu_dropout_matches_xla():
     spec = AttentionSpec(mask=masks.causal(), dropout_rate=0.2, dropout_key=jax.random.key(4),
                          return_lse=True, block_sizes=MosaicGpuBlockSizes.default(128))
     gpu_against_xla(spec, q, k, v)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_gpu_redo_matches_the_pass(D):
+    """hidden_keys="redo" on the GPU (causal documents, soft-cap, sinks, GQA 4:1,
+    ragged 1000 x 1500): finite inputs give the bits of the pass; poisoned keys
+    (a -inf K on keys every later row sees, a NaN V, an inf K on a key of
+    another document) give the pass's NaN rows and its values elsewhere."""
+    q, k, v = qkv(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=D, dtype=jnp.bfloat16, seed=5)
+    ids = jnp.asarray(np.stack([documents(700, 800), documents(300, 1200)]))
+    spec = AttentionSpec(mask=masks.causal() & masks.segments(ids[:, 500:], ids), softcap=20.0,
+                         sinks=jnp.linspace(-2.0, 2.0, 8), return_lse=True,
+                         block_sizes=MosaicGpuBlockSizes.default(D))
+    redo = spec.replace(block_sizes=dataclasses.replace(spec.block_sizes, hidden_keys="redo"))
+    table = (("default", LOWERING),)
+    f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))  # noqa: E731
+    a, b = run(spec, q, k, v, table), run(redo, q, k, v, table)
+    np.testing.assert_array_equal(f32(a.out), f32(b.out))
+    np.testing.assert_array_equal(f32(a.lse), f32(b.lse))
+    q = q.at[0, :, 0, 3].set(jnp.abs(q[0, :, 0, 3]) + 0.5)
+    k = k.at[0, 800, 0, 3].set(-jnp.inf).at[1, 290, 1, 7].set(jnp.inf)
+    v = v.at[0, 1200, 1, 5].set(jnp.nan)
+    a, b = run(spec, q, k, v, table), run(redo, q, k, v, table)
+    assert np.isnan(f32(b.out)).any() and np.isfinite(f32(b.out)[1]).all()
+    np.testing.assert_allclose(f32(b.out), f32(a.out), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(f32(b.lse), f32(a.lse), atol=1e-3, rtol=1e-3)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
