@@ -15,14 +15,13 @@ rows of one (batch, query head) and runs three warpgroups.
   barrier (both consumers done with it) hand it back and forth.
 
 Which kv-tiles a program visits comes from the mask's block classes at the
-granularity of the whole ``2 * block_q`` tile, compressed into the Triton
-kernels' table (``triton._table``) and then into one list: one int32 row per
-(batch|1, head|1, q-tile), ``[n_full, n_visited, kv-tiles...]``, FULL tiles
-first. For a mask without arrays the classes are static
+granularity of the whole ``2 * block_q`` tile, compressed into one list by a
+single sort (:func:`visit_list`): one int32 row per (batch|1, head|1, q-tile),
+``[n_full, n_visited, kv-tiles...]``, FULL tiles first. For a mask without arrays the classes are static
 (:func:`fnattn.masks.block_classes_static`) and the table is a NumPy constant
 built at trace time; for a mask holding arrays (segment ids, lengths, prefix
 lengths, positions) it is computed in XLA from them
-(:func:`fnattn.masks.block_classes`, :func:`fnattn.flash.blocks.schedule`), so
+(:func:`fnattn.masks.block_classes`, then :func:`visit_list`), so
 a new packing of documents does not recompile. Producer and consumers read the
 same row, so they iterate the same list. FULL tiles run without mask code; the
 others evaluate the mask's predicate elementwise on the tile (and the bound of
@@ -725,7 +724,7 @@ def dynamic_schedule(mask, dims, q_offset, block_rows, block_cols, *, transpose=
     """
     cls = masks.block_classes(mask, dims.batch, dims.num_q_heads, dims.q_len, dims.kv_len,
                               block_rows, block_cols, q_offset=q_offset)
-    return _one_list(jnp, triton._table(jnp, blocks.schedule, cls, transpose, heads_per_row))
+    return visit_list(jnp, triton.row_classes(jnp, cls, transpose, heads_per_row))
 
 
 @functools.lru_cache(maxsize=256)
@@ -742,19 +741,19 @@ def static_schedule(treedef, batch, num_heads, q_len, kv_len, block_rows, block_
     ``block_cols`` and columns the q tiles of ``block_rows`` that see them (the
     backward's dK/dV walk, :mod:`fnattn.flash.mosaic_gpu_bwd`). ``heads_per_row``
     > 1 merges the rows of that many consecutive heads (a tile FULL if FULL for
-    all of them, visited if any sees it). The Triton kernels' table
-    (:func:`fnattn.flash.triton._static_table`) made one list.
+    all of them, visited if any sees it): :func:`visit_list` of
+    :func:`fnattn.masks.block_classes_static`.
 
     >>> t = static_schedule(jax.tree_util.tree_structure(masks.causal()), 1, 1, 256, 256,
     ...                     64, 128, None, transpose=True)
     >>> t[0, 0].tolist()  # kv tile 0: 4 q tiles (2 FULL); kv tile 1: 2 q tiles
     [[2, 4, 2, 3, 0, 1], [0, 2, 2, 3, 3, 3]]
     """
-    split = triton._static_table(treedef, batch, num_heads, q_len, kv_len, block_rows,
-                                 block_cols, q_offset, transpose, heads_per_row)
-    if split is None:
+    cls = masks.block_classes_static(masks.from_treedef(treedef), batch, num_heads, q_len,
+                                     kv_len, block_rows, block_cols, q_offset=q_offset)
+    if cls is None:
         return None
-    table = _one_list(np, split)
+    table = visit_list(np, triton.row_classes(np, cls, transpose, heads_per_row))
     table.flags.writeable = False
     return table
 
@@ -769,21 +768,25 @@ def _static_table_of(cfg, mask):
                            2 * bs.block_q, bs.block_k, cfg.q_offset)
 
 
-def _one_list(xp, split):
-    """The Triton kernels' table ``[n_full, n_partial, FULL tiles (n_kv), PARTIAL
-    tiles (n_kv)]`` as one list, FULL tiles then PARTIAL ones (the producer
-    walks a single list): ``[n_full, n_visited, tiles..., repeats of the last]``."""
-    n_kv = (split.shape[-1] - 2) // 2
-    nf = split[..., :1]
-    n = nf + split[..., 1:2]
-    full, part = split[..., 2:2 + n_kv], split[..., 2 + n_kv:]
-    cols = xp.arange(n_kv, dtype=np.int32)
-    # Slot t holds the t-th FULL tile, then the (t - n_full)-th PARTIAL one.
-    order = xp.where(cols < nf, full,
-                     xp.take_along_axis(part, xp.clip(cols - nf, 0, n_kv - 1), axis=-1))
-    last = xp.take_along_axis(order, xp.maximum(n - 1, 0), axis=-1)
-    order = xp.where(cols < n, order, xp.where(n > 0, last, 0))
-    return xp.concatenate([nf, n, order], axis=-1).astype(np.int32)
+def visit_list(xp, cls):
+    """The visiting table of tile classes (…, rows, cols) (:func:`fnattn.flash.
+    triton.row_classes`): per row ``[n_full, n_visited, FULL tiles...,
+    PARTIAL tiles..., repeats of the last]``, each kind in increasing order, in
+    one sort (FULL tiles rank first, then PARTIAL, then EMPTY), int32.
+
+    >>> visit_list(np, np.array([[masks.PARTIAL, masks.FULL, masks.EMPTY, masks.FULL],
+    ...                          [masks.EMPTY] * 4])).tolist()
+    [[2, 3, 1, 3, 0, 0], [0, 0, 0, 0, 0, 0]]
+    """
+    n = cls.shape[-1]
+    cols = xp.arange(n, dtype=np.int32)
+    rank = xp.where(cls == masks.FULL, 0, xp.where(cls == masks.PARTIAL, 1, 2))
+    order = xp.argsort(rank * n + cols, axis=-1).astype(np.int32)
+    n_full = (cls == masks.FULL).sum(-1, keepdims=True).astype(np.int32)
+    n_seen = (cls != masks.EMPTY).sum(-1, keepdims=True).astype(np.int32)
+    last = xp.take_along_axis(order, xp.maximum(n_seen - 1, 0), axis=-1)
+    order = xp.where(cols < n_seen, order, xp.where(n_seen > 0, last, 0))
+    return xp.concatenate([n_full, n_seen, order], axis=-1).astype(np.int32)
 
 
 def id_arrays(mask, Tqp, Tkp):
@@ -841,13 +844,14 @@ def _hidden_keys_inert(k, v):
     return jnp.where(bad[..., None], jnp.asarray(jnp.nan, k.dtype), k), v
 
 
-def _redo_flagged(cfg, q, k, v, sinks, mask, seed, split, out, m, l, *, rows, bk, interpret):
+def _redo_flagged(cfg, q, k, v, sinks, mask, seed, table, out, m, l, *, rows, bk, interpret):
     """``(out, lse, lse_lo)``, padded to whole programs, of a kernel that ran with
     ``P.flag`` on K and V as they are: the rows it flagged (m = NaN: a
     non-finite logit, hidden or not, or a non-finite output) are recomputed, by
     blocks of ``rows``, by the Triton forward
-    (:func:`fnattn.flash.triton.redo_forward`), which makes hidden keys inert
-    on the tiles it loads; the rest are this kernel's, in place.
+    (:func:`fnattn.flash.triton.redo_forward`, walking this kernel's ``table``),
+    which makes hidden keys inert on the tiles it loads; the rest are this
+    kernel's, in place.
 
     A row the kernel did not flag met only finite K and V on every tile it
     visited (a non-finite K gives a non-finite logit for every row of the
@@ -855,7 +859,7 @@ def _redo_flagged(cfg, q, k, v, sinks, mask, seed, split, out, m, l, *, rows, bk
     inf`` are), so there the pass of :func:`_hidden_keys_inert` would have
     changed nothing the row sees: its results are the same bits."""
     lse, lse_lo = online.lse_parts(m, l, log=jnp.log2, scale=LN2)
-    return triton.redo_forward(cfg, q, k, v, sinks, mask, seed, split, m, out, lse, lse_lo,
+    return triton.redo_forward(cfg, q, k, v, sinks, mask, seed, table, m, out, lse, lse_lo,
                                bq=rows, bk=bk, interpret=interpret)
 
 
@@ -880,11 +884,7 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     rows, bk = 2 * bs.block_q, bs.block_k
     Tqp, Tkp = -(-d.q_len // rows) * rows, -(-d.kv_len // bk) * bk
     redo = mask is not None and bs.hidden_keys == "redo"
-    if redo:  # the Triton forward walks the same tiles: one table, in both layouts
-        split = triton._schedule(mask, cfg, triton._make_k(cfg, mask, None, sinks, rows, bk))
-        table = _one_list(np if isinstance(split, np.ndarray) else jnp, split)
-    else:
-        table = _schedule(cfg, mask, rows, bk)
+    table = _schedule(cfg, mask, rows, bk)
     operands, stacks, ids = id_arrays(mask, Tqp, Tkp)
     n_kv = Tkp // bk
     P = _Plan(G=d.group, Tk=d.kv_len,
@@ -916,7 +916,7 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(kk, 1, Tkp), triton._pad(vv, 1, Tkp),
                      jnp.asarray(table), *ids, *extra)
     if redo:
-        out, lse, lse_lo = _redo_flagged(cfg, q, k, v, sinks, mask, seed, split, out, m, l,
+        out, lse, lse_lo = _redo_flagged(cfg, q, k, v, sinks, mask, seed, table, out, m, l,
                                          rows=rows, bk=bk, interpret=bool(interpret))
         return out[:, :d.q_len], lse[:, :, :d.q_len], lse_lo[:, :, :d.q_len]
     lse, lse_lo = online.lse_parts(m[:, :, :d.q_len], l[:, :, :d.q_len], log=jnp.log2,

@@ -210,6 +210,7 @@ class _K:
     mask_treedef: object          # None without a mask
     op_varies: tuple              # per mask operand: (b, h, q, k) flags
     ragged_k: bool                # Tk is not a multiple of bk
+    one_list: bool = False        # the schedule is [n_full, n_visited, tiles...] (Mosaic GPU's)
 
     @property
     def has_mask(self) -> bool:
@@ -348,11 +349,15 @@ def _loops(R: _Refs, K: _K, n_static: int, body, carry, repeat: int = 1,
             carry = lax.fori_loop(i32(0), i32(repeat), step(lambda s: n_static + s, True), carry)
         return carry
     n_full, n_part = R.sched[0], R.sched[1]
+    # The PARTIAL blocks follow the FULL ones (one list), or start at 2 + nk.
+    first_partial = 2 + n_full if K.one_list else 2 + K.nk
+    if K.one_list:
+        n_part = n_part - n_full
     carry = lax.fori_loop(i32(0), n_full * repeat, step(lambda s: R.sched[2 + s], False), carry)
     if between is not None:
         between()
-    return lax.fori_loop(i32(0), n_part * repeat, step(lambda s: R.sched[2 + K.nk + s], True),
-                         carry)
+    return lax.fori_loop(i32(0), n_part * repeat,
+                         step(lambda s: R.sched[first_partial + s], True), carry)
 
 
 # ----------------------------------------------------------------------------------
@@ -753,7 +758,11 @@ def _static_table(treedef, batch, num_heads, q_len, kv_len, bq, bk, q_offset, tr
     return table
 
 
-def _table(xp, schedule, cls, transpose, heads_per_row):
+def row_classes(xp, cls, transpose, heads_per_row):
+    """Tile classes (B|1, H|1, rows, cols) as a kernel walks them: rows are q-blocks,
+    or kv-blocks with ``transpose``; with ``heads_per_row`` > 1 the rows of that
+    many consecutive heads merged (FULL only if FULL for every head, visited if
+    any head sees the tile)."""
     if transpose:
         cls = xp.swapaxes(cls, -1, -2)
     if heads_per_row > 1 and cls.shape[1] > 1:
@@ -761,6 +770,11 @@ def _table(xp, schedule, cls, transpose, heads_per_row):
         full = xp.all(c == masks.FULL, axis=2)
         seen = xp.any(c != masks.EMPTY, axis=2)
         cls = full.astype(xp.int8) + seen.astype(xp.int8)
+    return cls
+
+
+def _table(xp, schedule, cls, transpose, heads_per_row):
+    cls = row_classes(xp, cls, transpose, heads_per_row)
     full = schedule(xp.where(cls == masks.FULL, cls, masks.EMPTY).astype(xp.int8))
     part = schedule(xp.where(cls == masks.PARTIAL, cls, masks.EMPTY).astype(xp.int8))
     return xp.concatenate([full.count[..., None], part.count[..., None],
@@ -902,8 +916,9 @@ def redo_forward(cfg, q, k, v, sinks, mask, seed, table, flags, out, lse, lse_lo
     updated in place (aliased): a block that is not recomputed costs the read
     of its flags. ``out`` is (B, Tp, Hq, D), ``D`` a power of two, ``flags``,
     ``lse`` and ``lse_lo`` are (B, Hq, Tp), float32, ``Tp`` a multiple of
-    ``bq``; ``table`` is :func:`_schedule`'s at (bq, bk) tiles (None without a
-    mask). No bias (the caller takes none)."""
+    ``bq``; ``table`` is the Mosaic GPU kernels' one-list table at (bq, bk) tiles
+    (:func:`fnattn.flash.mosaic_gpu.static_schedule`; None without a mask). No
+    bias (the caller takes none)."""
     d = cfg.dims
     _refuse_symbolic(cfg, interpret)
     Tp, Hq, G = out.shape[1], d.num_q_heads, d.group
@@ -911,7 +926,7 @@ def redo_forward(cfg, q, k, v, sinks, mask, seed, table, flags, out, lse, lse_lo
     if Tp % bq or Tp < d.q_len or Dp != _pow2(max(d.head_dim, 16)) or d.head_dim != d.v_head_dim:
         raise ValueError(f"redo_forward: out {out.shape} is not whole ({bq}-row) blocks of "
                          f"the queries ({d.q_len}) at a power-of-two head dim ({d.head_dim})")
-    K = _make_k(cfg, mask, None, sinks, bq, bk)
+    K = dataclasses.replace(_make_k(cfg, mask, None, sinks, bq, bk), one_list=True)
     extra, extra_specs = _extras(K, mask, None, sinks, seed, (Tp, Tkp), n_heads=Hq)
     sched, sched_specs = (([], []) if table is None
                           else ([table], [_sched_spec(table, Hq, heavy_first=True)]))

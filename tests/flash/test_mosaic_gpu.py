@@ -351,6 +351,33 @@ def test_block_sizes_fit_shared_memory():
         MosaicGpuBlockSizes(max_concurrent_steps=1)
 
 
+@pytest.mark.parametrize("transpose, heads_per_row", [(False, 1), (True, 1), (True, 3)])
+def test_visit_list_matches_a_plain_walk(transpose, heads_per_row):
+    """The visiting table (one sort, NumPy at trace time or XLA) against walking
+    each row: FULL tiles in order, then PARTIAL ones, then the last repeated
+    (0 for a row that visits nothing); merged heads FULL only if FULL for all."""
+    from fnattn.flash import triton
+    cls = np.random.default_rng(0).choice(
+        np.array([masks.EMPTY, masks.PARTIAL, masks.FULL], np.int8), (2, 6, 5, 7),
+        p=[0.4, 0.3, 0.3])
+    cls[0, 0, 1] = masks.EMPTY  # a row with nothing to visit
+    rows = triton.row_classes(np, cls, transpose, heads_per_row)
+    expected = np.zeros(rows.shape[:-1] + (2 + rows.shape[-1],), np.int32)
+    for idx in np.ndindex(rows.shape[:-1]):
+        r = rows[idx]
+        full, part = np.flatnonzero(r == masks.FULL), np.flatnonzero(r == masks.PARTIAL)
+        walk = list(full) + list(part)
+        walk += [walk[-1] if walk else 0] * (len(r) - len(walk))
+        expected[idx] = [len(full), len(full) + len(part)] + walk
+    if heads_per_row > 1:
+        merged = cls.swapaxes(-1, -2).reshape(2, 2, 3, 7, 5)
+        assert (rows == masks.FULL).sum() == (merged == masks.FULL).all(2).sum()
+    np.testing.assert_array_equal(mosaic_gpu.visit_list(np, rows), expected)
+    traced = jax.jit(lambda c: mosaic_gpu.visit_list(
+        jnp, triton.row_classes(jnp, c, transpose, heads_per_row)))(cls)
+    np.testing.assert_array_equal(np.asarray(traced), expected)
+
+
 # ----------------------------------------------------------------------------------
 # Lowering for "cuda" on CPU
 # ----------------------------------------------------------------------------------
