@@ -17,12 +17,12 @@ rows of one (batch, query head) and runs three warpgroups.
 Which kv-tiles a program visits comes from the mask's block classes at the
 granularity of the whole ``2 * block_q`` tile, compressed into one list by a
 single sort (:func:`visit_list`): one int32 row per (batch|1, head|1, q-tile),
-``[n_full, n_visited, kv-tiles...]``, FULL tiles first. For a mask without arrays the classes are static
-(:func:`fnattn.masks.block_classes_static`) and the table is a NumPy constant
-built at trace time; for a mask holding arrays (segment ids, lengths, prefix
-lengths, positions) it is computed in XLA from them
-(:func:`fnattn.masks.block_classes`, then :func:`visit_list`), so
-a new packing of documents does not recompile. Producer and consumers read the
+``[n_full, n_visited, kv-tiles...]``, FULL tiles first. For a mask without
+arrays the classes are static (:func:`fnattn.masks.block_classes_static`) and
+the table is a NumPy constant built at trace time; for a mask holding arrays
+(segment ids, lengths, prefix lengths, positions) it is computed in XLA from
+them (:func:`fnattn.masks.block_classes`, then :func:`visit_list`), so a new
+packing of documents does not recompile. Producer and consumers read the
 same row, so they iterate the same list. FULL tiles run without mask code; the
 others evaluate the mask's predicate elementwise on the tile (and the bound of
 ragged sequences: keys past ``Tk`` are not visible). EMPTY tiles are never
