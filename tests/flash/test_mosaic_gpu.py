@@ -279,6 +279,34 @@ def test_redo_with_array_masks_sinks_and_dropout_matches_the_pass(interpreted_ar
         np.testing.assert_allclose(np.asarray(b.lse), np.asarray(a.lse), atol=1e-4, rtol=1e-4)
 
 
+def test_redo_under_vmap_over_segment_ids_and_poisoned_caches():
+    """``vmap`` over documents and K/V with hidden_keys="redo", a poisoned key in
+    each instance: the Triton forward (batched, in place) recomputes the
+    flagged programs; every instance matches the reference, NaN for NaN, and
+    rows of the other document stay finite."""
+    q, k, v = qkv(Tq=128, Tk=128, Hq=2, Hkv=2, seed=6)
+    ids = jnp.asarray(np.stack([documents(32, 96), documents(64, 64)])[:, None])
+    kb = jnp.stack([k.at[0, 40, 0, 2].set(jnp.inf), k.at[0, 20, 1, 0].set(jnp.nan)])
+    vb = jnp.stack([v, v])
+
+    def spec(ids):
+        return AttentionSpec(mask=masks.causal() & masks.segments(ids), return_lse=True,
+                             block_sizes=REDO)
+
+    try:
+        res = jax.jit(jax.vmap(lambda i, k, v: core.run(
+            spec(i), q, k, v, fn="flash", table=(("default", _interpreted()),))))(ids, kb, vb)
+    except Exception:
+        reset_after_failure()
+        raise
+    for n in range(2):
+        one = jax.tree.map(lambda x: x[n], res)
+        compare(one, spec(ids[n]), q, kb[n], vb[n])
+    out = np.asarray(res.out, np.float32)
+    assert np.isnan(out[0, 0, 40:, 0]).all() and np.isfinite(out[0, 0, :40]).all()
+    assert np.isnan(out[1, 0, 20:64, 1]).all() and np.isfinite(out[1, 0, 64:]).all()
+
+
 @pytest.mark.parametrize("name", ARRAY_MASK_CASES)
 def test_interpreted_array_masks_match_reference(name, interpreted_array_masks):
     spec, q, k, v = array_mask_case(name)
