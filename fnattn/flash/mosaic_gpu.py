@@ -47,9 +47,10 @@ Arrays that vary along both queries and keys (``from_array``) are refused.
 Keys a row may not see contribute nothing to it whatever their bits: hidden
 logits are set to -inf on PARTIAL tiles, and for masked specs the wrapper makes
 non-finite keys inert first (:func:`_hidden_keys_inert`: one elementwise pass
-over K and V). With ``MosaicGpuBlockSizes(hidden_keys="redo")`` there is no
-pass: the kernel flags the rows that met a non-finite logit or output and the
-Triton forward recomputes their blocks (:func:`_redo_flagged`).
+over K and V, with a reduction over V only). With
+``MosaicGpuBlockSizes(hidden_keys="redo")`` there is no pass: the kernel flags
+the rows that met a non-finite logit or output and the Triton forward
+recomputes their blocks (:func:`_redo_flagged`).
 
 Dropout draws :func:`fnattn.dropout.keep_mask` on every visited tile from the
 rows' and keys' global indices (the same bits as every other lowering): the
@@ -835,13 +836,19 @@ def _hidden_keys_inert(k, v):
     """K and V such that a key a row may not see contributes nothing to it, whatever
     its bits. On PARTIAL tiles the kernel sets hidden logits to -inf (so a
     non-finite K is dropped there), but ``P @ V`` multiplies the zero weights by V
-    itself and 0 * NaN is NaN. So the keys whose K or V holds a non-finite value
-    get a NaN K (every row that sees them gets NaN, as in every lowering; rows
-    that do not see them drop the logit) and their non-finite V entries become 0.
-    One elementwise pass over K and V, only for masked specs (without a mask
-    every visited key is seen by every row, and padding is zeros)."""
-    k, v, bad = online.finite_keys(k, v)  # (bad: (B, T, Hkv), the keys' flags)
-    return jnp.where(bad[..., None], jnp.asarray(jnp.nan, k.dtype), k), v
+    itself and 0 * NaN is NaN. So non-finite V entries become 0, and every key
+    whose K or V holds a non-finite value gets a NaN logit from every row: its
+    non-finite K entries become NaN (``q . k`` is then NaN, 0 * NaN included),
+    and so does the whole K of a key whose V held one. Every row that sees such
+    a key gets NaN, as in every lowering; rows that do not see it drop the
+    logit. Only V is reduced over (a flag per key); K is rewritten elementwise.
+    Only for masked specs (without a mask every visited key is seen by every
+    row, and padding is zeros)."""
+    fv = jnp.isfinite(v)
+    # (a float max, as in online.finite_keys: no boolean reduction)
+    bad_v = jnp.max(jnp.where(fv, F32(0), F32(1)), axis=-1, keepdims=True) > 0
+    k = jnp.where(jnp.isfinite(k) & ~bad_v, k, jnp.asarray(jnp.nan, k.dtype))
+    return k, jnp.where(fv, v, jnp.zeros_like(v))
 
 
 def _redo_flagged(cfg, q, k, v, sinks, mask, seed, table, out, m, l, *, rows, bk, interpret):
