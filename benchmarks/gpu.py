@@ -50,6 +50,9 @@ overlaps the device work, as in a training or serving loop), the median of
 compiled call (``memory_analysis``). FLOPs: ``fnattn.cost.estimate`` (causal
 counts half; forward+backward is 3.5 forwards), the same count for every peer.
 
+``--kernel-times``: each fnattn row is also profiled (:func:`kernel_times`):
+the device time per call of every kernel it launches.
+
 Writes ``<out-dir>/gpu_<section>_<device>.{md,csv}``.
 """
 
@@ -123,6 +126,52 @@ def timed_pair(fa, fb, args, reps, min_batch_s=0.05):
             jax.block_until_ready(r)
             ts.append((time.perf_counter() - t0) / n)
     return float(np.median(ta)), float(np.median(tb))
+
+
+def kernel_times(fn, args, calls=20):
+    """``{kernel: device µs per call}`` of ``fn(*args)`` from a profiler trace of
+    ``calls`` calls issued back to back: the events on the device planes'
+    stream lines (``/device:GPU:n``), summed by name. None where the trace has
+    no device plane (the CPU). Splits a row's time into its attention kernel
+    and the XLA work around it (passes, tables, merges, layout changes)."""
+    import glob
+    import tempfile
+    from jax.profiler import ProfileData
+    compiled = jax.jit(fn).lower(*args).compile()
+    jax.block_until_ready(compiled(*args))
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for _ in range(calls):
+                r = compiled(*args)
+            jax.block_until_ready(r)
+        files = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+        return device_kernel_totals(ProfileData.from_file(files[0]), calls)
+
+
+def device_kernel_totals(data, calls):
+    """``{event name: µs per call}`` over the stream lines of the device planes of
+    a ``jax.profiler.ProfileData`` (its lines other than XLA's summaries where
+    no line is a stream), or None without a device plane."""
+    totals = {}
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        lines = [ln for ln in plane.lines if ln.name.startswith("Stream")]
+        for line in lines or [ln for ln in plane.lines if "XLA" not in ln.name]:
+            for ev in line.events:
+                totals[ev.name] = totals.get(ev.name, 0.0) + ev.duration_ns / 1e3 / calls
+    return totals or None
+
+
+def _kernels_line(totals, top=6):
+    """The kernels of :func:`kernel_times`, longest first, on one line."""
+    if not totals:
+        return "kernels: no device plane in the trace"
+    items = sorted(totals.items(), key=lambda kv: -kv[1])
+    shown = ", ".join(f"{name[:48]} {us:.1f}" for name, us in items[:top])
+    rest = sum(us for _, us in items[top:])
+    return (f"kernels (µs/call, {len(items)} kinds, {sum(totals.values()):.1f} in all): {shown}"
+            + (f", {len(items) - top} more {rest:.1f}" if len(items) > top else ""))
 
 
 def _diff(a, b):
@@ -319,6 +368,8 @@ def flash_section(args, rows, deadline):
                                    tflops_visited=dense * visited / t / 1e12)
                         if impl.startswith("pass:"):  # (no attention FLOPs: its time only)
                             row.update(tflops=float("nan"), tflops_visited=float("nan"))
+                        if args.kernel_times and impl.startswith("fnattn"):
+                            row["kernels"] = _kernels_line(kernel_times(fn, inputs))
                         o = out if mode == "fwd" else out[0]
                         del inputs
                         if impl.startswith("jax.nn") and ref_out is None:
@@ -333,6 +384,8 @@ def flash_section(args, rows, deadline):
                             traceback.print_exc()
                     rows.append(row)
                     print(_flash_line(row), flush=True)
+                    if "kernels" in row:
+                        print("    " + row["kernels"], flush=True)
         del q, k, v, w
 
 
@@ -460,12 +513,16 @@ def decode_section(args, rows, deadline):
                            frac_copy=nbytes / t / copy_bw, xla_mb=mem)
                 if cache in refs and name.startswith("fnattn"):
                     row["diff"] = _diff(out, refs[cache])
+                if args.kernel_times and name in ("fnattn.decode", "fnattn.paged_attention"):
+                    row["kernels"] = _kernels_line(kernel_times(fn, fargs))
             except Exception as e:  # noqa: BLE001
                 row.update(status="error: " + f"{type(e).__name__}: {e}".splitlines()[0][:160])
                 if args.verbose:
                     traceback.print_exc()
             rows.append(row)
             print(_decode_line(row), flush=True)
+            if "kernels" in row:
+                print("    " + row["kernels"], flush=True)
     rows.append(dict(section="decode", cache="copy", impl="device-to-device copy", status="ok",
                      gb_s=copy_bw / 1e9, frac_peak=copy_bw / peak if peak else None))
 
@@ -557,6 +614,12 @@ def write(rows, section, args, started):
                          f"{r['frac_copy']:.1%} | {r['xla_mb']:.0f} | {d} |")
         head.append("- GB/s: K and V of the visible context read once, plus q and the output, "
                     "over the time; peak HBM: the data sheet's (H100 SXM 3.35 TB/s)\n")
+    kernels = [f"- {r['impl']}, " + ", ".join(
+        f"{c} {r[c]}" for c in ("T", "D", "mask", "mode", "B", "S") if c in r)
+        + f": {r['kernels']}" for r in mine if "kernels" in r]
+    if kernels:  # (--kernel-times)
+        lines += ["", "Device time per kernel and call (a profiler trace of 20 calls):", ""]
+        lines += kernels
     with open(stem + ".md", "w") as fh:
         fh.write("\n".join(head + lines) + "\n")
     print("wrote", stem + ".md", flush=True)
@@ -603,6 +666,8 @@ def main():
                     help="seconds per section")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--kernel-times", action="store_true",
+                    help="profile each fnattn row: device time per kernel per call")
     args = ap.parse_args()
     budgets = {k: float(v) for k, v in (x.split("=") for x in args.budget.split(","))}
     dev = jax.devices()[0]
