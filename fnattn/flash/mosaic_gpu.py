@@ -770,10 +770,11 @@ def _static_table_of(cfg, mask):
 
 
 def visit_list(xp, cls):
-    """The visiting table of tile classes (…, rows, cols) (:func:`fnattn.flash.
-    triton.row_classes`): per row ``[n_full, n_visited, FULL tiles...,
-    PARTIAL tiles..., repeats of the last]``, each kind in increasing order, in
-    one sort (FULL tiles rank first, then PARTIAL, then EMPTY), int32.
+    """The visiting table of tile classes (…, rows, cols), as
+    :func:`fnattn.flash.triton.row_classes` gives them: per row ``[n_full,
+    n_visited, FULL tiles..., PARTIAL tiles..., repeats of the last]``, each
+    kind in increasing order, in one sort (FULL tiles rank first, then
+    PARTIAL, then EMPTY), int32.
 
     >>> visit_list(np, np.array([[masks.PARTIAL, masks.FULL, masks.EMPTY, masks.FULL],
     ...                          [masks.EMPTY] * 4])).tolist()
