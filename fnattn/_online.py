@@ -12,7 +12,7 @@ import math
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["LN2", "LOG2E", "clean_unless_garbage", "finish_exp2", "finite_keys",
+__all__ = ["LN2", "LOG2E", "any_false", "clean_unless_garbage", "finish_exp2", "finite_keys",
            "group_sink_column", "join_sink", "lse_parts", "sink_grad", "sink_rescale", "step_exp",
            "step_exp2"]
 
@@ -99,10 +99,19 @@ def finite_keys(k, v, *, k_axis: int = -1, v_axis: int = -1):
     XLA code share it.
     """
     fk, fv = jnp.isfinite(k), jnp.isfinite(v)
-    one, zero = jnp.float32(1), jnp.float32(0)
-    bad = jnp.maximum(jnp.max(jnp.where(fk, zero, one), axis=k_axis),
-                      jnp.max(jnp.where(fv, zero, one), axis=v_axis)) > 0
+    bad = jnp.maximum(any_false(fk, k_axis), any_false(fv, v_axis)) > 0
     return jnp.where(fk, k, jnp.zeros_like(k)), jnp.where(fv, v, jnp.zeros_like(v)), bad
+
+
+def any_false(x, axis=None, *, keepdims=False):
+    """float32 1 where the boolean ``x`` is False somewhere along ``axis``, else 0:
+    a float max rather than a boolean reduction, so that Triton kernels lower it
+    as XLA does.
+
+    >>> any_false(jnp.array([[True, False], [True, True]]), 1).tolist()
+    [1.0, 0.0]
+    """
+    return jnp.max(jnp.where(x, jnp.float32(0), jnp.float32(1)), axis=axis, keepdims=keepdims)
 
 
 def clean_unless_garbage(compute):

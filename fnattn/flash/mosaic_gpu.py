@@ -50,7 +50,7 @@ non-finite keys inert first (:func:`_hidden_keys_inert`: one elementwise pass
 over K and V, with a reduction over V only). With
 ``MosaicGpuBlockSizes(hidden_keys="redo")`` there is no pass: the kernel flags
 the rows that met a non-finite logit or output and the Triton forward
-recomputes their blocks (:func:`_redo_flagged`).
+recomputes their blocks (:func:`fnattn.flash.triton.redo_forward`).
 
 Dropout draws :func:`fnattn.dropout.keep_mask` on every visited tile from the
 rows' and keys' global indices (the same bits as every other lowering): the
@@ -148,8 +148,9 @@ class MosaicGpuBlockSizes:
         K and V before the kernel (:func:`_hidden_keys_inert`). ``"redo"``: the
         kernel reads K and V as they are and flags the rows where it met a
         non-finite logit or output; the Triton forward recomputes the blocks of
-        those rows, and nothing else (:func:`_redo_flagged`). Same results;
-        ``"redo"`` moves no K/V bytes when the inputs are finite.
+        those rows, and nothing else
+        (:func:`fnattn.flash.triton.redo_forward`). Same results; ``"redo"``
+        moves no K/V bytes when the inputs are finite.
 
     >>> MosaicGpuBlockSizes.default(128).smem_bytes(128)
     164864
@@ -221,7 +222,7 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
         why += operand_refusals(mask)
     d = cfg.dims
     if (mask is not None and _blocks_for(cfg).hidden_keys == "redo"
-            and isinstance(d.head_dim, int) and d.head_dim & (d.head_dim - 1)):
+            and isinstance(d.head_dim, int) and not triton._is_pow2(d.head_dim)):
         why.append(f"hidden_keys='redo' at head dim D={d.head_dim} (the Triton forward that "
                    "recomputes flagged rows takes powers of two; hidden_keys='pass' runs here)")
     return why
@@ -846,29 +847,9 @@ def _hidden_keys_inert(k, v):
     Only for masked specs (without a mask every visited key is seen by every
     row, and padding is zeros)."""
     fv = jnp.isfinite(v)
-    # (a float max, as in online.finite_keys: no boolean reduction)
-    bad_v = jnp.max(jnp.where(fv, F32(0), F32(1)), axis=-1, keepdims=True) > 0
+    bad_v = online.any_false(fv, -1, keepdims=True) > 0
     k = jnp.where(jnp.isfinite(k) & ~bad_v, k, jnp.asarray(jnp.nan, k.dtype))
     return k, jnp.where(fv, v, jnp.zeros_like(v))
-
-
-def _redo_flagged(cfg, q, k, v, sinks, mask, seed, table, out, m, l, *, rows, bk, interpret):
-    """``(out, lse, lse_lo)``, padded to whole programs, of a kernel that ran with
-    ``P.flag`` on K and V as they are: the rows it flagged (m = NaN: a
-    non-finite logit, hidden or not, or a non-finite output) are recomputed, by
-    blocks of ``rows``, by the Triton forward
-    (:func:`fnattn.flash.triton.redo_forward`, walking this kernel's ``table``),
-    which makes hidden keys inert on the tiles it loads; the rest are this
-    kernel's, in place.
-
-    A row the kernel did not flag met only finite K and V on every tile it
-    visited (a non-finite K gives a non-finite logit for every row of the
-    tile; a non-finite V gives a non-finite output, as ``0 * inf`` and ``p *
-    inf`` are), so there the pass of :func:`_hidden_keys_inert` would have
-    changed nothing the row sees: its results are the same bits."""
-    lse, lse_lo = online.lse_parts(m, l, log=jnp.log2, scale=LN2)
-    return triton.redo_forward(cfg, q, k, v, sinks, mask, seed, table, m, out, lse, lse_lo,
-                               bq=rows, bk=bk, interpret=interpret)
 
 
 def _blocks_for(cfg):
@@ -923,13 +904,19 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     kk, vv = _hidden_keys_inert(k, v) if mask is not None and not redo else (k, v)
     out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(kk, 1, Tkp), triton._pad(vv, 1, Tkp),
                      jnp.asarray(table), *ids, *extra)
+    lse, lse_lo = online.lse_parts(m, l, log=jnp.log2, scale=LN2)
     if redo:
-        out, lse, lse_lo = _redo_flagged(cfg, q, k, v, sinks, mask, seed, table, out, m, l,
-                                         rows=rows, bk=bk, interpret=bool(interpret))
-        return out[:, :d.q_len], lse[:, :, :d.q_len], lse_lo[:, :, :d.q_len]
-    lse, lse_lo = online.lse_parts(m[:, :, :d.q_len], l[:, :, :d.q_len], log=jnp.log2,
-                                   scale=LN2)
-    return out[:, :d.q_len], lse, lse_lo
+        # Rows flagged by the kernel (m = NaN: a non-finite logit, hidden or not,
+        # or a non-finite output) are recomputed, by blocks of its rows, by the
+        # Triton forward, which makes hidden keys inert on the tiles it loads.
+        # An unflagged row met only finite K and V on every tile it visited (a
+        # non-finite K makes every logit of its key non-finite, a non-finite V
+        # the outputs: 0 * inf and p * inf are), so the pass would have changed
+        # nothing it sees: its results are the same bits.
+        out, lse, lse_lo = triton.redo_forward(cfg, q, k, v, sinks, mask, seed, table, m, out,
+                                               lse, lse_lo, bq=rows, bk=bk,
+                                               interpret=bool(interpret))
+    return out[:, :d.q_len], lse[:, :, :d.q_len], lse_lo[:, :, :d.q_len]
 
 
 def interpret_params():

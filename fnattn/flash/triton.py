@@ -385,8 +385,7 @@ def _fwd_kernel(*refs, K: _K, sched: bool, redo: bool = False):
     rows = _q_rows(i, K)
     if redo:
         flags = R.flags[rows]
-        # (a float max, no boolean reduction: the operations Triton lowers)
-        pl.when(jnp.max(jnp.where(flags != flags, 1.0, 0.0)) > 0)(
+        pl.when(online.any_false(flags == flags) > 0)(  # (a NaN among the block's rows)
             functools.partial(_fwd_block, R, K, i, b, h, rows, every_tile=True))
     else:
         _fwd_block(R, K, i, b, h, rows)

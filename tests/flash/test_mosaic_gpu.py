@@ -411,10 +411,14 @@ def test_visit_list_matches_a_plain_walk(transpose, heads_per_row):
 # ----------------------------------------------------------------------------------
 
 
-def lowered_has_mosaic_gpu_call(spec, q, k, table):
+def lowered_text(spec, q, k, table):
+    """The program of a forward call (K = V) lowered for cuda, as text."""
     f = jax.jit(lambda q, k, v: core.run(spec, q, k, v, fn="flash", table=table).out)
-    return re.search(r"custom_call @mosaic_gpu",
-                     f.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()) is not None
+    return f.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+
+
+def lowered_has_mosaic_gpu_call(spec, q, k, table):
+    return re.search(r"custom_call @mosaic_gpu", lowered_text(spec, q, k, table)) is not None
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
@@ -477,9 +481,7 @@ def test_redo_lowers_for_cuda_without_the_pass(D):
         spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), softcap=30.0,
                              sinks=jnp.zeros(8), block_sizes=dataclasses.replace(
                                  MosaicGpuBlockSizes.default(D), hidden_keys=hidden_keys))
-        f = jax.jit(lambda q, k, v: core.run(spec, q, k, v, fn="flash",
-                                             table=(("default", LOWERING),)).out)
-        text = f.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+        text = lowered_text(spec, q, k, (("default", LOWERING),))
         assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
         assert sorted(set(re.findall(r"fnattn_flash_\w+", text))) == triton_calls
         assert len(kv_finite.findall(text)) == passes
