@@ -761,7 +761,12 @@ def row_classes(xp, cls, transpose, heads_per_row):
     """Tile classes (B|1, H|1, rows, cols) as a kernel walks them: rows are q-blocks,
     or kv-blocks with ``transpose``; with ``heads_per_row`` > 1 the rows of that
     many consecutive heads merged (FULL only if FULL for every head, visited if
-    any head sees the tile)."""
+    any head sees the tile).
+
+    >>> cls = np.array([[[[masks.FULL, masks.EMPTY]], [[masks.PARTIAL, masks.EMPTY]]]])
+    >>> row_classes(np, cls, True, 2)[0, 0].tolist()  # kv-block 0: seen, not FULL for both
+    [[1], [0]]
+    """
     if transpose:
         cls = xp.swapaxes(cls, -1, -2)
     if heads_per_row > 1 and cls.shape[1] > 1:

@@ -127,14 +127,16 @@ def test_rows_that_see_no_key_give_zero_and_minus_inf():
     assert np.all(np.isfinite(np.asarray(res.lse[:, :, 64:])))
 
 
-def test_interpreted_sinks_join_the_denominator():
+@pytest.mark.parametrize("hidden_keys", ["pass", "redo"])
+def test_interpreted_sinks_join_the_denominator(hidden_keys):
     """One sink per query head: finite, -inf (no sink) and +inf (takes all the
     mass: out 0, lse +inf), with GQA 2:1 and causal rows that see no key (out 0,
-    lse = the sink)."""
+    lse = the sink); with hidden_keys="redo" too (an infinite sink or an empty
+    row is not a non-finite key)."""
     q, k, v = qkv(Tq=128, Tk=64, Hq=4, Hkv=2)
     sinks = jnp.array([0.5, -jnp.inf, jnp.inf, 3.0])
     spec = AttentionSpec(mask=masks.causal(), sinks=sinks, return_lse=True,
-                         block_sizes=SMALL)
+                         block_sizes=dataclasses.replace(SMALL, hidden_keys=hidden_keys))
     res = check(spec, q, k, v)
     out, lse = np.asarray(res.out, np.float32), np.asarray(res.lse)
     assert np.all(out[:, :64] == 0) and np.all(out[:, :, 2] == 0)
