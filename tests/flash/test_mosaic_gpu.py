@@ -466,20 +466,24 @@ def test_lowers_for_cuda_with_array_masks(name):
     assert lowered_has_mosaic_gpu_call(spec, q, k, (("default", LOWERING),))
 
 
-@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("D", [64, 192, 256])
 def test_redo_lowers_for_cuda_without_the_pass(D):
     """hidden_keys="redo" (causal documents, soft-cap, sinks, GQA 4:1): the Mosaic
     GPU kernel and the Triton kernel that recomputes flagged rows, and none of
     the pass's ``is_finite`` over K and V in XLA; "pass" has those and no
-    Triton kernel."""
+    Triton kernel; "auto" (the default) is "redo" at 64 and 256 and "pass" at
+    192, where "redo" is refused."""
     pytest.importorskip("absl")
     B, T = 2, 1000
     ids = jnp.asarray(np.stack([documents(300, 700), documents(250, 250, 500)]))
     q = jax.ShapeDtypeStruct((B, T, 8, D), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((B, T, 2, D), jnp.bfloat16)
     kv_finite = re.compile(rf"is_finite.*tensor<{B}x{T}x2x{D}xbf16>")
-    for hidden_keys, triton_calls, passes in (("pass", [], 2),
-                                              ("redo", ["fnattn_flash_fwd_redo"], 0)):
+    pass_, redo = ([], 2), (["fnattn_flash_fwd_redo"], 0)
+    cases = {"pass": pass_, "auto": pass_ if D == 192 else redo}
+    if D != 192:
+        cases["redo"] = redo
+    for hidden_keys, (triton_calls, passes) in cases.items():
         spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), softcap=30.0,
                              sinks=jnp.zeros(8), block_sizes=dataclasses.replace(
                                  MosaicGpuBlockSizes.default(D), hidden_keys=hidden_keys))
@@ -491,14 +495,17 @@ def test_redo_lowers_for_cuda_without_the_pass(D):
 
 def test_redo_needs_a_power_of_two_head_dim():
     """hidden_keys="redo" at D = 192 is refused with the reason (the Triton forward
-    that recomputes flagged rows takes powers of two); without a mask it runs."""
+    that recomputes flagged rows takes powers of two); without a mask it runs, and
+    so does the default ("auto": the pass there)."""
     cfg = Config(Dims(1, 256, 256, 4, 2, 192, 192), 0.1, None, 0.0, None,
                  block_sizes=dataclasses.replace(MosaicGpuBlockSizes.default(192),
                                                  hidden_keys="redo"))
     why = mosaic_gpu.supports(cfg, jnp.bfloat16, masks.causal(), None, None)
     assert len(why) == 1 and "hidden_keys='redo'" in why[0] and "D=192" in why[0]
     assert mosaic_gpu.supports(cfg, jnp.bfloat16, None, None, None) == []
-    with pytest.raises(ValueError, match="hidden_keys must be 'pass' or 'redo'"):
+    auto = dataclasses.replace(cfg, block_sizes=MosaicGpuBlockSizes.default(192))
+    assert mosaic_gpu.supports(auto, jnp.bfloat16, masks.causal(), None, None) == []
+    with pytest.raises(ValueError, match="hidden_keys must be 'auto', 'pass' or 'redo'"):
         MosaicGpuBlockSizes(hidden_keys="skip")
 
 
@@ -691,22 +698,26 @@ def _lowered(spec, q, k, v):
 
 _TRITON_BWD = ["fnattn_flash_dkdv", "fnattn_flash_dq"]
 _TRITON_ALL = ["fnattn_flash_dkdv", "fnattn_flash_dq", "fnattn_flash_fwd"]
+# (a masked Mosaic GPU forward at a power-of-two head dim: the Triton forward that
+# recomputes the rows it flags, hidden_keys="auto")
+_REDO = ["fnattn_flash_fwd_redo"]
 
 
 @pytest.mark.parametrize("on_hopper, D", [(False, 128), (True, 128), (True, 256)])
 def test_auto_runs_the_mosaic_gpu_kernels_on_hopper(monkeypatch, on_hopper, D):
     """A soft-capped causal spec (which cuDNN cannot run): on Hopper the Mosaic GPU
     forward and backward at D=128, the Mosaic GPU forward and the Triton dq and
-    dk/dv kernels at D=256; elsewhere the three Triton kernels. A spec with a
-    bias stays on Triton either way."""
+    dk/dv kernels at D=256 (with the Triton forward that recomputes flagged rows
+    at both); elsewhere the three Triton kernels. A spec with a bias stays on
+    Triton either way."""
     pytest.importorskip("absl")
     if on_hopper:
         monkeypatch.setattr(mosaic_gpu, "available", lambda: None)
     q = jax.ShapeDtypeStruct((2, 256, 4, D), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 256, 2, D), jnp.bfloat16)
     spec = AttentionSpec(mask=masks.causal(), softcap=30.0)
-    expected = {(False, 128): (0, _TRITON_ALL), (True, 128): (2, []),
-                (True, 256): (1, _TRITON_BWD)}[on_hopper, D]
+    expected = {(False, 128): (0, _TRITON_ALL), (True, 128): (2, _REDO),
+                (True, 256): (1, sorted(_TRITON_BWD + _REDO))}[on_hopper, D]
     assert _lowered(spec, q, k, k) == expected
     mgpu, kernels = _lowered(spec.replace(bias=jnp.zeros((256, 256))), q, k, k)
     assert not mgpu and "fnattn_flash_fwd" in kernels
@@ -715,12 +726,12 @@ def test_auto_runs_the_mosaic_gpu_kernels_on_hopper(monkeypatch, on_hopper, D):
 @pytest.mark.parametrize("triton_sizes", [False, True])
 def test_segment_ids_run_on_the_mosaic_gpu_kernels(hopper, triton_sizes):
     """On Hopper, impl="auto" runs a packed-documents spec on the Mosaic GPU
-    forward and backward; TritonBlockSizes in the spec ask for the Triton
-    kernels."""
+    forward (with the Triton forward that recomputes flagged rows) and backward;
+    TritonBlockSizes in the spec ask for the Triton kernels."""
     pytest.importorskip("absl")
     q = jax.ShapeDtypeStruct((2, 256, 4, 128), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.bfloat16)
     ids = jnp.asarray(np.stack([documents(100, 156), documents(256)]))
     spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), softcap=30.0,
                          block_sizes=fnattn.TritonBlockSizes() if triton_sizes else None)
-    assert _lowered(spec, q, k, k) == ((0, _TRITON_ALL) if triton_sizes else (2, []))
+    assert _lowered(spec, q, k, k) == ((0, _TRITON_ALL) if triton_sizes else (2, _REDO))

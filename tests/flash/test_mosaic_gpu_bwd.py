@@ -409,8 +409,9 @@ def _lowered_grad(spec, q, k, v, *, vmapped=False):
     (256, "causal", 4, 30.0),
 ])
 def test_gradient_lowers_for_cuda(D, mask, Hq, softcap):
-    """The gradient lowers to Mosaic GPU custom calls only: the forward's and this
-    backward's, and none of the Triton kernels. Ragged lengths 1000 x 1500 and
+    """The gradient lowers to two Mosaic GPU custom calls, the forward's and this
+    backward's, and no Triton kernel but, at power-of-two head dims, the forward
+    that recomputes the rows the Mosaic GPU forward flags. Ragged lengths 1000 x 1500 and
     2 kv heads: at D = 64 a GQA group of 4 split over programs (float32
     partials), at 128 no GQA and sinks, at 192 and 256 the column split (columns
     128 + 64 and 128 + 128) with a group of 2 in one program, soft-cap at 256,
@@ -428,15 +429,22 @@ def test_gradient_lowers_for_cuda(D, mask, Hq, softcap):
                                        dropout_key=jax.random.key(0) if rate else None,
                                        return_lse=True), q, k, k)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
-    assert not re.search(r"fnattn_flash_(dq|dkdv|fwd)", text)
+    assert _triton_kernels(text) == ([] if D == 192 else _REDO)
+
+
+_REDO = ["fnattn_flash_fwd_redo"]
+
+
+def _triton_kernels(text):
+    return sorted(set(re.findall(r"fnattn_flash_\w+", text)))
 
 
 @pytest.mark.parametrize("D, name", [(64, "causal_segments"), (128, "lengths_prefix_lm"),
                                      (256, "at_positions")])
 def test_gradient_lowers_for_cuda_with_array_masks(D, name):
     """Masks holding arrays, at the row split (64, 128; GQA 4:1 split over
-    programs at 64) and the column split (256): still only the two Mosaic GPU
-    custom calls."""
+    programs at 64) and the column split (256): still the two Mosaic GPU custom
+    calls, and of the Triton kernels only the forward that recomputes flagged rows."""
     pytest.importorskip("absl")
     B, T = 2, 1000
     ids = jnp.asarray(np.stack([documents(300, 700), documents(250, 250, 500)]))
@@ -449,7 +457,7 @@ def test_gradient_lowers_for_cuda_with_array_masks(D, name):
     k = jax.ShapeDtypeStruct((B, T, 2, D), jnp.bfloat16)
     text = _lowered_grad(AttentionSpec(mask=mask, return_lse=True), q, k, k)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
-    assert not re.search(r"fnattn_flash_(dq|dkdv|fwd)", text)
+    assert _triton_kernels(text) == _REDO
 
 
 def test_vmapped_gradient_lowers_for_cuda():
@@ -538,7 +546,8 @@ def _auto_masks(B, Tq, Tk):
                                   "at_positions"])
 def test_gpu_auto_runs_the_mosaic_gpu_kernels_and_matches_xla(name):
     """impl="auto" on a Hopper GPU, end to end: a soft-capped spec with each kind
-    of mask array lowers to the two Mosaic GPU kernels (no Triton kernel), and its
+    of mask array lowers to the two Mosaic GPU kernels (and, of the Triton kernels,
+    only the forward that recomputes flagged rows), and its
     out, lse and gradients equal the XLA lowering's. Ragged 1000 x 1500, GQA 4:1."""
     B, Tq, Tk = 2, 1000, 1500
     q, k, v, d_out, d_lse = qkv(B=B, Tq=Tq, Tk=Tk, Hq=8, Hkv=2, D=128,
@@ -555,7 +564,7 @@ def test_gpu_auto_runs_the_mosaic_gpu_kernels_and_matches_xla(name):
     go = jax.jit(vjp)
     text = go.trace(spec, q, k, v, d_out, d_lse).lower().as_text()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
-    assert not re.search(r"fnattn_flash_(dq|dkdv|fwd)", text)
+    assert _triton_kernels(text) == _REDO
     out, lse, grads = go(spec, q, k, v, d_out, d_lse)
     r_out, r_lse, r_grads = go(spec.replace(impl="xla"),
                                *(x.astype(jnp.float32) for x in (q, k, v, d_out)), d_lse)
@@ -605,7 +614,8 @@ def test_cuda_kernel_choice_of_the_backward(monkeypatch):
 def test_auto_gradient_with_dropout_lowers_to_the_triton_backward(monkeypatch):
     """The same choice seen in the program impl="auto" lowers for cuda on Hopper:
     a soft-capped causal spec (no cuDNN) with dropout and ``MosaicGpuBlockSizes``
-    has the Mosaic GPU forward and the Triton dq and dk/dv kernels. (Without
+    has the Mosaic GPU forward (with the Triton forward that recomputes flagged
+    rows) and the Triton dq and dk/dv kernels. (Without
     dropout, the two Mosaic GPU kernels: tests/flash/test_mosaic_gpu.py,
     ``test_auto_runs_the_mosaic_gpu_kernels_on_hopper``, lowers that same spec.)"""
     pytest.importorskip("absl")
@@ -620,5 +630,4 @@ def test_auto_gradient_with_dropout_lowers_to_the_triton_backward(monkeypatch):
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
         lowering_platforms=("cuda",)).as_text()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
-    assert sorted(set(re.findall(r"fnattn_flash_\w+", text))) == ["fnattn_flash_dkdv",
-                                                                   "fnattn_flash_dq"]
+    assert _triton_kernels(text) == ["fnattn_flash_dkdv", "fnattn_flash_dq"] + _REDO
