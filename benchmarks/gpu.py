@@ -20,8 +20,10 @@ Sections:
   (the Mosaic GPU forward, with the Triton backward), ``fnattn:mosaic_gpu_bwd``
   (the same forward with the Mosaic GPU backward,
   ``fnattn/flash/mosaic_gpu_bwd.py``; its forward row repeats the previous one's),
-  ``fnattn:mosaic_gpu_redo`` (those two with ``hidden_keys="redo"``: no pass over
-  K and V before a masked forward; the Triton forward recomputes flagged rows),
+  ``fnattn:mosaic_gpu_redo`` and ``fnattn:mosaic_gpu_pass`` (those two with
+  ``hidden_keys="redo"``, the default at power-of-two head dims: no pass over K
+  and V before a masked forward, the Triton forward recomputes flagged rows; or
+  with ``hidden_keys="pass"``: an elementwise pass over K and V first),
   ``jax.nn:cudnn``, ``jax.nn:xla``, ``tokamax:mosaic``, ``tokamax:triton`` and
   ``jax:attention_mgpu`` (JAX's Mosaic GPU example kernel; its backward has no
   causal mask); ``pass:hidden_keys`` times alone the elementwise pass over K
@@ -217,22 +219,23 @@ def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
     if dropout and not impl.startswith("fnattn"):
         raise NotImplementedError("no dropout with fnattn's keep mask")
     if impl in ("fnattn", "fnattn:triton", "fnattn:mosaic_gpu", "fnattn:mosaic_gpu_bwd",
-                "fnattn:mosaic_gpu_redo"):
+                "fnattn:mosaic_gpu_redo", "fnattn:mosaic_gpu_pass"):
         spec = AttentionSpec(mask=mask, return_lse=False, softcap=softcap, dropout_rate=dropout,
                              dropout_key=jax.random.key(7) if dropout else None,
                              impl="pallas" if impl == "fnattn:triton" else "auto")
-        if impl == "fnattn:mosaic_gpu_redo":
+        if impl in ("fnattn:mosaic_gpu_redo", "fnattn:mosaic_gpu_pass"):
             from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
             if mask is None:
-                raise NotImplementedError("no pass to leave out without a mask")
+                raise NotImplementedError("no pass over K and V without a mask")
             table = _mosaic_gpu_lowering(backward=True)
+            hidden_keys = impl.rsplit("_", 1)[1]
 
-            def redo(q, k, v):
+            def pinned(q, k, v):
                 bs = dataclasses.replace(MosaicGpuBlockSizes.default(q.shape[-1]),
-                                         hidden_keys="redo")
+                                         hidden_keys=hidden_keys)
                 return core.run(spec.replace(block_sizes=bs), q, k, v, fn="flash",
                                 table=table).out
-            return redo
+            return pinned
         if impl.startswith("fnattn:mosaic_gpu"):
             table = _mosaic_gpu_lowering(backward=impl == "fnattn:mosaic_gpu_bwd")
             return lambda q, k, v: core.run(spec, q, k, v, fn="flash", table=table).out
@@ -295,8 +298,8 @@ def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
 
 # jax.nn:cudnn first: its output is what the fnattn rows are compared with.
 FLASH_IMPLS = ("jax.nn:cudnn", "fnattn", "fnattn:triton", "fnattn:mosaic_gpu",
-               "fnattn:mosaic_gpu_bwd", "fnattn:mosaic_gpu_redo", "pass:hidden_keys",
-               "pass:schedule", "jax.nn:xla",
+               "fnattn:mosaic_gpu_bwd", "fnattn:mosaic_gpu_redo", "fnattn:mosaic_gpu_pass",
+               "pass:hidden_keys", "pass:schedule", "jax.nn:xla",
                "tokamax:mosaic", "tokamax:triton", "jax:attention_mgpu")
 
 
@@ -504,6 +507,14 @@ def decode_section(args, rows, deadline):
                                         bench.decode_fn("auto", PagedBlockSizes(
                                             block_k=bk, num_splits=ns, num_stages=st)),
                                         prob.args))
+        if f"{B}x{S}" in args.split_sweep.split(","):
+            for ns in (int(x) for x in args.splits.split(",")):
+                if ns <= S // 64:
+                    entries.append(("contiguous", f"fnattn.decode splits={ns}",
+                                    dec(DecodeBlockSizes(num_splits=ns)), cont))
+                    entries.append(("paged", f"fnattn.paged splits={ns}",
+                                    bench.decode_fn("auto", PagedBlockSizes(num_splits=ns)),
+                                    prob.args))
         refs = {}
         for cache, name, fn, fargs in entries:
             if time.time() > deadline:
@@ -664,6 +675,11 @@ def main():
     ap.add_argument("--decode-sweep", default="",
                     help="BxS items at which split and block-size variants of the decode "
                          "kernels are timed too")
+    ap.add_argument("--split-sweep", default="",
+                    help="BxS items at which both decode kernels are timed at each of "
+                         "--splits (default block sizes otherwise)")
+    ap.add_argument("--splits", default="1,2,3,4,5,6,8,16,32,64",
+                    help="split counts of --split-sweep (those above S/64 are left out)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pair-reps", type=int, default=10,
                     help="alternating batches of fnattn (impl='auto') and cuDNN (0: none)")

@@ -25,7 +25,7 @@ are applied to the float32 logits; the online softmax runs in base 2 with
 
 **Split-K.** With few (sequence, kv head) pairs the blocks of a sequence are
 cut into ``splits`` contiguous ranges, one program each (:func:`launch_plan`
-picks enough to fill an H100's 132 multiprocessors); the programs write float32
+picks about two per multiprocessor of an H100); the programs write float32
 partial outputs with their ``lse``, merged afterwards by
 :func:`fnattn.merging.merge_stacked`, where the sinks join the denominator
 once. With one split the kernel applies the sinks and writes the output in q's
@@ -63,7 +63,12 @@ LOG2E, LN2 = online.LOG2E, online.LN2
 MIN_ROWS = 16            # tl.dot needs at least 16 rows
 MIN_COLS = 16            # ... and 16 along the contraction
 NUM_SMS = 132            # H100 SXM
-TARGET_PROGRAMS = 4 * NUM_SMS   # a few waves: enough resident programs to hide latency
+# About two programs per multiprocessor, all resident at once. Measured on an
+# H100 (benchmarks/results/gpu_h100_2026-11-27_s23, bf16, Hkv = 8, D = 128):
+# B = 16, S = 4k reads 77 % of peak HBM with 2 splits (256 programs) against 69 %
+# with 5 (640: more than fit at once, so a second partial wave); B = 4, S = 16k
+# 78 % with 8 (256 programs) against 73 % with 17.
+TARGET_PROGRAMS = 2 * NUM_SMS
 MIN_BLOCKS_PER_SPLIT = 8        # below this a split's fixed costs (q load, merge) dominate
 
 
@@ -89,7 +94,7 @@ def launch_plan(batch: int, num_kv_heads: int, cache_len: int, head_dim: int,
     is the height of the query tile (``Tq * G`` padded).
 
     >>> launch_plan(1, 8, 32768, 128, 128)
-    Plan(block_k=64, num_splits=64, num_warps=4, num_stages=2)
+    Plan(block_k=64, num_splits=33, num_warps=4, num_stages=2)
     >>> launch_plan(64, 8, 32768, 128, 128).num_splits
     1
     >>> launch_plan(1, 8, 1000, 80, 80, num_splits=5)
@@ -103,8 +108,8 @@ def launch_plan(batch: int, num_kv_heads: int, cache_len: int, head_dim: int,
     if num_splits is None:
         pairs = batch * num_kv_heads
         n_blocks = common.cdiv(cache_len, bk)
-        # Two waves of (sequence, kv head) programs already keep every SM busy.
-        num_splits = 1 if pairs >= 2 * NUM_SMS else common.cdiv(TARGET_PROGRAMS, pairs)
+        # At most TARGET_PROGRAMS programs: past it, splits only add merge work.
+        num_splits = max(1, TARGET_PROGRAMS // pairs)
         num_splits = max(1, min(num_splits, n_blocks // MIN_BLOCKS_PER_SPLIT))
     # Decode is a stream over the cache: two stages of prefetch hide the latency
     # of the next block's loads. 4 warps hold a float32 accumulator of up to

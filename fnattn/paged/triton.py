@@ -62,7 +62,11 @@ __all__ = ["auto_forward", "forward", "forward_interpret", "launch_plan", "symbo
 
 LOG2E, LN2 = online.LOG2E, online.LN2
 MIN_ROWS = 16            # tl.dot needs at least 16 rows
-TARGET_PROGRAMS = 528    # 4 waves of 132 SMs (H100): enough to hide latency
+# About two programs per multiprocessor of an H100 (132), all resident at once:
+# B = 16 sequences at S = 4k read 72-74 % of peak HBM with 2-4 splits against
+# 65 % with 5 (benchmarks/results/gpu_h100_2026-11-27_s23). The decode kernel's
+# launch plan (fnattn.decoding.triton) measures the same.
+TARGET_PROGRAMS = 264
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,8 +115,8 @@ def launch_plan(cfg: Cfg):
     if bs.num_splits:
         splits = bs.num_splits
     else:
-        # Enough programs to fill the GPU, but at least 8 key blocks per split.
-        splits = common.cdiv(TARGET_PROGRAMS, n_items * cfg.num_kv_heads)
+        # Up to TARGET_PROGRAMS programs, but at least 8 key blocks per split.
+        splits = TARGET_PROGRAMS // (n_items * cfg.num_kv_heads)
         splits = max(1, min(splits, n_blocks // 8))
     params = plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
     return bq, bk, splits, params

@@ -166,11 +166,14 @@ def decode(spec, q, k, v, L):
 
 
 def test_launch_plan():
-    """Splits fill an H100 when (sequence, kv head) pairs are few, never below 8 key
-    blocks per split; a split count from DecodeBlockSizes is used as is."""
+    """Splits give about two programs per multiprocessor of an H100 when (sequence,
+    kv head) pairs are few, never below 8 key blocks per split; a split count from
+    DecodeBlockSizes is used as is."""
     plan = triton.launch_plan(1, 8, 32768, 128, 128)
-    assert plan == triton.Plan(block_k=64, num_splits=64, num_warps=4, num_stages=2)
-    assert triton.launch_plan(4, 8, 32768, 128, 128).num_splits == 17   # 528 / 32
+    assert plan == triton.Plan(block_k=64, num_splits=33, num_warps=4, num_stages=2)  # 264 / 8
+    assert triton.launch_plan(4, 8, 32768, 128, 128).num_splits == 8    # 264 // 32
+    assert triton.launch_plan(16, 8, 4096, 128, 128).num_splits == 2   # 264 // 128
+    assert triton.launch_plan(32, 8, 4096, 128, 128).num_splits == 1   # 256 programs
     assert triton.launch_plan(64, 8, 32768, 128, 128).num_splits == 1   # 512 programs
     assert triton.launch_plan(1, 8, 1024, 128, 128).num_splits == 2     # 16 blocks / 8
     assert triton.launch_plan(1, 1, 100, 64, 64).num_splits == 1

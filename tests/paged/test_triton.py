@@ -112,13 +112,16 @@ def test_lowers_for_cuda(dtype, D, Dv, Hq, Hkv, mask, upd, splits):
 
 
 def test_launch_plan():
-    """Splits fill the GPU when there are few items and many key blocks, never below
-    8 key blocks per split; a split count given in the block sizes is used as is."""
+    """Splits give about two programs per multiprocessor of an H100 when there are
+    few items and many key blocks, never below 8 key blocks per split; a split
+    count given in the block sizes is used as is."""
     cfg = api._make_cfg(AttentionSpec(), num_q_heads=32, num_kv_heads=8, head_dim=128,
                         v_head_dim=128, num_pages=4096, page_size=16, pages_per_seq=2048,
                         max_seqs=1, total_tokens=1, uniform_q=1, update=False)
     bq, bk, splits, _ = triton.launch_plan(cfg)
-    assert (bq, bk) == (1, 64) and splits == 64  # min(528 / 8 programs, 512 blocks / 8)
+    assert (bq, bk) == (1, 64) and splits == 33  # min(264 // 8 programs, 512 blocks / 8)
+    sixteen = dataclasses_replace(cfg, max_seqs=16, total_tokens=16)
+    assert triton.launch_plan(sixteen)[2] == 2   # 264 // (16 * 8)
     many = dataclasses_replace(cfg, max_seqs=256, total_tokens=256)
     assert triton.launch_plan(many)[2] == 1
     fixed = dataclasses_replace(cfg, block_sizes=PagedBlockSizes(num_splits=5, block_k=100))
