@@ -510,8 +510,9 @@ def decode_section(args, rows, deadline):
         if f"{B}x{S}" in args.split_sweep.split(","):
             for ns in (int(x) for x in args.splits.split(",")):
                 if ns <= S // 64:
-                    entries.append(("contiguous", f"fnattn.decode splits={ns}",
-                                    dec(DecodeBlockSizes(num_splits=ns)), cont))
+                    if S % ns == 0:  # (an explicit split count must divide S there)
+                        entries.append(("contiguous", f"fnattn.decode splits={ns}",
+                                        dec(DecodeBlockSizes(num_splits=ns)), cont))
                     entries.append(("paged", f"fnattn.paged splits={ns}",
                                     bench.decode_fn("auto", PagedBlockSizes(num_splits=ns)),
                                     prob.args))
@@ -679,7 +680,8 @@ def main():
                     help="BxS items at which both decode kernels are timed at each of "
                          "--splits (default block sizes otherwise)")
     ap.add_argument("--splits", default="1,2,3,4,5,6,8,16,32,64",
-                    help="split counts of --split-sweep (those above S/64 are left out)")
+                    help="split counts of --split-sweep (those above S/64 are left out, and "
+                         "for the contiguous cache those that do not divide S)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--pair-reps", type=int, default=10,
                     help="alternating batches of fnattn (impl='auto') and cuDNN (0: none)")
