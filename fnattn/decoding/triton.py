@@ -109,8 +109,7 @@ def launch_plan(batch: int, num_kv_heads: int, cache_len: int, head_dim: int,
         pairs = batch * num_kv_heads
         n_blocks = common.cdiv(cache_len, bk)
         # At most TARGET_PROGRAMS programs: past it, splits only add merge work.
-        num_splits = max(1, TARGET_PROGRAMS // pairs)
-        num_splits = max(1, min(num_splits, n_blocks // MIN_BLOCKS_PER_SPLIT))
+        num_splits = max(1, min(TARGET_PROGRAMS // pairs, n_blocks // MIN_BLOCKS_PER_SPLIT))
     # Decode is a stream over the cache: two stages of prefetch hide the latency
     # of the next block's loads. 4 warps hold a float32 accumulator of up to
     # 64 x 128; taller tiles (speculative decoding with large groups) take 8.
