@@ -54,6 +54,7 @@ from fnattn.decoding import common, xla
 from fnattn.decoding.common import F32, I32
 from fnattn.flash.blocks import pick
 from fnattn.merging import merge_stacked
+from fnattn.paged import triton as paged_triton
 
 __all__ = ["KERNEL_NAME", "Plan", "auto_forward", "forward", "forward_interpret", "launch_plan",
            "symbolic"]
@@ -62,14 +63,6 @@ KERNEL_NAME = "fnattn_decode_triton"
 LOG2E, LN2 = online.LOG2E, online.LN2
 MIN_ROWS = 16            # tl.dot needs at least 16 rows
 MIN_COLS = 16            # ... and 16 along the contraction
-NUM_SMS = 132            # H100 SXM
-# About two programs per multiprocessor, all resident at once. Measured on an
-# H100 (benchmarks/results/gpu_h100_2026-11-27_s23, bf16, Hkv = 8, D = 128):
-# B = 16, S = 4k reads 77 % of peak HBM with 2 splits (256 programs) against 69 %
-# with 5 (640: more than fit at once, so a second partial wave); B = 4, S = 16k
-# 78 % with 8 (256 programs) against 73 % with 17.
-TARGET_PROGRAMS = 2 * NUM_SMS
-MIN_BLOCKS_PER_SPLIT = 8        # below this a split's fixed costs (q load, merge) dominate
 
 
 class Plan(NamedTuple):
@@ -87,9 +80,9 @@ def launch_plan(batch: int, num_kv_heads: int, cache_len: int, head_dim: int,
                 num_stages: Optional[int] = None) -> Plan:
     """Block size, split count and Triton launch parameters for a decode call.
 
-    ``num_splits`` (from ``DecodeBlockSizes``) is used as given; otherwise the
-    splits are chosen so that ``batch * num_kv_heads * splits`` programs fill the
-    GPU, with at least ``MIN_BLOCKS_PER_SPLIT`` key blocks per split. ``block_k``
+    ``num_splits`` (from ``DecodeBlockSizes``) is used as given; otherwise
+    :func:`fnattn.paged.triton.auto_splits` of ``batch * num_kv_heads`` programs
+    per split: about two per multiprocessor of an H100. ``block_k``
     (rounded up to a power of two >= 16) overrides the key block size. ``rows``
     is the height of the query tile (``Tq * G`` padded).
 
@@ -106,10 +99,7 @@ def launch_plan(batch: int, num_kv_heads: int, cache_len: int, head_dim: int,
         block_k = min(block_k, common.pow2(cache_len))
     bk = max(MIN_COLS, common.pow2(block_k))
     if num_splits is None:
-        pairs = batch * num_kv_heads
-        n_blocks = common.cdiv(cache_len, bk)
-        # At most TARGET_PROGRAMS programs: past it, splits only add merge work.
-        num_splits = max(1, min(TARGET_PROGRAMS // pairs, n_blocks // MIN_BLOCKS_PER_SPLIT))
+        num_splits = paged_triton.auto_splits(batch * num_kv_heads, common.cdiv(cache_len, bk))
     # Decode is a stream over the cache: two stages of prefetch hide the latency
     # of the next block's loads. 4 warps hold a float32 accumulator of up to
     # 64 x 128; taller tiles (speculative decoding with large groups) take 8.

@@ -62,11 +62,28 @@ __all__ = ["auto_forward", "forward", "forward_interpret", "launch_plan", "symbo
 
 LOG2E, LN2 = online.LOG2E, online.LN2
 MIN_ROWS = 16            # tl.dot needs at least 16 rows
-# About two programs per multiprocessor of an H100 (132), all resident at once:
-# B = 16 sequences at S = 4k read 72-74 % of peak HBM with 2-4 splits against
-# 65 % with 5 (benchmarks/results/gpu_h100_2026-11-27_s23). The decode kernel's
-# launch plan (fnattn.decoding.triton) measures the same.
-TARGET_PROGRAMS = 264
+NUM_SMS = 132            # H100 SXM
+# About two programs per multiprocessor, all resident at once. Measured on an
+# H100 (benchmarks/results/gpu_h100_2026-11-27_s23, bf16, Hkv = 8, D = 128):
+# B = 16, S = 4k reads 77 % (contiguous cache) and 72 % (paged) of peak HBM with
+# 2 splits (256 programs) against 69 % and 65 % with 5 (640: more than fit at
+# once, so a second partial wave); B = 4, S = 16k 78 % and 71 % with 8 (256
+# programs) against 73 % and 70 % with 17.
+TARGET_PROGRAMS = 2 * NUM_SMS
+MIN_BLOCKS_PER_SPLIT = 8  # below this a split's fixed costs (q load, merge) dominate
+
+
+def auto_splits(programs: int, n_blocks: int) -> int:
+    """Split-K count of a decode kernel (this one and
+    :func:`fnattn.decoding.triton.launch_plan`) with ``programs`` programs per
+    split over ``n_blocks`` key blocks: at most ``TARGET_PROGRAMS`` programs in
+    all (past that, splits only add merge work), at least
+    ``MIN_BLOCKS_PER_SPLIT`` blocks per split, at least one split.
+
+    >>> auto_splits(128, 64), auto_splits(8, 512), auto_splits(512, 512), auto_splits(8, 16)
+    (2, 33, 1, 2)
+    """
+    return max(1, min(TARGET_PROGRAMS // programs, n_blocks // MIN_BLOCKS_PER_SPLIT))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,9 +132,7 @@ def launch_plan(cfg: Cfg):
     if bs.num_splits:
         splits = bs.num_splits
     else:
-        # Up to TARGET_PROGRAMS programs, but at least 8 key blocks per split.
-        splits = TARGET_PROGRAMS // (n_items * cfg.num_kv_heads)
-        splits = max(1, min(splits, n_blocks // 8))
+        splits = auto_splits(n_items * cfg.num_kv_heads, n_blocks)
     params = plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages)
     return bq, bk, splits, params
 
