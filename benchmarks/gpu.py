@@ -494,12 +494,6 @@ def decode_section(args, rows, deadline):
                         entries.append(("contiguous", f"fnattn.decode splits={ns} bk={bk} "
                                         f"stages={st}", dec(DecodeBlockSizes(
                                             num_splits=ns, block_k=bk, num_stages=st)), cont))
-            # Fewer splits: fewer programs than two waves, but no merge after the kernel.
-            for ns in (1, 2, 4):
-                if S % ns == 0:
-                    entries.append(("contiguous", f"fnattn.decode splits={ns} bk=64 stages=2",
-                                    dec(DecodeBlockSizes(num_splits=ns, block_k=64,
-                                                         num_stages=2)), cont))
             for ns in (None, 16):
                 for bk in (64, 128):
                     for st in (2, 3, 4):

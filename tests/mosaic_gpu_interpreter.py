@@ -10,9 +10,13 @@ The warpgroups of a program wait for one another at barriers, inside host
 callbacks of the kernel's outer computation, so they need more XLA:CPU threads
 than a two-core machine has by default: the root ``conftest.py`` sets
 ``PJRT_NPROC`` (without it, runs hang at random there).
+
+:func:`triton_kernels` and ``REDO_KERNELS`` are what the Mosaic GPU test files
+read off programs lowered for cuda.
 """
 
 import contextlib
+import re
 import threading
 
 import jax
@@ -61,3 +65,13 @@ def reset_after_failure():
     interpreted kernel of the process reports the same failure)."""
     from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
     interpret_pallas_call.reset_gpu_interpret_mode_state()
+
+
+# (a masked Mosaic GPU forward at a power-of-two head dim: the Triton forward that
+# recomputes the rows it flags, hidden_keys="auto")
+REDO_KERNELS = ["fnattn_flash_fwd_redo"]
+
+
+def triton_kernels(text):
+    """The names of fnattn's flash Triton kernels in a lowered program's text, sorted."""
+    return sorted(set(re.findall(r"fnattn_flash_\w+", text)))

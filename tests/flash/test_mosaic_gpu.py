@@ -27,7 +27,7 @@ from fnattn._checks import Dims
 from fnattn._dispatch import Config, Lowering
 from fnattn.flash import mosaic_gpu
 from fnattn.flash.mosaic_gpu import LOWERING, MosaicGpuBlockSizes
-from mosaic_gpu_interpreter import compile_once, reset_after_failure
+from mosaic_gpu_interpreter import REDO_KERNELS, compile_once, reset_after_failure, triton_kernels
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 SMALL = MosaicGpuBlockSizes(block_q=64, block_k=64, max_concurrent_steps=2)
@@ -479,7 +479,7 @@ def test_redo_lowers_for_cuda_without_the_pass(D):
     q = jax.ShapeDtypeStruct((B, T, 8, D), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((B, T, 2, D), jnp.bfloat16)
     kv_finite = re.compile(rf"is_finite.*tensor<{B}x{T}x2x{D}xbf16>")
-    pass_, redo = ([], 2), (["fnattn_flash_fwd_redo"], 0)
+    pass_, redo = ([], 2), (REDO_KERNELS, 0)
     cases = {"pass": pass_, "auto": pass_ if D == 192 else redo}
     if D != 192:
         cases["redo"] = redo
@@ -489,7 +489,7 @@ def test_redo_lowers_for_cuda_without_the_pass(D):
                                  MosaicGpuBlockSizes.default(D), hidden_keys=hidden_keys))
         text = lowered_text(spec, q, k, (("default", LOWERING),))
         assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
-        assert sorted(set(re.findall(r"fnattn_flash_\w+", text))) == triton_calls
+        assert triton_kernels(text) == triton_calls
         assert len(kv_finite.findall(text)) == passes
 
 
@@ -693,14 +693,11 @@ def _lowered(spec, q, k, v):
         lowering_platforms=("cuda",)).as_text()
     # (the Mosaic GPU custom call; the test file's own name is in the locations)
     mgpu = len(re.findall(r"custom_call @mosaic_gpu", text))
-    return mgpu, sorted(set(re.findall(r"fnattn_flash_\w+", text)))
+    return mgpu, triton_kernels(text)
 
 
 _TRITON_BWD = ["fnattn_flash_dkdv", "fnattn_flash_dq"]
 _TRITON_ALL = ["fnattn_flash_dkdv", "fnattn_flash_dq", "fnattn_flash_fwd"]
-# (a masked Mosaic GPU forward at a power-of-two head dim: the Triton forward that
-# recomputes the rows it flags, hidden_keys="auto")
-_REDO = ["fnattn_flash_fwd_redo"]
 
 
 @pytest.mark.parametrize("on_hopper, D", [(False, 128), (True, 128), (True, 256)])
@@ -716,8 +713,8 @@ def test_auto_runs_the_mosaic_gpu_kernels_on_hopper(monkeypatch, on_hopper, D):
     q = jax.ShapeDtypeStruct((2, 256, 4, D), jnp.bfloat16)
     k = jax.ShapeDtypeStruct((2, 256, 2, D), jnp.bfloat16)
     spec = AttentionSpec(mask=masks.causal(), softcap=30.0)
-    expected = {(False, 128): (0, _TRITON_ALL), (True, 128): (2, _REDO),
-                (True, 256): (1, sorted(_TRITON_BWD + _REDO))}[on_hopper, D]
+    expected = {(False, 128): (0, _TRITON_ALL), (True, 128): (2, REDO_KERNELS),
+                (True, 256): (1, sorted(_TRITON_BWD + REDO_KERNELS))}[on_hopper, D]
     assert _lowered(spec, q, k, k) == expected
     mgpu, kernels = _lowered(spec.replace(bias=jnp.zeros((256, 256))), q, k, k)
     assert not mgpu and "fnattn_flash_fwd" in kernels
@@ -734,4 +731,4 @@ def test_segment_ids_run_on_the_mosaic_gpu_kernels(hopper, triton_sizes):
     ids = jnp.asarray(np.stack([documents(100, 156), documents(256)]))
     spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), softcap=30.0,
                          block_sizes=fnattn.TritonBlockSizes() if triton_sizes else None)
-    assert _lowered(spec, q, k, k) == ((0, _TRITON_ALL) if triton_sizes else (2, _REDO))
+    assert _lowered(spec, q, k, k) == ((0, _TRITON_ALL) if triton_sizes else (2, REDO_KERNELS))

@@ -32,7 +32,7 @@ from fnattn._dispatch import Config, Lowering
 from fnattn.flash import mosaic_gpu, mosaic_gpu_bwd, triton, xla
 from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
 from fnattn.flash.mosaic_gpu_bwd import MosaicGpuBwdBlockSizes
-from mosaic_gpu_interpreter import compile_once, reset_after_failure
+from mosaic_gpu_interpreter import REDO_KERNELS, compile_once, reset_after_failure, triton_kernels
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 SMALL = MosaicGpuBlockSizes(block_q=64, block_k=64, max_concurrent_steps=2)
@@ -429,16 +429,9 @@ def test_gradient_lowers_for_cuda(D, mask, Hq, softcap):
                                        dropout_key=jax.random.key(0) if rate else None,
                                        return_lse=True), q, k, k)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
-    assert _triton_kernels(text) == ([] if D == 192 else _REDO)
+    assert triton_kernels(text) == ([] if D == 192 else REDO_KERNELS)
     # delta's reduction stays out of the fusion that stacks the row statistics
     assert re.search(rf"optimization_barrier %\S+ : tensor<2x{Hq}x1000xf32>", text)
-
-
-_REDO = ["fnattn_flash_fwd_redo"]
-
-
-def _triton_kernels(text):
-    return sorted(set(re.findall(r"fnattn_flash_\w+", text)))
 
 
 @pytest.mark.parametrize("D, name", [(64, "causal_segments"), (128, "lengths_prefix_lm"),
@@ -459,7 +452,7 @@ def test_gradient_lowers_for_cuda_with_array_masks(D, name):
     k = jax.ShapeDtypeStruct((B, T, 2, D), jnp.bfloat16)
     text = _lowered_grad(AttentionSpec(mask=mask, return_lse=True), q, k, k)
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
-    assert _triton_kernels(text) == _REDO
+    assert triton_kernels(text) == REDO_KERNELS
 
 
 def test_vmapped_gradient_lowers_for_cuda():
@@ -566,7 +559,7 @@ def test_gpu_auto_runs_the_mosaic_gpu_kernels_and_matches_xla(name):
     go = jax.jit(vjp)
     text = go.trace(spec, q, k, v, d_out, d_lse).lower().as_text()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
-    assert _triton_kernels(text) == _REDO
+    assert triton_kernels(text) == REDO_KERNELS
     out, lse, grads = go(spec, q, k, v, d_out, d_lse)
     r_out, r_lse, r_grads = go(spec.replace(impl="xla"),
                                *(x.astype(jnp.float32) for x in (q, k, v, d_out)), d_lse)
@@ -632,4 +625,4 @@ def test_auto_gradient_with_dropout_lowers_to_the_triton_backward(monkeypatch):
     text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
         lowering_platforms=("cuda",)).as_text()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
-    assert _triton_kernels(text) == ["fnattn_flash_dkdv", "fnattn_flash_dq"] + _REDO
+    assert triton_kernels(text) == ["fnattn_flash_dkdv", "fnattn_flash_dq"] + REDO_KERNELS
