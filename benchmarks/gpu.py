@@ -24,6 +24,8 @@ Sections:
   ``hidden_keys="redo"``, the default at power-of-two head dims: no pass over K
   and V before a masked forward, the Triton forward recomputes flagged rows; or
   with ``hidden_keys="pass"``: an elementwise pass over K and V first),
+  ``fnattn:mosaic_gpu_persistent`` (``persistent=True``: one program per
+  multiprocessor walking the q-tiles in turn),
   ``jax.nn:cudnn``, ``jax.nn:xla``, ``tokamax:mosaic``, ``tokamax:triton`` and
   ``jax:attention_mgpu`` (JAX's Mosaic GPU example kernel; its backward has no
   causal mask); ``pass:hidden_keys`` times alone the elementwise pass over K
@@ -211,6 +213,13 @@ def _program_tile(D):
     return 2 * bs.block_q, bs.block_k
 
 
+# Peers running the Mosaic GPU forward (and backward) with one option of
+# MosaicGpuBlockSizes pinned.
+PINNED = {"fnattn:mosaic_gpu_redo": dict(hidden_keys="redo"),
+          "fnattn:mosaic_gpu_pass": dict(hidden_keys="pass"),
+          "fnattn:mosaic_gpu_persistent": dict(persistent=True)}
+
+
 def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
     """``f(q, k, v) -> out`` for one peer, or raises (the row records why)."""
     mask = _mask(causal, segments)
@@ -219,20 +228,19 @@ def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
     if dropout and not impl.startswith("fnattn"):
         raise NotImplementedError("no dropout with fnattn's keep mask")
     if impl in ("fnattn", "fnattn:triton", "fnattn:mosaic_gpu", "fnattn:mosaic_gpu_bwd",
-                "fnattn:mosaic_gpu_redo", "fnattn:mosaic_gpu_pass"):
+                *PINNED):
         spec = AttentionSpec(mask=mask, return_lse=False, softcap=softcap, dropout_rate=dropout,
                              dropout_key=jax.random.key(7) if dropout else None,
                              impl="pallas" if impl == "fnattn:triton" else "auto")
-        if impl in ("fnattn:mosaic_gpu_redo", "fnattn:mosaic_gpu_pass"):
+        if impl in PINNED:
             from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
-            if mask is None:
+            if mask is None and "hidden_keys" in PINNED[impl]:
                 raise NotImplementedError("no pass over K and V without a mask")
             table = _mosaic_gpu_lowering(backward=True)
-            hidden_keys = impl.rsplit("_", 1)[1]
 
             def pinned(q, k, v):
                 bs = dataclasses.replace(MosaicGpuBlockSizes.default(q.shape[-1]),
-                                         hidden_keys=hidden_keys)
+                                         **PINNED[impl])
                 return core.run(spec.replace(block_sizes=bs), q, k, v, fn="flash",
                                 table=table).out
             return pinned
@@ -298,8 +306,7 @@ def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
 
 # jax.nn:cudnn first: its output is what the fnattn rows are compared with.
 FLASH_IMPLS = ("jax.nn:cudnn", "fnattn", "fnattn:triton", "fnattn:mosaic_gpu",
-               "fnattn:mosaic_gpu_bwd", "fnattn:mosaic_gpu_redo", "fnattn:mosaic_gpu_pass",
-               "pass:hidden_keys", "pass:schedule", "jax.nn:xla",
+               "fnattn:mosaic_gpu_bwd", *PINNED, "pass:hidden_keys", "pass:schedule", "jax.nn:xla",
                "tokamax:mosaic", "tokamax:triton", "jax:attention_mgpu")
 
 

@@ -156,6 +156,12 @@ class MosaicGpuBlockSizes:
         0.38), but needs a head dim the Triton forward takes (a power of two).
         ``"auto"`` (the default): ``"redo"`` at power-of-two head dims,
         ``"pass"`` at the others.
+      persistent: one program per multiprocessor (132 on an H100) walks the
+        work items (a q-tile of one batch row and head) in turn, heaviest
+        q-tiles first, instead of one program per item. The producer then loads
+        the next item's K and V while the consumers finish the current one, and
+        no program waits for its last stores: meant for short items (packed
+        documents). Same results; not yet timed on an H100, so off by default.
 
     >>> MosaicGpuBlockSizes.default(128).smem_bytes(128)
     164864
@@ -169,6 +175,7 @@ class MosaicGpuBlockSizes:
     block_k: int = 128
     max_concurrent_steps: int = 2
     hidden_keys: str = "auto"
+    persistent: bool = False
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -181,6 +188,9 @@ class MosaicGpuBlockSizes:
         if self.hidden_keys not in ("auto", "pass", "redo"):
             raise ValueError("MosaicGpuBlockSizes: hidden_keys must be 'auto', 'pass' or "
                              f"'redo'; got {self.hidden_keys!r}")
+        if not isinstance(self.persistent, bool):
+            raise ValueError("MosaicGpuBlockSizes: persistent must be True or False; "
+                             f"got {self.persistent!r}")
 
     def redoes(self, head_dim: int) -> bool:
         """Whether a masked forward at this head dim leaves the pass out
@@ -377,6 +387,7 @@ class _Plan:
     operands: tuple = ()  # per mask array, in the mask's order: (kind, index in its stack)
     stacks: tuple = ()    # per kind present, in _KINDS order: (kind, count, along b, along h)
     flag: bool = False    # m = NaN on rows that met a non-finite logit or output
+    programs: int = 0     # persistent programs walking the work items (0: one per item)
 
     @property
     def rows(self) -> int:
@@ -413,21 +424,44 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
     n_cols = (P.stack("cols") or (0,))[0]
 
     def body(S):
-        b, h = lax.axis_index("batch"), lax.axis_index("heads")
-        # Heaviest q-tiles (the last, under causal-like masks) start first.
-        tile = q_tiles - 1 - lax.axis_index("tiles")
         wg = lax.axis_index("wg")
-        row = (b if P.sched_b else 0, h if P.sched_h else 0, tile)
-        n_full, n_seen = sched_ref[row + (0,)], sched_ref[row + (1,)]
 
-        def kv_tile(t):
-            return sched_ref[row + (2 + t,)]
+        def each_item(item):
+            """Runs ``item(b, h, tile, step) -> step`` on this program's work
+            items, in order, and returns the last ``step``: the count of kv-tiles
+            the program has walked so far, whose remainder by the ring's depth
+            names the slot of the next tile (producer and consumers count alike).
+            One item per program from the grid; or, with ``P.programs``, items
+            ``sm, sm + programs, ...`` of all (q-tile, batch, head), heaviest
+            q-tiles first, on a persistent program per multiprocessor."""
+            start = jnp.int32(0)
+            if not P.programs:
+                # Heaviest q-tiles (the last, under causal-like masks) start first.
+                tile = q_tiles - 1 - lax.axis_index("tiles")
+                return item(lax.axis_index("batch"), lax.axis_index("heads"), tile, start)
+            n_b, n_h = q_ref.shape[0], q_ref.shape[2]
+            sm = lax.axis_index("sm")
+            count = lax.div(jnp.int32(q_tiles * n_b * n_h - 1) - sm, jnp.int32(P.programs)) + 1
 
-        def slot_of(t):
-            return lax.rem(t, jnp.int32(ring))
+            def one(i, step):
+                w = i * P.programs + sm
+                bt = lax.div(w, jnp.int32(n_h))
+                tile = q_tiles - 1 - lax.div(bt, jnp.int32(n_b))
+                return item(lax.rem(bt, jnp.int32(n_b)), lax.rem(w, jnp.int32(n_h)), tile, step)
 
-        def ids_at(kind):
-            """The (batch|0, head|0) of this program in the stacked arrays of ``kind``."""
+            return lax.fori_loop(jnp.int32(0), count, one, start)
+
+        def schedule_row(b, h, tile):
+            """``(kv_tile, n_full, n_seen)`` of an item's row of the visiting table."""
+            row = (b if P.sched_b else 0, h if P.sched_h else 0, tile)
+            return (lambda t: sched_ref[row + (2 + t,)],
+                    sched_ref[row + (0,)], sched_ref[row + (1,)])
+
+        def slot_of(step):
+            return lax.rem(step, jnp.int32(ring))
+
+        def ids_at(kind, b, h):
+            """The (batch|0, head|0) of (b, h) in the stacked arrays of ``kind``."""
             _, along_b, along_h = P.stack(kind)
             return (b if along_b else 0, h if along_h else 0)
 
@@ -437,19 +471,16 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
             plgpu.barrier_arrive(S.turn)
             plgpu.barrier_wait(S.turn)
 
-        @pl.when(wg < 2)
-        def _consume():
-            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-            mine = S.q_smem.at[wg]
+        def consume_item(mine, rows_layout, seed, b, h, tile, start):
+            kv_tile, n_full, n_seen = schedule_row(b, h, tile)
             q0 = tile * P.rows + wg * P.bq
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, P.bq), h], mine, S.q_ready.at[wg])
-            if n_rows:  # the arrays along the query rows: once per program
+            if n_rows:  # the arrays along the query rows: once per item
                 plgpu.copy_gmem_to_smem(
-                    ids_ref["rows"].at[ids_at("rows") + (slice(None), pl.ds(q0, P.bq))],
+                    ids_ref["rows"].at[ids_at("rows", b, h) + (slice(None), pl.ds(q0, P.bq))],
                     S.rows_smem.at[wg], S.rows_ready.at[wg])
             plgpu.barrier_wait(S.q_ready.at[wg])
 
-            rows_layout = plgpu.Layout.WGMMA.reduce(1)
             m = _in_layout(jnp.full((P.bq,), -jnp.inf, F32), rows_layout, P)
             l = _in_layout(jnp.full((P.bq,), 0.0, F32), rows_layout, P)
             acc = _in_layout(jnp.full((P.bq, P.D), 0.0, F32), plgpu.Layout.WGMMA, P)
@@ -458,19 +489,18 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 plgpu.barrier_wait(S.rows_ready.at[wg])
                 row_ids = [_load(S.rows_smem.at[wg, c], rows_layout, P) for c in range(n_rows)]
             if P.stack("scalar") is not None:
-                at = ids_at("scalar")
+                at = ids_at("scalar", b, h)
                 scalars = [ids_ref["scalar"][at + (c,)] for c in range(P.stack("scalar")[0])]
-            seed = None if seed_ref is None else dropout.seed_words(seed_ref)
 
             @pl.when(n_seen > 0)
             def _():
-                plgpu.barrier_wait(S.k_ready.at[0])
+                plgpu.barrier_wait(S.k_ready.at[slot_of(start)])
 
             pl.when(wg == 1)(take_turn)
 
             def step(t, carry, partial: bool):
                 acc, m, l = carry
-                slot = slot_of(t)
+                slot = slot_of(start + t)
                 reads_ids = partial and n_cols > 0
 
                 def kv_ids():
@@ -496,8 +526,14 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                     s, ids = pl.run_scoped(scores, plgpu.ACC((P.bq, P.bk), F32))
                 # (K and the tile's key arrays are read: the slot may be refilled)
                 plgpu.barrier_arrive(S.k_free.at[slot])
-                if P.flag:  # 0, or NaN after a non-finite logit (hidden ones included)
-                    seen_nonfinite = (s * 0.0).sum(axis=1)
+                if P.flag:
+                    # A non-finite logit becomes NaN (inf + inf * 0), before the
+                    # soft-cap could make it finite; finite ones keep their bits.
+                    # The NaN reaches the row's l through its weight, hidden or
+                    # not (below), and flags the row in the epilogue. Elementwise
+                    # and independent, unlike a row sum: no chain of adds, no
+                    # shuffles.
+                    s = s + s * 0.0
                 if P.softcap is None:
                     c = P.scale * LOG2E
                 else:  # softcap * tanh(scale * s / softcap), its factor folded into c
@@ -506,8 +542,8 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 if partial:
                     ops = _tile_operands(scalars, row_ids, ids, P)
                     visible = _visible(q0, kv_tile(t), b, h, ops, P)
-                    if visible is not None:
-                        s = jnp.where(visible, s, -jnp.inf)
+                    if visible is not None:  # (a flagged hidden logit stays NaN)
+                        s = jnp.where(visible, s, s * 0.0 - jnp.inf if P.flag else -jnp.inf)
                 m_new = jnp.maximum(m, s.max(axis=1) * c)
                 # A row that has seen no key keeps m = -inf; shifting it by 0
                 # keeps its p at exp2(-inf) = 0 instead of NaN. FULL tiles come
@@ -516,8 +552,6 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 alpha = jnp.exp2(m - m_use)
                 p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
                 l = l * alpha + p.sum(axis=1)
-                if P.flag:  # (the row's l carries the NaN to the epilogue)
-                    l = l + seen_nonfinite
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 if seed is not None:  # the denominator keeps every weight; P V the kept ones
                     p = jnp.where(_keep(seed, q0, kv_tile(t), b, h, P), p * (1 / (1 - P.rate)),
@@ -533,7 +567,7 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                     # Wait for the next K while this multiply runs.
                     @pl.when(t + 1 < n_seen)
                     def _():
-                        plgpu.barrier_wait(S.k_ready.at[slot_of(t + 1)])
+                        plgpu.barrier_wait(S.k_ready.at[slot_of(start + t + 1)])
 
                 if P.interpreted:
                     # The interpreter's ``wgmma`` takes no operand in registers:
@@ -542,7 +576,7 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
 
                     @pl.when(t + 1 < n_seen)
                     def _():
-                        plgpu.barrier_wait(S.k_ready.at[slot_of(t + 1)])
+                        plgpu.barrier_wait(S.k_ready.at[slot_of(start + t + 1)])
                 else:
                     acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(S.v_free.at[slot])
@@ -567,50 +601,57 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
             plgpu.copy_smem_to_gmem(mine, o_ref.at[b, pl.ds(q0, P.bq), h])
             plgpu.copy_smem_to_gmem(S.m_smem.at[wg], m_ref.at[b, h, pl.ds(q0, P.bq)])
             plgpu.copy_smem_to_gmem(S.l_smem.at[wg], l_ref.at[b, h, pl.ds(q0, P.bq)])
+            # The next item may load its Q into this buffer once the copies
+            # have read it; their writes to memory need not be waited for.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            return start + n_seen
+
+        @pl.when(wg < 2)
+        def _consume():
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            mine = S.q_smem.at[wg]
+            rows_layout = plgpu.Layout.WGMMA.reduce(1)
+            seed = None if seed_ref is None else dropout.seed_words(seed_ref)
+            each_item(functools.partial(consume_item, mine, rows_layout, seed))
             plgpu.wait_smem_to_gmem(0)
 
-        @pl.when(wg == 2)
-        def _produce():
-            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+        def produce_item(b, h, tile, start):
+            kv_tile, n_full, n_seen = schedule_row(b, h, tile)
             kv_head = lax.div(h, jnp.int32(P.G))
 
-            def copy_k(t, slot):
+            def issue(t, _):
+                # The ring's slot of this tile is free once both consumers have
+                # handed back the tile it held (none before the first lap).
+                step = start + t
+                slot = slot_of(step)
                 rows = (b, pl.ds(kv_tile(t) * P.bk, P.bk), kv_head)
+                pl.when(step >= ring)(lambda: plgpu.barrier_wait(S.k_free.at[slot]))
                 plgpu.copy_gmem_to_smem(k_ref.at[rows], S.k_smem.at[slot], S.k_ready.at[slot])
                 if n_cols:  # the key arrays ride with K, for PARTIAL tiles only
                     @pl.when(t >= n_full)
                     def _():
-                        keys = ids_at("cols") + (slice(None), pl.ds(kv_tile(t) * P.bk, P.bk))
+                        keys = ids_at("cols", b, h) + (slice(None),
+                                                       pl.ds(kv_tile(t) * P.bk, P.bk))
                         plgpu.copy_gmem_to_smem(ids_ref["cols"].at[keys], S.cols_smem.at[slot],
                                                 S.cols_ready.at[slot])
-
-            def copy_v(t, slot):
-                rows = (b, pl.ds(kv_tile(t) * P.bk, P.bk), kv_head)
+                pl.when(step >= ring)(lambda: plgpu.barrier_wait(S.v_free.at[slot]))
                 plgpu.copy_gmem_to_smem(v_ref.at[rows], S.v_smem.at[slot], S.v_ready.at[slot])
 
-            def issue(t, slot):
-                copy_k(t, slot)
-                copy_v(t, slot)
+            lax.fori_loop(jnp.int32(0), n_seen, issue, None)
+            return start + n_seen
 
-            for t in range(ring):  # fill the ring
-                pl.when(t < n_seen)(functools.partial(issue, jnp.int32(t), t))
+        @pl.when(wg == 2)
+        def _produce():
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            walked = each_item(produce_item)
 
-            def refill(t, _):
-                slot = slot_of(t)
-                plgpu.barrier_wait(S.k_free.at[slot])
-                copy_k(t, slot)
-                plgpu.barrier_wait(S.v_free.at[slot])
-                copy_v(t, slot)
-
-            lax.fori_loop(jnp.int32(ring), jnp.maximum(n_seen, ring), refill, None)
-
-            def drain(t, _):
+            def drain(step, _):
                 # Sees the ring's last hand-backs too, so every barrier phase is
                 # observed before the barriers go (the interpreter checks it).
-                plgpu.barrier_wait(S.k_free.at[slot_of(t)])
-                plgpu.barrier_wait(S.v_free.at[slot_of(t)])
+                plgpu.barrier_wait(S.k_free.at[slot_of(step)])
+                plgpu.barrier_wait(S.v_free.at[slot_of(step)])
 
-            lax.fori_loop(jnp.maximum(n_seen - ring, 0), n_seen, drain, None)
+            lax.fori_loop(jnp.maximum(walked - ring, 0), walked, drain, None)
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = dict(
@@ -904,13 +945,17 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
               sched_b=table.shape[0] > 1, sched_h=table.shape[1] > 1,
               interpreted=bool(interpret), sinks=sinks is not None,
               rate=float(cfg.dropout_rate), operands=operands, stacks=stacks, flag=redo)
+    sms = _programs(bool(interpret)) if bs.persistent else 0
+    grid, grid_names, programs = launch_grid(d.batch, d.num_q_heads, Tqp // rows, bs.persistent,
+                                             sms)
+    P = dataclasses.replace(P, programs=programs)
     rows_out = jax.ShapeDtypeStruct((d.batch, d.num_q_heads, Tqp), F32)
     call = plgpu.kernel(
         functools.partial(_kernel, P=P, dtype=q.dtype),
         out_type=(jax.ShapeDtypeStruct((d.batch, Tqp, d.num_q_heads, d.head_dim), q.dtype),
                   rows_out, rows_out),
-        grid=(d.num_q_heads, Tqp // rows, d.batch),
-        grid_names=("heads", "tiles", "batch"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -935,6 +980,43 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
                                                lse, lse_lo, bq=rows, bk=bk,
                                                interpret=bool(interpret))
     return out[:, :d.q_len], lse[:, :, :d.q_len], lse_lo[:, :, :d.q_len]
+
+
+H100_SMS = 132  # multiprocessors of an H100 SXM
+# Programs of a persistent forward in the Mosaic GPU interpreter: few, so that
+# each walks several items and their counts differ.
+INTERPRETED_PROGRAMS = 3
+
+
+def launch_grid(batch, heads, q_tiles, persistent, sms):
+    """``(grid, grid_names, programs)`` of the forward: a program per (head,
+    q-tile, batch row), or with ``persistent`` ``programs`` of them (one per
+    multiprocessor, at most one per item) walking the items in turn.
+
+    >>> launch_grid(2, 16, 64, False, 132)
+    ((16, 64, 2), ('heads', 'tiles', 'batch'), 0)
+    >>> launch_grid(2, 16, 64, True, 132)
+    ((132,), ('sm',), 132)
+    >>> launch_grid(1, 2, 8, True, 132)[0]  # fewer items than multiprocessors
+    (16,)
+    """
+    if not persistent:
+        return (heads, q_tiles, batch), ("heads", "tiles", "batch"), 0
+    programs = min(batch * heads * q_tiles, sms)
+    return (programs,), ("sm",), programs
+
+
+@functools.lru_cache(maxsize=None)
+def _programs(interpreted: bool) -> int:
+    """How many persistent programs to launch: one per multiprocessor of the
+    GPU this process traces for (132 on an H100 SXM when it cannot tell), or
+    :data:`INTERPRETED_PROGRAMS` in the interpreter."""
+    if interpreted:
+        return INTERPRETED_PROGRAMS
+    try:
+        return int(jax.devices("gpu")[0].core_count)
+    except (RuntimeError, ValueError, AttributeError, TypeError):
+        return H100_SMS
 
 
 def interpret_params():

@@ -328,6 +328,36 @@ def test_interpreted_segments_no_key_and_poisoned_keys(interpreted_array_masks):
     assert np.isfinite(out[1, rest]).all() and np.isfinite(lse[1, :, rest]).all()
 
 
+def test_persistent_programs_give_the_bits_of_one_program_per_item():
+    """persistent=True: the interpreter's 3 programs walk the 8 items (2 batch
+    rows x 2 heads x 2 q-tiles) 3, 3 and 2 each, their K/V ring running on from
+    one item to the next. Causal documents (one whose rows see no key), GQA 2:1,
+    sinks, ragged 250 x 256 and a NaN K on a key hidden from the other
+    documents (flagged rows recomputed): the bits of one program per item, and
+    the reference's values, NaN for NaN."""
+    assert mosaic_gpu.INTERPRETED_PROGRAMS == 3
+    q, k, v = qkv(B=2, Tq=250, Tk=256, Hq=2, Hkv=1, seed=8)
+    kv_ids = np.stack([documents(100, 156), documents(30, 130, 96)])
+    q_ids = kv_ids[:, 6:].copy()
+    q_ids[1, 200:220] = 7  # no key of document 7
+    k = k.at[1, 40, 0, 5].set(jnp.nan)  # document 1 of batch row 1
+    spec = AttentionSpec(mask=masks.causal() & masks.segments(jnp.asarray(q_ids),
+                                                              jnp.asarray(kv_ids)),
+                         sinks=jnp.array([0.5, -1.0]), return_lse=True,
+                         block_sizes=SMALL)
+    one = interpret(spec, q, k, v)
+    persistent = spec.replace(block_sizes=dataclasses.replace(SMALL, persistent=True))
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: core.run(
+        persistent, q, k, v, fn="flash", table=(("default", _interpreted()),)).out)(q, k, v))
+    assert "grid=(3,), grid_names=('sm',)" in jaxpr
+    walked = compare(interpret(persistent, q, k, v), spec, q, k, v)
+    out = np.asarray(walked.out, np.float32)
+    np.testing.assert_array_equal(out, np.asarray(one.out, np.float32))
+    np.testing.assert_array_equal(np.asarray(walked.lse), np.asarray(one.lse))
+    assert np.isnan(out[1, 34:154]).all() and np.isfinite(out[1, 154:]).all()
+    assert np.isfinite(out[0]).all() and np.all(out[1, 200:220] == 0)
+
+
 # ----------------------------------------------------------------------------------
 # What the kernel refuses
 # ----------------------------------------------------------------------------------
@@ -493,6 +523,31 @@ def test_redo_lowers_for_cuda_without_the_pass(D):
         assert len(kv_finite.findall(text)) == passes
 
 
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_persistent_lowers_for_cuda(D):
+    """persistent=True, one program per multiprocessor (132 when no GPU tells):
+    causal documents with dropout at D = 64, sinks at 128, soft-cap at 256; and
+    without a mask at 128."""
+    pytest.importorskip("absl")
+    B, T = 2, 1000
+    ids = jnp.asarray(np.stack([documents(300, 700), documents(250, 250, 500)]))
+    q = jax.ShapeDtypeStruct((B, T, 8, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, T, 2, D), jnp.bfloat16)
+    bs = dataclasses.replace(MosaicGpuBlockSizes.default(D), persistent=True)
+    spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), block_sizes=bs,
+                         softcap=30.0 if D == 256 else None,
+                         sinks=jnp.linspace(-1.0, 1.0, 8) if D == 128 else None,
+                         dropout_rate=0.1 if D == 64 else 0.0,
+                         dropout_key=jax.random.key(0) if D == 64 else None)
+    table = (("default", LOWERING),)
+    assert lowered_has_mosaic_gpu_call(spec, q, k, table)
+    if D == 128:
+        assert lowered_has_mosaic_gpu_call(spec.replace(mask=None), q, k, table)
+    assert mosaic_gpu._programs(False) == mosaic_gpu.H100_SMS
+    with pytest.raises(ValueError, match="persistent must be True or False"):
+        MosaicGpuBlockSizes(persistent=1)
+
+
 def test_redo_needs_a_power_of_two_head_dim():
     """hidden_keys="redo" at D = 192 is refused with the reason (the Triton forward
     that recomputes flagged rows takes powers of two); without a mask it runs, and
@@ -603,6 +658,31 @@ def test_gpu_redo_matches_the_pass(D):
     assert np.isnan(f32(b.out)).any() and np.isfinite(f32(b.out)[1]).all()
     np.testing.assert_allclose(f32(b.out), f32(a.out), atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(f32(b.lse), f32(a.lse), atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
+@pytest.mark.parametrize("mask", ["none", "causal_documents"])
+def test_gpu_persistent_gives_the_bits_of_one_program_per_item(mask):
+    """persistent=True on the GPU (a program per multiprocessor): the bits of one
+    program per item, out and lse, with GQA 4:1 on ragged 1000 x 1500; causal
+    documents with a poisoned key (flagged rows recomputed)."""
+    q, k, v = qkv(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=128, dtype=jnp.bfloat16, seed=9)
+    ids = jnp.asarray(np.stack([documents(700, 800), documents(300, 1200)]))
+    causal_docs = masks.causal() & masks.segments(ids[:, 500:], ids)
+    spec = AttentionSpec(mask=None if mask == "none" else causal_docs, return_lse=True,
+                         block_sizes=MosaicGpuBlockSizes.default(128))
+    if mask != "none":
+        k = k.at[1, 900, 1, 3].set(jnp.nan)  # seen by rows 400.. of heads 4..7
+    walked = spec.replace(block_sizes=dataclasses.replace(spec.block_sizes, persistent=True))
+    table = (("default", LOWERING),)
+    a, b = run(spec, q, k, v, table), run(walked, q, k, v, table)
+    f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))  # noqa: E731
+    np.testing.assert_array_equal(f32(b.out), f32(a.out))
+    np.testing.assert_array_equal(f32(b.lse), f32(a.lse))
+    if mask != "none":
+        out = f32(b.out)
+        assert np.isnan(out[1, 400:, 4:]).all() and np.isfinite(out[1, :400]).all()
+        assert np.isfinite(out[0]).all()
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
