@@ -54,3 +54,10 @@ if os.environ.get("FNATTN_TEST_XLA_OPT") != "1":
     os.environ["XLA_FLAGS"] = " ".join(_accepted(_wanted) + [_given]).strip()
 
 os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
+
+# The package first, so that collecting a module's doctests finds it (and every
+# module its __init__ imports) in sys.modules: otherwise pytest's importlib mode
+# executes that file a second time under the same name, and a test that
+# monkeypatches the second copy (tests/flash/test_mosaic_gpu.py's ``hopper``)
+# misses the first, which the package's functions call.
+import fnattn  # noqa: E402,F401

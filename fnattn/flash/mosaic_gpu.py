@@ -159,9 +159,11 @@ class MosaicGpuBlockSizes:
       persistent: one program per multiprocessor (132 on an H100) walks the
         work items (a q-tile of one batch row and head) in turn, heaviest
         q-tiles first, instead of one program per item. The producer then loads
-        the next item's K and V while the consumers finish the current one, and
-        no program waits for its last stores: meant for short items (packed
-        documents). Same results; not yet timed on an H100, so off by default.
+        the next item's K and V while the consumers finish the current one, the
+        consumers load its Q tiles into a second buffer where shared memory
+        allows (:func:`q_buffers`), and no program waits for its last stores:
+        meant for short items (packed documents). Same results; not yet timed
+        on an H100, so off by default.
 
     >>> MosaicGpuBlockSizes.default(128).smem_bytes(128)
     164864
@@ -219,18 +221,22 @@ class MosaicGpuBlockSizes:
         return cls(block_q=64, block_k=64, max_concurrent_steps=2)
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, *, row_arrays: int = 0,
-                   key_arrays: int = 0) -> int:
+                   key_arrays: int = 0, q_buffers: int = 1) -> int:
         """Shared memory a program allocates: Q/O tiles, the K/V ring, row state,
         and the int32 tiles of a mask's per-row and per-key arrays (segment ids,
-        positions: ``row_arrays`` and ``key_arrays`` of them).
+        positions: ``row_arrays`` and ``key_arrays`` of them). ``q_buffers=2``:
+        the Q tiles and per-row arrays twice (a persistent program loading the
+        next item's while it runs the current one).
 
         >>> MosaicGpuBlockSizes().smem_bytes(128, row_arrays=1, key_arrays=1)
         166400
+        >>> MosaicGpuBlockSizes().smem_bytes(128, row_arrays=1, key_arrays=1, q_buffers=2)
+        199680
         """
-        q = 2 * self.block_q * head_dim * itemsize
+        q = 2 * q_buffers * self.block_q * head_dim * itemsize
         kv = 2 * self.max_concurrent_steps * self.block_k * head_dim * itemsize
         rows = 2 * 2 * self.block_q * 4
-        ids = 4 * (2 * self.block_q * row_arrays
+        ids = 4 * (2 * q_buffers * self.block_q * row_arrays
                    + self.max_concurrent_steps * self.block_k * key_arrays)
         return q + kv + rows + ids
 
@@ -388,6 +394,7 @@ class _Plan:
     stacks: tuple = ()    # per kind present, in _KINDS order: (kind, count, along b, along h)
     flag: bool = False    # m = NaN on rows that met a non-finite logit or output
     programs: int = 0     # persistent programs walking the work items (0: one per item)
+    q_buffers: int = 1    # 2: an item's Q loads while the one before it runs
 
     @property
     def rows(self) -> int:
@@ -426,30 +433,34 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
     def body(S):
         wg = lax.axis_index("wg")
 
-        def each_item(item):
-            """Runs ``item(b, h, tile, step) -> step`` on this program's work
-            items, in order, and returns the last ``step``: the count of kv-tiles
-            the program has walked so far, whose remainder by the ring's depth
-            names the slot of the next tile (producer and consumers count alike).
-            One item per program from the grid; or, with ``P.programs``, items
-            ``sm, sm + programs, ...`` of all (q-tile, batch, head), heaviest
-            q-tiles first, on a persistent program per multiprocessor."""
-            start = jnp.int32(0)
-            if not P.programs:
-                # Heaviest q-tiles (the last, under causal-like masks) start first.
-                tile = q_tiles - 1 - lax.axis_index("tiles")
-                return item(lax.axis_index("batch"), lax.axis_index("heads"), tile, start)
+        # This program's work items: one from the grid; or, with ``P.programs``,
+        # items ``sm, sm + programs, ...`` of all (q-tile, batch, head), heaviest
+        # q-tiles first, on a persistent program per multiprocessor.
+        if P.programs:
             n_b, n_h = q_ref.shape[0], q_ref.shape[2]
             sm = lax.axis_index("sm")
             count = lax.div(jnp.int32(q_tiles * n_b * n_h - 1) - sm, jnp.int32(P.programs)) + 1
 
-            def one(i, step):
-                w = i * P.programs + sm
-                bt = lax.div(w, jnp.int32(n_h))
-                tile = q_tiles - 1 - lax.div(bt, jnp.int32(n_b))
-                return item(lax.rem(bt, jnp.int32(n_b)), lax.rem(w, jnp.int32(n_h)), tile, step)
+        def item_at(i):
+            """``(b, h, tile)`` of this program's ``i``-th item."""
+            if not P.programs:
+                # Heaviest q-tiles (the last, under causal-like masks) start first.
+                tile = q_tiles - 1 - lax.axis_index("tiles")
+                return lax.axis_index("batch"), lax.axis_index("heads"), tile
+            w = i * P.programs + sm
+            bt = lax.div(w, jnp.int32(n_h))
+            tile = q_tiles - 1 - lax.div(bt, jnp.int32(n_b))
+            return lax.rem(bt, jnp.int32(n_b)), lax.rem(w, jnp.int32(n_h)), tile
 
-            return lax.fori_loop(jnp.int32(0), count, one, start)
+        def each_item(item):
+            """Runs ``item(i, b, h, tile, step) -> step`` on this program's work
+            items in order and returns the last ``step``: the count of kv-tiles
+            the program has walked so far, whose remainder by the ring's depth
+            names the slot of the next tile (producer and consumers count alike)."""
+            if not P.programs:
+                return item(jnp.int32(0), *item_at(0), jnp.int32(0))
+            return lax.fori_loop(jnp.int32(0), count,
+                                 lambda i, step: item(i, *item_at(i), step), jnp.int32(0))
 
         def schedule_row(b, h, tile):
             """``(kv_tile, n_full, n_seen)`` of an item's row of the visiting table."""
@@ -471,23 +482,43 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
             plgpu.barrier_arrive(S.turn)
             plgpu.barrier_wait(S.turn)
 
-        def consume_item(mine, rows_layout, seed, b, h, tile, start):
-            kv_tile, n_full, n_seen = schedule_row(b, h, tile)
+        def load_rows(i, buf):
+            """Starts the copies of item ``i``'s Q tile (and the mask's arrays
+            along its rows) into this consumer's buffer ``buf``."""
+            b, h, tile = item_at(i)
             q0 = tile * P.rows + wg * P.bq
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, P.bq), h], mine, S.q_ready.at[wg])
-            if n_rows:  # the arrays along the query rows: once per item
+            at = buf * 2 + wg
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, P.bq), h], S.q_smem.at[at],
+                                    S.q_ready.at[at])
+            if n_rows:
                 plgpu.copy_gmem_to_smem(
                     ids_ref["rows"].at[ids_at("rows", b, h) + (slice(None), pl.ds(q0, P.bq))],
-                    S.rows_smem.at[wg], S.rows_ready.at[wg])
-            plgpu.barrier_wait(S.q_ready.at[wg])
+                    S.rows_smem.at[at], S.rows_ready.at[at])
+
+        def consume_item(rows_layout, seed, i, b, h, tile, start):
+            kv_tile, n_full, n_seen = schedule_row(b, h, tile)
+            q0 = tile * P.rows + wg * P.bq
+            if P.q_buffers == 1:
+                load_rows(i, 0)
+                at = wg
+            else:
+                # Item i + 1's rows load into the other buffer while this item
+                # runs (the item before this one, whose rows it held, has read
+                # them and its output has left it).
+                buf = lax.rem(i, 2)
+                pl.when(i == 0)(lambda: load_rows(i, buf))
+                pl.when(i + 1 < count)(lambda: load_rows(i + 1, 1 - buf))
+                at = buf * 2 + wg
+            mine = S.q_smem.at[at]
+            plgpu.barrier_wait(S.q_ready.at[at])
 
             m = _in_layout(jnp.full((P.bq,), -jnp.inf, F32), rows_layout, P)
             l = _in_layout(jnp.full((P.bq,), 0.0, F32), rows_layout, P)
             acc = _in_layout(jnp.full((P.bq, P.D), 0.0, F32), plgpu.Layout.WGMMA, P)
             row_ids, scalars = [], []
             if n_rows:
-                plgpu.barrier_wait(S.rows_ready.at[wg])
-                row_ids = [_load(S.rows_smem.at[wg, c], rows_layout, P) for c in range(n_rows)]
+                plgpu.barrier_wait(S.rows_ready.at[at])
+                row_ids = [_load(S.rows_smem.at[at, c], rows_layout, P) for c in range(n_rows)]
             if P.stack("scalar") is not None:
                 at = ids_at("scalar", b, h)
                 scalars = [ids_ref["scalar"][at + (c,)] for c in range(P.stack("scalar")[0])]
@@ -609,13 +640,12 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
         @pl.when(wg < 2)
         def _consume():
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
-            mine = S.q_smem.at[wg]
             rows_layout = plgpu.Layout.WGMMA.reduce(1)
             seed = None if seed_ref is None else dropout.seed_words(seed_ref)
-            each_item(functools.partial(consume_item, mine, rows_layout, seed))
+            each_item(functools.partial(consume_item, rows_layout, seed))
             plgpu.wait_smem_to_gmem(0)
 
-        def produce_item(b, h, tile, start):
+        def produce_item(i, b, h, tile, start):
             kv_tile, n_full, n_seen = schedule_row(b, h, tile)
             kv_head = lax.div(h, jnp.int32(P.G))
 
@@ -655,12 +685,12 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
     scratch = dict(
-        q_smem=plgpu.SMEM((2, P.bq, P.D), dtype, transforms=swizzled),
+        q_smem=plgpu.SMEM((2 * P.q_buffers, P.bq, P.D), dtype, transforms=swizzled),
         k_smem=plgpu.SMEM((ring, P.bk, P.D), dtype, transforms=swizzled),
         v_smem=plgpu.SMEM((ring, P.bk, P.D), dtype, transforms=swizzled),
         m_smem=plgpu.SMEM((2, P.bq), F32),
         l_smem=plgpu.SMEM((2, P.bq), F32),
-        q_ready=plgpu.Barrier(num_barriers=2),
+        q_ready=plgpu.Barrier(num_barriers=2 * P.q_buffers),
         k_ready=plgpu.Barrier(num_barriers=ring),
         v_ready=plgpu.Barrier(num_barriers=ring),
         k_free=plgpu.Barrier(num_arrivals=2, num_barriers=ring),
@@ -668,8 +698,8 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
         turn=plgpu.Barrier(num_arrivals=2),
     )
     if n_rows:
-        scratch.update(rows_smem=plgpu.SMEM((2, n_rows, P.bq), jnp.int32),
-                       rows_ready=plgpu.Barrier(num_barriers=2))
+        scratch.update(rows_smem=plgpu.SMEM((2 * P.q_buffers, n_rows, P.bq), jnp.int32),
+                       rows_ready=plgpu.Barrier(num_barriers=2 * P.q_buffers))
     if n_cols:
         scratch.update(cols_smem=plgpu.SMEM((ring, n_cols, P.bk), jnp.int32),
                        cols_ready=plgpu.Barrier(num_barriers=ring))
@@ -948,7 +978,8 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     sms = _programs(bool(interpret)) if bs.persistent else 0
     grid, grid_names, programs = launch_grid(d.batch, d.num_q_heads, Tqp // rows, bs.persistent,
                                              sms)
-    P = dataclasses.replace(P, programs=programs)
+    P = dataclasses.replace(P, programs=programs,
+                            q_buffers=q_buffers(bs, d.head_dim, q.dtype, stacks, programs))
     rows_out = jax.ShapeDtypeStruct((d.batch, d.num_q_heads, Tqp), F32)
     call = plgpu.kernel(
         functools.partial(_kernel, P=P, dtype=q.dtype),
@@ -1004,6 +1035,25 @@ def launch_grid(batch, heads, q_tiles, persistent, sms):
         return (heads, q_tiles, batch), ("heads", "tiles", "batch"), 0
     programs = min(batch * heads * q_tiles, sms)
     return (programs,), ("sm",), programs
+
+
+def q_buffers(bs, head_dim, dtype, stacks, programs) -> int:
+    """2 when a persistent forward (``programs`` > 0) has the shared memory to
+    load the next item's Q tiles (and per-row mask arrays) while it runs the
+    current one, else 1.
+
+    >>> bs = MosaicGpuBlockSizes.default(128)
+    >>> [q_buffers(bs, 128, jnp.bfloat16, (), n) for n in (0, 132)]
+    [1, 2]
+    >>> q_buffers(MosaicGpuBlockSizes.default(256), 256, jnp.bfloat16, (), 132)
+    1
+    """
+    if not programs:
+        return 1
+    rows, cols = ((stack_of(stacks, kind) or (0,))[0] for kind in ("rows", "cols"))
+    need = bs.smem_bytes(head_dim, jnp.dtype(dtype).itemsize, row_arrays=rows, key_arrays=cols,
+                         q_buffers=2)
+    return 2 if need <= SMEM_BYTES else 1
 
 
 @functools.lru_cache(maxsize=None)

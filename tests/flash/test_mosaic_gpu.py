@@ -350,6 +350,7 @@ def test_persistent_programs_give_the_bits_of_one_program_per_item():
     jaxpr = str(jax.make_jaxpr(lambda q, k, v: core.run(
         persistent, q, k, v, fn="flash", table=(("default", _interpreted()),)).out)(q, k, v))
     assert "grid=(3,), grid_names=('sm',)" in jaxpr
+    assert mosaic_gpu.q_buffers(SMALL, 64, q.dtype, (("rows", 1, True, False),), 3) == 2
     walked = compare(interpret(persistent, q, k, v), spec, q, k, v)
     out = np.asarray(walked.out, np.float32)
     np.testing.assert_array_equal(out, np.asarray(one.out, np.float32))
@@ -521,6 +522,19 @@ def test_redo_lowers_for_cuda_without_the_pass(D):
         assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
         assert triton_kernels(text) == triton_calls
         assert len(kv_finite.findall(text)) == passes
+
+
+def test_persistent_programs_with_one_q_buffer(monkeypatch):
+    """Where shared memory holds one Q tile per consumer only (D = 256), each
+    item loads its own after the one before it has left the buffer: causal,
+    4 items on 3 programs, against the reference."""
+    asked = []
+    monkeypatch.setattr(mosaic_gpu, "q_buffers", lambda *a: asked.append(a[-1]) or 1)
+    q, k, v = qkv(Tq=256, Tk=256, Hq=2, Hkv=2, seed=9)
+    spec = AttentionSpec(mask=masks.causal(), return_lse=True,
+                         block_sizes=dataclasses.replace(SMALL, persistent=True))
+    check(spec, q, k, v)
+    assert asked == [3]  # (the programs it was asked for)
 
 
 @pytest.mark.parametrize("D", [64, 128, 256])
