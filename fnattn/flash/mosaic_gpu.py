@@ -14,6 +14,14 @@ rows of one (batch, query head) and runs three warpgroups.
   memory slots; per slot a *loaded* barrier (TMA done) and a *consumed*
   barrier (both consumers done with it) hand it back and forth.
 
+With ``MosaicGpuBlockSizes(persistent=True)`` a program per multiprocessor
+walks its share of those work items (:func:`launch_grid`; heaviest first, dealt
+out so that the programs' loads stay even: :class:`Walk`), the ring's slots counted
+on from one item to the next, so the producer streams the next item's K and
+V while the consumers finish the current one, and each consumer loads the
+next item's Q into a second buffer where shared memory allows
+(:func:`q_buffers`).
+
 Which kv-tiles a program visits comes from the mask's block classes at the
 granularity of the whole ``2 * block_q`` tile, compressed into one list by a
 single sort (:func:`visit_list`): one int32 row per (batch|1, head|1, q-tile),
@@ -156,9 +164,10 @@ class MosaicGpuBlockSizes:
         0.38), but needs a head dim the Triton forward takes (a power of two).
         ``"auto"`` (the default): ``"redo"`` at power-of-two head dims,
         ``"pass"`` at the others.
-      persistent: one program per multiprocessor (132 on an H100) walks the
-        work items (a q-tile of one batch row and head) in turn, heaviest
-        q-tiles first, instead of one program per item. The producer then loads
+      persistent: one program per multiprocessor (132 on an H100) walks its
+        share of the work items (a q-tile of one batch row and head), ranked by
+        the kv-tiles they visit and dealt out in snake order (:class:`Walk`),
+        instead of one program per item. The producer then loads
         the next item's K and V while the consumers finish the current one, the
         consumers load its Q tiles into a second buffer where shared memory
         allows (:func:`q_buffers`), and no program waits for its last stores:
@@ -426,20 +435,21 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
     refs = refs[len(P.stacks):]
     sinks_ref, refs = (refs[0], refs[1:]) if P.sinks else (None, refs)
     seed_ref, refs = (refs[0], refs[1:]) if P.rate > 0 else (None, refs)
+    order_ref, refs = (refs[0], refs[1:]) if P.programs else (None, refs)
     o_ref, m_ref, l_ref = refs
     n_rows = (P.stack("rows") or (0,))[0]
     n_cols = (P.stack("cols") or (0,))[0]
 
     def body(S):
         wg = lax.axis_index("wg")
-
         # This program's work items: one from the grid; or, with ``P.programs``,
-        # items ``sm, sm + programs, ...`` of all (q-tile, batch, head), heaviest
-        # q-tiles first, on a persistent program per multiprocessor.
+        # its share of every (batch, head, q-tile), heaviest first
+        # (:func:`work_item`), on a persistent program per multiprocessor.
         if P.programs:
-            n_b, n_h = q_ref.shape[0], q_ref.shape[2]
             sm = lax.axis_index("sm")
-            count = lax.div(jnp.int32(q_tiles * n_b * n_h - 1) - sm, jnp.int32(P.programs)) + 1
+            walk = Walk(q_ref.shape[0], q_ref.shape[2], q_tiles, sched_ref.shape[0],
+                        sched_ref.shape[1], P.programs)
+            count = walk.count(sm, _rem)
 
         def item_at(i):
             """``(b, h, tile)`` of this program's ``i``-th item."""
@@ -447,10 +457,7 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 # Heaviest q-tiles (the last, under causal-like masks) start first.
                 tile = q_tiles - 1 - lax.axis_index("tiles")
                 return lax.axis_index("batch"), lax.axis_index("heads"), tile
-            w = i * P.programs + sm
-            bt = lax.div(w, jnp.int32(n_h))
-            tile = q_tiles - 1 - lax.div(bt, jnp.int32(n_b))
-            return lax.rem(bt, jnp.int32(n_b)), lax.rem(w, jnp.int32(n_h)), tile
+            return walk.item(i, sm, lambda j: order_ref[j], _div, _rem)
 
         def each_item(item):
             """Runs ``item(i, b, h, tile, step) -> step`` on this program's work
@@ -995,6 +1002,8 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     extra = [] if sinks is None else [sinks.astype(F32)]
     if cfg.dropout_rate > 0:
         extra.append(seed)
+    if programs:
+        extra.append(walk_order(np if isinstance(table, np.ndarray) else jnp, table))
     kk, vv = _hidden_keys_inert(k, v) if mask is not None and not redo else (k, v)
     out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(kk, 1, Tkp), triton._pad(vv, 1, Tkp),
                      jnp.asarray(table), *ids, *extra)
@@ -1011,6 +1020,82 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
                                                lse, lse_lo, bq=rows, bk=bk,
                                                interpret=bool(interpret))
     return out[:, :d.q_len], lse[:, :, :d.q_len], lse_lo[:, :, :d.q_len]
+
+
+def _div(a, b: int):
+    return lax.div(a, jnp.int32(b))
+
+
+def _rem(a, b: int):
+    return lax.rem(a, jnp.int32(b))
+
+
+@dataclasses.dataclass(frozen=True)
+class Walk:
+    """How the programs of a persistent forward share its work items: every
+    (batch row, head, q-tile), ``batch * heads * tiles`` of them, grouped by
+    their row of the visiting table, shape ``(sched_b, sched_h, tiles)``
+    (``sched_b`` 1 or ``batch``, ``sched_h`` 1 or ``heads``): the rows ranked
+    heaviest first (most kv-tiles visited, :func:`walk_order`), each row's
+    items side by side. The programs take the ranked items in waves of
+    ``programs``, in snake order (forward on even waves, backward on odd ones),
+    so that the heaviest items spread evenly and no program ends far behind
+    the others. ``div`` and ``rem``: integer division and remainder on
+    non-negative values (``lax.div`` and ``lax.rem`` in the kernel).
+
+    >>> walk = Walk(1, 2, 3, 1, 1, programs=4)  # 6 items; the rows ranked [2, 1, 0]
+    >>> div, rem = int.__floordiv__, int.__mod__
+    >>> [[walk.item(i, sm, [2, 1, 0].__getitem__, div, rem)
+    ...   for i in range(walk.count(sm, rem))] for sm in range(4)]
+    [[(0, 0, 2)], [(0, 1, 2)], [(0, 0, 1), (0, 1, 0)], [(0, 1, 1), (0, 0, 0)]]
+    """
+
+    batch: int
+    heads: int
+    tiles: int
+    sched_b: int
+    sched_h: int
+    programs: int
+
+    @property
+    def items(self) -> int:
+        return self.batch * self.heads * self.tiles
+
+    def _slot(self, wave, sm, rem):
+        """Where program ``sm`` takes its item of a wave: snake order."""
+        return sm + rem(wave, 2) * (self.programs - 1 - 2 * sm)
+
+    def count(self, sm, rem):
+        """How many items program ``sm`` walks."""
+        full, left = divmod(self.items, self.programs)
+        return full + (self._slot(full, sm, rem) < left) * 1
+
+    def item(self, i, sm, order, div, rem):
+        """``(b, h, tile)`` of program ``sm``'s ``i``-th item; ``order(j)``: the
+        table row ranked ``j`` (:func:`walk_order`)."""
+        w = i * self.programs + self._slot(i, sm, rem)
+        per_row = (self.batch // self.sched_b) * (self.heads // self.sched_h)
+        row, e = order(div(w, per_row)), rem(w, per_row)
+        tile, rest = rem(row, self.tiles), div(row, self.tiles)
+        # A row spans the batch (or heads) its table does not vary along: one
+        # of each pair below is 0.
+        eh, eb = rem(e, self.heads // self.sched_h), div(e, self.heads // self.sched_h)
+        return div(rest, self.sched_h) + eb, rem(rest, self.sched_h) + eh, tile
+
+
+def walk_order(xp, table):
+    """The rows of a visiting table (``(B|1, H|1, tiles, 2 + n)``, flattened)
+    ranked by how many kv-tiles they visit, most first, later q-tiles first
+    among equals: the order in which persistent programs take them
+    (:class:`Walk`). NumPy at trace time for a static table, else XLA.
+
+    >>> walk_order(np, np.array([[[[0, 1], [0, 3], [0, 3], [0, 0]]]]))[:3].tolist()
+    [2, 1, 0]
+    """
+    seen = table[..., 1].reshape(-1).astype(np.int32)
+    rows = seen.shape[0]
+    key = seen * rows + xp.arange(rows, dtype=np.int32)
+    return xp.argsort(-key).astype(np.int32)
 
 
 H100_SMS = 132  # multiprocessors of an H100 SXM

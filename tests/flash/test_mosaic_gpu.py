@@ -524,6 +524,44 @@ def test_redo_lowers_for_cuda_without_the_pass(D):
         assert len(kv_finite.findall(text)) == passes
 
 
+@pytest.mark.parametrize("B, H, tiles, sched_b, sched_h, programs", [
+    (2, 16, 64, 1, 1, 132), (2, 16, 64, 2, 1, 132), (2, 4, 9, 2, 1, 7), (3, 2, 5, 3, 2, 4),
+    (1, 1, 3, 1, 1, 8)])
+@pytest.mark.parametrize("weights", ["documents", "causal"])
+def test_persistent_walk_takes_every_item_once_and_balances_the_programs(
+        B, H, tiles, sched_b, sched_h, programs, weights):
+    """The persistent programs' share of the items (mosaic_gpu.Walk, the same
+    code the kernel runs with lax.div / lax.rem): every (batch, head, q-tile)
+    exactly once; ranked by kv-tiles visited (walk_order, NumPy and XLA alike)
+    and taken in snake order, no program's load exceeds another's by more than the
+    heaviest item's, and the heaviest load is no more than with the grid's order
+    taken round robin (random loads of 0 to 8 kv-tiles over 2 x 16 x 64 items
+    on 132 programs: 66 kv-tiles against 85)."""
+    seen = (np.random.default_rng(0).integers(0, 9, (sched_b, sched_h, tiles))
+            if weights == "documents"
+            else np.broadcast_to(np.arange(1, tiles + 1), (sched_b, sched_h, tiles)))
+    table = np.zeros((sched_b, sched_h, tiles, 2), np.int32)
+    table[..., 1] = seen
+    order = mosaic_gpu.walk_order(np, table)
+    np.testing.assert_array_equal(jax.jit(lambda t: mosaic_gpu.walk_order(jnp, t))(table), order)
+    walk = mosaic_gpu.Walk(B, H, tiles, sched_b, sched_h, programs)
+    div, rem = (lambda a, b: a // b), (lambda a, b: a % b)  # noqa: E731
+    taken = [[walk.item(i, sm, lambda j: int(order[j]), div, rem)
+              for i in range(walk.count(sm, rem))] for sm in range(programs)]
+    assert sorted(sum(taken, [])) == [(b, h, t) for b in range(B) for h in range(H)
+                                     for t in range(tiles)]
+
+    def weight(b, h, t):
+        return seen[b if sched_b > 1 else 0, h if sched_h > 1 else 0, t]
+
+    loads = [sum(weight(*item) for item in mine) for mine in taken]
+    grid_order = [(b, h, tiles - 1 - t) for t in range(tiles) for b in range(B) for h in range(H)]
+    round_robin = [sum(weight(*item) for item in grid_order[sm::programs])
+                   for sm in range(programs)]
+    assert max(loads) - min(loads) <= seen.max()
+    assert max(loads) <= max(round_robin)
+
+
 def test_persistent_programs_with_one_q_buffer(monkeypatch):
     """Where shared memory holds one Q tile per consumer only (D = 256), each
     item loads its own after the one before it has left the buffer: causal,
