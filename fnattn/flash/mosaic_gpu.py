@@ -444,7 +444,7 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
         wg = lax.axis_index("wg")
         # This program's work items: one from the grid; or, with ``P.programs``,
         # its share of every (batch, head, q-tile), heaviest first
-        # (:func:`work_item`), on a persistent program per multiprocessor.
+        # (:class:`Walk`), on a persistent program per multiprocessor.
         if P.programs:
             sm = lax.axis_index("sm")
             walk = Walk(q_ref.shape[0], q_ref.shape[2], q_tiles, sched_ref.shape[0],
@@ -512,7 +512,7 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 # Item i + 1's rows load into the other buffer while this item
                 # runs (the item before this one, whose rows it held, has read
                 # them and its output has left it).
-                buf = lax.rem(i, 2)
+                buf = _rem(i, 2)
                 pl.when(i == 0)(lambda: load_rows(i, buf))
                 pl.when(i + 1 < count)(lambda: load_rows(i + 1, 1 - buf))
                 at = buf * 2 + wg
@@ -527,8 +527,9 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 plgpu.barrier_wait(S.rows_ready.at[at])
                 row_ids = [_load(S.rows_smem.at[at, c], rows_layout, P) for c in range(n_rows)]
             if P.stack("scalar") is not None:
-                at = ids_at("scalar", b, h)
-                scalars = [ids_ref["scalar"][at + (c,)] for c in range(P.stack("scalar")[0])]
+                where = ids_at("scalar", b, h)
+                scalars = [ids_ref["scalar"][where + (c,)]
+                           for c in range(P.stack("scalar")[0])]
 
             @pl.when(n_seen > 0)
             def _():
@@ -1093,9 +1094,7 @@ def walk_order(xp, table):
     [2, 1, 0]
     """
     seen = table[..., 1].reshape(-1).astype(np.int32)
-    rows = seen.shape[0]
-    key = seen * rows + xp.arange(rows, dtype=np.int32)
-    return xp.argsort(-key).astype(np.int32)
+    return xp.lexsort((-xp.arange(seen.shape[0], dtype=np.int32), -seen)).astype(np.int32)
 
 
 H100_SMS = 132  # multiprocessors of an H100 SXM
