@@ -65,8 +65,9 @@ nothing; rows that saw a non-finite key) and for padding rows, so that
 dS by ``1 - tanh^2``.
 
 Keys a row may not see contribute nothing to it whatever their bits: for a
-masked spec the wrapper zeroes non-finite K and V entries
-(:func:`fnattn._online.finite_keys`), PARTIAL tiles set hidden logits to -inf
+masked spec each program zeroes the non-finite entries of its K and V tiles in
+shared memory before it walks (as :func:`fnattn._online.finite_keys` does;
+no pass over K and V in XLA), PARTIAL tiles set hidden logits to -inf
 and hidden dS entries to 0 (so 0 * inf never happens), and a row that did see
 a non-finite key already has a NaN ``out`` and so a NaN ``delta``: its
 gradients are NaN, as with every lowering.
@@ -491,6 +492,19 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
     keys0 = kv0 + mine_r * TILE
     n_chunks = P.D // TILE
     plgpu.barrier_wait(kv_ready)
+    if P.mask_treedef is not None:
+        # Hidden keys contribute nothing whatever their bits: their dS is 0 on
+        # PARTIAL tiles, and K and V with their non-finite entries zeroed keep
+        # dS @ K and dO V^T finite there (fnattn._online.finite_keys, here on
+        # the program's tiles in shared memory: each consumer its own rows or
+        # columns, then both meet before either reads the other's).
+        for smem in (k_smem, v_smem):
+            tile = smem[mine_h].at[mine_r]
+            x = tile[...].astype(F32)
+            tile[...] = jnp.where(x - x == 0.0, x, 0.0).astype(dtype)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(pair)
+        plgpu.barrier_wait(pair)
 
     def dot(a, b_, contract_b=0):
         return lax.dot_general(a, b_, (((1,), (contract_b,)), ((), ())),
@@ -838,10 +852,6 @@ def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_l
     lse2 = online.lse2_rows(lse, lse_lo)
     stats = jnp.stack([triton._pad(lse2, 2, P.Tqp, jnp.inf), triton._pad(delta, 2, P.Tqp)],
                       axis=2)
-    if mask is not None:
-        # Hidden keys contribute nothing whatever their bits: their dS is 0 on
-        # PARTIAL tiles, and zeroed K and V keep dS @ K and dO V^T finite there.
-        k, v, _ = online.finite_keys(k, v)
     dq, dk, dv = _launch(P, interpret, q.dtype, triton._pad(q, 1, P.Tqp),
                          triton._pad(k, 1, P.Tkp), triton._pad(v, 1, P.Tkp),
                          triton._pad(d_out.astype(q.dtype), 1, P.Tqp), stats, table,
