@@ -15,11 +15,11 @@ rows of one (batch, query head) and runs three warpgroups.
   barrier (both consumers done with it) hand it back and forth.
 
 With ``MosaicGpuBlockSizes(persistent=True)`` a program per multiprocessor
-walks its share of those work items (:func:`launch_grid`; heaviest first, dealt
-out so that the programs' loads stay even: :class:`Walk`), the ring's slots counted
-on from one item to the next, so the producer streams the next item's K and
-V while the consumers finish the current one, and each consumer loads the
-next item's Q into a second buffer where shared memory allows
+walks its share of those work items (:func:`launch_grid`; heaviest first,
+dealt out so that the programs' loads stay even: :class:`Walk`), the ring's
+slots counted on from one item to the next, so the producer streams the next
+item's K and V while the consumers finish the current one, and each consumer
+loads the next item's Q into a second buffer where shared memory allows
 (:func:`q_buffers`).
 
 Which kv-tiles a program visits comes from the mask's block classes at the
@@ -167,8 +167,8 @@ class MosaicGpuBlockSizes:
       persistent: one program per multiprocessor (132 on an H100) walks its
         share of the work items (a q-tile of one batch row and head), ranked by
         the kv-tiles they visit and dealt out in snake order (:class:`Walk`),
-        instead of one program per item. The producer then loads
-        the next item's K and V while the consumers finish the current one, the
+        instead of one program per item. The producer then loads the next
+        item's K and V while the consumers finish the current one, the
         consumers load its Q tiles into a second buffer where shared memory
         allows (:func:`q_buffers`), and no program waits for its last stores:
         meant for short items (packed documents). Same results; not yet timed
