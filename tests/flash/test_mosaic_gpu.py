@@ -281,11 +281,12 @@ def test_redo_with_array_masks_sinks_and_dropout_matches_the_pass(interpreted_ar
         np.testing.assert_allclose(np.asarray(b.lse), np.asarray(a.lse), atol=1e-4, rtol=1e-4)
 
 
-def test_redo_under_vmap_over_segment_ids_and_poisoned_caches():
+@pytest.mark.parametrize("persistent", [False, True])
+def test_redo_under_vmap_over_segment_ids_and_poisoned_caches(persistent):
     """``vmap`` over documents and K/V with hidden_keys="redo", a poisoned key in
     each instance: the Triton forward (batched, in place) recomputes the
     flagged programs; every instance matches the reference, NaN for NaN, and
-    rows of the other document stay finite."""
+    rows of the other document stay finite. Persistent programs too."""
     q, k, v = qkv(Tq=128, Tk=128, Hq=2, Hkv=2, seed=6)
     ids = jnp.asarray(np.stack([documents(32, 96), documents(64, 64)])[:, None])
     kb = jnp.stack([k.at[0, 40, 0, 2].set(jnp.inf), k.at[0, 20, 1, 0].set(jnp.nan)])
@@ -293,7 +294,7 @@ def test_redo_under_vmap_over_segment_ids_and_poisoned_caches():
 
     def spec(ids):
         return AttentionSpec(mask=masks.causal() & masks.segments(ids), return_lse=True,
-                             block_sizes=REDO)
+                             block_sizes=dataclasses.replace(REDO, persistent=persistent))
 
     try:
         res = jax.jit(jax.vmap(lambda i, k, v: core.run(
