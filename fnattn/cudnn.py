@@ -141,6 +141,8 @@ def attention(spec, dims, q, k, v, *, scale: float):
         row_max = jnp.max(jnp.where(visible, bias.astype(jnp.float32), -jnp.inf), axis=-1)
         lse_shift = lax.stop_gradient(jnp.where(row_max < floor, row_max - floor, 0.0))
         bias = jnp.where(masked, jnp.asarray(-0.7 * big, bias.dtype), floored)
+        # (B|1, Hq|1, Tq, Tk), whatever the rank the bias broadcasts from
+        visible = visible.reshape((1,) * (4 - visible.ndim) + visible.shape)
     if visible is not None:
         # Keys that no query row of their (batch, kv head) may see are zeroed, so
         # that NaN or inf in unused cache slots or padding cannot reach the output

@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 _SLOW_OK = [HealthCheck.too_slow, HealthCheck.data_too_large]
 
-settings.register_profile("ci", derandomize=True, max_examples=10, deadline=None,
+settings.register_profile("ci", derandomize=True, max_examples=8, deadline=None,
                           print_blob=True, suppress_health_check=_SLOW_OK)
 settings.register_profile("dev", max_examples=200, deadline=None, print_blob=True,
                           suppress_health_check=_SLOW_OK)

@@ -91,7 +91,7 @@ def context_problems(draw):
                 block=draw(st.integers(1, 8)))
 
 
-@settings(max_examples=12)
+@settings(max_examples=8)
 @given(context_problems())
 def test_context_parallel_forward_equals_one_device(p):
     N, layout, B, T = p["N"], p["layout"], p["B"], p["T"]
