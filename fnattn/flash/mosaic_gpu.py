@@ -119,6 +119,7 @@ from fnattn import _checks, dropout, masks
 from fnattn import _online as online
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks, triton
+from fnattn.paged.triton import NUM_SMS
 
 __all__ = ["MosaicGpuBlockSizes", "LOWERING", "available", "forward", "route", "supports",
            "interpret_params"]
@@ -489,10 +490,10 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
             plgpu.barrier_arrive(S.turn)
             plgpu.barrier_wait(S.turn)
 
-        def load_rows(i, buf):
-            """Starts the copies of item ``i``'s Q tile (and the mask's arrays
-            along its rows) into this consumer's buffer ``buf``."""
-            b, h, tile = item_at(i)
+        def load_rows(item, buf):
+            """Starts the copies of the Q tile of ``item`` (``(b, h, tile)``) and
+            the mask's arrays along its rows into this consumer's buffer ``buf``."""
+            b, h, tile = item
             q0 = tile * P.rows + wg * P.bq
             at = buf * 2 + wg
             plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q0, P.bq), h], S.q_smem.at[at],
@@ -506,15 +507,15 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
             kv_tile, n_full, n_seen = schedule_row(b, h, tile)
             q0 = tile * P.rows + wg * P.bq
             if P.q_buffers == 1:
-                load_rows(i, 0)
+                load_rows((b, h, tile), 0)
                 at = wg
             else:
                 # Item i + 1's rows load into the other buffer while this item
                 # runs (the item before this one, whose rows it held, has read
                 # them and its output has left it).
                 buf = _rem(i, 2)
-                pl.when(i == 0)(lambda: load_rows(i, buf))
-                pl.when(i + 1 < count)(lambda: load_rows(i + 1, 1 - buf))
+                pl.when(i == 0)(lambda: load_rows((b, h, tile), buf))
+                pl.when(i + 1 < count)(lambda: load_rows(item_at(i + 1), 1 - buf))
                 at = buf * 2 + wg
             mine = S.q_smem.at[at]
             plgpu.barrier_wait(S.q_ready.at[at])
@@ -1097,7 +1098,6 @@ def walk_order(xp, table):
     return xp.lexsort((-xp.arange(seen.shape[0], dtype=np.int32), -seen)).astype(np.int32)
 
 
-H100_SMS = 132  # multiprocessors of an H100 SXM
 # Programs of a persistent forward in the Mosaic GPU interpreter: few, so that
 # each walks several items and their counts differ.
 INTERPRETED_PROGRAMS = 3
@@ -1143,14 +1143,15 @@ def q_buffers(bs, head_dim, dtype, stacks, programs) -> int:
 @functools.lru_cache(maxsize=None)
 def _programs(interpreted: bool) -> int:
     """How many persistent programs to launch: one per multiprocessor of the
-    GPU this process traces for (132 on an H100 SXM when it cannot tell), or
+    GPU this process traces for (:data:`fnattn.paged.triton.NUM_SMS`, an H100
+    SXM's, when it cannot tell), or
     :data:`INTERPRETED_PROGRAMS` in the interpreter."""
     if interpreted:
         return INTERPRETED_PROGRAMS
     try:
         return int(jax.devices("gpu")[0].core_count)
     except (RuntimeError, ValueError, AttributeError, TypeError):
-        return H100_SMS
+        return NUM_SMS
 
 
 def interpret_params():

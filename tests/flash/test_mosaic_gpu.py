@@ -596,7 +596,7 @@ def test_persistent_lowers_for_cuda(D):
     assert lowered_has_mosaic_gpu_call(spec, q, k, table)
     if D == 128:
         assert lowered_has_mosaic_gpu_call(spec.replace(mask=None), q, k, table)
-    assert mosaic_gpu._programs(False) == mosaic_gpu.H100_SMS
+    assert mosaic_gpu._programs(False) == mosaic_gpu.NUM_SMS == 132
     with pytest.raises(ValueError, match="persistent must be True or False"):
         MosaicGpuBlockSizes(persistent=1)
 
