@@ -601,22 +601,26 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 plgpu.barrier_wait(S.v_ready.at[slot])
                 plgpu.barrier_wait(S.turn)
 
+                # (computed out here: ``run_state`` below must close over no
+                # constant scalar, which its Mosaic GPU lowering cannot return)
+                more, next_slot = t + 1 < n_seen, slot_of(start + t + 1)
+
                 def accumulate(acc_ref):
                     plgpu.wgmma(acc_ref, p, S.v_smem.at[slot])
 
                     # Wait for the next K while this multiply runs.
-                    @pl.when(t + 1 < n_seen)
+                    @pl.when(more)
                     def _():
-                        plgpu.barrier_wait(S.k_ready.at[slot_of(start + t + 1)])
+                        plgpu.barrier_wait(S.k_ready.at[next_slot])
 
                 if P.interpreted:
                     # The interpreter's ``wgmma`` takes no operand in registers:
                     # the same product from the tile in shared memory.
                     acc = acc + jnp.dot(p, S.v_smem.at[slot][...], preferred_element_type=F32)
 
-                    @pl.when(t + 1 < n_seen)
+                    @pl.when(more)
                     def _():
-                        plgpu.barrier_wait(S.k_ready.at[slot_of(start + t + 1)])
+                        plgpu.barrier_wait(S.k_ready.at[next_slot])
                 else:
                     acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(S.v_free.at[slot])
