@@ -68,8 +68,9 @@ def _lower_triton_without_a_gpu():
     compute capability and raises when there is none, so on a machine without
     one the tests that lower for cuda (every kernel's lowering test) could not
     run. There, the lowering is told of a Hopper GPU (9.0) instead, as jax 0.10
-    lowered without asking. Nothing changes where a GPU is present or where
-    this jax has no such query."""
+    lowered without asking (``tests/lowering.py``'s ``target("cuda")`` answers
+    the same query inside its block; this covers every test). Nothing changes
+    where a GPU is present or where this jax has no such query."""
     try:
         from jax._src.pallas.triton import pallas_call_registration as registration
     except ImportError:
