@@ -34,7 +34,9 @@ def abstract_mesh(platform, shape=(1,), names=("x",)):
     try:
         dev = jax.sharding.AbstractDevice(device_kind=kind, num_cores=cores,
                                           platform="gpu" if platform == "cuda" else platform)
-        return jax.sharding.AbstractMesh(shape, names, abstract_device=dev)
+        # Auto axes, the default before jax 0.11 (Explicit since)
+        auto = (jax.sharding.AxisType.Auto,) * len(names)
+        return jax.sharding.AbstractMesh(shape, names, axis_types=auto, abstract_device=dev)
     except (AttributeError, TypeError):
         return None
 

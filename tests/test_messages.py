@@ -307,7 +307,8 @@ FORGOTTEN_SPEC = [
 def test_a_forgotten_spec_says_where_it_goes(name, make, message):
     with pytest.raises(TypeError) as info:
         make()
-    assert str(info.value) == message
+    # (Python 3.12 and later say "a required keyword-only argument")
+    assert str(info.value).replace("keyword-only argument", "argument") == message
 
 
 def test_integer_lists_are_accepted_as_arrays():

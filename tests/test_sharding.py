@@ -131,7 +131,8 @@ def test_tuple_axes_and_abstract_mesh():
 def test_usable_as_shard_map_in_specs():
     spec = full_spec()
     r = sharding.rules(spec, **AXES)
-    mesh = jax.sharding.AbstractMesh((2, 2, 5), ("data", "model", "context"))
+    mesh = jax.sharding.AbstractMesh((2, 2, 5), ("data", "model", "context"),
+                                     axis_types=(jax.sharding.AxisType.Auto,) * 3)
     q = jax.ShapeDtypeStruct((B, T, HQ, D), jnp.float32)
     f = jax.shard_map(lambda s, q: q * s.sinks[:, None], mesh=mesh,
                       in_specs=(r.spec, r.q), out_specs=r.q)
