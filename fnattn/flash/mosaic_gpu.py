@@ -106,6 +106,7 @@ include :class:`MosaicGpuBlockSizes`, and on the Triton kernels otherwise.
 
 import dataclasses
 import functools
+import inspect
 import types
 from typing import Optional
 
@@ -729,7 +730,17 @@ def _in_layout(x, layout, P: _Plan):
 
 def _load(ref, layout, P: _Plan):
     """A 1-D shared-memory ref read into registers in ``layout``."""
-    return ref[...] if P.interpreted else _plgpu().load(ref, (), layout=layout)
+    if P.interpreted:
+        return ref[...]
+    if _load_takes_an_index():  # jax 0.10: required; deprecated from 0.11
+        return _plgpu().load(ref, (), layout=layout)
+    return _plgpu().load(ref, layout=layout)
+
+
+@functools.cache
+def _load_takes_an_index() -> bool:
+    param = inspect.signature(_plgpu().load).parameters.get("idx")
+    return param is not None and param.default is inspect.Parameter.empty
 
 
 def _iota(shape, axis, P: _Plan):

@@ -535,8 +535,7 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
     def row_stat(slot, which):
         """lse2 (0) or delta (1) of the step's 64 rows, broadcast over the keys."""
         ref = st_smem.at[slot, which]
-        x = ref[...] if P.interpreted else plgpu.load(
-            ref, (), layout=plgpu.Layout.WGMMA.reduce(0))
+        x = _load(ref, plgpu.Layout.WGMMA.reduce(0), P)
         return lax.broadcast_in_dim(x, (TILE, TILE), [1])
 
     def tile_operands(slot, head):
