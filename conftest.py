@@ -62,29 +62,3 @@ os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
 # misses the first, which the package's functions call.
 import fnattn  # noqa: E402,F401
 
-
-def _lower_triton_without_a_gpu():
-    """From jax 0.11, lowering a Pallas Triton kernel asks the local GPU for its
-    compute capability and raises when there is none, so on a machine without
-    one the tests that lower for cuda (every kernel's lowering test) could not
-    run. There, the lowering is told of a Hopper GPU (9.0) instead, as jax 0.10
-    lowered without asking (``tests/lowering.py``'s ``target("cuda")`` answers
-    the same query inside its block; this covers every test). Nothing changes
-    where a GPU is present or where this jax has no such query."""
-    try:
-        from jax._src.pallas.triton import pallas_call_registration as registration
-    except ImportError:
-        return
-    info = getattr(registration, "gpu_info_lib", None)
-    if info is None:
-        return
-    try:
-        info.get_gpu_info()
-    except ValueError:
-        import types
-
-        hopper = types.SimpleNamespace(compute_capability="9.0")
-        registration.gpu_info_lib = types.SimpleNamespace(get_gpu_info=lambda: hopper)
-
-
-_lower_triton_without_a_gpu()

@@ -28,7 +28,7 @@ from fnattn._checks import Dims
 from fnattn._dispatch import Config
 from fnattn.flash import cudnn, triton
 from fnattn.flash.api import lowering_table
-from lowering import cheap_compiles
+from lowering import cheap_compiles, gpu_target
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 F16 = jnp.float16
@@ -119,8 +119,9 @@ def lowered_calls(spec, q, k, v, *, through_lse=False):
         total = jnp.sum(res.out.astype(jnp.float32))
         return total + (jnp.sum(jnp.where(jnp.isfinite(res.lse), res.lse, 0.0))
                         if through_lse else 0.0)
-    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
-        lowering_platforms=("cuda",)).as_text()
+    with gpu_target():
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+            lowering_platforms=("cuda",)).as_text()
     calls = set(re.findall(r"custom_call @([\w$]+)", text))
     kernels = set(re.findall(r"fnattn_flash_\w+", text))
     return {c for c in calls if "cudnn" in c}, kernels

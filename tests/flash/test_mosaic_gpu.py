@@ -27,6 +27,7 @@ from fnattn._checks import Dims
 from fnattn._dispatch import Config, Lowering
 from fnattn.flash import mosaic_gpu
 from fnattn.flash.mosaic_gpu import LOWERING, MosaicGpuBlockSizes
+from lowering import gpu_target
 from mosaic_gpu_interpreter import REDO_KERNELS, compile_once, reset_after_failure, triton_kernels
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -448,7 +449,8 @@ def test_visit_list_matches_a_plain_walk(transpose, heads_per_row):
 def lowered_text(spec, q, k, table):
     """The program of a forward call (K = V) lowered for cuda, as text."""
     f = jax.jit(lambda q, k, v: core.run(spec, q, k, v, fn="flash", table=table).out)
-    return f.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
+    with gpu_target():
+        return f.trace(q, k, k).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def lowered_has_mosaic_gpu_call(spec, q, k, table):
@@ -822,8 +824,9 @@ def _lowered(spec, q, k, v):
     lowers for cuda."""
     def loss(q, k, v):
         return jnp.sum(fnattn.attention(spec, q, k, v).out.astype(jnp.float32))
-    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
-        lowering_platforms=("cuda",)).as_text()
+    with gpu_target():
+        text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).trace(q, k, v).lower(
+            lowering_platforms=("cuda",)).as_text()
     # (the Mosaic GPU custom call; the test file's own name is in the locations)
     mgpu = len(re.findall(r"custom_call @mosaic_gpu", text))
     return mgpu, triton_kernels(text)

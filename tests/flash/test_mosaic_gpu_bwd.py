@@ -32,6 +32,7 @@ from fnattn._dispatch import Config, Lowering
 from fnattn.flash import mosaic_gpu, mosaic_gpu_bwd, triton, xla
 from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
 from fnattn.flash.mosaic_gpu_bwd import MosaicGpuBwdBlockSizes
+from lowering import gpu_target
 from mosaic_gpu_interpreter import REDO_KERNELS, compile_once, reset_after_failure, triton_kernels
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -399,7 +400,8 @@ def _lowered_grad(spec, q, k, v, *, vmapped=False):
     grad = jax.grad(loss, argnums=(0, 1, 2))
     if vmapped:
         grad = jax.vmap(grad)
-    return jax.jit(grad).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
+    with gpu_target():
+        return jax.jit(grad).trace(q, k, v).lower(lowering_platforms=("cuda",)).as_text()
 
 
 @pytest.mark.parametrize("D, mask, Hq, softcap", [
@@ -626,7 +628,8 @@ def test_auto_gradient_with_dropout_lowers_to_the_triton_backward(monkeypatch):
 
     def loss(q, k, v):
         return jnp.sum(fnattn.attention(spec, q, k, v).out.astype(jnp.float32))
-    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
-        lowering_platforms=("cuda",)).as_text()
+    with gpu_target():
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
+            lowering_platforms=("cuda",)).as_text()
     assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 1
     assert triton_kernels(text) == ["fnattn_flash_dkdv", "fnattn_flash_dq"] + REDO_KERNELS
