@@ -40,9 +40,14 @@ Shardy (the default partitioner) reads the rule of :func:`sharding_rule`; the
 older GSPMD propagation reads the same decision through
 ``infer_sharding_from_operands``. Arrays whose *types* carry their sharding
 (a mesh of ``AxisType.Explicit`` axes) are split at trace time instead, by
-``jax.shard_map`` with the same choice. Where it does nothing:
+``jax.shard_map`` with the same choice; under a context mesh of Explicit
+axes (``jax.set_mesh(jax.make_mesh(...))``) whose types split none of the
+arrays, that ``shard_map`` runs the whole call on every device, and on one
+device the call runs under Auto axes (``jax.sharding.auto_axes``). Where it
+does nothing:
 
-* in a process with one device (the call is traced as it is);
+* in a process with one device, outside an Explicit mesh (the call is traced
+  as it is);
 * inside ``jax.shard_map`` (the values are already per device);
 * under ``jax.vmap``, which runs the lowering unpartitioned
   (``jax.custom_batching.custom_vmap``): correct, and gathered;
@@ -234,6 +239,15 @@ def _explicit_mesh(arrays):
     return None
 
 
+def _explicit_context() -> bool:
+    """Whether the context mesh (``jax.set_mesh``) has Explicit axes, as
+    ``jax.make_mesh`` gives by default."""
+    mesh = jax.sharding.get_abstract_mesh()
+    explicit = getattr(jax.sharding.AxisType, "Explicit", None)
+    return (not mesh.empty and explicit is not None
+            and any(t == explicit for t in getattr(mesh, "axis_types", ())))
+
+
 def _full(sizes: Sizes) -> Shard:
     return Shard(sizes.batch, sizes.q_heads, sizes.kv_heads)
 
@@ -255,13 +269,28 @@ def partitioned(body: Callable, args: Sequence[Any], in_roles: Sequence[Optional
     Returns:
       ``body``'s outputs (a tuple), equal to ``body(Shard(*sizes), *args)``.
     """
-    if _manual_axes() or jax.device_count() == 1:
-        # Inside shard_map the values are per device already; with one device
-        # there is nothing to split (and custom_partitioning's inline lowering
-        # cannot carry the ordered effects of Pallas's TPU interpreter).
-        return tuple(body(_full(sizes), *args))
+    if _manual_axes():
+        return tuple(body(_full(sizes), *args))  # per-device values already
     present = [i for i, a in enumerate(args) if a is not None]
     arrays = tuple(args[i] for i in present)
+    one_device = jax.device_count() == 1
+    if one_device and (_explicit_context() or _explicit_mesh(arrays) is not None):
+        # Values typed with a mesh of Explicit axes (jax.make_mesh's default),
+        # on one device: run as under Auto axes, where the Pallas interpreter's
+        # state updates accept them.
+        def auto(*arrays_):
+            full = list(args)
+            for i, a in zip(present, arrays_):
+                full[i] = a
+            return tuple(r for r in body(_full(sizes), *full) if r is not None)
+
+        whole = tuple(P() for o in outs if o is not None)
+        res = iter(jax.sharding.auto_axes(auto, out_sharding=whole)(*arrays))
+        return tuple(None if o is None else next(res) for o in outs)
+    if one_device:
+        # Nothing to split (and custom_partitioning's inline lowering cannot
+        # carry the ordered effects of Pallas's TPU interpreter).
+        return tuple(body(_full(sizes), *args))
     roles = tuple(tuple(in_roles[i]) for i in present)
     out_specs = [o for o in outs if o is not None]
 
@@ -294,6 +323,11 @@ def partitioned(body: Callable, args: Sequence[Any], in_roles: Sequence[Optional
         return tuple(summed)
 
     mesh = _explicit_mesh(arrays)
+    if mesh is None and _explicit_context():
+        # A context mesh of Explicit axes that splits none of the arrays: the
+        # same shard_map, each device computing the whole call (jax 0.11's
+        # custom_partitioning fails to lower under such a context).
+        mesh = jax.sharding.get_abstract_mesh()
     if mesh is not None:
         # Shardings in the types (explicit mesh axes): split right here.
         batch, heads = choose(roles, [jax.typeof(a).sharding.spec for a in arrays], sizes,

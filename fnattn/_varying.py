@@ -40,7 +40,10 @@ def varying_like(init, *refs):
     True
     """
     leaves = jax.tree_util.tree_leaves(refs)
-    if not leaves:
+    if not leaves or not getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
+        # Outside shard_map nothing varies. (Nor is full_like asked for a
+        # scalar like an array whose sharding names its axes: outside jit,
+        # under an Explicit mesh, jax would give the scalar that sharding.)
         return init
     zero = functools.reduce(lambda a, b: a + b,
                             [lax.full_like(r, 0, jnp.float32, ()) for r in leaves])

@@ -289,6 +289,36 @@ def check_explicit_mesh():
         out_specs=[HEADS, ROWS] + [HEADS] * 3)
 
 
+def check_explicit_context_mesh():
+    """Under ``jax.set_mesh`` of a mesh with Explicit axes (``jax.make_mesh``'s
+    default), arrays that no mesh axis splits (q, k, v made without a sharding):
+    each device computes the whole call, as without the mesh, with no
+    collective. (Under jax 0.11 the partitioner once failed here: "No registered
+    implementation for untyped custom call to Sharding".)"""
+    mesh = _mesh(explicit=True)
+    rs = np.random.default_rng(5)
+    q = jnp.asarray(rs.standard_normal((4, 32, 4, 8)), F32)
+    k, v = (jnp.asarray(rs.standard_normal((4, 32, 2, 8)), F32) for _ in range(2))
+    lengths = jnp.array([32, 7, 0, 23], jnp.int32)
+    spec = AttentionSpec(mask=masks.causal())
+
+    def f(q, k, v):
+        dec = fnattn.decode(spec, q[:, :1], k, v, kv_lengths=lengths).out
+        return dec, _out_and_grads(lambda q, k, v: fnattn.attention(spec, q, k, v))(q, k, v)
+
+    want = jax.jit(f)(q, k, v)
+    with jax.set_mesh(mesh):
+        compiled = jax.jit(f).lower(q, k, v).compile()
+        found = collectives(compiled)
+        got = compiled(q, k, v)
+    print(f"flash fwd+grad and decode, explicit context mesh, unsplit arrays: "
+          f"collectives {found or 0}", flush=True)
+    assert not found, found
+    for i, (x, y) in enumerate(zip(jax.tree_util.tree_leaves(got),
+                                   jax.tree_util.tree_leaves(want))):
+        _close(f"explicit context mesh output {i}", x, y, 1e-4)
+
+
 def check_gspmd_propagation():
     """The same split with the older GSPMD sharding propagation."""
     prev = jax.config.jax_use_shardy_partitioner
@@ -305,4 +335,4 @@ def check_gspmd_propagation():
 
 CHECKS = [check_flash_gqa_segments_sinks, check_flash_bias_dropout_layouts,
           check_flash_fallbacks, check_flash_transforms, check_decode, check_paged,
-          check_explicit_mesh, check_gspmd_propagation]
+          check_explicit_mesh, check_explicit_context_mesh, check_gspmd_propagation]
