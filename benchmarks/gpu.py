@@ -25,7 +25,9 @@ Sections:
   and V before a masked forward, the Triton forward recomputes flagged rows; or
   with ``hidden_keys="pass"``: an elementwise pass over K and V first),
   ``fnattn:mosaic_gpu_persistent`` (``persistent=True``: one program per
-  multiprocessor walking the q-tiles in turn),
+  multiprocessor walking the q-tiles in turn, heaviest first),
+  ``fnattn:mosaic_gpu_persistent_tiles`` (the same, ``walk="tiles"``: in the
+  grid's order),
   ``jax.nn:cudnn``, ``jax.nn:xla``, ``tokamax:mosaic``, ``tokamax:triton`` and
   ``jax:attention_mgpu`` (JAX's Mosaic GPU example kernel; its backward has no
   causal mask); ``pass:hidden_keys`` times alone the elementwise pass over K
@@ -217,7 +219,8 @@ def _program_tile(D):
 # MosaicGpuBlockSizes pinned.
 PINNED = {"fnattn:mosaic_gpu_redo": dict(hidden_keys="redo"),
           "fnattn:mosaic_gpu_pass": dict(hidden_keys="pass"),
-          "fnattn:mosaic_gpu_persistent": dict(persistent=True)}
+          "fnattn:mosaic_gpu_persistent": dict(persistent=True),
+          "fnattn:mosaic_gpu_persistent_tiles": dict(persistent=True, walk="tiles")}
 
 
 def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):

@@ -16,7 +16,8 @@ rows of one (batch, query head) and runs three warpgroups.
 
 With ``MosaicGpuBlockSizes(persistent=True)`` a program per multiprocessor
 walks its share of those work items (:func:`launch_grid`; heaviest first,
-dealt out so that the programs' loads stay even: :class:`Walk`), the ring's
+dealt out so that the programs' loads stay even, or with ``walk="tiles"`` in
+the grid's order: :class:`Walk`), the ring's
 slots counted on from one item to the next, so the producer streams the next
 item's K and V while the consumers finish the current one, and each consumer
 loads the next item's Q into a second buffer where shared memory allows
@@ -173,8 +174,16 @@ class MosaicGpuBlockSizes:
         item's K and V while the consumers finish the current one, the
         consumers load its Q tiles into a second buffer where shared memory
         allows (:func:`q_buffers`), and no program waits for its last stores:
-        meant for short items (packed documents). Same results; not yet timed
-        on an H100, so off by default.
+        meant for short items (packed documents). Same results; slower on an
+        H100 so far (packed documents 0.356 ms against 0.312 at T = 8k), so
+        off by default.
+      walk: the order in which persistent programs take the items
+        (:func:`walk_order`). ``"heaviest"`` (the default): most kv-tiles
+        visited first, which balances the programs' loads. ``"tiles"``: the
+        grid's order, each batch row's q-tiles from the last to the first, the
+        heads side by side, so that the programs running at once hold
+        neighbouring q-tiles (of packed documents: the same document) and read
+        the same K/V tiles. Not yet timed on an H100.
 
     >>> MosaicGpuBlockSizes.default(128).smem_bytes(128)
     164864
@@ -189,6 +198,7 @@ class MosaicGpuBlockSizes:
     max_concurrent_steps: int = 2
     hidden_keys: str = "auto"
     persistent: bool = False
+    walk: str = "heaviest"
 
     def __post_init__(self):
         for name in ("block_q", "block_k"):
@@ -204,6 +214,9 @@ class MosaicGpuBlockSizes:
         if not isinstance(self.persistent, bool):
             raise ValueError("MosaicGpuBlockSizes: persistent must be True or False; "
                              f"got {self.persistent!r}")
+        if self.walk not in WALKS:
+            raise ValueError(f"MosaicGpuBlockSizes: walk must be one of {WALKS}; "
+                             f"got {self.walk!r}")
 
     def redoes(self, head_dim: int) -> bool:
         """Whether a masked forward at this head dim leaves the pass out
@@ -445,7 +458,7 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
     def body(S):
         wg = lax.axis_index("wg")
         # This program's work items: one from the grid; or, with ``P.programs``,
-        # its share of every (batch, head, q-tile), heaviest first
+        # its share of every (batch, head, q-tile), in walk_order's order
         # (:class:`Walk`), on a persistent program per multiprocessor.
         if P.programs:
             sm = lax.axis_index("sm")
@@ -1020,7 +1033,7 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     if cfg.dropout_rate > 0:
         extra.append(seed)
     if programs:
-        extra.append(walk_order(np if isinstance(table, np.ndarray) else jnp, table))
+        extra.append(walk_order(np if isinstance(table, np.ndarray) else jnp, table, bs.walk))
     kk, vv = _hidden_keys_inert(k, v) if mask is not None and not redo else (k, v)
     out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(kk, 1, Tkp), triton._pad(vv, 1, Tkp),
                      jnp.asarray(table), *ids, *extra)
@@ -1053,7 +1066,7 @@ class Walk:
     (batch row, head, q-tile), ``batch * heads * tiles`` of them, grouped by
     their row of the visiting table, shape ``(sched_b, sched_h, tiles)``
     (``sched_b`` 1 or ``batch``, ``sched_h`` 1 or ``heads``): the rows ranked
-    heaviest first (most kv-tiles visited, :func:`walk_order`), each row's
+    (:func:`walk_order`: heaviest first, or in the grid's order), each row's
     items side by side. The programs take the ranked items in waves of
     ``programs``, in snake order (forward on even waves, backward on odd ones),
     so that the heaviest items spread evenly and no program ends far behind
@@ -1100,15 +1113,25 @@ class Walk:
         return div(rest, self.sched_h) + eb, rem(rest, self.sched_h) + eh, tile
 
 
-def walk_order(xp, table):
-    """The rows of a visiting table (``(B|1, H|1, tiles, 2 + n)``, flattened)
-    ranked by how many kv-tiles they visit, most first, later q-tiles first
-    among equals: the order in which persistent programs take them
-    (:class:`Walk`). NumPy at trace time for a static table, else XLA.
+WALKS = ("heaviest", "tiles")
 
-    >>> walk_order(np, np.array([[[[0, 1], [0, 3], [0, 3], [0, 0]]]]))[:3].tolist()
-    [2, 1, 0]
+
+def walk_order(xp, table, walk="heaviest"):
+    """The order in which persistent programs take the rows of a visiting table
+    (``(B|1, H|1, tiles, 2 + n)``, flattened; :class:`Walk`). ``"heaviest"``:
+    ranked by how many kv-tiles they visit, most first, later q-tiles first
+    among equals. ``"tiles"``: the table's order with each (batch row, head)'s
+    q-tiles from the last to the first. NumPy at trace time for a static
+    table, else XLA.
+
+    >>> table = np.array([[[[0, 1], [0, 3], [0, 3], [0, 0]]]])
+    >>> walk_order(np, table).tolist(), walk_order(np, table, "tiles").tolist()
+    ([2, 1, 0, 3], [3, 2, 1, 0])
     """
+    if walk == "tiles":
+        rows, tiles = table.shape[0] * table.shape[1], table.shape[2]
+        return (np.arange(rows, dtype=np.int32)[:, None] * tiles
+                + np.arange(tiles - 1, -1, -1, dtype=np.int32)).reshape(-1)
     seen = table[..., 1].reshape(-1).astype(np.int32)
     return xp.lexsort((-xp.arange(seen.shape[0], dtype=np.int32), -seen)).astype(np.int32)
 

@@ -332,8 +332,10 @@ def test_interpreted_segments_no_key_and_poisoned_keys(interpreted_array_masks):
 
 def test_persistent_programs_give_the_bits_of_one_program_per_item():
     """persistent=True: the interpreter's 3 programs walk the 8 items (2 batch
-    rows x 2 heads x 2 q-tiles) 3, 3 and 2 each, their K/V ring running on from
-    one item to the next. Causal documents (one whose rows see no key), GQA 2:1,
+    rows x 2 heads x 2 q-tiles) 3, 3 and 2 each, in the grid's order
+    (walk="tiles", not the heaviest-first order of the other persistent tests:
+    [1, 0, 3, 2] against [3, 2, 1, 0] here), their K/V ring running on from one
+    item to the next. Causal documents (one whose rows see no key), GQA 2:1,
     sinks, ragged 250 x 256 and a NaN K on a key hidden from the other
     documents (flagged rows recomputed): the bits of one program per item, and
     the reference's values, NaN for NaN."""
@@ -348,7 +350,8 @@ def test_persistent_programs_give_the_bits_of_one_program_per_item():
                          sinks=jnp.array([0.5, -1.0]), return_lse=True,
                          block_sizes=SMALL)
     one = interpret(spec, q, k, v)
-    persistent = spec.replace(block_sizes=dataclasses.replace(SMALL, persistent=True))
+    persistent = spec.replace(block_sizes=dataclasses.replace(SMALL, persistent=True,
+                                                              walk="tiles"))
     jaxpr = str(jax.make_jaxpr(lambda q, k, v: core.run(
         persistent, q, k, v, fn="flash", table=(("default", _interpreted()),)).out)(q, k, v))
     assert "grid=(3,), grid_names=('sm',)" in jaxpr
@@ -531,28 +534,37 @@ def test_redo_lowers_for_cuda_without_the_pass(D):
     (2, 16, 64, 1, 1, 132), (2, 16, 64, 2, 1, 132), (2, 4, 9, 2, 1, 7), (3, 2, 5, 3, 2, 4),
     (1, 1, 3, 1, 1, 8)])
 @pytest.mark.parametrize("weights", ["documents", "causal"])
+@pytest.mark.parametrize("walk_name", mosaic_gpu.WALKS)
 def test_persistent_walk_takes_every_item_once_and_balances_the_programs(
-        B, H, tiles, sched_b, sched_h, programs, weights):
+        B, H, tiles, sched_b, sched_h, programs, weights, walk_name):
     """The persistent programs' share of the items (mosaic_gpu.Walk, the same
     code the kernel runs with lax.div / lax.rem): every (batch, head, q-tile)
-    exactly once; ranked by kv-tiles visited (walk_order, NumPy and XLA alike)
-    and taken in snake order, no program's load exceeds another's by more than the
-    heaviest item's, and the heaviest load is no more than with the grid's order
-    taken round robin (random loads of 0 to 8 kv-tiles over 2 x 16 x 64 items
-    on 132 programs: 66 kv-tiles against 85)."""
+    exactly once, NumPy and XLA alike. Ranked by kv-tiles visited (walk_order's
+    "heaviest") and taken in snake order, no program's load exceeds another's
+    by more than the heaviest item's, and the heaviest load is no more than
+    with the grid's order taken round robin (random loads of 0 to 8 kv-tiles
+    over 2 x 16 x 64 items on 132 programs: 66 kv-tiles against 85). In the
+    grid's order ("tiles"), the ranks are the grid's, unbalanced."""
     seen = (np.random.default_rng(0).integers(0, 9, (sched_b, sched_h, tiles))
             if weights == "documents"
             else np.broadcast_to(np.arange(1, tiles + 1), (sched_b, sched_h, tiles)))
     table = np.zeros((sched_b, sched_h, tiles, 2), np.int32)
     table[..., 1] = seen
-    order = mosaic_gpu.walk_order(np, table)
-    np.testing.assert_array_equal(jax.jit(lambda t: mosaic_gpu.walk_order(jnp, t))(table), order)
+    order = mosaic_gpu.walk_order(np, table, walk_name)
+    np.testing.assert_array_equal(
+        jax.jit(lambda t: mosaic_gpu.walk_order(jnp, t, walk_name))(table), order)
     walk = mosaic_gpu.Walk(B, H, tiles, sched_b, sched_h, programs)
     div, rem = (lambda a, b: a // b), (lambda a, b: a % b)  # noqa: E731
     taken = [[walk.item(i, sm, lambda j: int(order[j]), div, rem)
               for i in range(walk.count(sm, rem))] for sm in range(programs)]
     assert sorted(sum(taken, [])) == [(b, h, t) for b in range(B) for h in range(H)
                                      for t in range(tiles)]
+    if walk_name == "tiles":
+        # the grid's order (neighbouring q-tiles side by side, the last first);
+        # the loads are not balanced
+        rows = range(sched_b * sched_h * tiles)
+        assert order.tolist() == sorted(rows, key=lambda r: (r // tiles, -(r % tiles)))
+        return
 
     def weight(b, h, t):
         return seen[b if sched_b > 1 else 0, h if sched_h > 1 else 0, t]
@@ -716,11 +728,13 @@ def test_gpu_redo_matches_the_pass(D):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
-@pytest.mark.parametrize("mask", ["none", "causal_documents"])
-def test_gpu_persistent_gives_the_bits_of_one_program_per_item(mask):
+@pytest.mark.parametrize("mask, walk", [("none", "heaviest"), ("causal_documents", "heaviest"),
+                                        ("causal_documents", "tiles")])
+def test_gpu_persistent_gives_the_bits_of_one_program_per_item(mask, walk):
     """persistent=True on the GPU (a program per multiprocessor): the bits of one
     program per item, out and lse, with GQA 4:1 on ragged 1000 x 1500; causal
-    documents with a poisoned key (flagged rows recomputed)."""
+    documents with a poisoned key (flagged rows recomputed), the items taken
+    heaviest first or in the grid's order."""
     q, k, v = qkv(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=128, dtype=jnp.bfloat16, seed=9)
     ids = jnp.asarray(np.stack([documents(700, 800), documents(300, 1200)]))
     causal_docs = masks.causal() & masks.segments(ids[:, 500:], ids)
@@ -728,7 +742,8 @@ def test_gpu_persistent_gives_the_bits_of_one_program_per_item(mask):
                          block_sizes=MosaicGpuBlockSizes.default(128))
     if mask != "none":
         k = k.at[1, 900, 1, 3].set(jnp.nan)  # seen by rows 400.. of heads 4..7
-    walked = spec.replace(block_sizes=dataclasses.replace(spec.block_sizes, persistent=True))
+    walked = spec.replace(block_sizes=dataclasses.replace(spec.block_sizes, persistent=True,
+                                                          walk=walk))
     table = (("default", LOWERING),)
     a, b = run(spec, q, k, v, table), run(walked, q, k, v, table)
     f32 = lambda x: np.asarray(jnp.asarray(x, jnp.float32))  # noqa: E731
