@@ -613,6 +613,8 @@ def test_persistent_lowers_for_cuda(D):
     assert mosaic_gpu._programs(False) == mosaic_gpu.NUM_SMS == 132
     with pytest.raises(ValueError, match="persistent must be True or False"):
         MosaicGpuBlockSizes(persistent=1)
+    with pytest.raises(ValueError, match=r"walk must be one of .*; got .grid."):
+        MosaicGpuBlockSizes(walk="grid")
 
 
 def test_redo_needs_a_power_of_two_head_dim():
