@@ -70,6 +70,8 @@ from jax.experimental.custom_partitioning import (
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from fnattn._varying import inside_shard_map
+
 __all__ = ["Sizes", "Shard", "Out", "choose", "partition_specs", "sharding_rule",
            "partitioned", "mask_roles", "bias_roles", "fold_seed", "flash", "decode", "paged"]
 
@@ -223,12 +225,6 @@ def sharding_rule(in_roles: Sequence[Roles], out_roles: Sequence[Roles],
     return SdyShardingRule(ins, outs, need_replication_factors=tuple(fresh), **factor_sizes)
 
 
-def _manual_axes() -> bool:
-    """Whether this trace is inside ``jax.shard_map`` (some mesh axis is manual)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return bool(getattr(mesh, "manual_axes", ()))
-
-
 def _explicit_mesh(arrays):
     """The mesh of the arrays' types if some type is split along a mesh axis
     (explicit sharding), else None."""
@@ -269,28 +265,10 @@ def partitioned(body: Callable, args: Sequence[Any], in_roles: Sequence[Optional
     Returns:
       ``body``'s outputs (a tuple), equal to ``body(Shard(*sizes), *args)``.
     """
-    if _manual_axes():
+    if inside_shard_map():
         return tuple(body(_full(sizes), *args))  # per-device values already
     present = [i for i, a in enumerate(args) if a is not None]
     arrays = tuple(args[i] for i in present)
-    one_device = jax.device_count() == 1
-    if one_device and (_explicit_context() or _explicit_mesh(arrays) is not None):
-        # Values typed with a mesh of Explicit axes (jax.make_mesh's default),
-        # on one device: run as under Auto axes, where the Pallas interpreter's
-        # state updates accept them.
-        def auto(*arrays_):
-            full = list(args)
-            for i, a in zip(present, arrays_):
-                full[i] = a
-            return tuple(r for r in body(_full(sizes), *full) if r is not None)
-
-        whole = tuple(P() for o in outs if o is not None)
-        res = iter(jax.sharding.auto_axes(auto, out_sharding=whole)(*arrays))
-        return tuple(None if o is None else next(res) for o in outs)
-    if one_device:
-        # Nothing to split (and custom_partitioning's inline lowering cannot
-        # carry the ordered effects of Pallas's TPU interpreter).
-        return tuple(body(_full(sizes), *args))
     roles = tuple(tuple(in_roles[i]) for i in present)
     out_specs = [o for o in outs if o is not None]
 
@@ -306,6 +284,23 @@ def partitioned(body: Callable, args: Sequence[Any], in_roles: Sequence[Optional
             raise AssertionError(f"partitioned: body returned {len(res)} outputs, "
                                  f"{[r is None for r in res]} None; expected {outs}")
         return tuple(r for r in res if r is not None)
+
+    def with_nones(res):
+        """``call``'s outputs with None again where ``outs`` has None."""
+        res = iter(res)
+        return tuple(None if o is None else next(res) for o in outs)
+
+    if jax.device_count() == 1:
+        if _explicit_context() or _explicit_mesh(arrays) is not None:
+            # Values typed with a mesh of Explicit axes (jax.make_mesh's
+            # default): run as under Auto axes, where the Pallas interpreter's
+            # state updates accept them.
+            whole = tuple(P() for _ in out_specs)
+            return with_nones(jax.sharding.auto_axes(
+                functools.partial(call, _full(sizes)), out_sharding=whole)(*arrays))
+        # Nothing to split (and custom_partitioning's inline lowering cannot
+        # carry the ordered effects of Pallas's TPU interpreter).
+        return tuple(body(_full(sizes), *args))
 
     def local(mesh, batch, heads, *arrays_):
         nb = math.prod(mesh.shape[a] for a in batch)
@@ -335,11 +330,10 @@ def partitioned(body: Callable, args: Sequence[Any], in_roles: Sequence[Optional
         in_specs = partition_specs(roles, batch, heads)
         arrays = [jax.sharding.reshard(a, NamedSharding(mesh, s))
                   for a, s in zip(arrays, in_specs)]
-        res = iter(jax.shard_map(
+        return with_nones(jax.shard_map(
             functools.partial(local, mesh, batch, heads), mesh=mesh, in_specs=tuple(in_specs),
             out_specs=tuple(partition_specs([o.roles for o in out_specs], batch, heads)),
             check_vma=False)(*arrays))
-        return tuple(None if o is None else next(res) for o in outs)
 
     def decide(mesh, arg_shapes):
         """(mesh, batch axes, head axes) for the shardings the partitioner proposes."""
@@ -394,8 +388,7 @@ def partitioned(body: Callable, args: Sequence[Any], in_roles: Sequence[Optional
     def _(primals, tangents):
         return jax.jvp(functools.partial(call, _full(sizes)), primals, tangents)
 
-    res = iter(differentiable(*arrays))
-    return tuple(None if o is None else next(res) for o in outs)
+    return with_nones(differentiable(*arrays))
 
 
 # ----------------------------------------------------------------------------------

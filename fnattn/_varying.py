@@ -22,7 +22,16 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["out_shapes", "pallas_call", "varying_like"]
+__all__ = ["inside_shard_map", "out_shapes", "pallas_call", "varying_like"]
+
+
+def inside_shard_map() -> bool:
+    """Whether this trace is inside ``jax.shard_map`` (some mesh axis is manual).
+
+    >>> inside_shard_map()
+    False
+    """
+    return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
 
 
 def varying_like(init, *refs):
@@ -40,7 +49,7 @@ def varying_like(init, *refs):
     True
     """
     leaves = jax.tree_util.tree_leaves(refs)
-    if not leaves or not getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()):
+    if not leaves or not inside_shard_map():
         # Outside shard_map nothing varies. (Nor is full_like asked for a
         # scalar like an array whose sharding names its axes: outside jit,
         # under an Explicit mesh, jax would give the scalar that sharding.)

@@ -1120,9 +1120,9 @@ def walk_order(xp, table, walk="heaviest"):
     """The order in which persistent programs take the rows of a visiting table
     (``(B|1, H|1, tiles, 2 + n)``, flattened; :class:`Walk`). ``"heaviest"``:
     ranked by how many kv-tiles they visit, most first, later q-tiles first
-    among equals. ``"tiles"``: the table's order with each (batch row, head)'s
-    q-tiles from the last to the first. NumPy at trace time for a static
-    table, else XLA.
+    among equals: NumPy at trace time for a static table, else XLA.
+    ``"tiles"``: the table's order with each (batch row, head)'s q-tiles from
+    the last to the first, which depends on the table's shape alone (NumPy).
 
     >>> table = np.array([[[[0, 1], [0, 3], [0, 3], [0, 0]]]])
     >>> walk_order(np, table).tolist(), walk_order(np, table, "tiles").tolist()
