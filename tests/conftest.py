@@ -24,9 +24,20 @@ def pytest_report_header(config):
 _SHARD_MAP = pytest.StashKey()
 
 
+def pytest_collection_modifyitems(session, config, items):
+    # The 8-device checks run in one subprocess (tests/test_shard_map.py). Under
+    # pytest-xdist (``-n``) their test goes first, so that the worker it lands on
+    # waits for the subprocess while the other workers run the rest of the suite.
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.name != "test_shard_map_on_eight_host_devices")
+
+
 def pytest_collection_finish(session):
-    # The 8-device checks run in one subprocess (tests/test_shard_map.py): start it
-    # now, beside the rest of the suite, when its test is among those collected.
+    # In one process, start that subprocess now, beside the rest of the suite (on
+    # the machine's other core), when its test is among those collected. (Every
+    # xdist worker collects every test: there the test starts it when it runs.)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
     for item in session.items:
         if item.name == "test_shard_map_on_eight_host_devices":
             session.config.stash[_SHARD_MAP] = item.module.launch()
