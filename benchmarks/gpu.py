@@ -40,7 +40,10 @@ Sections:
   fnattn with ``jax.nn`` given the same mask as an array. Its TFLOP/s count the
   causal FLOPs; the column "per visited tile" counts the dense FLOPs times the
   fraction of tiles the schedule visits, and the table's last lines give that
-  rate over the same peer's dense (no mask) rate.
+  rate over the same peer's dense (no mask) rate, with the share of the visited
+  tiles that are PARTIAL and the visited tiles per q tile (:func:`tile_mix`).
+  ``--doc-align N`` adds a documents row whose boundaries are rounded to
+  multiples of N.
   Each fnattn row's output is compared with ``jax.nn:cudnn``'s (or the XLA
   one's) on the same inputs.
 * ``decode``: one new token per sequence against a contiguous cache
@@ -326,21 +329,20 @@ def flash_section(args, rows, deadline):
         B, H = max(1, 16384 // T), 2048 // D
         ks = jax.random.split(jax.random.key(T + D), 4)
         q, k, v, w = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in ks)
-        cases = [(c, None, None, 0.0) for c in (False, True)]
+        cases = [(c, None, None, 0.0, "causal" if c else "none") for c in (False, True)]
         if args.softcap:
-            cases.append((True, None, args.softcap, 0.0))
+            cases.append((True, None, args.softcap, 0.0, "causal+softcap"))
         if args.dropout:
-            cases.append((True, None, None, args.dropout))
+            cases.append((True, None, None, args.dropout, "causal+dropout"))
         if T == args.doc_T and D == 128:
-            # packed documents of random lengths (mean T/8), causal within each
-            rng = np.random.default_rng(0)
-            cuts = np.sort(rng.choice(np.arange(1, T), size=7, replace=False))
-            seg = np.zeros(T, np.int32)
-            for c in cuts:
-                seg[c:] += 1
-            cases.append((True, jnp.asarray(np.broadcast_to(seg, (B, T)).copy()), None, 0.0))
-        for causal, seg, cap, drop in cases:
-            visited = visited_fraction(_mask(causal, seg), B, H, T, D)
+            # packed documents of random lengths (mean T/8), causal within each; with
+            # --doc-align, the same cuts rounded to that multiple as a second row
+            for align in (0,) + ((args.doc_align,) if args.doc_align else ()):
+                seg = jnp.asarray(np.broadcast_to(document_ids(T, align), (B, T)).copy())
+                cases.append((True, seg, None, 0.0,
+                              "documents" + (f"@{align}" if align else "")))
+        for causal, seg, cap, drop, label in cases:
+            visited, partial, per_row = tile_mix(_mask(causal, seg), B, H, T, D)
             for mode in modes:
                 ref_out = None
                 for impl in impls:
@@ -348,10 +350,7 @@ def flash_section(args, rows, deadline):
                         print("flash: time budget spent, stopping", flush=True)
                         return
                     row = dict(section="flash", impl=impl, B=B, T=T, H=H, D=D, causal=int(causal),
-                               mask="documents" if seg is not None else
-                               ("causal" if causal else "none") + (
-                                   "+softcap" if cap else "") + (
-                                   "+dropout" if drop else ""), mode=mode)
+                               mask=label, mode=mode)
                     if impl.startswith("pass:") and mode != "fwd":
                         continue
                     if impl == "jax.nn:xla" and B * H * T * T * 4 > args.xla_max_bytes:
@@ -378,6 +377,7 @@ def flash_section(args, rows, deadline):
                         dense = _flops(None, q, k, v, mode)
                         row.update(status="ok", time_ms=t * 1e3, min_ms=lo * 1e3, max_ms=hi * 1e3,
                                    tflops=flops / t / 1e12, xla_mb=mem, visited=visited,
+                                   partial=partial, tiles_per_row=per_row,
                                    tflops_visited=dense * visited / t / 1e12)
                         if impl.startswith("pass:"):  # (no attention FLOPs: its time only)
                             row.update(tflops=float("nan"), tflops_visited=float("nan"))
@@ -429,12 +429,46 @@ def _flops(mask, q, k, v, mode):
     return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwd + bwd}[mode]
 
 
-def visited_fraction(mask, B, H, T, D):
-    """The fraction of (q tile, kv tile) pairs a mask's schedule visits (not
-    EMPTY), with the Mosaic GPU forward's default tiles for ``D``: what a
-    blockwise kernel computes, against the T² of a dense call."""
-    cls = masks.block_classes(mask, B, H, T, T, *_program_tile(D))
-    return float(jnp.mean((cls != masks.EMPTY).astype(jnp.float32)))
+def document_ids(T, align=0):
+    """Segment ids of 8 packed documents over ``T`` tokens, cut at 7 random places
+    (seed 0); with ``align``, each cut rounded to a multiple of ``align`` (cuts
+    that meet are merged, so there may be fewer documents).
+
+    >>> np.bincount(document_ids(8192))  # tokens per document
+    array([ 336,  281, 1593,  311, 1664, 1030, 1748, 1229])
+    >>> np.bincount(document_ids(8192, align=128))
+    array([ 384,  256, 1536,  384, 1664, 1024, 1664, 1280])
+    """
+    cuts = np.sort(np.random.default_rng(0).choice(np.arange(1, T), size=7, replace=False))
+    if align:
+        cuts = np.unique(np.round(cuts / align).astype(int) * align)
+        cuts = cuts[(cuts > 0) & (cuts < T)]
+    seg = np.zeros(T, np.int32)
+    for c in cuts:
+        seg[c:] += 1
+    return seg
+
+
+def tile_mix(mask, B, H, T, D):
+    """How a mask's schedule visits the (q tile, kv tile) pairs with the Mosaic GPU
+    forward's default tiles for ``D``: the fraction visited (not EMPTY, against
+    the T² of a dense call), the share of those that are PARTIAL (mask code on
+    the tile), and the visited tiles per q tile (the work a program does
+    between loading Q and writing O; T / block_k for a dense call).
+
+    >>> ids = jnp.asarray(document_ids(8192))[None]
+    >>> [round(x, 3) for x in tile_mix(masks.causal() & masks.segments(ids, ids),
+    ...                                1, 1, 8192, 128)]
+    [0.108, 0.392, 6.891]
+    >>> tile_mix(None, 1, 1, 8192, 128)
+    (1.0, 0.0, 64.0)
+    """
+    cls = np.asarray(masks.block_classes(mask, B, H, T, T, *_program_tile(D)))
+    cls = np.broadcast_to(cls, (B, H) + cls.shape[2:])
+    visited = cls != masks.EMPTY
+    n = int(visited.sum())
+    return (n / visited.size, int((cls == masks.PARTIAL).sum()) / max(n, 1),
+            n / (visited.size // visited.shape[-1]))
 
 
 def _flash_line(r):
@@ -652,14 +686,18 @@ def _visited_rates(rows):
     peer's dense rate (mask none, same T, D and pass)."""
     out = []
     for r in rows:
-        if r["mask"] != "documents" or r["status"] != "ok" or not r["impl"].startswith("fnattn"):
+        if (not r["mask"].startswith("documents") or r["status"] != "ok"
+                or not r["impl"].startswith("fnattn")):
             continue
         dense = next((x for x in rows if x["mask"] == "none" and x["status"] == "ok" and
                       all(x[c] == r[c] for c in ("impl", "T", "D", "mode"))), None)
         if dense is not None:
-            out.append(f"- documents, {r['mode']}, {r['impl']}: {r['tflops_visited']:.0f} "
+            out.append(f"- {r['mask']}, {r['mode']}, {r['impl']}: {r['tflops_visited']:.0f} "
                        f"TFLOP/s per visited tile = {r['tflops_visited'] / dense['tflops']:.0%} "
-                       f"of its dense rate ({dense['tflops']:.0f})")
+                       f"of its dense rate ({dense['tflops']:.0f})"
+                       + (f"; {r['partial']:.0%} of its visited tiles PARTIAL, "
+                          f"{r['tiles_per_row']:.1f} per q tile (dense: "
+                          f"{dense['tiles_per_row']:.0f})" if "partial" in r else ""))
     return out
 
 
@@ -672,6 +710,10 @@ def main():
     ap.add_argument("--modes", default="fwd,fwd+bwd",
                     help="comma-separated: fwd, fwd+bwd, bwd (the backward alone)")
     ap.add_argument("--doc-T", type=int, default=8192, help="T of the document-masked row")
+    ap.add_argument("--doc-align", type=int, default=0,
+                    help="also a documents row with the cuts rounded to this multiple (128: "
+                         "PARTIAL tiles only on the diagonals), to tell the cost of mask code "
+                         "on PARTIAL tiles from the cost per q tile")
     ap.add_argument("--softcap", type=float, default=None,
                     help="also a causal row with this soft-cap (which cuDNN cannot run)")
     ap.add_argument("--dropout", type=float, default=0.0,

@@ -1,11 +1,17 @@
-"""benchmarks/gpu.py's per-kernel breakdown (``--kernel-times``), on a trace laid
-out as a GPU's: the script itself runs on GPU machines only."""
+"""benchmarks/gpu.py's pieces that need no GPU (the script itself runs on GPU
+machines only): the per-kernel breakdown (``--kernel-times``) on a trace laid out
+as a GPU's, and the documents rows' masks and tile counts."""
 
+import doctest
 import importlib.util
 import os
 
+import jax.numpy as jnp
+import numpy as np
 import pytest
 from jax.profiler import ProfileData
+
+from fnattn import masks
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -49,3 +55,50 @@ def test_kernel_times_without_a_device_plane(gpu_bench):
     assert gpu_bench.device_kernel_totals(ProfileData.from_text_proto(
         'planes { id: 2 name: "/host:CPU" }'), calls=1) is None
     assert gpu_bench._kernels_line(None) == "kernels: no device plane in the trace"
+
+
+def test_doctests(gpu_bench):
+    assert doctest.testmod(gpu_bench, optionflags=doctest.NORMALIZE_WHITESPACE).failed == 0
+
+
+@pytest.mark.parametrize("align", [0, 64, 128, 1000])
+def test_document_ids_cut_where_asked(gpu_bench, align):
+    ids = gpu_bench.document_ids(4096, align)
+    steps = np.flatnonzero(np.diff(ids)) + 1
+    assert ids[0] == 0 and set(np.diff(ids)) <= {0, 1}
+    assert 1 <= len(steps) <= 7
+    if align:
+        assert (steps % align == 0).all()
+    else:
+        assert len(steps) == 7
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_tile_mix_counts_the_tiles_of_the_dense_mask(gpu_bench, D):
+    """Visited share, PARTIAL share and visited tiles per q tile against a count
+    over the materialized mask, tile by tile, at the Mosaic GPU forward's tiles."""
+    T, B, H = 1024, 2, 1
+    ids = jnp.asarray(np.stack([gpu_bench.document_ids(T), gpu_bench.document_ids(T, 128)]))
+    m = masks.causal() & masks.segments(ids, ids)
+    dense = np.broadcast_to(np.asarray(masks.materialize(m, B, H, T, T)), (B, H, T, T))
+    rows, cols = gpu_bench._program_tile(D)
+    tiles = dense.reshape(B, H, T // rows, rows, T // cols, cols)
+    seen, full = tiles.any((3, 5)), tiles.all((3, 5))
+    n = seen.sum()
+    assert gpu_bench.tile_mix(m, B, H, T, D) == pytest.approx(
+        (n / seen.size, (n - full.sum()) / n, n / (B * H * (T // rows))))
+
+
+def test_visited_rates_name_the_partial_share(gpu_bench):
+    base = dict(status="ok", impl="fnattn:mosaic_gpu", T=8192, D=128, mode="fwd")
+    rows = [dict(base, mask="none", tflops=600.0, tiles_per_row=64.0),
+            dict(base, mask="documents", tflops_visited=390.0, partial=0.39,
+                 tiles_per_row=6.9),
+            dict(base, mask="documents@128", tflops_visited=480.0, partial=0.17,
+                 tiles_per_row=5.7),
+            dict(base, mask="documents", impl="jax.nn:cudnn", tflops_visited=100.0)]
+    assert gpu_bench._visited_rates(rows) == [
+        "- documents, fwd, fnattn:mosaic_gpu: 390 TFLOP/s per visited tile = 65% of its dense "
+        "rate (600); 39% of its visited tiles PARTIAL, 6.9 per q tile (dense: 64)",
+        "- documents@128, fwd, fnattn:mosaic_gpu: 480 TFLOP/s per visited tile = 80% of its "
+        "dense rate (600); 17% of its visited tiles PARTIAL, 5.7 per q tile (dense: 64)"]
