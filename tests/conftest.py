@@ -22,6 +22,7 @@ def pytest_report_header(config):
 
 
 _SHARD_MAP = pytest.StashKey()
+_SHARD_MAP_TEST = "test_shard_map_on_eight_host_devices"
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -29,7 +30,7 @@ def pytest_collection_modifyitems(session, config, items):
     # pytest-xdist (``-n``) their test goes first, so that the worker it lands on
     # waits for the subprocess while the other workers run the rest of the suite.
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.name != "test_shard_map_on_eight_host_devices")
+        items.sort(key=lambda item: item.name != _SHARD_MAP_TEST)
 
 
 def pytest_collection_finish(session):
@@ -39,7 +40,7 @@ def pytest_collection_finish(session):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     for item in session.items:
-        if item.name == "test_shard_map_on_eight_host_devices":
+        if item.name == _SHARD_MAP_TEST:
             session.config.stash[_SHARD_MAP] = item.module.launch()
             break
 
