@@ -42,12 +42,13 @@ dispatch, never through it).
 from typing import Callable
 
 import jax
+import jax.numpy as jnp
 from jax import tree_util
 from jax.extend import core as jex_core
 from jax._src import dispatch
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["dependent"]
+__all__ = ["dependent", "mixed_einsum"]
 
 # Platforms with a rule of their own; any other platform lowers the default.
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -204,3 +205,32 @@ for _prim in (_p, _p_devices):
     ad.primitive_jvps[_prim] = _jvp
 # ``jit`` keeps the devices when lowering a program that holds this one.
 getattr(dispatch, "prim_requires_devices_during_lowering", set()).add(_p_devices)
+
+
+def mixed_einsum(subscripts: str, a, b, acc):
+    """``jnp.einsum(subscripts, a, b, preferred_element_type=acc)`` for operands
+    in a narrower float dtype (bfloat16, float16) than ``acc``, on every platform.
+
+    XLA's CPU runtime runs some such dots, depending on the operands' layouts
+    after its transposes are folded in, in a thunk that takes no BF16 x BF16 =
+    F32 ("UNIMPLEMENTED: Unsupported element type for DotThunk::Execute"): a
+    batched product whose contracted axis is not the minor one, as the dense
+    forward gets from "bhtd" inputs. On the CPU the operands are cast to
+    ``acc`` first. The product of two bfloat16 or float16 values is exact in
+    float32, so both forms sum the same terms; elsewhere the narrow operands
+    go to the matrix units as they are. Forward mode and ``vmap`` only (as
+    :func:`dependent`): for code fnattn differentiates around, never through.
+
+    >>> import jax, jax.numpy as jnp
+    >>> a = jnp.ones((2, 2, 8, 4), jnp.bfloat16)
+    >>> f = lambda a: mixed_einsum("bhtd,bhsd->bhts", a, a, jnp.float32)
+    >>> jax.jit(f)(a).dtype, float(jax.jit(f)(a)[0, 0, 0, 0])
+    (dtype('float32'), 4.0)
+    """
+    def product(x, y):
+        return jnp.einsum(subscripts, x, y, preferred_element_type=acc)
+
+    if a.dtype == acc and b.dtype == acc:
+        return product(a, b)
+    return dependent(a, b, default=product,
+                     cpu=lambda x, y: product(x.astype(acc), y.astype(acc)))

@@ -13,6 +13,7 @@ from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import _checks, dropout, masks
 from fnattn._online import finite_keys
+from fnattn._platforms import mixed_einsum
 from fnattn.spec import AttentionOutput, AttentionSpec
 
 __all__ = ["reference", "dense_attention"]
@@ -27,8 +28,8 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
     float64 inputs).
 
     ``upcast=True`` casts q, k, v to the accumulation dtype before the products
-    (the reference); ``False`` multiplies in the input dtype with accumulation in
-    that dtype. GQA is handled by grouping query heads, without repeating k or v.
+    (the reference); ``False`` multiplies the inputs as they are, accumulating
+    in the accumulation dtype (:func:`fnattn._platforms.mixed_einsum`). GQA is handled by grouping query heads, without repeating k or v.
 
     Masked keys contribute exactly nothing, whatever their K/V bits hold: a key
     whose K or V holds a non-finite value is zeroed and its logit made NaN for
@@ -45,7 +46,7 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
     # Non-finite keys: zeroed and flagged per (b, key, kv head) (_online.finite_keys).
     k, v, bad = finite_keys(k, v)
     qg = q.reshape(B, Tq, Hkv, G, D)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k, preferred_element_type=acc)
+    s = mixed_einsum("bqhgd,bkhd->bhgqk", qg, k, acc)
     s = s.reshape(B, Hq, Tq, Tk) * scale
     if bias is not None:
         s = s + bias.astype(acc)
@@ -89,7 +90,7 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
         keep = dropout.keep_mask(seed, b, h, qi, ki, dropout_rate)
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
     pv = p.astype(acc if upcast else v.dtype).reshape(B, Hkv, G, Tq, Tk)
-    out = jnp.einsum("bhgqk,bkhd->bqhgd", pv, v, preferred_element_type=acc)
+    out = mixed_einsum("bhgqk,bkhd->bqhgd", pv, v, acc)
     out = out.reshape(B, Tq, Hq, v.shape[-1])
     if return_weights:
         return out, lse, p

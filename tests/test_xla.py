@@ -4,6 +4,8 @@ It runs behind the dispatch's custom_jvp, so gradients here exercise the
 lowering's own backward (``xla._backward``), including the ``lse`` cotangent.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -77,6 +79,44 @@ def test_low_precision_gradients_stay_close_to_float32(dtype, tol):
     for lo, hi in zip(low, high):
         assert lo.dtype == jnp.dtype(dtype)
         np.testing.assert_allclose(f64(lo), f64(hi), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("layout", ["bhtd", "bthd"])
+@pytest.mark.parametrize("Hq,Hkv", [(2, 2), (4, 2)])
+def test_low_precision_forward_runs_on_this_cpu_in_both_layouts(dtype, layout, Hq, Hkv):
+    # XLA's CPU runtime refused some of the dense forward's bfloat16 products
+    # ("Unsupported element type for DotThunk::Execute: BF16 x BF16 = F32"),
+    # e.g. "bhtd" inputs with B, Hkv > 1: the products now take float32
+    # operands on the CPU (exact for bfloat16 and float16 values).
+    rs = np.random.default_rng(7)
+    B, T, D = 2, 24, 16
+    shape = {"bthd": lambda H: (B, T, H, D), "bhtd": lambda H: (B, H, T, D)}[layout]
+    q, k, v = (jnp.asarray(rs.standard_normal(shape(H)), dtype) for H in (Hq, Hkv, Hkv))
+    spec = AttentionSpec(mask=masks.causal(), layout=layout, impl="xla", return_lse=True)
+    got = jax.jit(fnattn.attention)(spec, q, k, v)
+    want = jax.jit(fnattn.reference)(spec.replace(impl="reference"),
+                                      *(x.astype(jnp.float32) for x in (q, k, v)))
+    assert got.out.dtype == jnp.dtype(dtype)
+    # (the weights are rounded to the input dtype before they meet V)
+    np.testing.assert_allclose(f64(got.out), f64(want.out), atol=2e-2)
+    np.testing.assert_allclose(f64(got.lse), f64(want.lse), atol=1e-4, rtol=1e-4)
+
+
+def _dot_operand_types(text):
+    """The operand element types of every ``stablehlo.dot_general`` in ``text``."""
+    return {tuple(re.findall(r"x(bf16|f16|f32)>", line.split(":")[-1].split("->")[0]))
+            for line in text.splitlines() if "stablehlo.dot_general" in line}
+
+
+def test_dense_forward_multiplies_narrow_operands_except_on_the_cpu():
+    q = jnp.ones((2, 2, 8, 16), jnp.bfloat16)
+    spec = AttentionSpec(layout="bhtd", impl="xla")
+    traced = jax.jit(lambda q: fnattn.attention(spec, q, q, q).out).trace(q)
+    types = {plat: _dot_operand_types(traced.lower(lowering_platforms=(plat,)).as_text())
+             for plat in ("cpu", "cuda", "tpu")}
+    assert types == {"cpu": {("f32", "f32")}, "cuda": {("bf16", "bf16")},
+                     "tpu": {("bf16", "bf16")}}, types
 
 
 def test_bias_gradient_keeps_the_broadcast_shape():
