@@ -148,6 +148,36 @@ def test_hostile_rows_match_the_reference(lowering, with_sinks):
     _compare(got, _reference(with_sinks, "float32"), 2e-4)
 
 
+def _two_keys_per_row(b, h, q, k):
+    # (module level: from_fn masks are static and compared by identity)
+    return k <= 2 * q
+
+
+@pytest.mark.parametrize("lowering", ["xla", "flash-xla", "triton-interpret",
+                                      "mosaic-interpret"])
+def test_padding_rows_never_meet_the_keys_only_they_would_see(lowering):
+    # Tq = 5 in tiles of 4 (8 on the TPU kernel) rows: the padding rows 5.. of
+    # the last tile would see keys 9..11, which no query row sees and which hold
+    # NaN and inf. A padding row must see nothing: otherwise its NaN logit
+    # reaches those keys' dk and dv (0 * NaN), and the dbias summed over rows.
+    rs = np.random.default_rng(11)
+    q = jnp.asarray(rs.standard_normal((2, 5, 2, 8)), F32)
+    k = jnp.asarray(rs.standard_normal((2, 12, 1, 8)), F32)
+    v = jnp.asarray(rs.standard_normal((2, 12, 1, 8)), F32)
+    do = jnp.asarray(rs.standard_normal((2, 5, 2, 8)), F32)
+    dl = jnp.asarray(rs.standard_normal((2, 2, 5)), F32)
+    bias = jnp.asarray(rs.standard_normal((1, 1, 1, 12)), F32)  # (its gradient sums rows)
+    k = k.at[:, 9:].set(jnp.nan)
+    v = v.at[:, 9:].set(jnp.inf)
+    spec = AttentionSpec(mask=masks.from_fn(_two_keys_per_row), bias=bias,
+                         block_sizes=fnattn.XlaBlockSizes(4, 8))
+    with cheap_compiles():
+        got = _run(LOWERINGS[lowering], spec, q, k, v, do, dl)
+    want = _run(fnattn.reference, spec, q, k, v, do, dl)
+    _compare(got, want, 2e-4)
+    assert (np.asarray(got[2][1])[:, 9:] == 0).all() and (np.asarray(got[2][2])[:, 9:] == 0).all()
+
+
 # (cudnn: jax.nn's own XLA path cannot differentiate float16 on a CPU, "precision
 # F16_F16_F32 is not supported by dot_general on CPU"; cuDNN accumulates in float32.)
 @pytest.mark.parametrize("lowering", ["xla", "flash-xla", "triton-interpret",

@@ -230,8 +230,12 @@ def _positions(K: _K, r_blk, c_blk):
 
 
 def _allowed(K: _K, op_refs, b, h, r_blk, c_blk):
+    """The mask of a masked tile, with k < Tk and q < Tq: a padding row sees no
+    key (a key a ``from_fn`` mask shows it would give it a NaN logit where the
+    key's K or V is not finite, and the backward would add 0 * NaN into that
+    key's dK and dV)."""
     q, k = _positions(K, r_blk, c_blk)
-    ok = k < K.Tk
+    ok = (k < K.Tk) & (q < K.Tq)
     if K.mask_treedef is not None:
         tiles = [_load(r, op, K, b, h) for r, op in zip(op_refs, K.ops)]
         # Predicates read only the tiles (the mask's arrays are placeholders).

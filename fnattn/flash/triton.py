@@ -210,6 +210,7 @@ class _K:
     mask_treedef: object          # None without a mask
     op_varies: tuple              # per mask operand: (b, h, q, k) flags
     ragged_k: bool                # Tk is not a multiple of bk
+    ragged_q: bool = False        # Tq is not a multiple of bq
     one_list: bool = False        # the schedule is [n_full, n_visited, tiles...] (Mosaic GPU's)
 
     @property
@@ -280,7 +281,10 @@ def _positions(b, h, i, j, K: _K, transposed: bool):
 
 
 def _allowed(op_refs, head, pos, i, j, K: _K, transposed: bool):
-    """The mask of a PARTIAL tile: the mask predicate and the ragged-length bound."""
+    """The mask of a PARTIAL tile: the mask predicate and the ragged-length
+    bounds. With a mask, padding rows see no key: a key a ``from_fn`` predicate
+    shows them would give them a NaN logit where its K or V is not finite
+    (:func:`_masked`), and the backward would add 0 * NaN into its dK and dV."""
     ok = None
     if K.has_mask:
         tiles = [_tile(r, v, head, i, j, K, transposed) for r, v in zip(op_refs, K.op_varies)]
@@ -289,6 +293,8 @@ def _allowed(op_refs, head, pos, i, j, K: _K, transposed: bool):
     if K.ragged_k:
         inb = pos.k < K.Tk
         ok = inb if ok is None else ok & inb
+    if K.has_mask and K.ragged_q:
+        ok = ok & (pos.q < K.Tq)
     return ok
 
 
@@ -711,7 +717,7 @@ def _make_k(cfg, mask, bias, sinks, bq, bk, *, dkdv=False, Gp=1):
               bias_varies=None if bias is None else _varies(_bias4(bias).shape),
               has_sinks=sinks is not None, mask_treedef=treedef,
               op_varies=tuple(_varies(op.shape) for op in ops),
-              ragged_k=d.kv_len % bk != 0)
+              ragged_k=d.kv_len % bk != 0, ragged_q=d.q_len % bq != 0)
 
 
 def _bias4(bias):

@@ -260,9 +260,12 @@ def _positions(bidx, i, j, P: _Plan, transposed):
 
 
 def _allowed(mask, ops, bidx, i, j, P: _Plan, transposed):
-    """Boolean mask of a PARTIAL tile in the 5-D layout, including k < Tk."""
+    """Boolean mask of a PARTIAL tile in the 5-D layout, including k < Tk and
+    q < Tq: a padding row sees no key, so that a key the mask shows it (a
+    ``from_fn`` predicate knows no bound) cannot give it a NaN logit, whose P
+    the backward would add into that key's dK and dV (0 * NaN)."""
     pos = _positions(bidx, i, j, P, transposed)
-    ok = pos.k < P.Tk
+    ok = (pos.k < P.Tk) & (pos.q < P.Tq)
     if mask is not None:
         tiles = tuple(_to5(_tile(op, i, j, P), P, transposed) for op in ops)
         ok = mask.predicate(pos, tiles) & ok
