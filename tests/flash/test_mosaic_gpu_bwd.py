@@ -192,6 +192,26 @@ def test_interpreted_poisoned_hidden_keys(interpreted):
     assert np.isnan(f32(dq)[0, bad_v - 16:bad_k + 17]).any(axis=-1).all()
 
 
+def _two_keys_per_row(b, h, q, k):
+    # (module level: from_fn masks are static and compared by identity)
+    return k <= 2 * q
+
+
+def test_interpreted_padding_rows_never_meet_the_keys_only_they_would_see(interpreted):
+    """Tq = 70 in programs of 128 rows: the padding rows 70.. would see keys
+    139..191 by the mask's predicate, keys no query row sees and which hold NaN
+    and inf. Every gradient is the clean reference's, and those keys' dk and dv
+    are 0 (a padding row's NaN logit would reach them as 0 * NaN)."""
+    q, k, v, d_out, d_lse = qkv(Tq=70, Tk=192)
+    spec = AttentionSpec(mask=masks.from_fn(_two_keys_per_row), return_lse=True,
+                         block_sizes=SMALL)
+    k2, v2 = k.at[:, 139:].set(jnp.nan), v.at[:, 139:].set(jnp.inf)
+    out, _, grads = outputs_and_grads(spec, q, k2, v2, d_out, d_lse, interpreted)
+    _, _, r_grads = reference(spec, q, k, v, d_out, d_lse)
+    assert_grads_close(grads, r_grads)
+    assert (f32(grads[1])[:, 139:] == 0).all() and (f32(grads[2])[:, 139:] == 0).all()
+
+
 def test_interpreted_float16_with_large_cotangents(interpreted):
     """float16 under loss scaling: |dO| ~ 1e3 and |V| ~ 6, so that dO.V^T
     overflows float16 in many entries (dP is accumulated in float32 by the
