@@ -80,6 +80,46 @@ os.environ.setdefault("PJRT_NPROC", str(max(8, os.cpu_count() or 1)))
 import fnattn  # noqa: E402,F401
 
 
+# Every compiled program keeps a few memory mappings (its machine code) for as
+# long as JAX's caches hold it. A process that compiles tens of thousands of
+# programs (the suite in one process; the "dev" Hypothesis profile) heads for
+# the kernel's vm.max_map_count (65 530 by default), past which no new code can
+# be mapped (two long dev-profile runs aborted or segfaulted inside a compile;
+# this is the likely cause, not a proven one). So every 8th test, past 60 % of
+# that limit, the caches are cleared (and the programs' mappings go with them).
+_MAPS_EVERY, _MAPS_SHARE = 8, 0.6
+
+
+def _max_map_count():
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None  # (not Linux: no such limit to watch)
+
+
+def memory_maps():
+    """How many memory mappings this process holds (Linux), else 0."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
+
+
+_MAP_LIMIT = _max_map_count()
+_tests_run = 0
+
+
+def pytest_runtest_teardown(item, nextitem):
+    global _tests_run
+    _tests_run += 1
+    if _MAP_LIMIT and _tests_run % _MAPS_EVERY == 0 and memory_maps() > _MAPS_SHARE * _MAP_LIMIT:
+        import jax
+        jax.clear_caches()
+        gc.collect()
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: one worker per core, at most four (each holds 3 to 5 GB)."""
