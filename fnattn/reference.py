@@ -29,7 +29,8 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
 
     ``upcast=True`` casts q, k, v to the accumulation dtype before the products
     (the reference); ``False`` multiplies the inputs as they are, accumulating
-    in the accumulation dtype (:func:`fnattn._platforms.mixed_einsum`). GQA is handled by grouping query heads, without repeating k or v.
+    in the accumulation dtype (:func:`fnattn._platforms.mixed_einsum`). GQA is
+    handled by grouping query heads, without repeating k or v.
 
     Masked keys contribute exactly nothing, whatever their K/V bits hold: a key
     whose K or V holds a non-finite value is zeroed and its logit made NaN for

@@ -34,6 +34,7 @@ from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
 from fnattn.flash.mosaic_gpu_bwd import MosaicGpuBwdBlockSizes
 from lowering import gpu_target
 from mosaic_gpu_interpreter import REDO_KERNELS, compile_once, reset_after_failure, triton_kernels
+from test_reliability import _two_keys_per_row
 
 ON_GPU = jax.devices()[0].platform == "gpu"
 SMALL = MosaicGpuBlockSizes(block_q=64, block_k=64, max_concurrent_steps=2)
@@ -190,11 +191,6 @@ def test_interpreted_poisoned_hidden_keys(interpreted):
                        (r_dq[:, clean_rows], r_dk[:, clean_keys], r_dv[:, clean_keys]))
     assert np.isnan(f32(out)[0, bad_v - 16:bad_k + 17]).all(axis=-1).all()
     assert np.isnan(f32(dq)[0, bad_v - 16:bad_k + 17]).any(axis=-1).all()
-
-
-def _two_keys_per_row(b, h, q, k):
-    # (module level: from_fn masks are static and compared by identity)
-    return k <= 2 * q
 
 
 def test_interpreted_padding_rows_never_meet_the_keys_only_they_would_see(interpreted):
