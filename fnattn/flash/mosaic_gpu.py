@@ -32,7 +32,10 @@ the table is a NumPy constant built at trace time; for a mask holding arrays
 (segment ids, lengths, prefix lengths, positions) it is computed in XLA from
 them (:func:`fnattn.masks.block_classes`, then :func:`visit_list`), so a new
 packing of documents does not recompile. Producer and consumers read the
-same row, so they iterate the same list. FULL tiles run without mask code; the
+same row, so they iterate the same list, and read it ahead: a persistent
+program's next item's indices and counts while it runs the current one, and
+the next tile's index while a step runs, so that no step waits on a load from
+global memory for its own. FULL tiles run without mask code; the
 others evaluate the mask's predicate elementwise on the tile (and the bound of
 ragged sequences: keys past ``Tk`` are not visible). EMPTY tiles are never
 loaded.
@@ -174,16 +177,18 @@ class MosaicGpuBlockSizes:
         item's K and V while the consumers finish the current one, the
         consumers load its Q tiles into a second buffer where shared memory
         allows (:func:`q_buffers`), and no program waits for its last stores:
-        meant for short items (packed documents). Same results; slower on an
-        H100 so far (packed documents 0.356 ms against 0.312 at T = 8k), so
-        off by default.
+        meant for short items (packed documents). Same results. Off by
+        default: on an H100 it was slower on packed documents at T = 8k (0.356
+        ms against 0.312); on an H200, later, 5 % faster there (0.292 against
+        0.306) but 11 % slower without a mask (2.03 against 1.82 ms).
       walk: the order in which persistent programs take the items
         (:func:`walk_order`). ``"heaviest"`` (the default): most kv-tiles
         visited first, which balances the programs' loads. ``"tiles"``: the
         grid's order, each batch row's q-tiles from the last to the first, the
         heads side by side, so that the programs running at once hold
         neighbouring q-tiles (of packed documents: the same document) and read
-        the same K/V tiles. Not yet timed on an H100.
+        the same K/V tiles. Not faster on an H200 (packed documents at T = 8k:
+        0.315 ms against 0.292 heaviest first).
 
     >>> MosaicGpuBlockSizes.default(128).smem_bytes(128)
     164864
@@ -435,6 +440,29 @@ def stack_of(stacks, kind):
     return next((s[1:] for s in stacks if s[0] == kind), None)
 
 
+# Mosaic GPU's profiler, for developers: ``(entries, directory)`` makes the
+# compiled forward kernel record when each warpgroup enters and leaves the
+# kernel's named regions (:func:`_region`: waits, the two products, the softmax,
+# the epilogue), ``entries`` 32-bit words per warpgroup (events past them are
+# dropped), and write a Chrome trace to ``directory`` after every call
+# (``benchmarks/kernel_profile.py``). Read when a kernel is traced; None:
+# off.
+PROFILE = None
+
+
+def _profiler_params():
+    if PROFILE is None:
+        return {}
+    entries, where = PROFILE
+    return dict(profile_space=entries, profile_dir=where, profile_bounds_check=True)
+
+
+def _region(name):
+    """A named region of the kernel: a timed span of each warpgroup's trace when
+    :data:`PROFILE` is set, nothing otherwise."""
+    return jax.named_scope(name)
+
+
 def _compat_transpose(ref):
     """``ref`` seen with its two axes swapped, on either JAX's spelling."""
     if hasattr(ref, "transpose"):
@@ -474,21 +502,40 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 return lax.axis_index("batch"), lax.axis_index("heads"), tile
             return walk.item(i, sm, lambda j: order_ref[j], _div, _rem)
 
+        def row_of(b, h, tile):
+            """The index of an item's row in the visiting table."""
+            return (b if P.sched_b else 0, h if P.sched_h else 0, tile)
+
+        def info(i):
+            """``(b, h, tile, n_full, n_seen, first)`` of this program's ``i``-th
+            item: its row's counts and the first kv-tile it visits."""
+            b, h, tile = item_at(i)
+            row = row_of(b, h, tile)
+            return (b, h, tile) + tuple(sched_ref[row + (c,)] for c in range(3))
+
         def each_item(item):
-            """Runs ``item(i, b, h, tile, step) -> step`` on this program's work
+            """Runs ``item(i, cur, nxt, step) -> step`` on this program's work
             items in order and returns the last ``step``: the count of kv-tiles
             the program has walked so far, whose remainder by the ring's depth
-            names the slot of the next tile (producer and consumers count alike)."""
+            names the slot of the next tile (producer and consumers count alike).
+            ``cur``: the item's :func:`info`; ``nxt``: the next item's (the
+            last item's own for the last), read from memory one item ahead so
+            that no item waits on the loads of its own indices."""
             if not P.programs:
-                return item(jnp.int32(0), *item_at(0), jnp.int32(0))
-            return lax.fori_loop(jnp.int32(0), count,
-                                 lambda i, step: item(i, *item_at(i), step), jnp.int32(0))
+                cur = info(0)
+                return item(jnp.int32(0), cur, cur, jnp.int32(0))
 
-        def schedule_row(b, h, tile):
-            """``(kv_tile, n_full, n_seen)`` of an item's row of the visiting table."""
-            row = (b if P.sched_b else 0, h if P.sched_h else 0, tile)
-            return (lambda t: sched_ref[row + (2 + t,)],
-                    sched_ref[row + (0,)], sched_ref[row + (1,)])
+            def one(i, carry):
+                step, cur = carry[0], carry[1:]
+                nxt = info(jnp.minimum(i + 1, count - 1))
+                return (item(i, cur, nxt, step),) + nxt
+
+            return lax.fori_loop(jnp.int32(0), count, one, (jnp.int32(0),) + info(0))[0]
+
+        def kv_tile_of(b, h, tile):
+            """The kv-tile visited at step ``t`` of an item (past its last, the last)."""
+            row = row_of(b, h, tile)
+            return lambda t: sched_ref[row + (2 + jnp.minimum(t, P.n_kv - 1),)]
 
         def slot_of(step):
             return lax.rem(step, jnp.int32(ring))
@@ -517,8 +564,12 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                     ids_ref["rows"].at[ids_at("rows", b, h) + (slice(None), pl.ds(q0, P.bq))],
                     S.rows_smem.at[at], S.rows_ready.at[at])
 
-        def consume_item(rows_layout, seed, i, b, h, tile, start):
-            kv_tile, n_full, n_seen = schedule_row(b, h, tile)
+        def consume_item(rows_layout, seed, i, cur, nxt, start):
+            b, h, tile, n_full, n_seen, _ = cur
+            kv_tile = kv_tile_of(b, h, tile)
+            # The first PARTIAL tile's index, read now: the FULL tiles run
+            # while it arrives (each PARTIAL step reads the next one's).
+            first_partial = kv_tile(n_full)
             q0 = tile * P.rows + wg * P.bq
             if P.q_buffers == 1:
                 load_rows((b, h, tile), 0)
@@ -529,10 +580,11 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 # them and its output has left it).
                 buf = _rem(i, 2)
                 pl.when(i == 0)(lambda: load_rows((b, h, tile), buf))
-                pl.when(i + 1 < count)(lambda: load_rows(item_at(i + 1), 1 - buf))
+                pl.when(i + 1 < count)(lambda: load_rows(nxt[:3], 1 - buf))
                 at = buf * 2 + wg
             mine = S.q_smem.at[at]
-            plgpu.barrier_wait(S.q_ready.at[at])
+            with _region("wait_q"):
+                plgpu.barrier_wait(S.q_ready.at[at])
 
             m = _in_layout(jnp.full((P.bq,), -jnp.inf, F32), rows_layout, P)
             l = _in_layout(jnp.full((P.bq,), 0.0, F32), rows_layout, P)
@@ -546,14 +598,22 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 scalars = [ids_ref["scalar"][where + (c,)]
                            for c in range(P.stack("scalar")[0])]
 
-            @pl.when(n_seen > 0)
-            def _():
-                plgpu.barrier_wait(S.k_ready.at[slot_of(start)])
+            with _region("wait_k"):
+                @pl.when(n_seen > 0)
+                def _():
+                    plgpu.barrier_wait(S.k_ready.at[slot_of(start)])
 
-            pl.when(wg == 1)(take_turn)
+                pl.when(wg == 1)(take_turn)
 
             def step(t, carry, partial: bool):
-                acc, m, l = carry
+                if partial:
+                    # This tile's index came a step ahead; the next one's is
+                    # read now, to arrive while this one runs.
+                    acc, m, l, j = carry
+                    j_next = kv_tile(t + 1)
+                else:
+                    acc, m, l = carry
+                    j = kv_tile(t) if seed is not None else None
                 slot = slot_of(start + t)
                 reads_ids = partial and n_cols > 0
 
@@ -569,6 +629,7 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                     ids = kv_ids() if reads_ids else []  # (while the multiply runs)
                     return s_ref[...], ids
 
+                kind = "partial" if partial else "full"
                 if P.interpreted:
                     # The interpreter's ``wgmma`` takes no transposed ref: the
                     # same product from the tiles in shared memory.
@@ -577,43 +638,51 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                     take_turn()
                     ids = kv_ids() if reads_ids else []
                 else:
-                    s, ids = pl.run_scoped(scores, plgpu.ACC((P.bq, P.bk), F32))
-                # (K and the tile's key arrays are read: the slot may be refilled)
-                plgpu.barrier_arrive(S.k_free.at[slot])
-                if P.flag:
-                    # A non-finite logit becomes NaN (inf + inf * 0), before the
-                    # soft-cap could make it finite; finite ones keep their bits.
-                    # The NaN reaches the row's l through its weight, hidden or
-                    # not (below), and flags the row in the epilogue. Elementwise
-                    # and independent, unlike a row sum: no chain of adds, no
-                    # shuffles.
-                    s = s + s * 0.0
-                if P.softcap is None:
-                    c = P.scale * LOG2E
-                else:  # softcap * tanh(scale * s / softcap), its factor folded into c
-                    s = jnp.tanh(s * (P.scale / P.softcap))
-                    c = P.softcap * LOG2E
-                if partial:
-                    ops = _tile_operands(scalars, row_ids, ids, P)
-                    visible = _visible(q0, kv_tile(t), b, h, ops, P)
-                    if visible is not None:  # (a flagged hidden logit stays NaN)
-                        s = jnp.where(visible, s, s * 0.0 - jnp.inf if P.flag else -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1) * c)
-                # A row that has seen no key keeps m = -inf; shifting it by 0
-                # keeps its p at exp2(-inf) = 0 instead of NaN. FULL tiles come
-                # first and see every key, so they need no such guard.
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if partial else m_new
-                alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
-                l = l * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                if seed is not None:  # the denominator keeps every weight; P V the kept ones
-                    p = jnp.where(_keep(seed, q0, kv_tile(t), b, h, P), p * (1 / (1 - P.rate)),
-                                  0.0)
-                p = p.astype(dtype)
-                plgpu.barrier_arrive(S.turn)
-                plgpu.barrier_wait(S.v_ready.at[slot])
-                plgpu.barrier_wait(S.turn)
+                    with _region(kind + "_qk"):
+                        s, ids = pl.run_scoped(scores, plgpu.ACC((P.bq, P.bk), F32))
+
+                def softmax(s, ids, acc, m, l):
+                    # (K and the tile's key arrays are read: the slot may be refilled)
+                    plgpu.barrier_arrive(S.k_free.at[slot])
+                    if P.flag:
+                        # A non-finite logit becomes NaN (inf + inf * 0), before
+                        # the soft-cap could make it finite; finite ones keep
+                        # their bits. The NaN reaches the row's l through its
+                        # weight, hidden or not (below), and flags the row in the
+                        # epilogue. Elementwise and independent, unlike a row
+                        # sum: no chain of adds, no shuffles.
+                        s = s + s * 0.0
+                    if P.softcap is None:
+                        c = P.scale * LOG2E
+                    else:  # softcap * tanh(scale * s / softcap), its factor folded into c
+                        s = jnp.tanh(s * (P.scale / P.softcap))
+                        c = P.softcap * LOG2E
+                    if partial:
+                        ops = _tile_operands(scalars, row_ids, ids, P)
+                        visible = _visible(q0, j, b, h, ops, P)
+                        if visible is not None:  # (a flagged hidden logit stays NaN)
+                            s = jnp.where(visible, s,
+                                          s * 0.0 - jnp.inf if P.flag else -jnp.inf)
+                    m_new = jnp.maximum(m, s.max(axis=1) * c)
+                    # A row that has seen no key keeps m = -inf; shifting it by
+                    # 0 keeps its p at exp2(-inf) = 0 instead of NaN. FULL tiles
+                    # come first and see every key, so they need no such guard.
+                    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if partial else m_new
+                    alpha = jnp.exp2(m - m_use)
+                    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                    l = l * alpha + p.sum(axis=1)
+                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                    if seed is not None:  # the denominator keeps every weight; P V the kept
+                        p = jnp.where(_keep(seed, q0, j, b, h, P), p * (1 / (1 - P.rate)), 0.0)
+                    p = p.astype(dtype)
+                    return acc, m_new, l, p
+
+                with _region(kind + "_softmax"):
+                    acc, m_new, l, p = softmax(s, ids, acc, m, l)
+                with _region("wait_v"):
+                    plgpu.barrier_arrive(S.turn)
+                    plgpu.barrier_wait(S.v_ready.at[slot])
+                    plgpu.barrier_wait(S.turn)
 
                 # (computed out here: ``run_state`` below must close over no
                 # constant scalar, which its Mosaic GPU lowering cannot return)
@@ -636,32 +705,37 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                     def _():
                         plgpu.barrier_wait(S.k_ready.at[next_slot])
                 else:
-                    acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
+                    with _region(kind + "_pv"):
+                        acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
                 plgpu.barrier_arrive(S.v_free.at[slot])
-                return acc, m_new, l
+                return (acc, m_new, l, j_next) if partial else (acc, m_new, l)
 
             carry = lax.fori_loop(jnp.int32(0), n_full, functools.partial(step, partial=False),
                                   (acc, m, l))
-            acc, m, l = lax.fori_loop(n_full, n_seen, functools.partial(step, partial=True),
-                                      carry)
-            pl.when(wg == 0)(take_turn)
+            acc, m, l, _ = lax.fori_loop(n_full, n_seen, functools.partial(step, partial=True),
+                                         carry + (first_partial,))
+            with _region("wait_turn"):
+                pl.when(wg == 0)(take_turn)
+            def epilogue(acc, m, l):
+                if P.flag:  # 0, or NaN on a row that met a non-finite logit, V or output
+                    flagged = (l + (acc * 0.0).sum(axis=1)) * 0.0
+                inv = 1.0 / jnp.where(l > 0, l, 1.0)
+                if P.sinks:  # the head's sink joins the denominator only
+                    a, m, l = online.sink_rescale(m, l, sinks_ref[h] * LOG2E, exp=jnp.exp2)
+                    inv = a / jnp.where(l > 0, l, 1.0)
+                mine[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
+                S.m_smem.at[wg][...] = (m + flagged) if P.flag else m
+                S.l_smem.at[wg][...] = l
+                plgpu.commit_smem()
+                plgpu.copy_smem_to_gmem(mine, o_ref.at[b, pl.ds(q0, P.bq), h])
+                plgpu.copy_smem_to_gmem(S.m_smem.at[wg], m_ref.at[b, h, pl.ds(q0, P.bq)])
+                plgpu.copy_smem_to_gmem(S.l_smem.at[wg], l_ref.at[b, h, pl.ds(q0, P.bq)])
+                # The next item may load its Q into this buffer once the copies
+                # have read it; their writes to memory need not be waited for.
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-            if P.flag:  # 0, or NaN on a row that met a non-finite logit, V or output
-                flagged = (l + (acc * 0.0).sum(axis=1)) * 0.0
-            inv = 1.0 / jnp.where(l > 0, l, 1.0)
-            if P.sinks:  # the head's sink joins the denominator only
-                a, m, l = online.sink_rescale(m, l, sinks_ref[h] * LOG2E, exp=jnp.exp2)
-                inv = a / jnp.where(l > 0, l, 1.0)
-            mine[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
-            S.m_smem.at[wg][...] = (m + flagged) if P.flag else m
-            S.l_smem.at[wg][...] = l
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(mine, o_ref.at[b, pl.ds(q0, P.bq), h])
-            plgpu.copy_smem_to_gmem(S.m_smem.at[wg], m_ref.at[b, h, pl.ds(q0, P.bq)])
-            plgpu.copy_smem_to_gmem(S.l_smem.at[wg], l_ref.at[b, h, pl.ds(q0, P.bq)])
-            # The next item may load its Q into this buffer once the copies
-            # have read it; their writes to memory need not be waited for.
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            with _region("epilogue"):
+                epilogue(acc, m, l)
             return start + n_seen
 
         @pl.when(wg < 2)
@@ -669,38 +743,45 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
             rows_layout = plgpu.Layout.WGMMA.reduce(1)
             seed = None if seed_ref is None else dropout.seed_words(seed_ref)
-            each_item(functools.partial(consume_item, rows_layout, seed))
+            with _region("consumer"):
+                each_item(functools.partial(consume_item, rows_layout, seed))
             plgpu.wait_smem_to_gmem(0)
 
-        def produce_item(i, b, h, tile, start):
-            kv_tile, n_full, n_seen = schedule_row(b, h, tile)
+        def produce_item(i, cur, nxt, start):
+            b, h, tile, n_full, n_seen, first = cur
+            kv_tile = kv_tile_of(b, h, tile)
             kv_head = lax.div(h, jnp.int32(P.G))
 
-            def issue(t, _):
-                # The ring's slot of this tile is free once both consumers have
-                # handed back the tile it held (none before the first lap).
+            def issue(t, j):
+                # ``j``: this tile's index, read a step ahead (the next one's
+                # is read now). The ring's slot of this tile is free once both
+                # consumers have handed back the tile it held (none before the
+                # first lap).
+                j_next = kv_tile(t + 1)
                 step = start + t
                 slot = slot_of(step)
-                rows = (b, pl.ds(kv_tile(t) * P.bk, P.bk), kv_head)
-                pl.when(step >= ring)(lambda: plgpu.barrier_wait(S.k_free.at[slot]))
+                rows = (b, pl.ds(j * P.bk, P.bk), kv_head)
+                with _region("wait_free"):
+                    pl.when(step >= ring)(lambda: plgpu.barrier_wait(S.k_free.at[slot]))
                 plgpu.copy_gmem_to_smem(k_ref.at[rows], S.k_smem.at[slot], S.k_ready.at[slot])
                 if n_cols:  # the key arrays ride with K, for PARTIAL tiles only
                     @pl.when(t >= n_full)
                     def _():
-                        keys = ids_at("cols", b, h) + (slice(None),
-                                                       pl.ds(kv_tile(t) * P.bk, P.bk))
+                        keys = ids_at("cols", b, h) + (slice(None), pl.ds(j * P.bk, P.bk))
                         plgpu.copy_gmem_to_smem(ids_ref["cols"].at[keys], S.cols_smem.at[slot],
                                                 S.cols_ready.at[slot])
                 pl.when(step >= ring)(lambda: plgpu.barrier_wait(S.v_free.at[slot]))
                 plgpu.copy_gmem_to_smem(v_ref.at[rows], S.v_smem.at[slot], S.v_ready.at[slot])
+                return j_next
 
-            lax.fori_loop(jnp.int32(0), n_seen, issue, None)
+            lax.fori_loop(jnp.int32(0), n_seen, issue, first)
             return start + n_seen
 
         @pl.when(wg == 2)
         def _produce():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
-            walked = each_item(produce_item)
+            with _region("producer"):
+                walked = each_item(produce_item)
 
             def drain(step, _):
                 # Sees the ring's last hand-backs too, so every barrier phase is
@@ -1026,7 +1107,7 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
         grid_names=grid_names,
         num_threads=3,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        compiler_params=plgpu.CompilerParams(approx_math=True, **_profiler_params()),
         interpret=interpret or None,
     )
     extra = [] if sinks is None else [sinks.astype(F32)]
