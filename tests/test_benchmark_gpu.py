@@ -3,26 +3,19 @@ machines only): the per-kernel breakdown (``--kernel-times``) on a trace laid ou
 as a GPU's, and the documents rows' masks and tile counts."""
 
 import doctest
-import importlib.util
-import os
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.profiler import ProfileData
 
+from benchmark_scripts import benchmark_module
 from fnattn import masks
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
 def gpu_bench():
-    path = os.path.join(HERE, "..", "benchmarks", "gpu.py")
-    spec = importlib.util.spec_from_file_location("fnattn_gpu_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("gpu")
 
 
 GPU_TRACE = """

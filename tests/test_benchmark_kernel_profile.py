@@ -4,26 +4,19 @@ and the switch that turns the profiler on in the Mosaic GPU forward. The
 script itself runs on a Hopper GPU only."""
 
 import doctest
-import importlib.util
 import io
 import json
-import os
 
 import numpy as np
 import pytest
 
+from benchmark_scripts import benchmark_module
 from fnattn.flash import mosaic_gpu
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 @pytest.fixture(scope="module")
 def kernel_profile():
-    path = os.path.join(HERE, "..", "benchmarks", "kernel_profile.py")
-    spec = importlib.util.spec_from_file_location("fnattn_kernel_profile", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_module("kernel_profile")
 
 
 def test_doctests(kernel_profile):
