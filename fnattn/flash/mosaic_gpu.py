@@ -745,7 +745,10 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
             seed = None if seed_ref is None else dropout.seed_words(seed_ref)
             with _region("consumer"):
                 each_item(functools.partial(consume_item, rows_layout, seed))
-            plgpu.wait_smem_to_gmem(0)
+            # (Each item has waited for its stores to read shared memory, which
+            # is all a program must wait for before it ends: the writes land
+            # before the kernel is done, and the next program on this
+            # multiprocessor need not wait for them.)
 
         def produce_item(i, cur, nxt, start):
             b, h, tile, n_full, n_seen, first = cur

@@ -673,7 +673,10 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
                 plgpu.commit_smem()
                 plgpu.copy_smem_to_gmem(stage.at[c], out.at[b, out_rows, hp,
                                                             pl.ds(c0 + j * TILE, TILE)])
-    plgpu.wait_smem_to_gmem(0)
+    # The stores and dQ's additions must have read shared memory before the
+    # program ends; their writes land before the kernel is done, and the next
+    # program on this multiprocessor need not wait for them.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 def _add_to_gmem(x, stage, dst, bar, P: _Plan):
