@@ -409,8 +409,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
                     plgpu.copy_gmem_to_smem(ids_ref["cols"].at[at], cols_smem.at[r],
                                             kv_ready)
 
-            def issue(t, slot):
-                i, head = at_step(t)
+            def issue(t, slot, at):
+                i, head = at
                 rows = (b, pl.ds(i * TILE, TILE), head)
                 for h in range(CG):
                     plgpu.copy_gmem_to_smem(q_ref.at[rows + cols(h)], q_smem[h].at[slot],
@@ -427,12 +427,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
                                                 rows_ready.at[slot])
 
             for t in range(ring):  # fill the ring
-                pl.when(t < n_steps)(functools.partial(issue, jnp.int32(t), t))
+                pl.when(t < n_steps)(
+                    lambda t=t: issue(jnp.int32(t), t, at_step(jnp.int32(t))))
 
             def refill(t, _):
                 slot = slot_of(t)
+                at = at_step(t)  # (read from memory while the slot is in use)
                 plgpu.barrier_wait(consumed.at[slot])
-                issue(t, slot)
+                issue(t, slot, at)
 
             lax.fori_loop(jnp.int32(ring), jnp.maximum(n_steps, ring), refill, None)
 
