@@ -82,12 +82,15 @@ import fnattn  # noqa: E402,F401
 
 # Every compiled program keeps a few memory mappings (its machine code) for as
 # long as JAX's caches hold it. A process that compiles tens of thousands of
-# programs (the suite in one process; the "dev" Hypothesis profile) heads for
-# the kernel's vm.max_map_count (65 530 by default), past which no new code can
-# be mapped (two long dev-profile runs aborted or segfaulted inside a compile;
-# this is the likely cause, not a proven one). So every 8th test, past 60 % of
-# that limit, the caches are cleared (and the programs' mappings go with them).
-_MAPS_EVERY, _MAPS_SHARE = 8, 0.6
+# programs (the suite in one process; the "dev" Hypothesis profile, whose tests
+# compile a program per example) reaches the kernel's vm.max_map_count (65 530
+# by default), past which no new code can be mapped and XLA aborts inside a
+# compile: a dev-profile run of property_tests/ did, 30 s after holding 64 072
+# mappings, all added by one Hypothesis test. So after every 32nd compile
+# (counted by a JAX monitoring listener, which runs between the examples of a
+# Hypothesis test too), past 60 % of that limit, the caches are cleared and the
+# programs' mappings go with them (tests/test_conftest.py).
+_MAPS_EVERY, _MAPS_SHARE = 32, 0.6
 
 
 def _max_map_count():
@@ -108,16 +111,34 @@ def memory_maps():
 
 
 _MAP_LIMIT = _max_map_count()
-_tests_run = 0
 
 
-def pytest_runtest_teardown(item, nextitem):
-    global _tests_run
-    _tests_run += 1
-    if _MAP_LIMIT and _tests_run % _MAPS_EVERY == 0 and memory_maps() > _MAPS_SHARE * _MAP_LIMIT:
-        import jax
-        jax.clear_caches()
-        gc.collect()
+def release_programs_past(limit, every=_MAPS_EVERY):
+    """A JAX monitoring listener (``jax.monitoring.register_event_duration_secs_
+    listener``): on every ``every``-th backend compile it sees, when this process
+    holds more than ``limit`` memory mappings, it clears JAX's caches
+    (``jax.clear_caches``; the program just compiled still reaches its caller)
+    and collects the programs they held."""
+    from jax._src import dispatch
+
+    compiles = [0]
+
+    def listener(event, duration_secs, **kwargs):
+        if event != dispatch.BACKEND_COMPILE_EVENT:
+            return
+        compiles[0] += 1
+        if compiles[0] % every == 0 and memory_maps() > limit:
+            import jax
+            jax.clear_caches()
+            gc.collect()
+    return listener
+
+
+if _MAP_LIMIT:
+    import jax  # noqa: E402
+
+    jax.monitoring.register_event_duration_secs_listener(
+        release_programs_past(_MAPS_SHARE * _MAP_LIMIT))
 
 
 @pytest.hookimpl(optionalhook=True)
