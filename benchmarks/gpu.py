@@ -668,8 +668,10 @@ def write(rows, section, args, started):
             d = f"{r['diff']:.1e}" if "diff" in r else ""
             lines.append(h + f"| {r['time_ms']:.3f} | {r['gb_s']:.0f} | {fp} | "
                          f"{r['frac_copy']:.1%} | {r['xla_mb']:.0f} | {d} |")
+        peak = next((f"{name} {bw / 1e12:.2f} TB/s" for name, bw in PEAK_BW.items()
+                     if name in dev.device_kind), "unknown for this device")
         head.append("- GB/s: K and V of the visible context read once, plus q and the output, "
-                    "over the time; peak HBM: the data sheet's (H100 SXM 3.35 TB/s)\n")
+                    f"over the time; peak HBM: the data sheet's ({peak})\n")
     kernels = [f"- {r['impl']}, " + ", ".join(
         f"{c} {r[c]}" for c in ("T", "D", "mask", "mode", "B", "S") if c in r)
         + f": {r['kernels']}" for r in mine if "kernels" in r]
