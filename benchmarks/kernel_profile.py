@@ -117,7 +117,7 @@ def main():
     ap.add_argument("--cases", default="documents,causal,none")
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--entries", type=int, default=1024,
+    ap.add_argument("--entries", type=int, default=2048,
                     help="profiler words per warpgroup (events past them are dropped)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
