@@ -172,3 +172,35 @@ def test_local_query_by_key_blocks_are_refused_on_several_devices(what, spec):
     with pytest.raises(ValueError, match=f"{what} .* has 4 key columns; expected 1, the "
                                          "local key count L=4"):
         jax.jit(f)(q)
+
+
+def test_array_mask_with_every_key_column_beside_local_segment_ids():
+    """A mask that combines an array holding every key column (this device's rows
+    against all N*L keys) with segment ids holding this device's L tokens: each
+    part is checked against its own key count, and the result is one device's.
+    (Found by the dev Hypothesis profile: the whole mask was checked against one
+    key count, so no count fitted both parts.) The mesh axis is emulated by vmap;
+    the gradients on 8 devices: tests/multi_device/context_checks.py."""
+    N, B, T, H, D = 3, 2, 6, 2, 4
+    rs = np.random.default_rng(33)
+    q, k, v = (jnp.asarray(rs.standard_normal((B, T, H, D)), F32) for _ in range(3))
+    dense = jnp.asarray(rs.random((B, 1, T, T)) < 0.7)
+    ids = jnp.asarray([[0, 1, 1, 2, 2, 2], [0, 0, 0, 1, 2, 2]], jnp.int32)
+    mask = masks.from_array(dense) & (masks.causal() | masks.segments(ids))
+    spec = AttentionSpec(mask=mask, softcap=5.0, sinks=jnp.asarray([0.8, -0.3], F32))
+    whole = jax.jit(fnattn.attention)(spec, q, k, v)
+
+    L = T // N
+    rows = lambda x, axis: jnp.stack(jnp.split(x, N, axis=axis))  # noqa: E731
+
+    def device(q, k, v, dense, ids):
+        local = masks.from_array(dense) & (masks.causal() | masks.segments(ids))
+        return fnattn.context.attention(spec.replace(mask=local), q, k, v, axis_name="seq")
+
+    res = jax.jit(jax.vmap(device, axis_name="seq"))(
+        rows(q, 1), rows(k, 1), rows(v, 1), rows(dense, 2), rows(ids, 1))
+    assert res.out.shape == (N, B, L, H, D)
+    out = jnp.concatenate(list(res.out), axis=1)
+    lse = jnp.concatenate(list(res.lse), axis=2)
+    np.testing.assert_allclose(out, whole.out, atol=3e-5, rtol=3e-5)
+    np.testing.assert_allclose(lse, whole.lse, atol=3e-5, rtol=3e-5)

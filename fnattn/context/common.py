@@ -68,6 +68,20 @@ def _key_kind(n: int, L: int, N: int, what: str, fn: str, q_varies: bool) -> str
         "query rows against every key, in the layout's key order)")
 
 
+def _parts(mask):
+    """The masks whose ``&``, ``|`` and ``~`` make ``mask``, in order.
+
+    >>> from fnattn import masks
+    >>> _parts(masks.causal() & ~(masks.chunked(4) | masks.sliding_window(2)))
+    [causal(), chunked(4), sliding_window(left=2, right=0)]
+    """
+    if isinstance(mask, (masks.And, masks.Or)):
+        return _parts(mask.a) + _parts(mask.b)
+    if isinstance(mask, masks.Not):
+        return _parts(mask.a)
+    return [mask]
+
+
 def prepare(spec, q, k, v, *, axis_name, strategy: str, layout: str, fn: str):
     """Validates and returns ``(problem, q, k, v, bias4, ops, key, base)`` with
     q, k, v in "bthd", the bias in 4-D form (or None), the mask's canonical
@@ -106,17 +120,20 @@ def prepare(spec, q, k, v, *, axis_name, strategy: str, layout: str, fn: str):
     if spec.mask is not None:
         treedef = jax.tree_util.tree_structure(spec.mask)
         ops = tuple(spec.mask.operands())
-        errors = []
-        for tk in dict.fromkeys((L, N * L)):
-            try:
-                spec.mask.validate(B, Hq, L, tk)
-                break
-            except (ValueError, TypeError) as e:
-                errors.append(e)
-        else:
-            raise type(errors[0])(f"{fn}: {errors[0]} (the mask's arrays hold this "
-                                  f"device's L={L} tokens, and every N*L={N * L} key "
-                                  "column for an array mask)")
+        # Each part is checked on its own key count: an array mask may hold
+        # every key column beside segment ids of this device's tokens.
+        for part in _parts(spec.mask):
+            errors = []
+            for tk in dict.fromkeys((L, N * L)):
+                try:
+                    part.validate(B, Hq, L, tk)
+                    break
+                except (ValueError, TypeError) as e:
+                    errors.append(e)
+            else:
+                raise type(errors[0])(f"{fn}: {errors[0]} (the mask's arrays hold this "
+                                      f"device's L={L} tokens, and every N*L={N * L} key "
+                                      "column for an array mask)")
         for i, op in enumerate(ops):
             if op.shape[2] not in (1, L):
                 raise ValueError(f"{fn}: mask operand {i} has {op.shape[2]} query rows; "

@@ -166,8 +166,9 @@ CASES = [
     Case("ring", "striped", lambda a: masks.chunked(16) & masks.causal() & masks.lengths(
         q_lengths=a["qlen"], kv_lengths=a["kvlen"]), dropout=0.3,
         sinks=True, seq=4),
-    Case("ring", "zigzag", lambda a: masks.causal() & masks.from_array(a["dense"]),
-         dropout=0.25, bias="keys", seq=4),
+    # (the array holds every key column, the segment ids this device's tokens)
+    Case("ring", "zigzag", lambda a: masks.from_array(a["dense"]) & (
+        masks.causal() | masks.segments(a["ids"])), dropout=0.25, bias="keys", seq=4),
     Case("all_gather", "contiguous", lambda a: masks.causal() & masks.from_array(a["dense"]),
          dropout=0.3, Hkv=1),
     Case("all_gather", "zigzag", lambda a: masks.causal() & masks.from_fn(
