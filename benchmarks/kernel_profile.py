@@ -117,8 +117,9 @@ def main():
     ap.add_argument("--cases", default="documents,causal,none")
     ap.add_argument("--T", type=int, default=8192)
     ap.add_argument("--D", type=int, default=128)
-    ap.add_argument("--entries", type=int, default=2048,
-                    help="profiler words per warpgroup (events past them are dropped)")
+    ap.add_argument("--entries", type=int, default=600,
+                    help="profiler words per warpgroup (events past them are dropped; the "
+                         "buffer takes shared memory: 2048 left too little for the kernel)")
     ap.add_argument("--out-dir", default=os.path.join(HERE, "results"))
     args = ap.parse_args()
 
