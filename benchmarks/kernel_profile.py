@@ -155,8 +155,9 @@ def main():
             trace = json.load(fh)
         events = trace["traceEvents"] if isinstance(trace, dict) else trace
         s = summarize(regions(events))
-        lines += table(case, s)
-        print("\n".join(table(case, s)), flush=True)
+        part = table(case, s)
+        lines += part
+        print("\n".join(part), flush=True)
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, "kernel_profile.md")
     with open(path, "w") as fh:

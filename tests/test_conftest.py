@@ -17,11 +17,6 @@ def root_conftest(pytestconfig):
     pytest.fail("the root conftest.py is not loaded")
 
 
-def _listening(listener):
-    jax.monitoring.register_event_duration_secs_listener(listener)
-    return listener
-
-
 def test_maps_are_counted(root_conftest):
     if root_conftest._MAP_LIMIT is None:
         pytest.skip("no /proc/sys/vm/max_map_count here")
@@ -36,7 +31,8 @@ def test_caches_cleared_past_the_limit(root_conftest, limit, cleared):
     held = jax.jit(lambda x: x * 3.0)
     held(jnp.ones(3))
     assert held._cache_size() == 1
-    listener = _listening(root_conftest.release_programs_past(limit, every=2))
+    listener = root_conftest.release_programs_past(limit, every=2)
+    jax.monitoring.register_event_duration_secs_listener(listener)
     try:
         f = jax.jit(lambda x: jnp.cos(x) + 1.0)
         outs = [f(jnp.full(n, 0.5)) for n in (5, 6)]  # two compiles: the second checks

@@ -641,9 +641,10 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                     with _region(kind + "_qk"):
                         s, ids = pl.run_scoped(scores, plgpu.ACC((P.bq, P.bk), F32))
 
+                # (K and the tile's key arrays are read: the slot may be refilled)
+                plgpu.barrier_arrive(S.k_free.at[slot])
+
                 def softmax(s, ids, acc, m, l):
-                    # (K and the tile's key arrays are read: the slot may be refilled)
-                    plgpu.barrier_arrive(S.k_free.at[slot])
                     if P.flag:
                         # A non-finite logit becomes NaN (inf + inf * 0), before
                         # the soft-cap could make it finite; finite ones keep
@@ -716,6 +717,7 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                                          carry + (first_partial,))
             with _region("wait_turn"):
                 pl.when(wg == 0)(take_turn)
+
             def epilogue(acc, m, l):
                 if P.flag:  # 0, or NaN on a row that met a non-finite logit, V or output
                     flagged = (l + (acc * 0.0).sum(axis=1)) * 0.0
