@@ -65,12 +65,14 @@ nothing; rows that saw a non-finite key) and for padding rows, so that
 dS by ``1 - tanh^2``.
 
 Keys a row may not see contribute nothing to it whatever their bits: for a
-masked spec each program zeroes the non-finite entries of its K and V tiles in
+masked spec each program zeroes the non-finite entries of its K tile in
 shared memory before it walks (as :func:`fnattn._online.finite_keys` does;
-no pass over K and V in XLA), PARTIAL tiles set hidden logits to -inf
-and hidden dS entries to 0 (so 0 * inf never happens), and a row that did see
-a non-finite key already has a NaN ``out`` and so a NaN ``delta``: its
-gradients are NaN, as with every lowering.
+no pass over K in XLA), so that ``dS @ K`` never meets 0 * inf; PARTIAL tiles
+set hidden logits to -inf and select 0 for hidden dS entries (padding rows
+hidden too, when ``Tq`` is not a multiple of 64), so whatever V holds there
+reaches nothing through ``dP``; and a row that did see a non-finite key
+already has a NaN ``out`` and so a NaN ``delta``: its gradients are NaN, as
+with every lowering.
 
 GQA: when there are enough programs, one program accumulates dK and dV over
 the whole group and writes them in the input dtype. When ``B * Hkv * kv
@@ -426,9 +428,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
                         plgpu.copy_gmem_to_smem(ids_ref["rows"].at[at], rows_smem.at[slot],
                                                 rows_ready.at[slot])
 
-            for t in range(ring):  # fill the ring
-                pl.when(t < n_steps)(
-                    lambda t=t: issue(jnp.int32(t), t, at_step(jnp.int32(t))))
+            # Fill the ring. The first steps' indices are read from memory
+            # beside the row's counts, not after them (clamped to the row's
+            # width; a step past the count is not issued).
+            last = (sched_ref.shape[-1] - 3) * P.Gp + P.Gp - 1
+            first = [at_step(jnp.int32(min(t, last))) for t in range(ring)]
+            for t in range(ring):
+                pl.when(t < n_steps)(lambda t=t: issue(jnp.int32(t), t, first[t]))
 
             def refill(t, _):
                 slot = slot_of(t)
@@ -496,14 +502,15 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
     plgpu.barrier_wait(kv_ready)
     if P.mask_treedef is not None:
         # Hidden keys contribute nothing whatever their bits: their dS is 0 on
-        # PARTIAL tiles, and K and V with their non-finite entries zeroed keep
-        # dS @ K and dO V^T finite there (fnattn._online.finite_keys, here on
-        # the program's tiles in shared memory: each consumer its own rows or
-        # columns, then both meet before either reads the other's).
-        for smem in (k_smem, v_smem):
-            tile = smem[mine_h].at[mine_r]
-            x = tile[...].astype(F32)
-            tile[...] = jnp.where(x - x == 0.0, x, 0.0).astype(dtype)
+        # PARTIAL tiles (a select, whatever dP = V dO^T holds there), and K
+        # with its non-finite entries zeroed keeps dS @ K finite there (as
+        # fnattn._online.finite_keys does, here on the program's tile in
+        # shared memory: each consumer its own rows or columns, then both meet
+        # before either reads the other's). V needs no such pass: it reaches
+        # dQ, dK and dV only through dP, and only where dS is not set to 0.
+        tile = k_smem[mine_h].at[mine_r]
+        x = tile[...].astype(F32)
+        tile[...] = jnp.where(x - x == 0.0, x, 0.0).astype(dtype)
         plgpu.commit_smem()
         plgpu.barrier_arrive(pair)
         plgpu.barrier_wait(pair)
@@ -718,8 +725,14 @@ def _visible_t(i, keys0, b, h, ops, P: _Plan):
     ``i``) are visible (WGMMA layout), or None for all of them. ``ops``: the
     mask's arrays on the tile."""
     qi, kj = _tile_indices_t(i, keys0, P)
-    return mosaic_gpu.visible_pairs(qi, kj, b, h, ops, P.mask_treedef, P.offset,
-                                    P.Tk if P.ragged_k else None)
+    ok = mosaic_gpu.visible_pairs(qi, kj, b, h, ops, P.mask_treedef, P.offset,
+                                  P.Tk if P.ragged_k else None)
+    if P.Tq % TILE:
+        # Padding rows see nothing: their dO is 0, and a non-finite V on a key
+        # that only they would see must not make dP = inf * 0 reach dK.
+        inside = qi < P.Tq
+        ok = inside if ok is None else ok & inside
+    return ok
 
 
 # ----------------------------------------------------------------------------------
