@@ -8,8 +8,13 @@ on one device). Peak memory
 is XLA's compiled temporary-buffer size for the call (inputs and outputs
 excluded), the same measure for every row. Exits with status 1 if any check
 fails.
+
+``python -m fnattn --quick`` runs the same checks and times the same rows at
+small sizes (T = 256, decode S = 256): a smoke test of an installation in
+seconds, whose times say little.
 """
 
+import argparse
 import sys
 import time
 
@@ -99,10 +104,12 @@ def _to_pages(k, v, page_size):
     return pool(k), pool(v), table
 
 
-def serving(gpu, dtype, tol):
+def serving(gpu, dtype, tol, quick=False):
     """Decode (contiguous and paged) checked against the reference and timed next to
     jax.nn.dot_product_attention with key_value_seq_lengths. Returns True on failure."""
     B, S, Hq, Hkv, D = (16, 8192, 32, 8, 128) if gpu else (8, 4096, 8, 2, 64)
+    if quick:
+        B, S = 2, 256
     print(f"\ndecode: one query token, B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} "
           f"{jnp.dtype(dtype).name}, causal; check on B=3 S=96 against the reference")
     spec = AttentionSpec(mask=masks.causal())
@@ -209,11 +216,19 @@ def forward_mode(dtype, tol, shape):
     return status == "FAIL"
 
 
-def main():
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        prog="python -m fnattn",
+        description="Check and time every attention variant available on this machine.")
+    parser.add_argument("--quick", action="store_true",
+                        help="the same checks, timed at small sizes (a smoke test)")
+    quick = parser.parse_args(argv).quick
     dev = jax.devices()[0]
     gpu = dev.platform == "gpu"
     dtype = jnp.bfloat16 if gpu else jnp.float32
     B, T, H, D = (4, 4096, 16, 128) if gpu else (1, 2048, 8, 64)
+    if quick:
+        B, T, H, D = 1, 256, 2, 32
     tol = 2e-2 if gpu else 1e-4
     print(f"fnattn {fnattn.__version__} | jax {jax.__version__} | {dev.platform}: "
           f"{dev.device_kind} | {len(jax.devices())} device(s)")
@@ -252,7 +267,7 @@ def main():
                        if name.startswith("jax.nn") and causal)
     failed |= forward_mode(dtype, tol, (B, T, H, D))
     failed |= context_parallel(dtype, tol, (B, T, H, D), causal_base)
-    failed |= serving(gpu, dtype, tol)
+    failed |= serving(gpu, dtype, tol, quick)
     if failed:
         print("\nSOME CHECKS FAILED")
         sys.exit(1)
