@@ -19,10 +19,9 @@ walks its share of those work items (:func:`launch_grid`; heaviest first,
 dealt out so that the programs' loads stay even, or with ``walk="tiles"`` in
 the grid's order: :class:`Walk`), the ring's
 slots counted on from one item to the next, so the producer streams the next
-item's K and V while the consumers finish the current one, the consumers'
-stagger carries on across items (one's epilogue and next start overlap the
-other's last products), and each consumer loads the next item's Q into a
-second buffer where shared memory allows (:func:`q_buffers`).
+item's K and V while the consumers finish the current one, and each consumer
+loads the next item's Q into a second buffer where shared memory allows
+(:func:`q_buffers`).
 
 Which kv-tiles a program visits comes from the mask's block classes at the
 granularity of the whole ``2 * block_q`` tile, compressed into one list by a
@@ -546,13 +545,6 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
             _, along_b, along_h = P.stack(kind)
             return (b if along_b else 0, h if along_h else 0)
 
-        def when(cond, fn):
-            """``fn()`` if ``cond`` (a bool, or a traced boolean scalar)."""
-            if cond is True:
-                fn()
-            elif cond is not False:
-                pl.when(cond)(fn)
-
         def take_turn():
             # The two consumers alternate at this barrier: one runs its softmax
             # while the other's matrix multiplies occupy the tensor cores.
@@ -574,8 +566,6 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
 
         def consume_item(rows_layout, seed, i, cur, nxt, start):
             b, h, tile, n_full, n_seen, _ = cur
-            # (one program per item: its first and last)
-            first, last = (True, True) if not P.programs else (i == 0, i == count - 1)
             kv_tile = kv_tile_of(b, h, tile)
             # The first PARTIAL tile's index, read now: the FULL tiles run
             # while it arrives (each PARTIAL step reads the next one's).
@@ -613,11 +603,13 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                 def _():
                     plgpu.barrier_wait(S.k_ready.at[slot_of(start)])
 
-                # The consumers' stagger runs on from one item to the next: 1
-                # falls in behind 0 before the program's first product only,
-                # and 0 waits for 1 after its last (below), so that one's
-                # epilogue and next start overlap the other's last products.
-                pl.when(wg == 1)(lambda: when(first, take_turn))
+                # Each item staggers the consumers anew: 1 falls in behind 0
+                # here, and 0 waits for 1's last softmax at the end (below), so
+                # 0's epilogue runs beside 1's last P V. Carried on across a
+                # persistent program's items instead, the stagger would hold
+                # 1's last P V until 0 had written its output and issued the
+                # next item's first product (tensor cores idle meanwhile).
+                pl.when(wg == 1)(take_turn)
 
             def step(t, carry, partial: bool):
                 if partial:
@@ -730,7 +722,7 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
             acc, m, l, _ = lax.fori_loop(n_full, n_seen, functools.partial(step, partial=True),
                                          carry + (first_partial,))
             with _region("wait_turn"):
-                pl.when(wg == 0)(lambda: when(last, take_turn))
+                pl.when(wg == 0)(take_turn)
 
             def epilogue(acc, m, l):
                 if P.flag:  # 0, or NaN on a row that met a non-finite logit, V or output
