@@ -887,12 +887,13 @@ def _visible(q0, j, b, h, ops, P: _Plan):
                          P.Tk if P.ragged_k else None)
 
 
-def visible_pairs(qi, kj, b, h, ops, mask_treedef, offset, kv_len):
+def visible_pairs(qi, kj, b, h, ops, mask_treedef, offset, kv_len, q_len=None):
     """Which (query ``qi``, key ``kj``) pairs of a tile are visible: the mask's
     predicate (``ops``: its arrays on the tile; ``offset``: aligned query
-    position minus row) and, unless ``kv_len`` is None, ``kj < kv_len``. None
-    when neither applies (every pair visible). The Mosaic GPU kernels' PARTIAL
-    tiles, forward and backward (:mod:`fnattn.flash.mosaic_gpu_bwd`).
+    position minus row) and, unless ``kv_len`` (``q_len``) is None, ``kj <
+    kv_len`` (``qi < q_len``). None when none applies (every pair visible).
+    The Mosaic GPU kernels' PARTIAL tiles, forward and backward
+    (:mod:`fnattn.flash.mosaic_gpu_bwd`).
 
     >>> qi, kj = jnp.arange(3)[:, None], jnp.arange(4)[None, :]
     >>> tree = jax.tree_util.tree_structure(masks.causal())
@@ -905,9 +906,10 @@ def visible_pairs(qi, kj, b, h, ops, mask_treedef, offset, kv_len):
     if mask_treedef is not None:
         pos = masks.Positions(b=b, h=h, q=qi, q_pos=qi + offset, k=kj)
         ok = masks.from_treedef(mask_treedef).predicate(pos, ops)
-    if kv_len is not None:
-        inside = kj < kv_len
-        ok = inside if ok is None else ok & inside
+    for idx, n in ((kj, kv_len), (qi, q_len)):
+        if n is not None:
+            inside = idx < n
+            ok = inside if ok is None else ok & inside
     return ok
 
 

@@ -725,14 +725,11 @@ def _visible_t(i, keys0, b, h, ops, P: _Plan):
     ``i``) are visible (WGMMA layout), or None for all of them. ``ops``: the
     mask's arrays on the tile."""
     qi, kj = _tile_indices_t(i, keys0, P)
-    ok = mosaic_gpu.visible_pairs(qi, kj, b, h, ops, P.mask_treedef, P.offset,
-                                  P.Tk if P.ragged_k else None)
-    if P.Tq % TILE:
-        # Padding rows see nothing: their dO is 0, and a non-finite V on a key
-        # that only they would see must not make dP = inf * 0 reach dK.
-        inside = qi < P.Tq
-        ok = inside if ok is None else ok & inside
-    return ok
+    # Padding rows see nothing: their dO is 0, and a non-finite V on a key that
+    # only they would see must not make dP = inf * 0 reach dK.
+    return mosaic_gpu.visible_pairs(qi, kj, b, h, ops, P.mask_treedef, P.offset,
+                                    P.Tk if P.ragged_k else None,
+                                    P.Tq if P.Tq % TILE else None)
 
 
 # ----------------------------------------------------------------------------------
