@@ -54,7 +54,6 @@ def child(cfg):
     import jax
 
     jax.config.update("jax_enable_compilation_cache", False)
-    import jax.numpy as jnp
     import numpy as np
 
     B, T, H, D = cfg["B"], cfg["T"], cfg["H"], cfg["D"]
@@ -109,7 +108,6 @@ def _floor(B, T, H, D, causal, bq=512, bk=256):
     blocks, with none of fnattn's features (no tile skipping, an iota mask on
     every tile when causal, no lse, no ragged ends: T a multiple of 512).
     Its first call bounds from below what any loop-based lowering can reach."""
-    import jax
     import jax.numpy as jnp
     from jax import lax
 

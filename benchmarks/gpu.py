@@ -69,7 +69,6 @@ import argparse
 import csv
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import platform

@@ -125,7 +125,7 @@ def main():
         w = csv.DictWriter(fh, keys, extrasaction="ignore")
         w.writeheader()
         w.writerows(rows)
-    lines = [f"# Differentiation modes: fnattn.attention (auto) vs jax.nn (xla)", "",
+    lines = ["# Differentiation modes: fnattn.attention (auto) vs jax.nn (xla)", "",
              f"{datetime.date.today()} · {_cpu_name() if device == 'cpu' else device} · "
              f"jax {rows[0].get('jax', '?')} · B=1, H=8, D=64, float32 · "
              f"`python benchmarks/{os.path.basename(__file__)} {' '.join(sys.argv[1:])}` · "

@@ -42,7 +42,6 @@ from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from fnattn import _linear, _partition, _platforms
 from fnattn._checks import Dims

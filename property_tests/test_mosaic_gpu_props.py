@@ -20,10 +20,8 @@ from hypothesis import given, settings, strategies as st
 
 import fnattn
 from fnattn import AttentionSpec, core, masks
-from fnattn._dispatch import Lowering
-from fnattn.flash import mosaic_gpu, mosaic_gpu_bwd
 from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
-from mosaic_gpu_interpreter import compile_once, reset_after_failure
+from mosaic_gpu_interpreter import compile_once, flash_table, reset_after_failure
 from strategies import MASK_KINDS, extreme_sinks, gqa_heads, mask_trees, poison_hidden_keys
 from test_reliability import _assert_same, _run
 
@@ -37,10 +35,7 @@ KINDS = tuple(kind for kind in MASK_KINDS if kind != "array")
 
 @functools.cache
 def _table():
-    ip = mosaic_gpu.interpret_params()
-    return (("default", Lowering(
-        "flash-mosaic-gpu-fuzz-interpret", functools.partial(mosaic_gpu.forward, interpret=ip),
-        functools.partial(mosaic_gpu_bwd.backward, interpret=ip))),)
+    return flash_table("flash-mosaic-gpu-fuzz-interpret")
 
 
 def _kernels(spec, q, k, v):

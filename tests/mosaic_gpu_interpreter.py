@@ -16,6 +16,7 @@ read off programs lowered for cuda.
 """
 
 import contextlib
+import functools
 import re
 import threading
 
@@ -58,6 +59,17 @@ def compile_once():
         yield
     finally:
         thread_map._run_jaxpr = original
+
+
+def flash_table(name):
+    """A lowering table (``core.run``'s ``table``) holding one lowering, named
+    ``name``: the Mosaic GPU forward and backward, run by the interpreter."""
+    from fnattn._dispatch import Lowering
+    from fnattn.flash import mosaic_gpu, mosaic_gpu_bwd
+
+    ip = mosaic_gpu.interpret_params()
+    return (("default", Lowering(name, functools.partial(mosaic_gpu.forward, interpret=ip),
+                                 functools.partial(mosaic_gpu_bwd.backward, interpret=ip))),)
 
 
 def reset_after_failure():

@@ -53,12 +53,10 @@ is checked against the signature fnattn was written for when the program is
 traced, and if a JAX release changes it the Triton backward runs instead.
 """
 
-import functools
 import inspect
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from fnattn import _checks, masks
 from fnattn._dispatch import Lowering

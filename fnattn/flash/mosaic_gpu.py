@@ -631,8 +631,11 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
 
                 def scores(s_ref):
                     plgpu.wgmma(s_ref, mine, _compat_transpose(S.k_smem.at[slot]))
+                    # A PARTIAL tile's key arrays reach registers while the
+                    # multiply runs and before the turn's wait, which absorbs
+                    # their loads: past the turn the logits come next.
+                    ids = kv_ids() if reads_ids else []
                     take_turn()
-                    ids = kv_ids() if reads_ids else []  # (while the multiply runs)
                     return s_ref[...], ids
 
                 kind = "partial" if partial else "full"
@@ -641,8 +644,8 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                     # same product from the tiles in shared memory.
                     s = lax.dot_general(mine[...], S.k_smem.at[slot][...],
                                         (((1,), (1,)), ((), ())), preferred_element_type=F32)
-                    take_turn()
                     ids = kv_ids() if reads_ids else []
+                    take_turn()
                 else:
                     with _region(kind + "_qk"):
                         s, ids = pl.run_scoped(scores, plgpu.ACC((P.bq, P.bk), F32))

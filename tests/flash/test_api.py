@@ -1,7 +1,6 @@
 """fnattn.flash routing and fnattn.attention's use of it."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 

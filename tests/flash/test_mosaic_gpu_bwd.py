@@ -28,12 +28,13 @@ import pytest
 import fnattn
 from fnattn import AttentionSpec, core, masks
 from fnattn._checks import Dims
-from fnattn._dispatch import Config, Lowering
+from fnattn._dispatch import Config
 from fnattn.flash import mosaic_gpu, mosaic_gpu_bwd, triton, xla
 from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
 from fnattn.flash.mosaic_gpu_bwd import MosaicGpuBwdBlockSizes
 from lowering import gpu_target
-from mosaic_gpu_interpreter import REDO_KERNELS, compile_once, reset_after_failure, triton_kernels
+from mosaic_gpu_interpreter import (REDO_KERNELS, compile_once, flash_table, reset_after_failure,
+                                   triton_kernels)
 from test_reliability import _two_keys_per_row
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -63,12 +64,8 @@ def qkv(*, B=1, Tq=128, Tk=128, Hq=1, Hkv=1, D=64, dtype=jnp.float16, seed=0):
 @pytest.fixture(scope="module")
 def interpreted():
     """The lowering table of the interpreted Mosaic GPU forward and backward."""
-    ip = mosaic_gpu.interpret_params()
-    table = (("default", Lowering(
-        "flash-mosaic-gpu-bwd-interpret", functools.partial(mosaic_gpu.forward, interpret=ip),
-        functools.partial(mosaic_gpu_bwd.backward, interpret=ip))),)
     with compile_once():
-        yield table
+        yield flash_table("flash-mosaic-gpu-bwd-interpret")
 
 
 def _with_sinks(run, spec, sinks):
