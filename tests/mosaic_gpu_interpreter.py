@@ -23,6 +23,9 @@ import threading
 import jax
 import jax.numpy as jnp
 
+from fnattn._dispatch import Lowering
+from fnattn.flash import mosaic_gpu, mosaic_gpu_bwd
+
 
 @contextlib.contextmanager
 def compile_once():
@@ -64,9 +67,6 @@ def compile_once():
 def flash_table(name):
     """A lowering table (``core.run``'s ``table``) holding one lowering, named
     ``name``: the Mosaic GPU forward and backward, run by the interpreter."""
-    from fnattn._dispatch import Lowering
-    from fnattn.flash import mosaic_gpu, mosaic_gpu_bwd
-
     ip = mosaic_gpu.interpret_params()
     return (("default", Lowering(name, functools.partial(mosaic_gpu.forward, interpret=ip),
                                  functools.partial(mosaic_gpu_bwd.backward, interpret=ip))),)
