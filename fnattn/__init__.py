@@ -22,6 +22,7 @@ from fnattn.cache import LayeredPagedKVCache, PagedKVCache
 from fnattn.paged import (PagedBlockSizes, paged_attention, ragged_paged_attention,
                           ragged_paged_attention_with_update)
 from fnattn.spec import AttentionOutput, AttentionSpec
+from fnattn import tune  # noqa: E402  (after the variants it tunes)
 
 __all__ = [
     "AttentionOutput",
@@ -50,6 +51,7 @@ __all__ = [
     "ragged_paged_attention_with_update",
     "reference",
     "sharding",
+    "tune",
 ]
 
 __version__ = "0.1.0"
