@@ -27,7 +27,11 @@ Sections:
   ``fnattn:mosaic_gpu_persistent`` (``persistent=True``: one program per
   multiprocessor walking the q-tiles in turn, heaviest first),
   ``fnattn:mosaic_gpu_persistent_tiles`` (the same, ``walk="tiles"``: in the
-  grid's order),
+  grid's order), ``fnattn:tuned`` (only when ``--impls`` names it: ``impl="auto"``
+  with the block sizes ``fnattn.tune.autotune`` picks on the row's inputs, for
+  the row's direction, ``--tune-reps`` calls per candidate; the row gives the
+  choice, the tuning's time and its gain over the spec as given; where cuDNN
+  takes the spec the row says so),
   ``jax.nn:cudnn``, ``jax.nn:xla``, ``tokamax:mosaic``, ``tokamax:triton`` and
   ``jax:attention_mgpu`` (JAX's Mosaic GPU example kernel; its backward has no
   causal mask); ``pass:hidden_keys`` times alone the elementwise pass over K
@@ -84,7 +88,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import fnattn  # noqa: E402
-from fnattn import AttentionSpec, core, cost, masks  # noqa: E402
+from fnattn import AttentionSpec, core, cost, masks, tune  # noqa: E402
 
 PEAK_BW = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
 
@@ -225,6 +229,21 @@ PINNED = {"fnattn:mosaic_gpu_redo": dict(hidden_keys="redo"),
           "fnattn:mosaic_gpu_persistent_tiles": dict(persistent=True, walk="tiles")}
 
 
+def tuned_peer(causal, segments, softcap, dropout, qkv, mode, reps):
+    """``(f, facts)``: fnattn's default path with block sizes from
+    ``fnattn.tune.autotune`` on these inputs (forward, or forward and backward
+    for the other modes), and what the tuning chose and cost, for the row."""
+    spec = AttentionSpec(mask=_mask(causal, segments), return_lse=False, softcap=softcap,
+                         dropout_rate=dropout, dropout_key=jax.random.key(7) if dropout else None)
+    start = time.time()
+    tuned = tune.autotune(fnattn.flash, spec, *qkv, backward=mode != "fwd", reps=reps)
+    facts = dict(tune_s=time.time() - start, tuned_speedup=tuned.speedup,
+                 tuned=" ".join(map(repr, tuned.block_sizes)) or "(as given)",
+                 tune_trials=len(tuned.trials),
+                 tune_failed=sum(t.seconds is None for t in tuned.trials))
+    return (lambda q, k, v: fnattn.flash(tuned.spec, q, k, v).out), facts
+
+
 def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
     """``f(q, k, v) -> out`` for one peer, or raises (the row records why)."""
     mask = _mask(causal, segments)
@@ -310,7 +329,7 @@ def flash_peer(impl, causal, segments=None, softcap=None, dropout=0.0):
 
 
 # jax.nn:cudnn first: its output is what the fnattn rows are compared with.
-FLASH_IMPLS = ("jax.nn:cudnn", "fnattn", "fnattn:triton", "fnattn:mosaic_gpu",
+FLASH_IMPLS = ("jax.nn:cudnn", "fnattn", "fnattn:tuned", "fnattn:triton", "fnattn:mosaic_gpu",
                "fnattn:mosaic_gpu_bwd", *PINNED, "pass:hidden_keys", "pass:schedule", "jax.nn:xla",
                "tokamax:mosaic", "tokamax:triton", "jax:attention_mgpu")
 
@@ -322,7 +341,9 @@ def flash_section(args, rows, deadline):
         grid = [(8192, 128), (2048, 128), (32768, 128), (8192, 64), (8192, 256)]
     else:
         grid = [tuple(int(x) for x in item.split("x")) for item in args.flash_grid.split(",")]
-    impls = [i for i in FLASH_IMPLS if i in args.impls.split(",")] if args.impls else FLASH_IMPLS
+    # (fnattn:tuned times tens of candidates per row before its own: only when named)
+    impls = ([i for i in FLASH_IMPLS if i in args.impls.split(",")] if args.impls
+             else [i for i in FLASH_IMPLS if i != "fnattn:tuned"])
     modes = args.modes.split(",")
     for T, D in grid:
         B, H = max(1, 16384 // T), 2048 // D
@@ -357,7 +378,12 @@ def flash_section(args, rows, deadline):
                         print(_flash_line(rows[-1]), flush=True)
                         continue
                     try:
-                        f = flash_peer(impl, causal, seg, cap, drop)
+                        if impl == "fnattn:tuned":
+                            f, facts = tuned_peer(causal, seg, cap, drop, (q, k, v), mode,
+                                                  args.tune_reps)
+                            row.update(facts)
+                        else:
+                            f = flash_peer(impl, causal, seg, cap, drop)
                         fn, inputs_of = _pass(f, mode, w)
                         inputs = (q, k, v)
                         cast = getattr(f, "cast_inputs", None)
@@ -478,6 +504,10 @@ def _flash_line(r):
     if "cudnn_over_fnattn" in r:
         extra += (f"  alternating with cuDNN: {r['paired_ms']:.3f} vs {r['paired_cudnn_ms']:.3f} ms"
                   f" ({r['cudnn_over_fnattn']:.3f}x)")
+    if "tuned" in r:
+        extra += (f"\n    tuned in {r['tune_s']:.0f} s ({r['tune_trials']} trials, "
+                  f"{r['tune_failed']} failed; {r['tuned_speedup'] or 0:.3f}x the spec as "
+                  f"given): {r['tuned']}")
     return s + (f"{r['time_ms']:8.3f} ms ({r['min_ms']:.3f}-{r['max_ms']:.3f}) "
                 f"{r['tflops']:6.1f} TFLOP/s  xla {r['xla_mb']:7.0f} MB{extra}")
 
@@ -645,6 +675,13 @@ def write(rows, section, args, started):
                          f"{r['tflops_visited']:.0f} ({r['visited']:.1%}) | {r['xla_mb']:.0f} | "
                          f"{ratio} | {d} |")
         lines += [""] + _visited_rates(mine)
+        tuned = [r for r in mine if "tuned" in r]
+        if tuned:  # (fnattn:tuned rows)
+            lines += ["", "What `fnattn.tune.autotune` chose for the fnattn:tuned rows:", ""]
+            lines += [f"- T {r['T']}, D {r['D']}, {r['mask']}, {r['mode']}: {r['tuned']} "
+                      f"({r['tune_trials']} trials, {r['tune_failed']} failed, "
+                      f"{r['tune_s']:.0f} s; {r['tuned_speedup'] or 0:.3f}× the spec as given)"
+                      for r in tuned]
         head.append("- TFLOP/s: `fnattn.cost.estimate`'s FLOPs (4·B·H·T²·D forward, halved "
                     "when causal, ×2.5 backward, ×3.5 forward+backward) over the time; the "
                     "documents rows count the causal FLOPs. Per visited tile: the dense "
@@ -730,6 +767,8 @@ def main():
                     help="split counts of --split-sweep (those above S/64 are left out, and "
                          "for the contiguous cache those that do not divide S)")
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--tune-reps", type=int, default=3,
+                    help="timed calls per candidate of the fnattn:tuned rows' autotune")
     ap.add_argument("--pair-reps", type=int, default=10,
                     help="alternating batches of fnattn (impl='auto') and cuDNN (0: none)")
     ap.add_argument("--xla-max-bytes", type=float, default=8e9)

@@ -95,3 +95,22 @@ def test_visited_rates_name_the_partial_share(gpu_bench):
         "rate (600); 39% of its visited tiles PARTIAL, 6.9 per q tile (dense: 64)",
         "- documents@128, fwd, fnattn:mosaic_gpu: 480 TFLOP/s per visited tile = 80% of its "
         "dense rate (600); 17% of its visited tiles PARTIAL, 5.7 per q tile (dense: 64)"]
+
+
+def test_the_tuned_row_runs_the_tuned_spec_and_says_what_it_chose(gpu_bench, monkeypatch):
+    import jax
+
+    import fnattn
+    from fnattn import AttentionSpec, tune
+    monkeypatch.setattr(tune, "_MEMORY", {})
+    q, k, v = (jax.random.normal(jax.random.key(i), (1, 128, 2, 16)) for i in range(3))
+    seg = jnp.asarray(gpu_bench.document_ids(128)[None])
+    f, facts = gpu_bench.tuned_peer(True, seg, None, 0.0, (q, k, v), "fwd+bwd", 1)
+    assert facts["tune_trials"] >= 3 and facts["tune_failed"] == 0 and facts["tune_s"] > 0
+    assert facts["tuned"] == "(as given)" or facts["tuned"].startswith("XlaBlockSizes(")
+    ref = fnattn.reference(AttentionSpec(mask=masks.causal() & masks.segments(seg)), q, k, v)
+    np.testing.assert_allclose(jax.jit(f)(q, k, v), ref.out, atol=2e-5)
+    row = dict(impl="fnattn:tuned", T=128, D=16, mask="documents", mode="fwd+bwd",
+               status="ok", time_ms=1.0, min_ms=1.0, max_ms=1.0, tflops=1.0, xla_mb=1.0,
+               **facts)
+    assert "trials, 0 failed" in gpu_bench._flash_line(row)
