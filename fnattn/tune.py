@@ -31,7 +31,9 @@ The key is the device kind, the JAX and fnattn versions, the variant, the
 direction (forward, or forward and backward), the spec's static configuration
 (block sizes excepted) and the shape and dtype of every array. A later call
 with the same key returns the stored block sizes without timing
-(``Tuned.cached``); ``retune=True`` measures again.
+(``Tuned.cached``); ``retune=True`` measures again. A mask holding a Python
+function (:func:`fnattn.masks.from_fn`) is keyed by that function object, so
+its results hold within one process only.
 
 >>> import jax, jax.numpy as jnp, fnattn
 >>> from fnattn import AttentionSpec, masks, tune
@@ -665,6 +667,12 @@ def autotune(fn, spec, *args, kwargs: Optional[Mapping] = None,
     if not isinstance(spec, AttentionSpec):
         raise TypeError(f"autotune: spec must be an AttentionSpec; got {type(spec).__name__}")
     kwargs = dict(kwargs or {})
+    if any(isinstance(x, jax.core.Tracer)
+           for x in jax.tree_util.tree_leaves((spec, list(args), kwargs))):
+        raise TypeError(
+            "autotune: got traced arrays; it runs outside jax.jit, jax.grad and jax.vmap "
+            "(it compiles and times real calls): call it once with concrete arrays of the "
+            "real shapes and pass the returned spec into the transformed code")
     target = Target.of(_first_array(args, kwargs)) if target is None else target
     the_plan = plan(fn, spec, *args, kwargs=kwargs, target=target, backward=backward,
                     candidates=candidates)

@@ -370,6 +370,12 @@ def test_errors(call, error, match):
         call(jnp.zeros((1, 32, 2, 16)))
 
 
+def test_inside_jit_is_a_clear_error():
+    q = jnp.zeros((1, 32, 2, 16))
+    with pytest.raises(TypeError, match="runs outside jax.jit"):
+        jax.jit(lambda q: tune.autotune(fnattn.flash, AttentionSpec(), q, q, q).seconds)(q)
+
+
 def test_target_of_a_cpu_array():
     assert Target.of(jnp.zeros(3)) == Target("cpu", jax.devices("cpu")[0].device_kind, False)
 
