@@ -132,9 +132,9 @@ def estimate(spec: AttentionSpec, q: Any, k: Any, v: Any = None, *,
         raise ValueError(f"cost.estimate: q, k and v must be 4-D in layout {spec.layout!r}; "
                          f"got q {qs}, k {ks}, v {vs}")
     if spec.layout == "bhtd":
-        (B, Hq, Tq, D), (_, Hkv, Tk, _), Dv = qs, ks, vs[3]
+        (B, Hq, Tq, D), (_, _, Tk, _), Dv = qs, ks, vs[3]
     else:
-        (B, Tq, Hq, D), (_, Tk, Hkv, _), Dv = qs, ks, vs[3]
+        (B, Tq, Hq, D), (_, Tk, _, _), Dv = qs, ks, vs[3]
     density = mask_density(spec.mask, B, Hq, Tq, Tk)
     exact = density is not None
     density = 1.0 if density is None else density

@@ -415,7 +415,7 @@ def test_jax_dot_product_attention_bias_gradient(batch_size, use_vmap):
 
 
 def test_jax_dot_product_attention_local_window_without_mask():
-    B, S, T, N, H = 2, 32, 32, 4, 16
+    B, T, N, H = 2, 32, 4, 16
     q, k, v = (normal(i, (B, T, N, H)) for i in range(3))
 
     @jax.jit

@@ -202,7 +202,7 @@ def _shared_dropout(spec: AttentionSpec, q, k, v, mask, bias):
     heads with one key gives every row and head the same (q, k) mask.
     """
     B, T, Hq, D = q.shape
-    S, Hkv = k.shape[1], k.shape[2]
+    Hkv = k.shape[2]
     g = Hq // Hkv
     sizes = (B, Hkv, g)
 

@@ -77,7 +77,6 @@ def make(seqs, *, Hq=4, Hkv=2, D=8, Dv=None, page_size=4, pages_per_seq=None, nu
             if pos < L - n:
                 kp_old[:, page, off] = k[pos]
                 vp_old[:, page, off] = v[pos]
-    T = sum(n for _, n in seqs) + pad_tokens
     Hq_ = qs[0].shape[1] if qs else Hq
     q = np.concatenate(qs + [rng.standard_normal((pad_tokens, Hq_, D)).astype(np.float32)])
     pad = lambda xs, d: np.concatenate(  # noqa: E731
