@@ -46,6 +46,7 @@ its results hold within one process only.
 (1, 128, 2, 16)
 """
 
+import concurrent.futures
 import dataclasses
 import datetime
 import hashlib
@@ -163,6 +164,7 @@ class Tuned:
       trials: every candidate timed, in order (empty when ``cached``).
       cached: the result came from the cache, nothing was timed.
       lowering: :attr:`Plan.lowering`.
+      complete: False when ``max_seconds`` ran out before the search's end.
     """
 
     spec: Any
@@ -172,6 +174,7 @@ class Tuned:
     trials: tuple
     cached: bool
     lowering: str
+    complete: bool = True
 
     @property
     def speedup(self) -> Optional[float]:
@@ -184,8 +187,9 @@ class Tuned:
         """A markdown table of the trials, fastest first, failures last."""
         lines = [f"lowering: {self.lowering}; " + (
             "from the cache" if self.cached else
-            f"{len(self.trials)} candidates, best {_ms(self.seconds)} against "
-            f"{_ms(self.baseline_seconds)} as given"),
+            f"{len(self.trials)} trials, best {_ms(self.seconds)} ms against "
+            f"{_ms(self.baseline_seconds)} as given"
+            + ("" if self.complete else "; stopped early: max_seconds ran out")),
             "", "| stage | block sizes | ms | error |", "|---|---|---|---|"]
         ok = sorted((t for t in self.trials if t.seconds is not None), key=lambda t: t.seconds)
         for t in ok + [t for t in self.trials if t.seconds is None]:
@@ -532,10 +536,8 @@ def _program(fn, args, kwargs, backward):
             arrays, kwarrays)
 
 
-def _compile(program, spec, arrays, kwarrays):
-    compiled = program.lower(spec, arrays, kwarrays).compile()
-    jax.block_until_ready(compiled(spec, arrays, kwarrays))   # warm-up
-    return compiled
+def _lower(program, spec, arrays, kwarrays):
+    return program.lower(spec, arrays, kwarrays)
 
 
 def _time(compiled, spec, arrays, kwarrays, reps):
@@ -622,7 +624,8 @@ def _write(path, key, entry):
 def autotune(fn, spec, *args, kwargs: Optional[Mapping] = None,
              candidates: Optional[Sequence] = None, backward: bool = False, reps: int = 5,
              cache: Optional[str | os.PathLike] = None, retune: bool = False,
-             target: Optional[Target] = None) -> Tuned:
+             target: Optional[Target] = None, max_seconds: Optional[float] = None,
+             compile_threads: Optional[int] = None) -> Tuned:
     """Times block sizes for ``fn(spec, *args, **kwargs)`` and returns the fastest.
 
     Args:
@@ -643,6 +646,12 @@ def autotune(fn, spec, *args, kwargs: Optional[Mapping] = None,
       retune: measure even when the cache holds a result.
       target: the device (default: the one holding the first array argument);
         the measurement runs wherever the arrays are.
+      max_seconds: a time budget: once spent, no further candidate is timed,
+        and the best so far is confirmed against the spec as given and
+        returned with ``complete=False`` (not cached). None: no limit.
+      compile_threads: how many candidates of a stage compile at once (XLA
+        compiles outside the GIL; lowering stays on the calling thread). None:
+        the machine's cores, at most 8.
 
     Returns:
       :class:`Tuned`, whose ``spec`` is ``spec`` with the fastest block sizes
@@ -693,22 +702,51 @@ def autotune(fn, spec, *args, kwargs: Optional[Mapping] = None,
                          entry.get("baseline_seconds"), (), True, the_plan.lowering)
 
     program, arrays, kwarrays = _program(fn, args, kwargs, backward)
+    threads = compile_threads or min(8, os.cpu_count() or 1)
+    start = time.perf_counter()
     timed: dict = {}       # candidate -> its latest median (None: it failed)
-    compiled: dict = {}
+    compiled: dict = {}    # candidate -> compiled program, or the exception it raised
     trials = []
+    complete = True
+
+    def out_of_time():
+        return max_seconds is not None and time.perf_counter() - start > max_seconds
+
+    def build(cands):
+        """Lowers each candidate here, compiles them on ``threads`` threads."""
+        lowered = {}
+        for cand in cands:
+            try:
+                lowered[cand] = _lower(program, _with(spec, the_plan.family, cand), arrays,
+                                       kwarrays)
+            except Exception as e:  # noqa: BLE001 (a candidate the lowering refuses)
+                compiled[cand] = e
+        def compile_one(cand):
+            try:
+                return lowered[cand].compile()
+            except Exception as e:  # noqa: BLE001
+                return e
+        if threads > 1 and len(lowered) > 1:
+            with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+                compiled.update(zip(lowered, pool.map(compile_one, lowered)))
+        else:
+            compiled.update((c, compile_one(c)) for c in lowered)
 
     def run(stage, cand):
         try:
+            if isinstance(compiled[cand], Exception):
+                raise compiled[cand]
             c = _with(spec, the_plan.family, cand)
-            if cand not in compiled:
-                compiled[cand] = _compile(program, c, arrays, kwarrays)
+            if cand not in timed:   # (first run: the warm-up)
+                jax.block_until_ready(compiled[cand](c, arrays, kwarrays))
             seconds, error = _time(compiled[cand], c, arrays, kwarrays, reps), None
-        except Exception as e:  # noqa: BLE001 (a candidate the lowering refuses)
+        except Exception as e:  # noqa: BLE001 (a candidate the kernel refuses)
             seconds, error = None, _error(e)
         timed[cand] = seconds
         trials.append(Trial(stage, cand, seconds, error))
 
     own = tuple(b for b in _entries(spec.block_sizes) if isinstance(b, the_plan.family))
+    build([()])
     run("given", ())
     best, first = (), True
     for stage in the_plan.stages:
@@ -719,16 +757,25 @@ def autotune(fn, spec, *args, kwargs: Optional[Mapping] = None,
                  if c not in timed and c != the_plan.given]
         if not fresh:
             continue
+        if out_of_time():
+            complete = False
+            break
+        build(fresh)
         if not first and timed.get(best) is not None:
             # the incumbent again, beside this stage's candidates: a machine whose
             # speed drifts between stages then compares like with like
             run(stage.name, best)
         first = False
         for cand in fresh:
+            if out_of_time():
+                complete = False
+                break
             run(stage.name, cand)
         done = {c: s for c, s in timed.items() if s is not None}
         if done:
             best = min(done, key=done.get)   # ties: the earlier (dicts keep order)
+        if not complete:
+            break
     if best != () and timed.get(()) is not None:
         # the winner against the spec as given, their calls alternating: one lucky
         # timing does not replace what the user passed
@@ -747,6 +794,9 @@ def autotune(fn, spec, *args, kwargs: Optional[Mapping] = None,
             f"autotune: every candidate failed for {the_plan.lowering}:\n"
             + "\n".join(f"  {t.block_sizes or '(as given)'}: {t.error}" for t in trials))
 
+    if not complete:   # (a partial search is not what a later call should get)
+        return Tuned(_with(spec, the_plan.family, best), best, timed[best], timed.get(()),
+                     tuple(trials), False, the_plan.lowering, complete=False)
     entry = {"block_sizes": _encode(best), "seconds": timed[best],
              "baseline_seconds": timed.get(()), "lowering": the_plan.lowering,
              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

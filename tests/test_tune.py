@@ -130,7 +130,7 @@ def test_every_candidate_failing_is_an_error_naming_them(monkeypatch):
     def refuse(program, spec, arrays, kwarrays):
         raise NotImplementedError(f"no tiles {spec.block_sizes}")
 
-    monkeypatch.setattr(tune, "_compile", refuse)
+    monkeypatch.setattr(tune, "_lower", refuse)
     with pytest.raises(RuntimeError, match=r"every candidate failed[\s\S]*no tiles None"
                                            r"[\s\S]*XlaBlockSizes\(block_q=32"):
         tune.autotune(fnattn.flash, AttentionSpec(), q, k, v, reps=1,
@@ -181,6 +181,21 @@ def test_a_winner_that_loses_the_confirmation_leaves_the_spec_as_given(monkeypat
     assert tuned.block_sizes == () and tuned.spec.block_sizes is None
     assert tuned.seconds == tuned.baseline_seconds == 1.0
     assert len(seen) == 2 + 2 * 2 * 2   # given, candidate, then 2 x reps rounds of both
+
+
+def test_a_spent_budget_stops_the_search_and_is_not_cached(tmp_path):
+    q, k, v = qkv(128)
+    path = tmp_path / "cache.json"
+    cands = [fnattn.XlaBlockSizes(32, 32), fnattn.XlaBlockSizes(64, 64)]
+    tuned = tune.autotune(fnattn.flash, AttentionSpec(), q, k, v, reps=1, candidates=cands,
+                          max_seconds=0.0, cache=path)
+    assert not tuned.complete and [t.stage for t in tuned.trials] == ["given"]
+    assert tuned.spec == AttentionSpec() and "stopped early" in tuned.report()
+    assert not path.exists()
+    again = tune.autotune(fnattn.flash, AttentionSpec(), q, k, v, reps=1, candidates=cands,
+                          cache=path, compile_threads=1)
+    assert not again.cached and again.complete and len(again.trials) >= 3
+    assert path.exists()
 
 
 def test_other_platforms_entries_are_kept():
