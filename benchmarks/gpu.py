@@ -229,15 +229,17 @@ PINNED = {"fnattn:mosaic_gpu_redo": dict(hidden_keys="redo"),
           "fnattn:mosaic_gpu_persistent_tiles": dict(persistent=True, walk="tiles")}
 
 
-def tuned_peer(causal, segments, softcap, dropout, qkv, mode, reps):
+def tuned_peer(causal, segments, softcap, dropout, qkv, mode, reps, budget=None):
     """``(f, facts)``: fnattn's default path with block sizes from
     ``fnattn.tune.autotune`` on these inputs (forward, or forward and backward
     for the other modes), and what the tuning chose and cost, for the row."""
     spec = AttentionSpec(mask=_mask(causal, segments), return_lse=False, softcap=softcap,
                          dropout_rate=dropout, dropout_key=jax.random.key(7) if dropout else None)
     start = time.time()
-    tuned = tune.autotune(fnattn.flash, spec, *qkv, backward=mode != "fwd", reps=reps)
+    tuned = tune.autotune(fnattn.flash, spec, *qkv, backward=mode != "fwd", reps=reps,
+                          max_seconds=budget)
     facts = dict(tune_s=time.time() - start, tuned_speedup=tuned.speedup,
+                 tune_complete=tuned.complete,
                  tuned=" ".join(map(repr, tuned.block_sizes)) or "(as given)",
                  tune_trials=len(tuned.trials),
                  tune_failed=sum(t.seconds is None for t in tuned.trials))
@@ -380,7 +382,7 @@ def flash_section(args, rows, deadline):
                     try:
                         if impl == "fnattn:tuned":
                             f, facts = tuned_peer(causal, seg, cap, drop, (q, k, v), mode,
-                                                  args.tune_reps)
+                                                  args.tune_reps, args.tune_budget)
                             row.update(facts)
                         else:
                             f = flash_peer(impl, causal, seg, cap, drop)
@@ -505,7 +507,9 @@ def _flash_line(r):
         extra += (f"  alternating with cuDNN: {r['paired_ms']:.3f} vs {r['paired_cudnn_ms']:.3f} ms"
                   f" ({r['cudnn_over_fnattn']:.3f}x)")
     if "tuned" in r:
-        extra += (f"\n    tuned in {r['tune_s']:.0f} s ({r['tune_trials']} trials, "
+        extra += (f"\n    tuned in {r['tune_s']:.0f} s"
+                  f"{'' if r.get('tune_complete', True) else ' (budget spent)'} "
+                  f"({r['tune_trials']} trials, "
                   f"{r['tune_failed']} failed; {r['tuned_speedup'] or 0:.3f}x the spec as "
                   f"given): {r['tuned']}")
     return s + (f"{r['time_ms']:8.3f} ms ({r['min_ms']:.3f}-{r['max_ms']:.3f}) "
@@ -769,6 +773,8 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--tune-reps", type=int, default=3,
                     help="timed calls per candidate of the fnattn:tuned rows' autotune")
+    ap.add_argument("--tune-budget", type=float, default=240,
+                    help="seconds each fnattn:tuned row's autotune may take (max_seconds)")
     ap.add_argument("--pair-reps", type=int, default=10,
                     help="alternating batches of fnattn (impl='auto') and cuDNN (0: none)")
     ap.add_argument("--xla-max-bytes", type=float, default=8e9)
