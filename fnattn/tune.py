@@ -21,7 +21,9 @@ replace what you passed.
 **What is measured**: ``jax.jit`` of the call (``backward=False``) or of the
 gradient of ``sum(out)`` with respect to the floating-point positional arrays
 (``backward=True``: forward and backward together), compiled once per
-candidate; the median of ``reps`` calls after one warm-up call. A candidate
+candidate; after a warm-up call, the median time per call of ``reps`` batches
+of calls issued back to back (about 10 ms of work each, so that a short
+kernel's time is not its dispatch's). A candidate
 that fails to lower, compile or run (a tile the kernel refuses, shared memory
 exceeded) is recorded with its error and skipped.
 
@@ -541,12 +543,23 @@ def _lower(program, spec, arrays, kwarrays):
 
 
 def _time(compiled, spec, arrays, kwarrays, reps):
-    """Median seconds of ``reps`` calls of a compiled program."""
+    """Median seconds per call of a compiled program over ``reps`` batches.
+
+    A batch issues its calls back to back and waits for the last one only (as a
+    training or serving loop does), with as many calls as make about 10 ms of
+    work (1 to 64): a short kernel is then timed, not the host's dispatch and
+    wait around it.
+    """
+    t0 = time.perf_counter()
+    jax.block_until_ready(compiled(spec, arrays, kwarrays))
+    n = max(1, min(64, int(0.01 / max(time.perf_counter() - t0, 1e-6))))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(compiled(spec, arrays, kwarrays))
-        times.append(time.perf_counter() - t0)
+        for _ in range(n):
+            out = compiled(spec, arrays, kwarrays)   # (an earlier out is freed when done)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - t0) / n)
     return statistics.median(times)
 
 
@@ -641,7 +654,8 @@ def autotune(fn, spec, *args, kwargs: Optional[Mapping] = None,
         built-in search of :func:`plan`.
       backward: time forward and backward together and tune the backward
         kernels' parameters too (for training); else the forward alone.
-      reps: timed calls per candidate (after one warm-up call); the median counts.
+      reps: timed batches of calls per candidate (after one warm-up call); the
+        median counts.
       cache: a JSON file to read results from and write them to.
       retune: measure even when the cache holds a result.
       target: the device (default: the one holding the first array argument);

@@ -198,6 +198,28 @@ def test_a_spent_budget_stops_the_search_and_is_not_cached(tmp_path):
     assert path.exists()
 
 
+def test_short_calls_are_timed_in_batches():
+    """A batch issues calls back to back and waits once: a short call is timed
+    many to a batch, a long one (over 10 ms) alone."""
+    import time
+    calls = []
+
+    def quick(spec, arrays, kwarrays):
+        calls.append(1)
+        return np.zeros(())
+
+    def slow(spec, arrays, kwarrays):
+        calls.append(1)
+        time.sleep(0.02)
+        return np.zeros(())
+
+    tune._time(quick, None, [], {}, 3)
+    assert len(calls) > 1 + 3 and (len(calls) - 1) % 3 == 0
+    calls.clear()
+    assert tune._time(slow, None, [], {}, 3) >= 0.02
+    assert len(calls) == 1 + 3
+
+
 def test_other_platforms_entries_are_kept():
     q, k, v = qkv(64)
     tpu, gpu = fnattn.MosaicBlockSizes(block_q=256), fnattn.TritonBlockSizes(block_q=64)
