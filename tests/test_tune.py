@@ -15,6 +15,7 @@ from fnattn._checks import Dims
 from fnattn.flash import cudnn, mosaic_gpu, mosaic_gpu_bwd
 from fnattn.tune import Target
 
+ON_GPU = jax.devices()[0].platform == "gpu"
 H100 = Target("cuda", "NVIDIA H100 80GB HBM3", hopper=True)
 A100 = Target("cuda", "NVIDIA A100-SXM4-80GB", hopper=False)
 TPU = Target("tpu", "TPU v5 lite")
@@ -440,3 +441,31 @@ def test_the_triton_candidates_lower_for_cuda():
             text = jax.jit(jax.grad(loss, argnums=(1, 2, 3))).trace(s, q, k, v).lower(
                 lowering_platforms=("cuda",)).as_text()
         assert all(f"fnattn_flash_{n}" in text for n in ("fwd", "dq", "dkdv")), cand
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU")
+def test_gpu_autotune_picks_kernels_that_agree_with_xla():
+    """On a GPU: the device is told apart (cuda; Hopper or not), kernel candidates
+    run (those a kernel refuses are recorded), and the tuned spec's forward and
+    gradients match the XLA lowering's."""
+    T = 2048
+    q, k, v = qkv(T, Hq=8, Hkv=2, D=128, dtype=jnp.bfloat16)
+    spec = AttentionSpec(mask=documents(T))
+    target = Target.of(q)
+    assert target.platform == "cuda"
+    tuned = tune.autotune(fnattn.flash, spec, q, k, v, backward=True, reps=2, max_seconds=60)
+    assert any(t.seconds for t in tuned.trials if t.block_sizes), tuned.report()
+    kinds = {type(b) for t in tuned.trials for b in t.block_sizes}
+    assert fnattn.TritonBlockSizes in kinds
+    assert (fnattn.MosaicGpuBlockSizes in kinds) == target.hopper
+    print(tuned.report())
+
+    def loss(spec, q, k, v):
+        return jnp.sum(fnattn.flash(spec, q, k, v).out.astype(jnp.float32) * jnp.cos(
+            q.astype(jnp.float32)))
+
+    f = jax.jit(jax.value_and_grad(loss, argnums=(1, 2, 3)))
+    got, want = f(tuned.spec, q, k, v), f(spec.replace(impl="xla"), q, k, v)
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32),
+                                   atol=5e-2, rtol=2e-2)
