@@ -31,20 +31,13 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import fnattn  # noqa: E402
 from fnattn import AttentionSpec, masks, tune  # noqa: E402
-
-
-def document_ids(T, seed=0):
-    """Packed documents of random lengths (mean T/8)."""
-    rng = np.random.default_rng(seed)
-    cuts = np.sort(rng.choice(np.arange(1, T), size=7, replace=False))
-    return np.searchsorted(cuts, np.arange(T), side="right").astype(np.int32)
+from gpu import document_ids  # noqa: E402  (the sibling benchmark's packed documents)
 
 
 def programs(label, q, k, v, w, backward, reps):

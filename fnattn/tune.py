@@ -63,6 +63,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from fnattn.flash import blocks
+
 __all__ = ["Plan", "Stage", "Target", "Trial", "Tuned", "autotune", "plan"]
 
 Candidate = tuple  # block-size objects of the tuned family; () is the spec as given
@@ -220,19 +222,6 @@ def _capped(values, length, floor):
     return [x for x in values if x <= cap]
 
 
-def _entries(block_sizes) -> tuple:
-    if block_sizes is None:
-        return ()
-    return block_sizes if isinstance(block_sizes, tuple) else (block_sizes,)
-
-
-def _one(cand, cls, default):
-    for b in cand:
-        if isinstance(b, cls):
-            return b
-    return default
-
-
 def _variants():
     import fnattn
     return {fnattn.flash: "flash", fnattn.attention: "attention", fnattn.decode: "decode",
@@ -318,7 +307,7 @@ def _first_array(args, kwargs):
 
 def _flash_plan(variant, spec, args, target, backward) -> Plan:
     from fnattn import _dispatch
-    from fnattn.flash import blocks, cudnn, mosaic, mosaic_gpu, mosaic_gpu_bwd, triton, xla
+    from fnattn.flash import cudnn, mosaic, mosaic_gpu, mosaic_gpu_bwd, triton, xla
     from fnattn.reference import prepare
 
     if len(args) != 3:
@@ -342,13 +331,13 @@ def _flash_plan(variant, spec, args, target, backward) -> Plan:
         base = xla.XlaBlockSizes.default(dims)
 
         def fwd(best):
-            b = _one(best, xla.XlaBlockSizes, base)
+            b = blocks.pick(best, xla.XlaBlockSizes, base)
             return [(dataclasses.replace(b, block_q=bq, block_k=bk),)
                     for bq in _capped((64, 128, 256, 512), dims.q_len, 64)
                     for bk in _capped((128, 256, 512), dims.kv_len, 128)]
 
         def bwd(best):
-            b = _one(best, xla.XlaBlockSizes, base)
+            b = blocks.pick(best, xla.XlaBlockSizes, base)
             return [(dataclasses.replace(b, block_q_bwd=bq, block_k_bwd=bk),)
                     for bq in _capped((64, 128, 256), dims.q_len, 64)
                     for bk in _capped((256, 512, 1024), dims.kv_len, 256)]
@@ -363,7 +352,7 @@ def _flash_plan(variant, spec, args, target, backward) -> Plan:
 
         def tiles(fq, fk):
             def propose(best):
-                b = _one(best, mosaic.MosaicBlockSizes, base)
+                b = blocks.pick(best, mosaic.MosaicBlockSizes, base)
                 return [(dataclasses.replace(b, **{fq: bq, fk: bk}),)
                         for bq in _capped(grid, dims.q_len, 128)
                         for bk in _capped(grid, dims.kv_len, 128)]
@@ -409,7 +398,7 @@ def _flash_plan(variant, spec, args, target, backward) -> Plan:
 
     def triton_bwd(kernel, pairs):
         def propose(best):
-            b = _one(best, T, None)
+            b = blocks.pick(best, T, None)
             if b is None:   # the best forward is not Triton's: its backward is not either
                 return []
             return [(dataclasses.replace(b, **{f"block_q_{kernel}": bq, f"block_k_{kernel}": bk,
@@ -419,12 +408,11 @@ def _flash_plan(variant, spec, args, target, backward) -> Plan:
         return propose
 
     def mosaic_bwd(best):
-        m = _one(best, mosaic_gpu.MosaicGpuBlockSizes, None)
+        m = blocks.pick(best, mosaic_gpu.MosaicGpuBlockSizes, None)
         if m is None:
             return []
-        B = mosaic_gpu_bwd.MosaicGpuBwdBlockSizes
-        return [(m, B(max_concurrent_steps=s)) for s in (2, 3, 4)
-                if B(max_concurrent_steps=s).smem_bytes(D, item) <= mosaic_gpu.SMEM_BYTES]
+        rings = (mosaic_gpu_bwd.MosaicGpuBwdBlockSizes(max_concurrent_steps=s) for s in (2, 3, 4))
+        return [(m, b) for b in rings if b.smem_bytes(D, item) <= mosaic_gpu.SMEM_BYTES]
 
     stages = (Stage("forward", fwd),)
     if backward:
@@ -450,12 +438,12 @@ def _decode_plan(variant, spec, args, target) -> Plan:
     S = args[cache].shape[1 if spec.layout == "bthd" else 2]
 
     def splits(best):
-        b = _one(best, DecodeBlockSizes, DecodeBlockSizes())
+        b = blocks.pick(best, DecodeBlockSizes, DecodeBlockSizes())
         return [(dataclasses.replace(b, num_splits=n),) for n in (1, 2, 4, 8, 16, 32, 64)
                 if S % n == 0 and S // n >= 16]
 
     def launch(best):
-        b = _one(best, DecodeBlockSizes, DecodeBlockSizes())
+        b = blocks.pick(best, DecodeBlockSizes, DecodeBlockSizes())
         return [(dataclasses.replace(b, block_k=bk, num_warps=w, num_stages=s),)
                 for bk in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)]
 
@@ -470,7 +458,7 @@ def _paged_plan(variant, spec, target) -> Plan:
 
     def field(name, values):
         def propose(best):
-            b = _one(best, PagedBlockSizes, PagedBlockSizes())
+            b = blocks.pick(best, PagedBlockSizes, PagedBlockSizes())
             return [(dataclasses.replace(b, **{name: x}),) for x in values]
         return propose
 
@@ -481,7 +469,7 @@ def _paged_plan(variant, spec, target) -> Plan:
                Stage("splits", field("num_splits", (1, 2, 4, 8, 16))))
     if target.platform == "cuda":
         def launch(best):
-            b = _one(best, PagedBlockSizes, PagedBlockSizes())
+            b = blocks.pick(best, PagedBlockSizes, PagedBlockSizes())
             return [(dataclasses.replace(b, num_warps=w, num_stages=s),)
                     for w in (2, 4, 8) for s in (1, 2, 3)]
         stages += (Stage("launch", launch),)
@@ -497,7 +485,7 @@ def _with(spec, family, cand):
     """``spec`` whose entries of ``family`` are ``cand`` (() keeps the spec's own)."""
     if cand == ():
         return spec
-    others = tuple(b for b in _entries(spec.block_sizes) if not isinstance(b, family))
+    others = tuple(b for b in blocks.entries(spec.block_sizes) if not isinstance(b, family))
     return spec.replace(block_sizes=others + tuple(cand))
 
 
@@ -759,7 +747,7 @@ def autotune(fn, spec, *args, kwargs: Optional[Mapping] = None,
         timed[cand] = seconds
         trials.append(Trial(stage, cand, seconds, error))
 
-    own = tuple(b for b in _entries(spec.block_sizes) if isinstance(b, the_plan.family))
+    own = tuple(b for b in blocks.entries(spec.block_sizes) if isinstance(b, the_plan.family))
     build([()])
     run("given", ())
     best, first = (), True
@@ -808,15 +796,14 @@ def autotune(fn, spec, *args, kwargs: Optional[Mapping] = None,
             f"autotune: every candidate failed for {the_plan.lowering}:\n"
             + "\n".join(f"  {t.block_sizes or '(as given)'}: {t.error}" for t in trials))
 
-    if not complete:   # (a partial search is not what a later call should get)
-        return Tuned(_with(spec, the_plan.family, best), best, timed[best], timed.get(()),
-                     tuple(trials), False, the_plan.lowering, complete=False)
-    entry = {"block_sizes": _encode(best), "seconds": timed[best],
-             "baseline_seconds": timed.get(()), "lowering": the_plan.lowering,
-             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-             "description": desc}
-    _MEMORY[key] = entry
-    if cache is not None:
-        _write(cache, key, entry)
+    if complete:   # (a partial search is not what a later call should get)
+        entry = {"block_sizes": _encode(best), "seconds": timed[best],
+                 "baseline_seconds": timed.get(()), "lowering": the_plan.lowering,
+                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                     timespec="seconds"),
+                 "description": desc}
+        _MEMORY[key] = entry
+        if cache is not None:
+            _write(cache, key, entry)
     return Tuned(_with(spec, the_plan.family, best), best, timed[best], timed.get(()),
-                 tuple(trials), False, the_plan.lowering)
+                 tuple(trials), False, the_plan.lowering, complete)

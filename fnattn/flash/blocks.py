@@ -81,16 +81,21 @@ def _schedule(xp, classes, transpose):
     return Schedule(index, kind, count)
 
 
+def entries(block_sizes) -> tuple:
+    """A spec's ``block_sizes`` field (None, one block-size object, or a tuple of
+    objects of different lowerings' types) as a tuple of objects."""
+    if block_sizes is None:
+        return ()
+    return block_sizes if isinstance(block_sizes, tuple) else (block_sizes,)
+
+
 def pick(block_sizes, cls, default):
     """The block sizes of type ``cls`` from a spec's ``block_sizes`` field.
 
     ``block_sizes`` may be None, one block-size object, or a tuple of objects of
     different lowerings' types; when none has type ``cls``, ``default`` is used.
     """
-    if block_sizes is None:
-        return default
-    items = block_sizes if isinstance(block_sizes, tuple) else (block_sizes,)
-    for b in items:
+    for b in entries(block_sizes):
         if isinstance(b, cls):
             return b
     return default
