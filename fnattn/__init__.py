@@ -6,7 +6,7 @@
 (1, 4, 2, 8)
 """
 
-from fnattn import context, cost, dropout, masks, sharding
+from fnattn import context, cost, dropout, masks, position_bias, sharding
 from fnattn.core import attention
 from fnattn.decoding import DecodeBlockSizes, decode, decode_with_update
 from fnattn.flash.api import flash
@@ -47,6 +47,7 @@ __all__ = [
     "masks",
     "merge",
     "paged_attention",
+    "position_bias",
     "ragged_paged_attention",
     "ragged_paged_attention_with_update",
     "reference",

@@ -118,9 +118,33 @@ def _fewer_heads_hint(Hq, Hkv, q_shape, k_shape, layout) -> str:
                     "layout and that q and k are not swapped.")
 
 
-def check_spec_arrays(spec, dims: Dims, *, fn: str = "attention") -> None:
-    """Validates the spec's arrays against the problem sizes."""
+POSITION_BIAS_SUPPORT = (
+    "fnattn.attention and fnattn.flash (every impl but 'cudnn') and fnattn.reference "
+    "compute it")
+
+
+def refuse_position_bias(spec, fn: str) -> None:
+    """``NotImplementedError`` if ``spec`` has a position term (for the variants
+    and lowerings that do not compute one)."""
+    if getattr(spec, "position_bias", None) is not None:
+        raise NotImplementedError(
+            f"{fn}: spec.position_bias is not supported here; {POSITION_BIAS_SUPPORT}")
+
+
+def check_spec_arrays(spec, dims: Dims, *, fn: str = "attention",
+                      position_bias: bool = False) -> None:
+    """Validates the spec's arrays against the problem sizes.
+
+    ``position_bias``: whether the caller computes ``spec.position_bias``; if
+    not, a spec with one is refused (``NotImplementedError``)."""
     B, Tq, Tk, Hq = dims.batch, dims.q_len, dims.kv_len, dims.num_q_heads
+    if not position_bias:
+        refuse_position_bias(spec, fn)
+    elif spec.position_bias is not None:
+        try:
+            spec.position_bias.validate(B, Hq, Tq, Tk)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{fn}: {e}") from None
     if spec.bias is not None:
         check_float(f"{fn}: bias", spec.bias)
         bs = _shape(spec.bias)

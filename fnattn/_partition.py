@@ -450,7 +450,7 @@ def mask_roles(mask, sizes: Sizes) -> tuple:
     >>> mask_roles(masks.from_fn(lambda b, h, q, k: h < 2), Sizes(4, 8, 2))
     ([], 'b')
     """
-    from fnattn import masks
+    from fnattn import masks, position_bias
 
     roles, reads = [], set()
 
@@ -493,9 +493,24 @@ def mask_roles(mask, sizes: Sizes) -> tuple:
             roles.extend(lead_roles(jnp.shape(x), "bhqk") for x in m.ops)
         elif isinstance(m, (masks.Full, masks.Causal, masks.SlidingWindow, masks.Chunked)):
             pass
+        elif isinstance(m, position_bias.Biased):
+            walk(m.mask)
+            term(m.bias)
         else:
             reads.update("bh")
             roles.extend((None,) * jnp.ndim(x) for x in jax.tree_util.tree_leaves(m))
+
+    def term(t):  # a position term (fnattn.position_bias) riding with the mask
+        if isinstance(t, position_bias.Sum):
+            term(t.a)
+            term(t.b)
+        elif isinstance(t, position_bias.ALiBi):
+            roles.append(lead_roles(jnp.shape(t.slopes), "h"))
+        elif isinstance(t, position_bias.FromFn):
+            reads.update(_reads_batch_or_head(t.fn))
+        else:
+            reads.update("bh")
+            roles.extend((None,) * jnp.ndim(x) for x in jax.tree_util.tree_leaves(t))
 
     walk(mask)
     leaves = jax.tree_util.tree_leaves(mask)

@@ -4,7 +4,7 @@ import jax
 from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch, cudnn, xla
+from fnattn import _checks, _dispatch, cudnn, position_bias, xla
 from fnattn.reference import prepare, reference
 from fnattn.spec import AttentionOutput, AttentionSpec
 
@@ -25,10 +25,13 @@ def run(spec: AttentionSpec, q, k, v, *, fn: str, table=None) -> AttentionOutput
     """Validates, dispatches through the custom_jvp, and restores the layout."""
     dims, qb, kb, vb, scale, seed = prepare(spec, q, k, v, fn)
     if spec.impl == "cudnn":
+        _checks.refuse_position_bias(spec, f"{fn} with impl='cudnn'")
         res = cudnn.attention(spec, dims, qb, kb, vb, scale=scale)
         out = _checks.from_bthd(res.out, spec.layout)
         return AttentionOutput(out, res.lse if spec.return_lse else None)
-    leaves, treedef = jax.tree_util.tree_flatten(spec.mask)
+    # A position term rides with the mask's arrays to every lowering's tiles.
+    mask = position_bias.attach(spec.mask, spec.position_bias)
+    leaves, treedef = jax.tree_util.tree_flatten(mask)
     cfg = _dispatch.Config(dims=dims, scale=scale, softcap=spec.softcap,
                            dropout_rate=float(spec.dropout_rate), mask_treedef=treedef,
                            block_sizes=spec.block_sizes)

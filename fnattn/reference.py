@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, dropout, masks
+from fnattn import _checks, dropout, masks, position_bias
 from fnattn._online import finite_keys
 from fnattn._platforms import mixed_einsum
 from fnattn.spec import AttentionOutput, AttentionSpec
@@ -51,6 +51,8 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
     s = s.reshape(B, Hq, Tq, Tk) * scale
     if bias is not None:
         s = s + bias.astype(acc)
+    if position_bias.present(mask):
+        s = s + _position_term(mask, B, Hq, Tq, Tk, q_offset).astype(acc)
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     # (B, Tk, Hkv) -> (B, Hq, 1, Tk): query head h reads kv head h // G.
@@ -98,10 +100,22 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
     return out, lse
 
 
+def _position_term(mask, B, Hq, Tq, Tk, q_offset):
+    """The position term of ``mask`` (a :func:`fnattn.position_bias.attach`) on
+    the whole (B, Hq, Tq, Tk) logit matrix."""
+    off = Tk - Tq if q_offset is None else q_offset
+    b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
+    h = jnp.arange(Hq, dtype=jnp.int32)[None, :, None, None]
+    q = jnp.arange(Tq, dtype=jnp.int32)[None, None, :, None]
+    k = jnp.arange(Tk, dtype=jnp.int32)[None, None, None, :]
+    pos = masks.Positions(b=b, h=h, q=q, q_pos=q + off, k=k)
+    return position_bias.term(mask, pos, mask.operands())
+
+
 def prepare(spec: AttentionSpec, q, k, v, fn: str):
     """Validates and returns (dims, q, k, v in "bthd", scale, seed)."""
     dims = _checks.check_qkv(q, k, v, spec.layout, fn=fn)
-    _checks.check_spec_arrays(spec, dims, fn=fn)
+    _checks.check_spec_arrays(spec, dims, fn=fn, position_bias=True)
     q, k, v = (_checks.to_bthd(x, spec.layout) for x in (q, k, v))
     seed = (dropout.seed_from_key(spec.dropout_key, spec.dropout_offsets)
             if spec.dropout_rate > 0 else None)
@@ -140,7 +154,8 @@ def reference(spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..
     ((1, 3, 2, 4), (1, 2, 3))
     """
     dims, qb, kb, vb, scale, seed = prepare(spec, q, k, v, "reference")
-    res = dense_attention(qb, kb, vb, bias=spec.bias, sinks=spec.sinks, mask=spec.mask,
+    mask = position_bias.attach(spec.mask, spec.position_bias, constant=False)
+    res = dense_attention(qb, kb, vb, bias=spec.bias, sinks=spec.sinks, mask=mask,
                           seed=seed, scale=scale, softcap=spec.softcap,
                           dropout_rate=spec.dropout_rate, upcast=True,
                           return_weights=return_weights)

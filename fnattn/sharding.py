@@ -285,7 +285,7 @@ def _spec_leaf_roles(spec):
     """``[(path, shape, roles, broadcast)]`` for every array leaf of ``spec``,
     in ``jax.tree_util`` order."""
     flat, _ = jax.tree_util.tree_flatten_with_path(spec)
-    entries, mask_leaves = [], []
+    entries, mask_leaves, term_leaves = [], [], []
     for path, leaf in flat:
         name = jax.tree_util.keystr(path)
         field = getattr(path[0], "name", None)
@@ -299,12 +299,20 @@ def _spec_leaf_roles(spec):
                             else (None,) * len(shape), True])
         elif field == "sinks":
             entries.append([name, shape, ("h",) * len(shape), False])
+        elif field == "position_bias":  # ALiBi's slopes (Hq,): split like the heads
+            term_leaves.append((name, leaf))
+            entries.append([name, shape, "term", True])
         else:  # the dropout key and offsets: replicated
             entries.append([name, None, (), False])
     if mask_leaves:
         roles = iter(_mask_leaf_roles(spec.mask, mask_leaves))
         for e in entries:
             if e[2] is None:
+                e[2] = next(roles)
+    if term_leaves:  # (a term's arrays have canonical operands, as a mask's do)
+        roles = iter(_mask_leaf_roles(spec.position_bias, term_leaves))
+        for e in entries:
+            if e[2] == "term":
                 e[2] = next(roles)
     return [tuple(e) for e in entries]
 
@@ -347,6 +355,28 @@ def _place(arg, shape, roles, assign, sizes, *, broadcast):
                     "other mesh axes")
         entries.append(entry)
     return P(*entries)
+
+
+def _refuse_index_reads(spec, *, batch, heads):
+    """A ``from_fn`` mask or position term that reads the batch row or the head
+    index sees a shard's *local* index inside ``shard_map``: refuse a split of
+    that axis rather than let it answer for the wrong rows or heads."""
+    from fnattn import _partition, position_bias
+    mask = position_bias.attach(spec.mask, spec.position_bias, constant=False)
+    if mask is None:
+        return
+    _, allow = _partition.mask_roles(mask, _partition.Sizes(0, 0, 0))
+    for axis, name, role in ((batch, "batch", "b"), (heads, "heads", "h")):
+        if axis is not None and role not in allow:
+            index = "batch row" if role == "b" else "head index"
+            what = " and ".join(f"{n} {x!r}" for n, x in (
+                ("mask", spec.mask), ("position term", spec.position_bias)) if x is not None)
+            raise ValueError(
+                f"sharding.rules: {name}={axis!r} would split an axis that the spec reads "
+                f"(its {what} may read the {index}, as a from_fn can): inside shard_map it "
+                f"would see each shard's local {index}. Leave "
+                f"{name} unsplit, or write the per-{name} part as arrays (masks.segments, "
+                "masks.from_array, position_bias.alibi), which split with it.")
 
 
 def rules(spec: Optional[AttentionSpec] = None, *, mode: str = "train",
@@ -448,6 +478,8 @@ def rules(spec: Optional[AttentionSpec] = None, *, mode: str = "train",
                 raise ValueError(f"sharding.rules: {role}={a!r} is not an axis of the mesh, "
                                  f"whose axes are {tuple(sizes)}")
 
+    if spec is not None:
+        _refuse_index_reads(spec, batch=batch, heads=heads)
     assign = {"b": batch, "h": heads, "kvh": kv_heads, "pages": batch, "tokens": batch,
               "seqs": batch}
     if mode in ("train", "prefill"):

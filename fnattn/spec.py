@@ -9,6 +9,7 @@ How the logits of one query row are formed (all in float32)::
 
     s_k   = scale * (q . k_k)                    # scale defaults to 1/sqrt(D)
     s_k   = s_k + bias[b, h, q, k]               # if bias is given
+    s_k   = s_k + position_bias(b, h, q_pos, k)  # if given (ALiBi, ...)
     s_k   = softcap * tanh(s_k / softcap)        # if softcap is given
     s_k   = -inf where the mask disallows k
     lse   = log(exp(sinks[h]) + sum_k exp(s_k))  # the sink term only if sinks given
@@ -42,6 +43,7 @@ import jax
 import jax.numpy as jnp
 
 from fnattn.masks import Mask
+from fnattn.position_bias import PositionBias
 
 __all__ = ["AttentionSpec", "AttentionOutput", "LAYOUTS", "IMPLS"]
 
@@ -102,6 +104,10 @@ class AttentionSpec:
       layout: "bthd" (q is (B, Tq, Hq, D)) or "bhtd" (q is (B, Hq, Tq, D)).
       impl: "auto", "xla", "pallas", "cudnn" or "reference".
       block_sizes: block sizes for the blockwise lowerings, or None for defaults.
+      position_bias: an additive logit term computed inside the kernels from
+        positions (:mod:`fnattn.position_bias`: ALiBi, or any elementwise
+        function of batch, head, query position and key), added with ``bias``.
+        Its arrays are leaves; the flash lowerings take them as constants.
 
     >>> import jax.numpy as jnp
     >>> from fnattn import AttentionSpec, masks
@@ -122,6 +128,7 @@ class AttentionSpec:
     layout: Literal["bthd", "bhtd"] = "bthd"
     impl: Literal["auto", "xla", "pallas", "cudnn", "reference"] = "auto"
     block_sizes: Any = None
+    position_bias: Optional[PositionBias] = None
 
     def __post_init__(self):
         # Only static fields are checked here: unflattening passes placeholders
@@ -154,6 +161,12 @@ class AttentionSpec:
                 f"AttentionSpec: dropout_rate must be in [0, 1); got {self.dropout_rate!r}")
         if self.mask is not None and not isinstance(self.mask, Mask):
             raise TypeError(_mask_message(self.mask))
+        if self.position_bias is not None and not isinstance(self.position_bias, PositionBias):
+            raise TypeError(
+                "AttentionSpec: position_bias must be an fnattn.position_bias term "
+                "(position_bias.alibi(slopes), position_bias.from_fn(fn)) or None; got "
+                f"{type(self.position_bias).__name__}. An array of logits is a bias: "
+                "AttentionSpec(bias=...).")
         if not isinstance(self.return_lse, bool):
             raise TypeError(f"AttentionSpec: return_lse must be a bool; got {self.return_lse!r}")
         items = self.block_sizes if isinstance(self.block_sizes, tuple) else (self.block_sizes,)
@@ -178,7 +191,7 @@ class AttentionSpec:
 
 jax.tree_util.register_dataclass(
     AttentionSpec,
-    data_fields=["mask", "bias", "sinks", "dropout_key", "dropout_offsets"],
+    data_fields=["mask", "bias", "sinks", "dropout_key", "dropout_offsets", "position_bias"],
     meta_fields=["scale", "softcap", "dropout_rate", "return_lse", "layout", "impl",
                  "block_sizes"],
 )

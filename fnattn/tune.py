@@ -306,7 +306,7 @@ def _first_array(args, kwargs):
 
 
 def _flash_plan(variant, spec, args, target, backward) -> Plan:
-    from fnattn import _dispatch
+    from fnattn import _dispatch, position_bias
     from fnattn.flash import cudnn, mosaic, mosaic_gpu, mosaic_gpu_bwd, triton, xla
     from fnattn.reference import prepare
 
@@ -366,16 +366,17 @@ def _flash_plan(variant, spec, args, target, backward) -> Plan:
                     (blocks.pick(spec.block_sizes, mosaic.MosaicBlockSizes, base),))
 
     # cuda
-    treedef = jax.tree_util.tree_structure(spec.mask)
+    mask = position_bias.attach(spec.mask, spec.position_bias, constant=False)
+    treedef = jax.tree_util.tree_structure(mask)
     cfg = _dispatch.Config(dims=dims, scale=scale, softcap=spec.softcap,
                            dropout_rate=float(spec.dropout_rate), mask_treedef=treedef,
                            block_sizes=spec.block_sizes)
-    if spec.impl == "auto" and cudnn.route(cfg, qb.dtype, spec.mask, spec.bias, spec.sinks):
+    if spec.impl == "auto" and cudnn.route(cfg, qb.dtype, mask, spec.bias, spec.sinks):
         raise ValueError(
             "autotune: on this GPU impl='auto' runs this spec on cuDNN (fnattn/flash/cudnn.py "
             "routes it), which has no block sizes; tune impl='pallas' to time fnattn's kernels")
     with_mosaic = (spec.impl == "auto" and target.hopper and not mosaic_gpu.supports(
-        cfg, qb.dtype, spec.mask, spec.bias, spec.sinks))
+        cfg, qb.dtype, mask, spec.bias, spec.sinks))
     D, item = max(dims.head_dim, dims.v_head_dim), jnp.dtype(q.dtype).itemsize
     T = triton.TritonBlockSizes
 

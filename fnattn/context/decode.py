@@ -153,6 +153,7 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
             "and combine the parts with fnattn.merging.merge_across.")
     dims = _checks.check_qkv(q, k_cache, v_cache, spec.layout, fn=fn)
     B, Tq, S, Hq = dims.batch, dims.q_len, dims.kv_len, dims.num_q_heads
+    _checks.refuse_position_bias(spec, fn)
     for name, x in (("kv_lengths", kv_lengths), ("kv_starts", kv_starts)):
         if x is not None and (not jnp.issubdtype(x.dtype, jnp.integer) or x.shape != (B,)):
             raise ValueError(f"{fn}: {name} must be an integer array of shape (B,)=({B},), "

@@ -136,6 +136,7 @@ def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
         if tuple(jnp.shape(x)) != (B,):
             raise ValueError(f"{fn}: {name} must have shape (B,)=({B},), one per sequence "
                              f"of q {tuple(q.shape)}; got {tuple(jnp.shape(x))}")
+    _checks.refuse_position_bias(spec, fn)
     if spec.bias is not None:
         raise NotImplementedError(f"{fn}: spec.bias is not supported by decode; "
                                   "fnattn.attention and fnattn.flash take a bias.")

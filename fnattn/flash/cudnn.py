@@ -58,7 +58,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from fnattn import _checks, masks
+from fnattn import _checks, masks, position_bias
 from fnattn._dispatch import Lowering
 from fnattn.flash import triton
 
@@ -188,6 +188,9 @@ def reasons(cfg, dtype, mask, bias, sinks) -> list[str]:
         why.append(f"block sizes {type(cfg.block_sizes).__name__} set for the kernels")
     if _checks.symbolic_sizes(B=d.batch, Tq=d.q_len, Tk=d.kv_len):
         why.append("symbolic sizes")
+    if position_bias.present(mask):
+        why.append("position bias")
+        mask = mask.mask
     plan = _plan(mask, cfg)
     if isinstance(plan, str):
         why.append(plan)

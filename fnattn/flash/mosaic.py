@@ -61,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fnattn import _checks, _online, _varying, cost, dropout, masks
+from fnattn import _checks, _online, _varying, cost, dropout, masks, position_bias
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks
 
@@ -250,11 +250,20 @@ def _keep(K: _K, seed_ref, b, h, r_blk, c_blk):
     return dropout.keep_mask(dropout.seed_words(seed_ref), b, h, q, k, K.rate)
 
 
-def _logits(K: _K, a, bmat, dims, bias_ref, b, h):
-    """Scaled, biased, capped logits of a tile in f32, and tanh(s / cap) if capped."""
+def _logits(K: _K, a, bmat, dims, bias_ref, op_refs, b, h, r_blk, c_blk):
+    """Scaled, biased, capped logits of tile (r_blk, c_blk) in f32, and
+    tanh(s / cap) if capped. The bias includes the mask's position term
+    (:mod:`fnattn.position_bias`), if it carries one."""
     s = lax.dot_general(a, bmat, dims, preferred_element_type=F32) * K.scale
     if K.bias is not None:
         s = s + _load(bias_ref, K.bias, K, b, h).astype(F32)
+    if K.mask_treedef is not None:
+        mask = masks.from_treedef(K.mask_treedef)
+        if position_bias.present(mask):
+            q, k = _positions(K, r_blk, c_blk)
+            pos = masks.Positions(b=b, h=h, q=q, q_pos=q + K.off, k=k)
+            tiles = [_load(r, op, K, b, h) for r, op in zip(op_refs, K.ops)]
+            s = s + jnp.broadcast_to(position_bias.term(mask, pos, tiles), s.shape)
     th = None
     if K.softcap is not None:
         th = jnp.tanh(s / K.softcap)
@@ -344,7 +353,7 @@ def _fwd_kernel(code_ref, cnt_ref, *refs, K: _K):
         k, v = k_ref[...], v_ref[...]
         if masked:
             k, v, bad = _finite_kv(k, v, (K.br, K.bc), keys_on_lanes=True)
-        s, _ = _logits(K, q_ref[...], k, NT, bias_ref, b, h)
+        s, _ = _logits(K, q_ref[...], k, NT, bias_ref, op_refs, b, h, i, j)
         if masked:
             s = jnp.where(bad, jnp.nan, s)
             s = jnp.where(_allowed(K, op_refs, b, h, i, j), s, -jnp.inf)
@@ -410,7 +419,7 @@ def _dq_kernel(code_ref, cnt_ref, *refs, K: _K):
         k, v = k_ref[...], v_ref[...]
         if masked:
             k, v, bad = _finite_kv(k, v, (K.br, K.bc), keys_on_lanes=True)
-        s, th = _logits(K, q_ref[...], k, NT, bias_ref, b, h)
+        s, th = _logits(K, q_ref[...], k, NT, bias_ref, op_refs, b, h, i, j)
         if masked:
             s = jnp.where(bad, jnp.nan, s)
             s = jnp.where(_allowed(K, op_refs, b, h, i, j), s, -jnp.inf)
@@ -471,7 +480,7 @@ def _dkv_kernel(code_ref, cnt_ref, *refs, K: _K):
         k, v = k_ref[...], v_ref[...]
         if masked:
             k, v, bad = _finite_kv(k, v, (K.br, K.bc), keys_on_lanes=False)
-        st, th = _logits(K, k, q, NT, bias_ref, b, h)
+        st, th = _logits(K, k, q, NT, bias_ref, op_refs, b, h, j, i)
         if masked:
             st = jnp.where(bad, jnp.nan, st)
             st = jnp.where(_allowed(K, op_refs, b, h, j, i), st, -jnp.inf)

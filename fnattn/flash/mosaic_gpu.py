@@ -120,7 +120,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fnattn import _checks, dropout, masks
+from fnattn import _checks, dropout, masks, position_bias
 from fnattn import _online as online
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks, triton
@@ -280,7 +280,7 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
 
     ``mask`` is the mask object (or None); ``bias`` and ``sinks`` are arrays or None.
     """
-    why = maskless_refusals(cfg, dtype, bias, sinks)
+    why = maskless_refusals(cfg, dtype, bias, sinks) + term_refusals(mask)
     if mask is not None and mask.num_operands:
         why += operand_refusals(mask)
     d = cfg.dims
@@ -289,6 +289,14 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
         why.append(f"hidden_keys='redo' at head dim D={d.head_dim} (the Triton forward that "
                    "recomputes flagged rows takes powers of two; hidden_keys='pass' runs here)")
     return why
+
+
+def term_refusals(mask) -> list:
+    """A position term (:mod:`fnattn.position_bias`) riding with the mask: the
+    Mosaic GPU kernels (this forward and the backward) do not compute one."""
+    if position_bias.present(mask):
+        return [f"a position bias ({mask.bias!r}; the kernel adds nothing to the logits)"]
+    return []
 
 
 def maskless_refusals(cfg, dtype, bias, sinks) -> list:

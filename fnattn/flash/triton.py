@@ -70,7 +70,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fnattn import _checks
 from fnattn import _online as online
-from fnattn import _varying, dropout, masks
+from fnattn import _varying, dropout, masks, position_bias
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks
 
@@ -225,7 +225,12 @@ class _K:
         alone (``finfo.min * log2(e)`` overflows, and the rounding of a product
         of 1e10 is larger than the softmax's whole range). Without a bias, or
         with a soft-cap (logits within +-softcap), the fused ``s * c - m`` stays."""
-        return self.bias_varies is not None and self.softcap is None
+        return (self.bias_varies is not None or self.has_term) and self.softcap is None
+
+    @property
+    def has_term(self) -> bool:
+        """Whether the mask carries a position term (:mod:`fnattn.position_bias`)."""
+        return self.has_mask and position_bias.present(masks.from_treedef(self.mask_treedef))
 
 
 def _q_rows(i, K: _K):
@@ -267,6 +272,19 @@ def _scores(a, b, bias_t, K: _K):
         return s, LOG2E, None
     th = jnp.tanh(s * (1.0 / K.softcap))
     return th, K.softcap * LOG2E, th
+
+
+def _bias_tile(R, K: _K, head, b, h, i, j, transposed: bool):
+    """The additive logits of tile (i, j): the bias tile plus the position
+    term (float32), or None without either. ``head`` indexes the refs' head
+    axis (the dk/dv pass), ``h`` is the query head."""
+    bias_t = None if R.bias is None else _tile(R.bias, K.bias_varies, head, i, j, K, transposed)
+    if not K.has_term:
+        return bias_t
+    pos = _positions(b, h, i, j, K, transposed)
+    tiles = [_tile(r, v, head, i, j, K, transposed) for r, v in zip(R.ops, K.op_varies)]
+    term = position_bias.term(masks.from_treedef(K.mask_treedef), pos, tiles)
+    return term if bias_t is None else bias_t.astype(F32) + term
 
 
 def _positions(b, h, i, j, K: _K, transposed: bool):
@@ -410,7 +428,7 @@ def _fwd_block(R: _Refs, K: _K, i, b, h, rows, *, every_tile=False):
         k, v, bad = R.k[ks, :], None, None
         if (partial or every_tile) and K.has_mask:  # keys a row may not see: their
             k, v, bad = online.finite_keys(k, R.v[ks, :])  # K/V bits never matter
-        bias_t = None if R.bias is None else _tile(R.bias, K.bias_varies, None, i, j, K, False)
+        bias_t = _bias_tile(R, K, None, b, h, i, j, False)
         s, c, _ = _scores(q, k, bias_t, K)
         pos = _positions(b, h, i, j, K, False) if partial or R.seed is not None else None
         if partial:
@@ -508,7 +526,7 @@ def _dq_kernel(*refs, K: _K, sched: bool):
         k, v, bad = R.k[ks, :], None, None
         if partial and K.has_mask:  # masked keys with NaN/inf K/V give exactly 0
             k, v, bad = online.finite_keys(k, R.v[ks, :])
-        bias_t = None if R.bias is None else _tile(R.bias, K.bias_varies, None, i, j, K, False)
+        bias_t = _bias_tile(R, K, None, b, h, i, j, False)
         s, c, th = _scores(q, k, bias_t, K)
         pos = _positions(b, h, i, j, K, False) if partial or R.seed is not None else None
         if partial:
@@ -572,7 +590,7 @@ def _dkdv_kernel(*refs, K: _K, sched: bool):
         q, do = R.q[rows, g, :], R.do[rows, g, :]
         lse, delta = R.lse[g, rows][None, :], R.delta[g, rows]
         lse_lo = R.lse_lo[g, rows][None, :] if K.large else None
-        bias_t = None if R.bias is None else _tile(R.bias, K.bias_varies, g, i, j, K, True)
+        bias_t = _bias_tile(R, K, g, b, p_head * K.Gp + g, i, j, True)
         st, c, th = _scores(k, q, bias_t, K)                      # (bk, bq) = S^T
         pos = None
         if partial or R.seed is not None:
@@ -980,7 +998,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     # where lse is not finite (rows that saw nothing, an infinite sink) and on
     # padding rows, so that P = 0 there.
     fin = jnp.isfinite(lse)
-    if bias is not None and cfg.softcap is None:  # K.large: natural lse and lse_lo
+    if (bias is not None or position_bias.present(mask)) and cfg.softcap is None:  # K.large
         rows = (jnp.where(fin, lse, jnp.inf), delta, jnp.where(fin, lse_lo, 0.0))
     else:  # base 2 (the lse_lo folded in: it only matters for huge logits)
         rows = (online.lse2_rows(lse, lse_lo), delta)

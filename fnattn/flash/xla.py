@@ -54,7 +54,7 @@ from jax import lax
 
 from fnattn import _checks
 from fnattn import _online as online
-from fnattn import dropout, masks
+from fnattn import dropout, masks, position_bias
 from fnattn._dispatch import Lowering
 from fnattn._varying import varying_like
 from fnattn.flash import blocks
@@ -272,6 +272,16 @@ def _allowed(mask, ops, bidx, i, j, P: _Plan, transposed):
     return ok
 
 
+def _term(mask, ops, bidx, i, j, P: _Plan, transposed):
+    """The position term of tile (i, j) in the 3-D tile layout, or None."""
+    if not position_bias.present(mask):
+        return None
+    pos = _positions(bidx, i, j, P, transposed)
+    tiles = tuple(_to5(_tile(op, i, j, P), P, transposed) for op in ops)
+    B = bidx.shape[0]
+    return _flat(position_bias.term(mask, pos, tiles), B, P, transposed).astype(P.acc)
+
+
 def _keep(seed, bidx, i, j, P: _Plan, transposed):
     pos = _positions(bidx, i, j, P, transposed)
     return dropout.keep_mask(seed, pos.b, pos.h, pos.q, pos.k, P.rate)
@@ -398,6 +408,9 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
                 s = s * P.scale
             if bias4 is not None:
                 s = s + _flat(_to5(_tile(bias4, i, j, P), P, False), B, P, False).astype(A)
+            term = _term(mask, ops, bidx, i, j, P, False)
+            if term is not None:
+                s = s + term
             if P.softcap is not None:
                 s = P.softcap * jnp.tanh(s / P.softcap)
             if partial:
@@ -519,6 +532,9 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
                 s = s * P.scale
             if bias4 is not None:
                 s = s + _flat(_to5(_tile(bias4, i, j, P), P, True), B, P, True).astype(A)
+            term = _term(mask, ops, bidx, i, j, P, True)
+            if term is not None:
+                s = s + term
             th = None
             if P.softcap is not None:
                 th = jnp.tanh(s / P.softcap)

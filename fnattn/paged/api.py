@@ -269,6 +269,7 @@ def refuse_float64(fn, **arrays):
 
 
 def _check_spec(fn, spec: AttentionSpec, num_q_heads):
+    _checks.refuse_position_bias(spec, fn)
     if spec.bias is not None:
         raise NotImplementedError(f"{fn}: spec.bias is not supported by paged attention (no "
                                   "paged lowering takes a bias); fnattn.attention and "

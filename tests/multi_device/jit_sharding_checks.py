@@ -178,6 +178,28 @@ def check_flash_fallbacks():
     _check("flash from_fn of positions", attend(positions), qkv, out_specs=[HEADS])
 
 
+def check_flash_position_bias():
+    """ALiBi with its slopes sharded like the heads: the heads split, forward and
+    the gradients of q, k and v with no collective. A position term that reads
+    the head index (a ``from_fn``) is gathered, and right."""
+    from fnattn import position_bias
+    mesh = _mesh()
+    q, k, v = _qkv(mesh)
+    Hq = q.shape[2]
+    slopes = _put(mesh, position_bias.alibi_slopes(Hq) * 4, "model")
+
+    def attend(q, k, v, slopes):
+        spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(slopes))
+        return fnattn.attention(spec, q, k, v)
+
+    _check("flash alibi fwd+grad(q, k, v)", _out_and_grads(attend), (q, k, v, slopes),
+           out_specs=[HEADS, ROWS] + [HEADS] * 3)
+    reads_h = AttentionSpec(position_bias=position_bias.from_fn(
+        lambda b, h, q, k: jnp.where(h == 1, -0.5, 0.0) * jnp.abs(q - k)))
+    _check("flash position term reading the head",
+           lambda q, k, v: fnattn.attention(reads_h, q, k, v).out, (q, k, v), allowed=None)
+
+
 def check_flash_transforms():
     """checkpoint, scan and forward mode compose with the split call; vmap runs
     unsplit (gathered)."""
@@ -334,5 +356,5 @@ def check_gspmd_propagation():
 
 
 CHECKS = [check_flash_gqa_segments_sinks, check_flash_bias_dropout_layouts,
-          check_flash_fallbacks, check_flash_transforms, check_decode, check_paged,
+          check_flash_fallbacks, check_flash_position_bias, check_flash_transforms, check_decode, check_paged,
           check_explicit_mesh, check_explicit_context_mesh, check_gspmd_propagation]

@@ -1,0 +1,307 @@
+"""Logit terms computed from positions inside the kernels: ALiBi and any
+elementwise function of (batch, head, query position, key position).
+
+``AttentionSpec(position_bias=...)`` adds the term where ``bias`` is added,
+before the soft-cap::
+
+    s = scale * (q . k) + bias[b, h, q, k] + position_bias(b, h, q_pos, k)
+
+Unlike ``bias``, nothing of size ``Tq x Tk`` is stored or read: every lowering
+computes a tile's term from the tile's indices (and from small arrays such as
+ALiBi's per-head slopes). Block-sparse skipping is unchanged: the term never
+hides a key, the mask does.
+
+``q_pos`` is the *aligned* query position, as for the positional masks
+(:mod:`fnattn.masks`): with ``Tq != Tk`` the queries are the last ``Tq``
+positions of the keys, so a chunk of queries against a longer cache gets the
+distances of its true positions.
+
+>>> import jax, jax.numpy as jnp
+>>> import fnattn
+>>> from fnattn import AttentionSpec, masks, position_bias
+>>> slopes = position_bias.alibi_slopes(4)
+>>> slopes.tolist()
+[0.25, 0.0625, 0.015625, 0.00390625]
+>>> spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(slopes))
+>>> q = jax.random.normal(jax.random.key(0), (1, 64, 4, 16))
+>>> k = v = jax.random.normal(jax.random.key(1), (1, 64, 2, 16))
+>>> res = jax.jit(fnattn.flash)(spec, q, k, v)
+>>> ref = fnattn.reference(spec, q, k, v)
+>>> bool(jnp.allclose(res.out, ref.out, atol=1e-5))
+True
+
+Where it runs: :func:`fnattn.attention`, :func:`fnattn.flash` and
+:func:`fnattn.reference`, with every ``impl`` but "cudnn": the blockwise XLA
+lowering, the Pallas Triton kernels, the Pallas Mosaic TPU kernels and the
+dense XLA lowering. On an NVIDIA GPU ``impl="auto"`` gives such a spec to the
+Triton kernels (cuDNN and the Mosaic GPU kernels do not compute a term). The
+other variants (decode, paged, ring attention) and ``impl="cudnn"`` raise
+``NotImplementedError``. Gradients flow to q, k, v, ``bias`` and ``sinks`` as
+usual; the term's own arrays (ALiBi's slopes) are constants to the kernels:
+differentiating with respect to them raises (:func:`fnattn.reference`
+differentiates them, as a check).
+"""
+
+import dataclasses
+import math
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from fnattn import masks
+
+Array = jax.Array
+
+__all__ = ["PositionBias", "alibi", "alibi_slopes", "from_fn", "present", "term"]
+
+
+class PositionBias:
+    """Base class of the position terms. Build them with :func:`alibi` and
+    :func:`from_fn`; add two with ``+``.
+
+    The protocol (the same shape as a mask's): ``operands()`` gives the term's
+    arrays in the canonical 4-D form ``(B|1, H|1, Tq|1, Tk|1)``, which a kernel
+    slices to its tile; ``value(pos, ops)`` computes the term elementwise from
+    :class:`fnattn.masks.Positions` and the operand tiles.
+    """
+
+    def operands(self) -> tuple:
+        return ()
+
+    def value(self, pos: masks.Positions, ops: Sequence[Array]) -> Array:
+        raise NotImplementedError
+
+    def validate(self, batch: int, num_heads: int, q_len: int, kv_len: int) -> None:
+        """Raises ``ValueError`` naming the argument if an array does not fit."""
+
+    @property
+    def num_operands(self) -> int:
+        return len(jax.tree_util.tree_leaves(self))
+
+    def __add__(self, other: "PositionBias") -> "PositionBias":
+        if not isinstance(other, PositionBias):
+            raise TypeError(f"cannot add {type(other).__name__} to a position bias; both "
+                            "sides must be fnattn.position_bias terms")
+        return Sum(self, other)
+
+
+def _register(cls, data=(), meta=()):
+    cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
+    jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
+    return cls
+
+
+class ALiBi(PositionBias):
+    slopes: Array
+
+    def operands(self):
+        return (jnp.reshape(jnp.asarray(self.slopes, jnp.float32), (1, -1, 1, 1)),)
+
+    def value(self, pos, ops):
+        (slope,) = ops
+        dist = jnp.abs(pos.q_pos - pos.k).astype(jnp.float32)
+        return -slope.astype(jnp.float32) * dist
+
+    def validate(self, batch, num_heads, q_len, kv_len):
+        shape = tuple(jnp.shape(self.slopes))
+        if shape != (num_heads,):
+            raise ValueError(f"alibi: slopes must have shape (Hq,)=({num_heads},), one "
+                             f"slope per query head; got {shape}")
+        dtype = jnp.result_type(self.slopes)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"alibi: slopes must be a float array; got {dtype}")
+
+    def __repr__(self):
+        return "alibi(...)"
+
+
+class FromFn(PositionBias):
+    fn: Callable
+
+    def value(self, pos, ops):
+        out = self.fn(pos.b, pos.h, pos.q_pos, pos.k)
+        dtype = jnp.result_type(out)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(
+                f"position_bias.from_fn: {getattr(self.fn, '__name__', 'fn')} must return "
+                f"floats (an additive logit term); got {dtype}. For a mask use "
+                "fnattn.masks.from_fn.")
+        return jnp.asarray(out, jnp.float32)
+
+    def __repr__(self):
+        return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
+
+
+class Sum(PositionBias):
+    a: PositionBias
+    b: PositionBias
+
+    def operands(self):
+        return (*self.a.operands(), *self.b.operands())
+
+    def value(self, pos, ops):
+        n = self.a.num_operands
+        return self.a.value(pos, ops[:n]) + self.b.value(pos, ops[n:])
+
+    def validate(self, *dims):
+        self.a.validate(*dims)
+        self.b.validate(*dims)
+
+    def __repr__(self):
+        return f"({self.a!r} + {self.b!r})"
+
+
+ALiBi = _register(ALiBi, data=("slopes",))
+FromFn = _register(FromFn, meta=("fn",))
+Sum = _register(Sum, data=("a", "b"))
+
+
+def alibi(slopes) -> PositionBias:
+    """ALiBi: ``-slopes[h] * |q_pos - k|``, a linear penalty on the distance.
+
+    Args:
+      slopes: float array (Hq,), one slope per query head (see
+        :func:`alibi_slopes` for the usual geometric sequence). A constant:
+        the kernels take no gradient with respect to it.
+
+    >>> import jax.numpy as jnp
+    >>> from fnattn import masks
+    >>> t = alibi(jnp.array([0.5]))
+    >>> pos = masks.Positions(b=0, h=0, q=3, q_pos=3, k=jnp.arange(5))
+    >>> t.value(pos, t.operands()).reshape(-1).tolist()
+    [-1.5, -1.0, -0.5, -0.0, -0.5]
+    """
+    if not isinstance(slopes, jax.Array):
+        if isinstance(slopes, (list, tuple, np.ndarray)):
+            slopes = jnp.asarray(slopes, jnp.float32)
+        else:
+            raise TypeError(f"alibi: slopes must be an array (Hq,); got {type(slopes).__name__}")
+    return ALiBi(slopes)
+
+
+def alibi_slopes(num_heads: int) -> np.ndarray:
+    """The geometric slopes of ALiBi's paper for ``num_heads`` heads, as a NumPy
+    float32 array: ``2 ** (-8 (h + 1) / n)`` for the nearest power of two ``n``
+    at or below ``num_heads``, then the odd terms of the sequence for ``2n``
+    heads for the remaining ones.
+
+    >>> alibi_slopes(2).tolist()
+    [0.0625, 0.00390625]
+    >>> len(alibi_slopes(12))
+    12
+    """
+    if not isinstance(num_heads, int) or num_heads < 1:
+        raise ValueError(f"alibi_slopes: num_heads must be a positive int; got {num_heads!r}")
+    n = 2 ** int(math.floor(math.log2(num_heads)))
+    first = [2.0 ** (-8.0 * (h + 1) / n) for h in range(n)]
+    extra = [2.0 ** (-4.0 * (h + 1) / n) for h in range(0, 2 * (num_heads - n), 2)]
+    return np.asarray(first + extra, np.float32)
+
+
+def from_fn(fn: Callable) -> PositionBias:
+    """A term ``fn(b, h, q_pos, k) -> float`` of the batch row, the query head,
+    the aligned query position and the key index (broadcastable int32 arrays).
+
+    ``fn`` must use elementwise ``jnp`` operations only (every lowering calls it
+    on a tile, Pallas kernels included) and hold no arrays (a per-head table is
+    written as ``jnp.where`` over heads, or as :func:`alibi`); it is static, part
+    of the jit cache key by identity.
+
+    >>> import jax.numpy as jnp
+    >>> from fnattn import masks
+    >>> t = from_fn(lambda b, h, q, k: jnp.where(k == 0, 1.0, 0.0))  # favour the first key
+    >>> pos = masks.Positions(b=0, h=0, q=2, q_pos=2, k=jnp.arange(3))
+    >>> t.value(pos, ()).tolist()
+    [1.0, 0.0, 0.0]
+    """
+    if not callable(fn):
+        raise TypeError(f"position_bias.from_fn: fn must be callable; got {type(fn).__name__}")
+    return FromFn(fn)
+
+
+# ----------------------------------------------------------------------------------
+# How the lowerings carry the term: inside the mask
+# ----------------------------------------------------------------------------------
+
+
+class Biased(masks.Mask):
+    """The spec's mask (or None) with its position term riding along.
+
+    The flash and dense lowerings move a mask's arrays to their tiles already;
+    carrying the term's arrays among them gives every lowering the term's
+    tiles with no plumbing of its own. The predicate and the tile bounds are
+    the mask's; :func:`term` is what a lowering adds to a tile's logits.
+    """
+
+    mask: Any
+    bias: PositionBias
+
+    def _n(self):
+        return 0 if self.mask is None else self.mask.num_operands
+
+    def operands(self):
+        inner = () if self.mask is None else tuple(self.mask.operands())
+        return (*inner, *self.bias.operands())
+
+    def predicate(self, pos, ops):
+        if self.mask is None:
+            return masks.Full().predicate(pos, ())
+        return self.mask.predicate(pos, ops[:self._n()])
+
+    def tile_bounds(self, t, ops):
+        if self.mask is None:
+            return masks.Full().tile_bounds(t, ())
+        return self.mask.tile_bounds(t, ops[:self._n()])
+
+    def validate(self, *dims):
+        if self.mask is not None:
+            self.mask.validate(*dims)
+        self.bias.validate(*dims)
+
+    def __repr__(self):
+        return f"biased({self.mask!r}, {self.bias!r})"
+
+
+Biased = _register(Biased, data=("mask", "bias"))
+
+
+def present(mask) -> bool:
+    """Whether ``mask`` (a mask, a placeholder from a treedef, or None) carries
+    a position term."""
+    return isinstance(mask, Biased)
+
+
+def term(mask, pos: masks.Positions, tiles: Sequence[Array]):
+    """The position term of a tile (float32, broadcastable with ``pos``), or None.
+
+    ``tiles`` are the tiles of all of ``mask``'s operands, in order."""
+    if not isinstance(mask, Biased):
+        return None
+    return mask.bias.value(pos, tuple(tiles)[mask._n():])
+
+
+def attach(mask, bias: PositionBias | None, *, constant: bool = True):
+    """``mask`` with ``bias`` riding along (``mask`` itself when ``bias`` is None).
+
+    ``constant``: the term's arrays refuse a tangent (the kernels compute no
+    gradient for them; a silent zero would be a wrong gradient)."""
+    if bias is None:
+        return mask
+    if constant:
+        bias = jax.tree_util.tree_map(_constant, bias)
+    return Biased(mask, bias)
+
+
+@jax.custom_jvp
+def _constant(x):
+    return x
+
+
+@_constant.defjvp
+def _constant_jvp(primals, tangents):
+    raise NotImplementedError(
+        "position_bias: differentiating with respect to a position term's arrays (ALiBi's "
+        "slopes) is not implemented by the flash lowerings, which take them as constants; "
+        "fnattn.reference differentiates them, or learn a bias array (AttentionSpec(bias=...)).")

@@ -1,0 +1,344 @@
+"""fnattn.position_bias: ALiBi and position terms computed inside the kernels.
+
+Every lowering that takes a term is checked against the reference (forward and
+gradients), and the reference against the same term written out as a bias
+array; the variants and lowerings that do not compute a term refuse it.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import fnattn
+from fnattn import AttentionSpec, core, masks, position_bias, xla
+from fnattn._checks import Dims
+from fnattn._dispatch import Config
+from fnattn.flash import cudnn, mosaic, mosaic_gpu, mosaic_gpu_bwd, triton
+from lowering import cheap_compiles, gpu_target, tpu_target
+
+TRITON = (("default", triton.INTERPRET_LOWERING),)
+MOSAIC = (("default", mosaic.INTERPRET_LOWERING),)
+
+
+def _qkv(B, Tq, Tk, Hq, Hkv, D, dtype=jnp.float32, seed=0):
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (B, Tq, Hq, D), dtype)
+    k = jax.random.normal(ks[1], (B, Tk, Hkv, D), dtype)
+    v = jax.random.normal(ks[2], (B, Tk, Hkv, D), dtype)
+    d_out = jax.random.normal(ks[3], (B, Tq, Hq, D), jnp.float32)
+    return q, k, v, d_out
+
+
+def _bloom_slopes(n):
+    """ALiBi's slopes as the BLOOM code computes them (an independent check)."""
+    closest = 2 ** int(np.floor(np.log2(n)))
+    base = 2.0 ** (-(2.0 ** -(np.log2(closest) - 3)))
+    slopes = [base ** p for p in range(1, closest + 1)]
+    if closest != n:
+        extra = 2.0 ** (-(2.0 ** -(np.log2(2 * closest) - 3)))
+        slopes += [extra ** p for p in range(1, 2 * (n - closest) + 1, 2)]
+    return np.asarray(slopes, np.float32)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 6, 8, 12, 16, 40])
+def test_alibi_slopes_are_the_papers(n):
+    np.testing.assert_allclose(position_bias.alibi_slopes(n), _bloom_slopes(n), rtol=1e-6)
+
+
+def _explicit(term, B, Hq, Tq, Tk):
+    """The term written out as a (B, Hq, Tq, Tk) bias, with NumPy."""
+    b, h, q, k = np.meshgrid(np.arange(B), np.arange(Hq), np.arange(Tq), np.arange(Tk),
+                             indexing="ij")
+    pos = masks.Positions(b=jnp.asarray(b), h=jnp.asarray(h), q=jnp.asarray(q),
+                          q_pos=jnp.asarray(q + Tk - Tq), k=jnp.asarray(k))
+    return jnp.broadcast_to(term.value(pos, term.operands()), (B, Hq, Tq, Tk))
+
+
+@pytest.mark.parametrize("Tq,Tk", [(12, 12), (5, 12)])
+def test_reference_adds_the_term_as_a_bias_before_the_cap(Tq, Tk):
+    B, Hq, Hkv, D = 2, 4, 2, 8
+    q, k, v, _ = _qkv(B, Tq, Tk, Hq, Hkv, D)
+    slopes = jnp.asarray(position_bias.alibi_slopes(Hq)) * 8
+    term = position_bias.alibi(slopes) + position_bias.from_fn(
+        lambda b, h, q, k: jnp.where((k + b) % 3 == 0, 0.7, 0.0) * (h + 1))
+    # ALiBi by hand: -slope * |aligned q - k|
+    qpos = np.arange(Tq)[:, None] + (Tk - Tq)
+    alibi = -np.asarray(slopes)[:, None, None] * np.abs(qpos - np.arange(Tk)[None, :])
+    np.testing.assert_allclose(_explicit(position_bias.alibi(slopes), B, Hq, Tq, Tk),
+                               np.broadcast_to(alibi, (B, Hq, Tq, Tk)), rtol=1e-6)
+    for mask in (None, masks.causal()):
+        spec = AttentionSpec(mask=mask, softcap=4.0, bias=jnp.full((Tk,), 0.25))
+        got = jax.jit(fnattn.reference)(spec.replace(position_bias=term), q, k, v)
+        want = jax.jit(fnattn.reference)(
+            spec.replace(bias=spec.bias + _explicit(term, B, Hq, Tq, Tk)), q, k, v)
+        np.testing.assert_allclose(got.out, want.out, atol=1e-6)
+        np.testing.assert_allclose(got.lse, want.lse, atol=1e-6)
+
+
+def _grads(table, spec, q, k, v, d_out, impl=None):
+    """(out, lse, dq, dk, dv) of one lowering table (``impl``: or through the API)."""
+    def f(q, k, v):
+        if impl is not None:
+            res = fnattn.attention(spec.replace(impl=impl), q, k, v)
+        elif table is None:
+            res = fnattn.reference(spec, q, k, v)
+        else:
+            res = core.run(spec, q, k, v, fn="flash", table=table)
+        return res.out, res.lse
+
+    (out, lse), pull = jax.vjp(f, q, k, v)
+    d_lse = jnp.cos(lse)
+    return (out, lse) + pull((d_out.astype(out.dtype), d_lse))
+
+
+def _check(got, want, tol):
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_allclose(a, b, atol=tol, rtol=tol, err_msg=name)
+
+
+SLOPES4 = jnp.asarray(position_bias.alibi_slopes(4)) * 4
+
+
+def _segments(B, T):
+    ids = np.repeat(np.arange(3), [T // 2, T // 3, T - T // 2 - T // 3])
+    return masks.segments(jnp.asarray(np.tile(ids, (B, 1))))
+
+
+# (name, mask, softcap, Tq, Tk): ragged lengths, GQA, Tq != Tk, both caps.
+CASES = [
+    ("none", None, None, 70, 70),
+    ("causal-cap", masks.causal(), 5.0, 70, 70),
+    ("segments", "segments", None, 70, 70),
+    ("window-chunk", masks.causal() & masks.sliding_window(24), None, 40, 70),
+]
+
+
+def _spec(mask, softcap, B, T, term=None):
+    if mask == "segments":
+        mask = masks.causal() & _segments(B, T)
+    term = position_bias.alibi(SLOPES4) if term is None else term
+    return AttentionSpec(mask=mask, softcap=softcap, position_bias=term)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_flash_xla_matches_reference(case):
+    _, mask, softcap, Tq, Tk = case
+    q, k, v, d_out = _qkv(2, Tq, Tk, 4, 2, 16)
+    spec = _spec(mask, softcap, 2, Tk).replace(block_sizes=fnattn.XlaBlockSizes(32, 32))
+    want = jax.jit(lambda *a: _grads(None, spec, *a))(q, k, v, d_out)
+    got = jax.jit(lambda *a: _grads(None, spec, *a, impl="auto"))(q, k, v, d_out)
+    _check(got, want, 2e-5)
+    # the term changes the answer (it is not dropped on the way)
+    plain = jax.jit(lambda *a: _grads(None, spec.replace(position_bias=None), *a))(q, k, v, d_out)
+    assert float(jnp.abs(plain[0] - want[0]).max()) > 1e-2
+
+
+def test_dense_xla_matches_reference():
+    q, k, v, d_out = _qkv(2, 30, 30, 4, 2, 16)
+    spec = _spec(masks.causal(), 3.0, 2, 30)
+    want = jax.jit(lambda *a: _grads(None, spec, *a))(q, k, v, d_out)
+    got = jax.jit(lambda *a: _grads(None, spec, *a, impl="xla"))(q, k, v, d_out)
+    _check(got, want, 2e-5)
+
+
+@pytest.mark.parametrize("case", CASES[:3], ids=[c[0] for c in CASES[:3]])
+def test_triton_interpret_matches_reference(case):
+    _, mask, softcap, Tq, Tk = case
+    q, k, v, d_out = _qkv(1, Tq, Tk, 4, 2, 16)
+    extra = position_bias.from_fn(lambda b, h, q, k: jnp.where(k % 7 == 0, 0.5, 0.0) * (h + 1))
+    spec = _spec(mask, softcap, 1, Tk, position_bias.alibi(SLOPES4) + extra).replace(
+        block_sizes=fnattn.TritonBlockSizes(32, 32))
+    with cheap_compiles():
+        got = jax.jit(lambda *a: _grads(TRITON, spec, *a))(q, k, v, d_out)
+    want = jax.jit(lambda *a: _grads(None, spec, *a))(q, k, v, d_out)
+    _check(got, want, 2e-5)
+
+
+def test_mosaic_interpret_matches_reference():
+    q, k, v, d_out = _qkv(1, 200, 200, 4, 2, 128)
+    spec = _spec(masks.causal(), None, 1, 200).replace(block_sizes=fnattn.MosaicBlockSizes(128, 128))
+    with cheap_compiles():
+        got = jax.jit(lambda *a: _grads(MOSAIC, spec, *a))(q, k, v, d_out)
+    want = jax.jit(lambda *a: _grads(None, spec, *a))(q, k, v, d_out)
+    _check(got, want, 5e-5)
+
+
+def test_bfloat16_flash_is_as_close_as_without_the_term():
+    q, k, v, d_out = _qkv(1, 256, 256, 4, 2, 32, jnp.bfloat16)
+    spec = _spec(masks.causal(), None, 1, 256)
+    want = jax.jit(lambda *a: _grads(None, spec, *a))(q, k, v, d_out)
+    got = jax.jit(lambda *a: _grads(None, spec, *a, impl="auto"))(q, k, v, d_out)
+    _check(got[:2], want[:2], 2e-2)
+
+
+def test_jvp_vmap_and_second_order():
+    q, k, v, _ = _qkv(2, 40, 40, 4, 2, 8)
+    spec = _spec(masks.causal(), None, 2, 40)
+
+    def f(impl):
+        return lambda q: fnattn.attention(spec.replace(impl=impl), q, k, v).out
+
+    ref = lambda q: fnattn.reference(spec, q, k, v).out  # noqa: E731
+    t = jnp.sin(q)
+    _, got = jax.jit(lambda q, t: jax.jvp(f("auto"), (q,), (t,)))(q, t)
+    _, want = jax.jit(lambda q, t: jax.jvp(ref, (q,), (t,)))(q, t)
+    np.testing.assert_allclose(got, want, atol=2e-5)
+    hvp = lambda g: jax.jit(jax.grad(lambda q: jnp.vdot(jax.grad(  # noqa: E731
+        lambda q: jnp.sum(g(q) ** 2))(q), t)))(q)
+    np.testing.assert_allclose(hvp(f("auto")), hvp(ref), atol=1e-4, rtol=1e-4)
+    batched = jax.jit(jax.vmap(lambda q: fnattn.attention(spec, q[None], k[:1], v[:1]).out[0]))
+    np.testing.assert_allclose(batched(q), fnattn.reference(spec, q, k[:1].repeat(2, 0),
+                                                            v[:1].repeat(2, 0)).out, atol=2e-5)
+
+
+def test_masked_poisoned_keys_contribute_nothing():
+    B, T = 1, 70
+    q, k, v, _ = _qkv(B, T, T, 4, 2, 16)
+    lengths = jnp.array([50])
+    k = k.at[:, 50:].set(jnp.nan)
+    v = v.at[:, 50:].set(jnp.inf)
+    spec = AttentionSpec(mask=masks.causal() & masks.lengths(kv_lengths=lengths),
+                         position_bias=position_bias.alibi(SLOPES4))
+    want = fnattn.reference(spec, q[:, :50], k[:, :50], v[:, :50]).out
+    for impl in ("auto", "xla"):
+        out = jax.jit(fnattn.attention)(spec.replace(impl=impl), q, k, v).out
+        np.testing.assert_allclose(out[:, :50], want, atol=2e-5)
+        assert bool(jnp.isfinite(out).all())
+
+
+def test_gradient_of_the_slopes():
+    q, k, v, _ = _qkv(1, 20, 20, 4, 2, 8)
+
+    def loss(fn, slopes):
+        spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(slopes))
+        return jnp.sum(fn(spec, q, k, v).out ** 2)
+
+    with pytest.raises(NotImplementedError, match="slopes.*constants"):
+        jax.jit(jax.grad(lambda s: loss(fnattn.attention, s)))(SLOPES4)
+    # the reference differentiates them: as the bias they make
+    got = jax.grad(lambda s: loss(fnattn.reference, s))(SLOPES4)
+    dist = jnp.abs(jnp.arange(20)[:, None] - jnp.arange(20)[None, :]).astype(jnp.float32)
+
+    def via_bias(s):
+        spec = AttentionSpec(mask=masks.causal(), bias=-s[:, None, None] * dist)
+        return jnp.sum(fnattn.reference(spec, q, k, v).out ** 2)
+
+    np.testing.assert_allclose(got, jax.grad(via_bias)(SLOPES4), rtol=1e-5, atol=1e-6)
+    # gradients to q, k, v with the slopes held fixed are fine
+    g = jax.jit(jax.grad(lambda q: jnp.sum(fnattn.attention(
+        AttentionSpec(position_bias=position_bias.alibi(SLOPES4)), q, k, v).out)))(q)
+    assert bool(jnp.isfinite(g).all())
+
+
+# ----------------------------------------------------------------------------------
+# Checks and refusals
+# ----------------------------------------------------------------------------------
+
+
+def test_bad_terms_are_refused_with_the_argument_named():
+    q, k, v, _ = _qkv(1, 8, 8, 4, 2, 8)
+    with pytest.raises(TypeError, match="position_bias must be an fnattn.position_bias"):
+        AttentionSpec(position_bias=jnp.zeros((4,)))
+    with pytest.raises(ValueError, match=r"flash: alibi: slopes must have shape \(Hq,\)=\(4,\)"
+                                         r".*got \(2,\)"):
+        fnattn.flash(AttentionSpec(position_bias=position_bias.alibi(jnp.ones(2))), q, k, v)
+    with pytest.raises(TypeError, match="must return floats"):
+        fnattn.flash(AttentionSpec(position_bias=position_bias.from_fn(
+            lambda b, h, q, k: q > k)), q, k, v)
+    with pytest.raises(TypeError, match="cannot add"):
+        position_bias.alibi(jnp.ones(4)) + masks.causal()
+    with pytest.raises(TypeError, match="must be callable"):
+        position_bias.from_fn(3)
+
+
+def test_other_variants_refuse_a_term():
+    spec = AttentionSpec(position_bias=position_bias.alibi(SLOPES4))
+    q, k, v, _ = _qkv(2, 1, 16, 4, 2, 8)
+    lengths = jnp.array([16, 9])
+    calls = {
+        "decode": lambda: fnattn.decode(spec, q, k, v, kv_lengths=lengths),
+        "attention with impl='cudnn'": lambda: fnattn.attention(
+            spec.replace(impl="cudnn"), q, k, v),
+    }
+    cache = fnattn.PagedKVCache.create(num_pages=8, page_size=4, num_kv_heads=2, head_dim=8,
+                                       max_seqs=2, max_pages_per_seq=4)
+    table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
+    calls["paged_attention"] = lambda: fnattn.paged_attention(
+        spec, q, cache.k_pages, cache.v_pages, page_table=table, kv_lengths=lengths)
+    calls["ragged_paged_attention"] = lambda: fnattn.ragged_paged_attention(
+        spec, q[:, 0], cache.k_pages, cache.v_pages, page_table=table,
+        context_lengths=lengths, query_start_loc=jnp.array([0, 1, 2], jnp.int32),
+        num_seqs=jnp.array([2], jnp.int32))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    seq = jax.sharding.PartitionSpec(None, "x")
+
+    def ring():
+        return jax.jit(jax.shard_map(
+            lambda q, k, v: fnattn.context.attention(spec, q, k, v, axis_name="x").out,
+            mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))(k.repeat(2, 2), k, v)
+
+    calls["context.attention"] = ring
+    for name, call in calls.items():
+        with pytest.raises(NotImplementedError, match=f"{re.escape(name)}.*position_bias.*"
+                                                      "fnattn.attention and fnattn.flash"):
+            call()
+
+
+def test_kernels_that_do_not_compute_a_term_are_not_routed_to():
+    dims = Dims(1, 256, 256, 4, 2, 128, 128)
+    mask = position_bias.attach(masks.causal(), position_bias.alibi(SLOPES4), constant=False)
+    cfg = Config(dims, 0.1, None, 0.0, jax.tree_util.tree_structure(mask))
+    assert "position bias" in cudnn.reasons(cfg, jnp.bfloat16, mask, None, None)
+    assert cudnn.reasons(cfg, jnp.bfloat16, masks.causal(), None, None) == []
+    for module in (mosaic_gpu, mosaic_gpu_bwd):
+        why = module.supports(cfg, jnp.bfloat16, mask, None, None)
+        assert any("position bias" in w for w in why), why
+    term_only = position_bias.attach(None, position_bias.from_fn(lambda b, h, q, k: 0.0 * k))
+    assert mosaic_gpu.supports(cfg, jnp.bfloat16, term_only, None, None)
+
+
+def test_kernels_lower_for_cuda_and_tpu():
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
+    spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(SLOPES4))
+
+    def loss(table):
+        def f(q, k, v):
+            res = core.run(spec, q, k, v, fn="flash", table=table)
+            return jnp.sum(res.out.astype(jnp.float32)) + jnp.sum(res.lse)
+        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+
+    cuda = (("default", xla.DENSE), ("cuda", triton.LOWERING))
+    with gpu_target():
+        text = loss(cuda).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    for name in ("fnattn_flash_fwd", "fnattn_flash_dq", "fnattn_flash_dkdv"):
+        assert name in text
+    tpu = (("default", xla.DENSE), ("tpu", mosaic.LOWERING))
+    with tpu_target():
+        text = loss(tpu).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
+    assert set(re.findall(r'kernel_name = "(\w+)"', text)) == {
+        "fnattn_flash_mosaic_fwd", "fnattn_flash_mosaic_dq", "fnattn_flash_mosaic_dkv"}
+
+
+def test_sharding_rules_split_the_slopes_with_the_heads():
+    from jax.sharding import PartitionSpec as P
+    spec = AttentionSpec(position_bias=position_bias.alibi(SLOPES4))
+    r = fnattn.sharding.rules(spec, heads="model")
+    assert r.spec.position_bias.slopes == P("model")
+
+
+def test_sharding_rules_refuse_to_split_an_index_a_function_reads():
+    reads_h = position_bias.from_fn(lambda b, h, q, k: jnp.where(h == 1, -0.5, 0.0) * q)
+    spec = AttentionSpec(position_bias=reads_h)
+    with pytest.raises(ValueError, match="heads='model' would split .* position term "
+                                         r"from_fn\(<lambda>\) may read the head index"):
+        fnattn.sharding.rules(spec, heads="model")
+    fnattn.sharding.rules(spec, batch="data")  # the batch may split: it is not read
+    reads_b = AttentionSpec(mask=masks.from_fn(lambda b, h, q, k: (k <= q) | (b == 0)))
+    with pytest.raises(ValueError, match="batch='data' would split .* mask .* batch row"):
+        fnattn.sharding.rules(reads_b, batch="data")
+    fnattn.sharding.rules(reads_b, heads="model")
