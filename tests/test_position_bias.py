@@ -342,3 +342,19 @@ def test_sharding_rules_refuse_to_split_an_index_a_function_reads():
     with pytest.raises(ValueError, match="batch='data' would split .* mask .* batch row"):
         fnattn.sharding.rules(reads_b, batch="data")
     fnattn.sharding.rules(reads_b, heads="model")
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs an NVIDIA GPU")
+@pytest.mark.parametrize("D", [64, 128])
+def test_gpu_auto_runs_the_term_on_the_triton_kernels(D):
+    B, T, Hq, Hkv = 2, 1000, 8, 2
+    q, k, v, d_out = _qkv(B, T, T, Hq, Hkv, D, jnp.bfloat16)
+    spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(
+        jnp.asarray(position_bias.alibi_slopes(Hq))))
+    f = jax.jit(lambda *a: _grads(None, spec, *a, impl="auto"))
+    text = f.lower(q, k, v, d_out).as_text()
+    assert "fnattn_flash_fwd" in text and "fnattn_flash_dkdv" in text
+    assert "cudnn" not in text.lower() and "mosaic_gpu" not in text
+    got = f(q, k, v, d_out)
+    want = jax.jit(lambda *a: _grads(None, spec, *a, impl="xla"))(q, k, v, d_out)
+    _check(got, want, 3e-2)
