@@ -173,7 +173,8 @@ def write(rows, args, seconds):
     lines = [
         f"# ALiBi in the kernel against a bias array ({device})",
         "",
-        f"`python benchmarks/position_bias.py --T {args.T} --modes {args.modes}` on "
+        f"`python benchmarks/position_bias.py {' '.join(sys.argv[1:])}`".replace(" `", "`")
+        + " on "
         f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), jax "
         f"{jax_version}, {datetime.date.today().isoformat()}, {seconds / 60:.1f} min. "
         f"Causal, B={args.B}, H={args.H}, D={args.D}, float32; median of {args.reps} calls. "
