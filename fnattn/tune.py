@@ -378,6 +378,7 @@ def _flash_plan(variant, spec, args, target, backward) -> Plan:
     with_mosaic = (spec.impl == "auto" and target.hopper and not mosaic_gpu.supports(
         cfg, qb.dtype, mask, spec.bias, spec.sinks))
     D, item = max(dims.head_dim, dims.v_head_dim), jnp.dtype(q.dtype).itemsize
+    n_rows, n_cols = mosaic_gpu.array_counts(mask) if with_mosaic else (0, 0)
     T = triton.TritonBlockSizes
 
     def tiles16(pairs):   # (Triton clamps tiles to the padded sequence, 16 at least)
@@ -394,7 +395,8 @@ def _flash_plan(variant, spec, args, target, backward) -> Plan:
                     for persistent in (False, True)
                     for m in [M(block_q=bq, block_k=bk, max_concurrent_steps=steps,
                                 persistent=persistent)]
-                    if m.smem_bytes(D, item) <= mosaic_gpu.SMEM_BYTES]
+                    if m.smem_bytes(D, item, row_arrays=n_rows,
+                                    key_arrays=n_cols) <= mosaic_gpu.SMEM_BYTES]
         return out
 
     def triton_bwd(kernel, pairs):
@@ -413,7 +415,8 @@ def _flash_plan(variant, spec, args, target, backward) -> Plan:
         if m is None:
             return []
         rings = (mosaic_gpu_bwd.MosaicGpuBwdBlockSizes(max_concurrent_steps=s) for s in (2, 3, 4))
-        return [(m, b) for b in rings if b.smem_bytes(D, item) <= mosaic_gpu.SMEM_BYTES]
+        return [(m, b) for b in rings if b.smem_bytes(
+            D, item, row_arrays=n_rows, key_arrays=n_cols) <= mosaic_gpu.SMEM_BYTES]
 
     stages = (Stage("forward", fwd),)
     if backward:

@@ -60,3 +60,22 @@ def tpu_target():
 
 def gpu_target():
     return target("cuda")
+
+
+def mosaic_gpu_smem(lower):
+    """The shared memory Mosaic GPU counts for the first kernel that ``lower()``
+    (a function lowering a program for cuda) compiles: lowered under a limit of
+    one byte, the kernel is refused with its count in the message. Skips the
+    test on a JAX without that limit."""
+    import re
+
+    import pytest
+    try:
+        from jax.experimental.mosaic.gpu.core import artificial_shared_memory_limit
+    except ImportError:
+        pytest.skip("this JAX has no artificial_shared_memory_limit")
+    with artificial_shared_memory_limit(1), pytest.raises(ValueError) as err:
+        lower()
+    found = re.search(r"smem_bytes=(\d+)", str(err.value))
+    assert found, f"no shared memory count in {err.value}"
+    return int(found.group(1))

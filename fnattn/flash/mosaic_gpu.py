@@ -191,7 +191,7 @@ class MosaicGpuBlockSizes:
         0.315 ms against 0.292 heaviest first).
 
     >>> MosaicGpuBlockSizes.default(128).smem_bytes(128)
-    164864
+    168024
     >>> MosaicGpuBlockSizes(block_q=96)
     Traceback (most recent call last):
     ...
@@ -253,21 +253,47 @@ class MosaicGpuBlockSizes:
                    key_arrays: int = 0, q_buffers: int = 1) -> int:
         """Shared memory a program allocates: Q/O tiles, the K/V ring, row state,
         and the int32 tiles of a mask's per-row and per-key arrays (segment ids,
-        positions: ``row_arrays`` and ``key_arrays`` of them). ``q_buffers=2``:
-        the Q tiles and per-row arrays twice (a persistent program loading the
-        next item's while it runs the current one).
+        positions: ``row_arrays`` and ``key_arrays`` of them), as Mosaic GPU
+        counts it (:func:`smem_layout_bytes`). ``q_buffers=2``: the Q tiles and
+        per-row arrays twice (a persistent program loading the next item's
+        while it runs the current one).
 
         >>> MosaicGpuBlockSizes().smem_bytes(128, row_arrays=1, key_arrays=1)
-        166400
+        170104
         >>> MosaicGpuBlockSizes().smem_bytes(128, row_arrays=1, key_arrays=1, q_buffers=2)
-        199680
+        202904
         """
-        q = 2 * q_buffers * self.block_q * head_dim * itemsize
-        kv = 2 * self.max_concurrent_steps * self.block_k * head_dim * itemsize
-        rows = 2 * 2 * self.block_q * 4
-        ids = 4 * (2 * q_buffers * self.block_q * row_arrays
-                   + self.max_concurrent_steps * self.block_k * key_arrays)
-        return q + kv + rows + ids
+        ring, bq, bk = self.max_concurrent_steps, self.block_q, self.block_k
+        buffers = [2 * q_buffers * bq * head_dim * itemsize,     # Q (and O) tiles
+                   ring * bk * head_dim * itemsize,              # K ring
+                   ring * bk * head_dim * itemsize,              # V ring
+                   2 * bq * 4, 2 * bq * 4]                       # m and l of each consumer
+        barriers = 2 * q_buffers + 4 * ring + 1
+        if row_arrays:
+            buffers.append(2 * q_buffers * row_arrays * bq * 4)
+            barriers += 2 * q_buffers
+        if key_arrays:
+            buffers.append(ring * key_arrays * bk * 4)
+            barriers += ring
+        return smem_layout_bytes(buffers, barriers) + _FWD_RESERVED
+
+
+# What the forward's program holds in shared memory besides its buffers and
+# barriers, fitted (with :func:`smem_layout_bytes`) to what Mosaic GPU counts
+# when lowering the kernel (jax 0.10.2 and 0.11.2; tests/flash/test_mosaic_gpu.py
+# checks the estimate against the lowering).
+_FWD_RESERVED = 2048
+
+
+def smem_layout_bytes(buffers, barriers: int) -> int:
+    """Shared memory of ``buffers`` (their sizes in bytes) and ``barriers`` as
+    Mosaic GPU lays them out: each buffer from a 1024-byte boundary, 8 bytes
+    per barrier.
+
+    >>> smem_layout_bytes([512, 4096], 3)
+    5144
+    """
+    return sum(-(-n // 1024) * 1024 for n in buffers) + 8 * barriers
 
 
 # ----------------------------------------------------------------------------------
@@ -440,6 +466,21 @@ class _Plan:
     def stack(self, kind):
         """``(count, along_b, along_h)`` of the arrays of ``kind``, or None."""
         return stack_of(self.stacks, kind)
+
+
+def array_counts(mask) -> tuple:
+    """``(per-row, per-key)``: how many of the mask's arrays the Mosaic GPU
+    kernels keep in shared memory per query row and per key (shapes only).
+
+    >>> ids = jnp.zeros((2, 100), jnp.int32)
+    >>> array_counts(masks.segments(ids) & masks.lengths(jnp.ones(2, int)))
+    (1, 1)
+    """
+    if mask is None or not mask.num_operands:
+        return 0, 0
+    ops = jax.eval_shape(lambda m: m.operands(), mask)
+    return (sum(op.shape[2] > 1 for op in ops),
+            sum(op.shape[3] > 1 and op.shape[2] == 1 for op in ops))
 
 
 def stack_of(stacks, kind):
@@ -1117,6 +1158,16 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
               sched_b=table.shape[0] > 1, sched_h=table.shape[1] > 1,
               interpreted=bool(interpret), sinks=sinks is not None,
               rate=float(cfg.dropout_rate), operands=operands, stacks=stacks, flag=redo)
+    n_rows, n_cols = ((stack_of(stacks, kind) or (0,))[0] for kind in ("rows", "cols"))
+    need = bs.smem_bytes(d.head_dim, jnp.dtype(q.dtype).itemsize, row_arrays=n_rows,
+                         key_arrays=n_cols)
+    if need > SMEM_BYTES and P.stages == bs.max_concurrent_steps:
+        raise ValueError(
+            f"flash: MosaicGpuBlockSizes(block_q={bs.block_q}, block_k={bs.block_k}, "
+            f"max_concurrent_steps={bs.max_concurrent_steps}) needs {need} bytes of shared "
+            f"memory at head dim {d.head_dim} (with {n_rows} per-row and {n_cols} per-key "
+            f"mask arrays), more than the {SMEM_BYTES} of a Hopper block; use smaller tiles "
+            "or a shallower ring")
     sms = _programs(bool(interpret)) if bs.persistent else 0
     grid, grid_names, programs = launch_grid(d.batch, d.num_q_heads, Tqp // rows, bs.persistent,
                                              sms)

@@ -161,7 +161,7 @@ class MosaicGpuBwdBlockSizes:
       max_concurrent_steps: depth of the Q / dO / row-statistics ring, 2 to 4.
 
     >>> tuple(MosaicGpuBwdBlockSizes.default(d).smem_bytes(d) for d in (64, 128, 192, 256))
-    (148992, 197632, 173056, 222208)
+    (149568, 197680, 173104, 222256)
     >>> MosaicGpuBwdBlockSizes(max_concurrent_steps=1)
     Traceback (most recent call last):
     ...
@@ -182,25 +182,37 @@ class MosaicGpuBwdBlockSizes:
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, *, row_arrays: int = 0,
                    key_arrays: int = 0) -> int:
-        """Shared memory a program allocates: K and V, the Q / dO / statistics
-        ring, dS^T, the float32 staging of dQ chunks, and the int32 tiles of a
-        mask's per-row arrays (in the ring, ``row_arrays`` of them) and per-key
-        arrays (the program's keys, ``key_arrays`` of them).
+        """Shared memory a program allocates, as Mosaic GPU counts it
+        (:func:`fnattn.flash.mosaic_gpu.smem_layout_bytes`): K and V, the Q /
+        dO / statistics ring, dS^T, the float32 staging of dQ chunks, the int32
+        tiles of a mask's per-row arrays (in the ring, ``row_arrays`` of them)
+        and per-key arrays (the program's keys, ``key_arrays`` of them), and
+        the barriers.
 
         >>> MosaicGpuBwdBlockSizes().smem_bytes(128, row_arrays=1, key_arrays=1)
-        198656
+        199744
         """
         ring = self.max_concurrent_steps
-        if head_dim <= _ROW_SPLIT_MAX_D:
-            keys, ds_tiles, stages = 2 * TILE, 2 * 2, 2
+        row_split = head_dim <= _ROW_SPLIT_MAX_D
+        groups = 2 if row_split else 1
+        if row_split:
+            widths = [head_dim]
         else:
-            keys, ds_tiles, stages = TILE, 1, 1
-        kv = 2 * keys * head_dim * itemsize
-        q_do = 2 * ring * TILE * head_dim * itemsize
-        stats = ring * 2 * TILE * 4
-        ds = ds_tiles * TILE * TILE * itemsize
-        ids = 4 * (ring * TILE * row_arrays + keys * key_arrays)
-        return kv + q_do + stats + ds + stages * TILE * TILE * 4 + ids
+            w0 = TILE * -(-head_dim // (2 * TILE))
+            widths = [w0, head_dim - w0]
+        ds_bufs, ds_groups, stages = (2, groups, 2) if row_split else (1, 1, 1)
+        buffers = ([ring * TILE * w * itemsize for w in widths] * 2      # Q, dO
+                   + [groups * TILE * w * itemsize for w in widths] * 2  # K, V
+                   + [ring * 2 * TILE * 4,                               # lse and delta
+                      ds_bufs * ds_groups * TILE * TILE * itemsize,      # dS^T
+                      stages * TILE * TILE * 4])                         # dQ staging
+        barriers = 2 * ring + 2
+        if row_arrays:
+            buffers.append(ring * row_arrays * TILE * 4)
+            barriers += ring
+        if key_arrays:
+            buffers.append(groups * key_arrays * TILE * 4)
+        return mosaic_gpu.smem_layout_bytes(buffers, barriers)
 
 
 # ----------------------------------------------------------------------------------

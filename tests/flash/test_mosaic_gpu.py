@@ -27,7 +27,7 @@ from fnattn._checks import Dims
 from fnattn._dispatch import Config, Lowering
 from fnattn.flash import mosaic_gpu
 from fnattn.flash.mosaic_gpu import LOWERING, MosaicGpuBlockSizes
-from lowering import gpu_target
+from lowering import gpu_target, mosaic_gpu_smem
 from mosaic_gpu_interpreter import REDO_KERNELS, compile_once, reset_after_failure, triton_kernels
 
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -407,6 +407,40 @@ def test_supports_masks_holding_per_row_or_per_key_arrays():
                  masks.prefix_lm(jnp.array([7])) | masks.sliding_window(3),
                  masks.at_positions(masks.causal(), jnp.arange(128) + 9, jnp.arange(128))):
         assert mosaic_gpu.supports(cfg_of(), jnp.bfloat16, mask, None, None) == [], mask
+
+
+@pytest.mark.parametrize("D, bq, bk, steps, persistent, mask", [
+    (128, 64, 128, 2, False, "causal"), (64, 128, 64, 3, False, "documents"),
+    (128, 64, 128, 2, True, "documents"), (256, 64, 64, 2, False, "lengths")])
+def test_smem_estimate_is_what_the_lowering_counts(D, bq, bk, steps, persistent, mask):
+    """``smem_bytes`` equals the count of Mosaic GPU's lowering (what the
+    kernel's own check and fnattn.tune's candidates rely on)."""
+    pytest.importorskip("absl")
+    T = 1024
+    ids = jnp.asarray(np.repeat(np.arange(4), T // 4)[None], jnp.int32)
+    mask = {"causal": masks.causal(), "documents": masks.causal() & masks.segments(ids),
+            "lengths": masks.lengths(kv_lengths=jnp.array([1000]))}[mask]
+    bs = MosaicGpuBlockSizes(block_q=bq, block_k=bk, max_concurrent_steps=steps,
+                             persistent=persistent)
+    q = jax.ShapeDtypeStruct((1, T, 4, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, T, 2, D), jnp.bfloat16)
+    spec = AttentionSpec(mask=mask, block_sizes=bs)
+    counted = mosaic_gpu_smem(lambda: lowered_text(spec, q, k, (("default", LOWERING),)))
+    rows, cols = mosaic_gpu.array_counts(mask)
+    assert counted == bs.smem_bytes(D, row_arrays=rows, key_arrays=cols,
+                                    q_buffers=2 if persistent else 1)
+
+
+def test_tiles_past_shared_memory_are_refused_with_their_count():
+    T, D = 1024, 128
+    ids = jnp.asarray(np.repeat(np.arange(4), T // 4)[None], jnp.int32)
+    bs = MosaicGpuBlockSizes(block_q=64, block_k=128, max_concurrent_steps=3)
+    spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), block_sizes=bs)
+    q = jax.ShapeDtypeStruct((1, T, 4, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, T, 2, D), jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"max_concurrent_steps=3\) needs 236704 bytes .* 1 "
+                                         "per-row and 1 per-key"):
+        lowered_text(spec, q, k, (("default", LOWERING),))
 
 
 def test_block_sizes_fit_shared_memory():

@@ -28,11 +28,11 @@ import pytest
 import fnattn
 from fnattn import AttentionSpec, core, masks
 from fnattn._checks import Dims
-from fnattn._dispatch import Config
+from fnattn._dispatch import Config, Lowering
 from fnattn.flash import mosaic_gpu, mosaic_gpu_bwd, triton, xla
 from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
 from fnattn.flash.mosaic_gpu_bwd import MosaicGpuBwdBlockSizes
-from lowering import gpu_target
+from lowering import gpu_target, mosaic_gpu_smem
 from mosaic_gpu_interpreter import (REDO_KERNELS, compile_once, flash_table, reset_after_failure,
                                    triton_kernels)
 from test_reliability import _two_keys_per_row
@@ -387,6 +387,34 @@ def test_supports_array_free_masks():
     for mask in (None, masks.causal(), masks.sliding_window(5, 7), masks.chunked(32),
                  masks.causal() | ~masks.sliding_window(3)):
         assert mosaic_gpu_bwd.supports(cfg_of(), jnp.float16, mask, None, None) == []
+
+
+@pytest.mark.parametrize("D, ring, documents", [(128, 2, False), (64, 3, True), (192, 2, True)])
+def test_smem_estimate_is_what_the_lowering_counts(D, ring, documents):
+    """``smem_bytes`` equals the count of Mosaic GPU's lowering, for the row
+    split (D <= 128) and the column split, with and without mask arrays."""
+    pytest.importorskip("absl")
+    T = 1024
+    ids = jnp.asarray(np.repeat(np.arange(4), T // 4)[None], jnp.int32)
+    mask = masks.causal() & masks.segments(ids) if documents else masks.causal()
+    bs = MosaicGpuBwdBlockSizes(max_concurrent_steps=ring)
+    q = jax.ShapeDtypeStruct((1, T, 4, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, T, 2, D), jnp.bfloat16)
+    # the Triton forward, so that the backward is the one Mosaic GPU kernel
+    table = (("default", Lowering("triton-fwd-mosaic-bwd", triton.LOWERING.fwd,
+                                  mosaic_gpu_bwd.LOWERING.bwd)),)
+    spec = AttentionSpec(mask=mask, block_sizes=bs)
+
+    def lower():
+        def loss(q, k, v):
+            return jnp.sum(core.run(spec, q, k, v, fn="flash", table=table).out.astype(
+                jnp.float32))
+        with gpu_target():
+            jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
+                lowering_platforms=("cuda",))
+
+    rows, cols = mosaic_gpu.array_counts(mask)
+    assert mosaic_gpu_smem(lower) == bs.smem_bytes(D, row_arrays=rows, key_arrays=cols)
 
 
 def test_block_sizes_fit_shared_memory():
