@@ -358,3 +358,27 @@ def test_gpu_auto_runs_the_term_on_the_triton_kernels(D):
     got = f(q, k, v, d_out)
     want = jax.jit(lambda *a: _grads(None, spec, *a, impl="xla"))(q, k, v, d_out)
     _check(got, want, 3e-2)
+
+
+def test_decoding_with_alibi_through_attention_over_a_padded_cache():
+    """What the docs say to do while decode does not take a term: attention of
+    the new token over the padded cache with the lengths as a mask gives each
+    sequence's output over its own keys (ALiBi's distances from the padded end
+    differ by one constant per row, which the softmax drops)."""
+    B, S, Hq, Hkv, D = 2, 48, 4, 2, 8
+    lengths = jnp.array([48, 21])
+    alibi = position_bias.alibi(SLOPES4)
+    for Tq in (1, 3):   # one new token; three, with a causal mask at their true positions
+        q, k, v, _ = _qkv(B, Tq, S, Hq, Hkv, D)
+        k = k.at[1, 21:].set(jnp.nan)
+        mask = masks.lengths(kv_lengths=lengths)
+        if Tq > 1:
+            q_positions = lengths[:, None] - Tq + jnp.arange(Tq)[None]
+            mask = mask & masks.at_positions(masks.causal(), q_positions, jnp.arange(S))
+        spec = AttentionSpec(mask=mask, position_bias=alibi)
+        out = jax.jit(fnattn.attention)(spec, q, k, v).out
+        for b in range(B):
+            L = int(lengths[b])
+            want = fnattn.reference(AttentionSpec(mask=masks.causal(), position_bias=alibi),
+                                    q[b:b + 1], k[b:b + 1, :L], v[b:b + 1, :L]).out
+            np.testing.assert_allclose(out[b:b + 1], want, atol=2e-5)
