@@ -34,9 +34,10 @@ Where it runs: :func:`fnattn.attention`, :func:`fnattn.flash` and
 :func:`fnattn.reference`, with every ``impl`` but "cudnn": the blockwise XLA
 lowering, the Pallas Triton kernels, the Pallas Mosaic TPU kernels and the
 dense XLA lowering. On an NVIDIA GPU ``impl="auto"`` gives such a spec to the
-Triton kernels (cuDNN and the Mosaic GPU kernels do not compute a term). The
-other variants (decode, paged, ring attention) and ``impl="cudnn"`` raise
-``NotImplementedError``. Gradients flow to q, k, v, ``bias`` and ``sinks`` as
+Triton kernels (cuDNN and the Mosaic GPU kernels do not compute a term).
+:func:`fnattn.context.attention` (ring and all-gather context parallelism)
+evaluates it at each step's global positions. Decode and the paged variants,
+and ``impl="cudnn"``, raise ``NotImplementedError``. Gradients flow to q, k, v, ``bias`` and ``sinks`` as
 usual; the term's own arrays (ALiBi's slopes) are constants to the kernels:
 differentiating with respect to them raises (:func:`fnattn.reference`
 differentiates them, as a check).
@@ -269,17 +270,30 @@ Biased = _register(Biased, data=("mask", "bias"))
 
 def present(mask) -> bool:
     """Whether ``mask`` (a mask, a placeholder from a treedef, or None) carries
-    a position term."""
+    a position term, itself or inside the wrappers of context parallelism
+    (``masks.AtPositions`` around ``masks.Canonical``)."""
+    if isinstance(mask, masks.AtPositions):
+        return present(mask.mask)
+    if isinstance(mask, masks.Canonical):
+        return present(mask._inner())
     return isinstance(mask, Biased)
 
 
 def term(mask, pos: masks.Positions, tiles: Sequence[Array]):
     """The position term of a tile (float32, broadcastable with ``pos``), or None.
 
-    ``tiles`` are the tiles of all of ``mask``'s operands, in order."""
+    ``tiles`` are the tiles of all of ``mask``'s operands, in order. Inside
+    ``masks.AtPositions`` (a ring step of context parallelism) the term is
+    evaluated at the positions it gives, like the mask."""
+    tiles = tuple(tiles)
+    if isinstance(mask, masks.AtPositions):
+        *inner, qp, kp = tiles
+        return term(mask.mask, masks.Positions(b=pos.b, h=pos.h, q=qp, q_pos=qp, k=kp), inner)
+    if isinstance(mask, masks.Canonical):
+        return term(mask._inner(), pos, tiles)
     if not isinstance(mask, Biased):
         return None
-    return mask.bias.value(pos, tuple(tiles)[mask._n():])
+    return mask.bias.value(pos, tiles[mask._n():])
 
 
 def attach(mask, bias: PositionBias | None, *, constant: bool = True):

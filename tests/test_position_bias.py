@@ -276,12 +276,13 @@ def test_other_variants_refuse_a_term():
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
     seq = jax.sharding.PartitionSpec(None, "x")
 
-    def ring():
+    def sharded_decode():
         return jax.jit(jax.shard_map(
-            lambda q, k, v: fnattn.context.attention(spec, q, k, v, axis_name="x").out,
-            mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))(k.repeat(2, 2), k, v)
+            lambda q, k, v: fnattn.context.decode(spec, q, k, v, axis_name="x",
+                                                  kv_lengths=lengths).out,
+            mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))(q, k, v)
 
-    calls["context.attention"] = ring
+    calls["context.decode"] = sharded_decode
     for name, call in calls.items():
         with pytest.raises(NotImplementedError, match=f"{re.escape(name)}.*position_bias.*"
                                                       "fnattn.attention and fnattn.flash"):
@@ -322,6 +323,19 @@ def test_kernels_lower_for_cuda_and_tpu():
         text = loss(tpu).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
     assert set(re.findall(r'kernel_name = "(\w+)"', text)) == {
         "fnattn_flash_mosaic_fwd", "fnattn_flash_mosaic_dq", "fnattn_flash_mosaic_dkv"}
+
+
+def test_ring_attention_on_one_device_takes_the_term():
+    """Context parallelism evaluates the term at the ring steps' global positions
+    (tests/multi_device/context_checks.py checks 2 to 8 devices)."""
+    q, k, v, _ = _qkv(2, 32, 32, 4, 2, 8)
+    spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(SLOPES4))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    seq = jax.sharding.PartitionSpec(None, "x")
+    out = jax.jit(jax.shard_map(
+        lambda q, k, v: fnattn.context.attention(spec, q, k, v, axis_name="x").out,
+        mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))(q, k, v)
+    np.testing.assert_allclose(out, fnattn.reference(spec, q, k, v).out, atol=2e-5)
 
 
 def test_sharding_rules_split_the_slopes_with_the_heads():

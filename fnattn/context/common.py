@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fnattn import _checks, _dispatch, dropout, masks
+from fnattn import _checks, _dispatch, dropout, masks, position_bias
 from fnattn.context.layouts import Piece, check_layout
 
 I32 = jnp.int32
@@ -103,7 +103,8 @@ def prepare(spec, q, k, v, *, axis_name, strategy: str, layout: str, fn: str):
     L = dims.q_len
     check_layout(layout, L, fn)
     B, Hq = dims.batch, dims.num_q_heads
-    _checks.check_spec_arrays(spec.replace(bias=None, mask=None), dims, fn=fn)
+    _checks.check_spec_arrays(spec.replace(bias=None, mask=None), dims, fn=fn,
+                              position_bias=True)
 
     bias4, bias_kind = None, None
     if spec.bias is not None:
@@ -117,12 +118,15 @@ def prepare(spec, q, k, v, *, axis_name, strategy: str, layout: str, fn: str):
         bias_kind = _key_kind(bias4.shape[3], L, N, f"bias {bs}", fn, q_varies=True)
 
     ops, kinds, treedef = (), (), None
-    if spec.mask is not None:
-        treedef = jax.tree_util.tree_structure(spec.mask)
-        ops = tuple(spec.mask.operands())
+    # A position term rides with the mask's arrays (fnattn.position_bias), and a
+    # ring step evaluates it at the global positions it gives the mask.
+    mask = position_bias.attach(spec.mask, spec.position_bias)
+    if mask is not None:
+        treedef = jax.tree_util.tree_structure(mask)
+        ops = tuple(mask.operands())
         # Each part is checked on its own key count: an array mask may hold
         # every key column beside segment ids of this device's tokens.
-        for part in _parts(spec.mask):
+        for part in ([] if spec.mask is None else _parts(spec.mask)):
             errors = []
             for tk in dict.fromkeys((L, N * L)):
                 try:

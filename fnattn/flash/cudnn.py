@@ -190,7 +190,8 @@ def reasons(cfg, dtype, mask, bias, sinks) -> list[str]:
         why.append("symbolic sizes")
     if position_bias.present(mask):
         why.append("position bias")
-        mask = mask.mask
+        if isinstance(mask, position_bias.Biased):
+            mask = mask.mask
     plan = _plan(mask, cfg)
     if isinstance(plan, str):
         why.append(plan)

@@ -321,7 +321,7 @@ def term_refusals(mask) -> list:
     """A position term (:mod:`fnattn.position_bias`) riding with the mask: the
     Mosaic GPU kernels (this forward and the backward) do not compute one."""
     if position_bias.present(mask):
-        return [f"a position bias ({mask.bias!r}; the kernel adds nothing to the logits)"]
+        return ["a position bias (the kernel adds nothing to the logits)"]
     return []
 
 

@@ -3,7 +3,7 @@
 
 Each case runs ring or all-gather with one layout and a different set of
 features, so that together they cover every mask kind and composition, sinks,
-soft-cap, a bias with its gradient, dropout (bit for bit the unsharded mask),
+soft-cap, a bias with its gradient, position terms (ALiBi, a from_fn), dropout (bit for bit the unsharded mask),
 GQA and MQA, both tensor layouts, the batch sharded on a second axis, and the
 Pallas kernels (interpreted) as the per-step computation. out, lse and every
 gradient must equal the single-device result. Then: the collectives the ring
@@ -22,7 +22,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fnattn
-from fnattn import AttentionSpec, masks
+from fnattn import AttentionSpec, masks, position_bias
 from lowering import abstract_mesh, cheap_compiles, target
 
 F32 = jnp.float32
@@ -43,6 +43,7 @@ class Case:
     dropout: float = 0.0
     impl: str = "auto"
     T: int = 64
+    alibi: bool = False  # a position term: ALiBi plus a from_fn of (q, k)
 
 
 def _problem(c: Case, rs):
@@ -60,6 +61,7 @@ def _problem(c: Case, rs):
         qlen=np.array([c.T - 4, c.T // 2 + 3], np.int32),
         kvlen=np.array([c.T, c.T // 2 - 5], np.int32),
         prefix=np.array([5, c.T // 2 + 7], np.int32),
+        slopes=2 * position_bias.alibi_slopes(c.Hq).astype(np.float64),
     )
     if c.bias == "full":
         arrays["bias"] = rs.standard_normal((B, c.Hq, c.T, c.T))
@@ -75,7 +77,9 @@ def _spec(c: Case, a):
         bias=a.get("bias"), dropout_rate=c.dropout,
         dropout_key=jax.random.key(7) if c.dropout else None, layout=c.tensor_layout,
         impl=c.impl, block_sizes=(fnattn.XlaBlockSizes(8, 8),
-                                  fnattn.TritonBlockSizes(16, 16, 16, 16)))
+                                  fnattn.TritonBlockSizes(16, 16, 16, 16)),
+        position_bias=position_bias.alibi(a["slopes"]) + position_bias.from_fn(
+            lambda b, h, q, k: jnp.where((q + 2 * k) % 7 == 0, 0.5, 0.0)) if c.alibi else None)
 
 
 def _loss_and_grads(attend, spec, q, k, v, w):
@@ -112,10 +116,10 @@ def run_case(c: Case):
     seq = P("data", None, "seq") if c.tensor_layout == "bhtd" else P("data", "seq")
     specs = dict(q=seq, k=seq, v=seq, w=seq, ids=P("data", "seq"),
                  dense=P("data", None, "seq", None), sinks=P(), qlen=P("data"),
-                 kvlen=P("data"), prefix=P("data"),
+                 kvlen=P("data"), prefix=P("data"), slopes=P(),
                  bias=P("data", None, "seq", None) if c.bias == "full" else P("data"))
     names = [n for n in ("q", "k", "v", "w", "ids", "dense", "sinks", "qlen", "kvlen", "prefix",
-                         "bias") if n in r]
+                         "slopes", "bias") if n in r]
 
     def local(*xs):
         x = dict(zip(names, xs))
@@ -160,7 +164,7 @@ def run_case(c: Case):
 CAUSAL_DOCS = lambda a: masks.causal() & masks.segments(a["ids"])  # noqa: E731
 
 CASES = [
-    Case("ring", "contiguous", CAUSAL_DOCS, sinks=True, softcap=20.0, impl="xla"),
+    Case("ring", "contiguous", CAUSAL_DOCS, sinks=True, softcap=20.0, impl="xla", alibi=True),
     Case("ring", "zigzag", lambda a: masks.sliding_window(20) | masks.prefix_lm(
         a["prefix"]), Hkv=1, tensor_layout="bhtd", bias="full"),
     Case("ring", "striped", lambda a: masks.chunked(16) & masks.causal() & masks.lengths(
@@ -174,7 +178,7 @@ CASES = [
     Case("all_gather", "zigzag", lambda a: masks.causal() & masks.from_fn(
         lambda b, h, q, k: (q - k) % 5 != 1), sinks=True, bias="full", seq=4),
     Case("all_gather", "striped", lambda a: masks.segments(a["ids"]) & masks.sliding_window(
-        24, 4), softcap=10.0, tensor_layout="bhtd"),
+        24, 4), softcap=10.0, tensor_layout="bhtd", alibi=True),
     Case("ring", "striped", lambda a: ~masks.causal() | masks.sliding_window(0),
          sinks=True, bias="keys", seq=2),
 ]
