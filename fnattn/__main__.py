@@ -23,14 +23,20 @@ import jax.numpy as jnp
 import numpy as np
 
 import fnattn
-from fnattn import AttentionSpec, masks
+from fnattn import AttentionSpec, masks, position_bias
 
 
 def _jaxnn(spec, q, k, v):
     return jax.nn.dot_product_attention(q, k, v, is_causal=isinstance(spec.mask, masks.Causal))
 
 
-# (name, function(spec, q, k, v) -> out, spec changes). One line per variant.
+def _alibi(num_heads):
+    return {"position_bias": position_bias.alibi(
+        jnp.asarray(position_bias.alibi_slopes(num_heads)))}
+
+
+# (name, function(spec, q, k, v) -> out, spec changes: a dict, or a function of the
+# number of query heads giving one). One line per variant.
 VARIANTS = (
     ("attention impl=auto (flash)", lambda s, q, k, v: fnattn.attention(s, q, k, v).out, {}),
     ("flash impl=xla", lambda s, q, k, v: fnattn.flash(s, q, k, v).out, {"impl": "xla"}),
@@ -38,8 +44,14 @@ VARIANTS = (
      {"impl": "xla"}),
     ("attention impl=cudnn (jax.nn)", lambda s, q, k, v: fnattn.attention(s, q, k, v).out,
      {"impl": "cudnn"}),
+    ("attention impl=auto + ALiBi", lambda s, q, k, v: fnattn.attention(s, q, k, v).out,
+     _alibi),
     ("reference", lambda s, q, k, v: fnattn.reference(s, q, k, v).out, {}),
 )
+
+
+def _changes(changes, num_heads):
+    return changes(num_heads) if callable(changes) else changes
 
 
 def _inputs(B, T, Hq, Hkv, D, dtype, seed=0):
@@ -53,7 +65,7 @@ def _inputs(B, T, Hq, Hkv, D, dtype, seed=0):
 def check(fn, changes, dtype):
     """Max abs error of output and dq against the reference on a small causal case."""
     q, k, v = _inputs(2, 97, 4, 2, 32, dtype)
-    spec = AttentionSpec(mask=masks.causal()).replace(**changes)
+    spec = AttentionSpec(mask=masks.causal()).replace(**_changes(changes, q.shape[2]))
     ref_spec = spec.replace(impl="reference")
 
     def loss(f, s):
@@ -256,7 +268,7 @@ def main(argv=None):
                 verdict = f"{status} ({err:.1e})" if isinstance(err, float) else f"{status}"
             else:
                 verdict = ""
-            t, m = timeit(fn, spec0.replace(**changes), q, k, v, reps=5)
+            t, m = timeit(fn, spec0.replace(**_changes(changes, H)), q, k, v, reps=5)
             rows.append((name, causal, verdict, t, m, base_t / t))
     print(f"{'variant / lowering':32s} {'mask':7s} {'check':18s} {'time':>10s} "
           f"{'temp mem':>10s} {'vs jax.nn':>9s}")
