@@ -37,7 +37,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import fnattn  # noqa: E402
-from fnattn import AttentionSpec, masks  # noqa: E402
+from fnattn import AttentionSpec, masks, position_bias  # noqa: E402
 from fnattn.paged import bench  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
@@ -66,12 +66,28 @@ def fnattn_decode(q, k, v, lengths):
     return fnattn.decode(spec, q, k, v, kv_lengths=lengths).out
 
 
-def jnp_decode(q, k, v, lengths):
-    """What one writes with plain jnp: repeat K/V per group, einsum, softmax, einsum."""
+def fnattn_decode_alibi(q, k, v, lengths):
+    slopes = jnp.asarray(position_bias.alibi_slopes(q.shape[2]))
+    spec = AttentionSpec(mask=masks.causal(), return_lse=False,
+                         position_bias=position_bias.alibi(slopes))
+    return fnattn.decode(spec, q, k, v, kv_lengths=lengths).out
+
+
+def jnp_decode_alibi(q, k, v, lengths):
+    return jnp_decode(q, k, v, lengths, alibi=True)
+
+
+def jnp_decode(q, k, v, lengths, alibi=False):
+    """What one writes with plain jnp: repeat K/V per group, einsum, softmax, einsum
+    (with ``alibi``: ALiBi's ``-slope * (q_pos - k)`` added to the logits)."""
     B, Tq, Hq, D = q.shape
     G = Hq // k.shape[2]
     k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
     s = jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * D ** -0.5
+    if alibi:
+        slopes = jnp.asarray(position_bias.alibi_slopes(Hq))[None, :, None, None]
+        dist = (lengths[:, None, None, None] - 1) - jnp.arange(k.shape[1])[None, None, None, :]
+        s = s - slopes * jnp.abs(dist).astype(jnp.float32)
     ok = jnp.arange(k.shape[1])[None, None, None, :] < lengths[:, None, None, None]
     p = jax.nn.softmax(jnp.where(ok, s, -jnp.inf), axis=-1)
     return jnp.einsum("bhqk,bkhd->bqhd", p.astype(v.dtype), v).astype(q.dtype)
@@ -105,6 +121,9 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=None,
                     help="skip configurations with more than this many cached tokens (B*S)")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--alibi", action="store_true",
+                    help="contiguous cache only, with ALiBi: fnattn.decode with "
+                         "position_bias.alibi beside plain jnp with the same term")
     args = ap.parse_args()
     dev = jax.devices()[0]
     if args.gpu:
@@ -137,6 +156,12 @@ def main():
             groups["contiguous"] = [("fnattn.decode", fnattn_decode, cont),
                                     ("jnp einsum+softmax", jnp_decode, cont),
                                     ("jax.nn.dot_product_attention", jaxnn_decode, cont)]
+            if args.alibi:
+                groups = {"contiguous+alibi": [
+                    ("fnattn.decode + ALiBi", fnattn_decode_alibi, cont),
+                    ("jnp einsum+softmax + ALiBi", jnp_decode_alibi, cont),
+                    ("fnattn.decode", fnattn_decode, cont),
+                    ("jnp einsum+softmax", jnp_decode, cont)]}
             for cache, entries in groups.items():
                 base = None
                 results = []
@@ -147,9 +172,11 @@ def main():
                         print(f"{cache:10s} {name:30s} B={B:3d} S={S:6d}  error: {e}"[:200])
                         continue
                     results.append((name, t, lo, hi, mem, out))
-                ref_out = next((r[5] for r in results if not r[0].startswith("fnattn")), None)
-                base = next((r[1] for r in results if r[0].startswith("jnp")), None)
                 for name, t, lo, hi, mem, out in results:
+                    # against the peers computing the same (with ALiBi or without)
+                    same = [r for r in results if r[0].endswith("ALiBi") == name.endswith("ALiBi")]
+                    ref_out = next((r[5] for r in same if not r[0].startswith("fnattn")), None)
+                    base = next((r[1] for r in same if r[0].startswith("jnp")), None)
                     err = (float(jnp.max(jnp.abs(out.astype(jnp.float32)
                                                  - ref_out.astype(jnp.float32))))
                            if ref_out is not None else float("nan"))

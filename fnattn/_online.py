@@ -183,16 +183,20 @@ def finish_exp2(acc, m, l):
     return out, lse
 
 
-def step_exp2(carry, s, allowed, load_v, *, scale: float, softcap=None):
+def step_exp2(carry, s, allowed, load_v, *, scale: float, softcap=None, bias=None):
     """One kv-tile of the online softmax in base 2, as the serving Triton kernels
     run it: ``s`` holds the raw products ``q @ k.T`` (float32), ``allowed`` the
     keys each row may see (None: all of them), and ``load_v()`` loads the tile's values (called
     after the probabilities, where the kernels have always loaded them).
+    ``bias``: a float32 term added to the scaled logits before the cap (a
+    position term), or None.
 
     A row that has seen no visible key keeps ``m = -inf``, and is shifted by 0
     instead, so that ``exp2`` gives 0, not NaN.
     """
     acc, m, l = carry
+    if bias is not None:
+        s, scale = s * scale + bias, 1.0
     if softcap is None:
         c = scale * LOG2E
     else:

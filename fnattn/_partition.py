@@ -575,19 +575,23 @@ def flash(fn: Callable, cfg, q, k, v, bias, sinks, mask_leaves, seed, *residuals
                        outs, sizes, allow)
 
 
-def decode(fn: Callable, q, k, v, starts, lengths, sinks, *cotangents):
-    """``fn(q, k, v, starts, lengths, sinks, *cotangents)`` of decode on "bthd"
-    arrays (forward: returns (out, lse); with cotangents (d_out, d_lse): returns
-    (dq, dk, dv, dsinks)), split along the batch and the heads."""
+def decode(fn: Callable, q, k, v, starts, lengths, sinks, terms, *cotangents,
+           allow: str = "bh"):
+    """``fn(q, k, v, starts, lengths, sinks, terms, *cotangents)`` of decode on
+    "bthd" arrays (forward: returns (out, lse); with cotangents (d_out, d_lse):
+    returns (dq, dk, dv, dsinks)), split along the batch and the heads.
+    ``terms``: a position term's arrays (n, B, Hq), or None. ``allow``: the axes
+    that may be split (not those a ``from_fn`` mask or term reads)."""
     sizes = Sizes(q.shape[0], q.shape[2], k.shape[2])
-    in_roles = [Q4, KV4, KV4, ("b",), ("b",), ("h",)]
+    in_roles = [Q4, KV4, KV4, ("b",), ("b",), ("h",), (None, "b", "h")]
     if cotangents:
         in_roles += [Q4, ROWS]
         outs = [Out(Q4), Out(KV4), Out(KV4), None if sinks is None else Out(("h",), "b")]
     else:
         outs = [Out(Q4), Out(ROWS)]
     return partitioned(lambda shard, *args: fn(*args), (q, k, v, starts, lengths, sinks,
-                                                        *cotangents), in_roles, outs, sizes)
+                                                        terms, *cotangents), in_roles, outs,
+                       sizes, allow)
 
 
 def paged(fn: Callable, cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v=None,

@@ -5,6 +5,7 @@ gradients), and the reference against the same term written out as a bias
 array; the variants and lowerings that do not compute a term refuse it.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -260,7 +261,6 @@ def test_other_variants_refuse_a_term():
     q, k, v, _ = _qkv(2, 1, 16, 4, 2, 8)
     lengths = jnp.array([16, 9])
     calls = {
-        "decode": lambda: fnattn.decode(spec, q, k, v, kv_lengths=lengths),
         "attention with impl='cudnn'": lambda: fnattn.attention(
             spec.replace(impl="cudnn"), q, k, v),
     }
@@ -396,3 +396,127 @@ def test_decoding_with_alibi_through_attention_over_a_padded_cache():
             want = fnattn.reference(AttentionSpec(mask=masks.causal(), position_bias=alibi),
                                     q[b:b + 1], k[b:b + 1, :L], v[b:b + 1, :L]).out
             np.testing.assert_allclose(out[b:b + 1], want, atol=2e-5)
+
+
+# ----------------------------------------------------------------------------------
+# decode
+# ----------------------------------------------------------------------------------
+
+DECODE_TERM = position_bias.alibi(SLOPES4 * 0.75) + position_bias.from_fn(
+    lambda b, h, q, k: jnp.where(k % 3 == 0, 0.4, 0.0) * (b + 1))
+
+
+def _decode_reference(spec, q, k, v, lengths, starts):
+    """Each sequence's rows: the reference over its own keys (the term's from_fn
+    reads the batch row: each sequence gets its own index back)."""
+    outs, lses = [], []
+    for b in range(q.shape[0]):
+        lo, n = int(starts[b]), int(lengths[b])
+        term = position_bias.alibi(SLOPES4 * 0.75) + position_bias.from_fn(
+            lambda bb, h, q, k, b=b: jnp.where(k % 3 == 0, 0.4, 0.0) * (b + 1))
+        res = fnattn.reference(spec.replace(impl="reference", position_bias=term),
+                               q[b:b + 1], k[b:b + 1, lo:lo + n], v[b:b + 1, lo:lo + n])
+        outs.append(res.out)
+        lses.append(res.lse)
+    return jnp.concatenate(outs), jnp.concatenate(lses)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "auto"])
+@pytest.mark.parametrize("Tq", [1, 3])
+def test_decode_matches_reference(impl, Tq):
+    """XLA (split in two), the Triton kernel (interpreted, several blocks) and
+    auto, with masks, soft-cap, sinks and kv_starts."""
+    B, S, Hq, Hkv, D = 3, 40, 4, 2, 8
+    q, k, v, _ = _qkv(B, Tq, S, Hq, Hkv, D, seed=Tq)
+    lengths, starts = jnp.array([40, 17, 5]), jnp.array([0, 10, 3])
+    sizes = fnattn.DecodeBlockSizes(num_splits=2, block_k=16)
+    for mask, softcap, sinks in ((None, None, None), (masks.causal(), 4.0, None),
+                                 (masks.causal() & masks.sliding_window(6), None,
+                                  jnp.array([0.5, -1.0, 0.0, 2.0]))):
+        spec = AttentionSpec(mask=mask, softcap=softcap, sinks=sinks, impl=impl,
+                             position_bias=DECODE_TERM, block_sizes=sizes)
+        with cheap_compiles():
+            res = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=lengths,
+                                                        kv_starts=starts))(q, k, v)
+        out, lse = _decode_reference(spec, q, k, v, lengths, starts)
+        np.testing.assert_allclose(res.out, out, atol=2e-5, err_msg=f"{impl} {mask}")
+        np.testing.assert_allclose(res.lse, lse, atol=2e-5, err_msg=f"{impl} {mask}")
+
+
+def test_decode_gradients_and_update():
+    B, S, Hq, Hkv, D = 2, 24, 4, 2, 8
+    q, k, v, _ = _qkv(B, 2, S, Hq, Hkv, D)
+    lengths, starts = jnp.array([24, 9]), jnp.array([0, 4])
+    spec = AttentionSpec(mask=masks.causal(), position_bias=DECODE_TERM)
+
+    def loss(q, k, v):
+        return jnp.sum(fnattn.decode(spec, q, k, v, kv_lengths=lengths,
+                                     kv_starts=starts).out ** 2)
+
+    def ref_loss(q, k, v):
+        return jnp.sum(_decode_reference(spec, q, k, v, lengths, starts)[0] ** 2)
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(ref_loss, argnums=(0, 1, 2))(q, k, v)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+    with pytest.raises(NotImplementedError, match="slopes"):
+        jax.grad(lambda s: jnp.sum(fnattn.decode(
+            spec.replace(position_bias=position_bias.alibi(s)), q, k, v,
+            kv_lengths=lengths).out))(SLOPES4)
+    # decode_with_update writes the new tokens, then decodes as decode does
+    new = k[:, :2], v[:, :2]
+    res, k2, v2 = fnattn.decode_with_update(spec, q, *new, k, v, kv_lengths=lengths,
+                                            kv_starts=starts)
+    want = fnattn.decode(spec, q, k2, v2, kv_lengths=lengths, kv_starts=starts)
+    np.testing.assert_allclose(res.out, want.out, atol=1e-6)
+
+
+def test_decode_refusals_and_routing():
+    q, k, v, _ = _qkv(2, 1, 16, 4, 2, 8)
+    per_key = position_bias.from_fn(lambda b, h, q, k: 0.0 * k) + position_bias.alibi(SLOPES4)
+    table_like = AttentionSpec(position_bias=per_key)
+    fnattn.decode(table_like, q, k, v, kv_lengths=jnp.array([16, 3]))  # per head: taken
+    from fnattn.decoding import api as decode_api
+    from fnattn.decoding import mosaic as decode_mosaic
+    cfg = decode_api.Cfg(scale=1.0, softcap=None, mask_treedef=None, num_splits=None,
+                         term_treedef=jax.tree_util.tree_structure(per_key))
+    assert "position term" in decode_mosaic.unsupported(cfg, q, k, v)
+    with pytest.raises(NotImplementedError, match="Mosaic .* position term"):
+        decode_mosaic._forward(cfg, q, k, v, jnp.zeros(2, jnp.int32), jnp.full(2, 16),
+                               None, decode_api.term_rows(per_key, 2, 4), interpret=True)
+    # a term that reads the head index keeps jit from splitting the heads
+    reads_h = position_bias.from_fn(lambda b, h, q, k: jnp.where(h == 0, 1.0, 0.0))
+    assert decode_api._splittable(dataclasses.replace(
+        cfg, term_treedef=jax.tree_util.tree_structure(reads_h))) == "b"
+    assert decode_api._splittable(cfg) == "bh"
+
+
+def test_decode_kernel_lowers_for_cuda():
+    from fnattn.decoding import api as decode_api
+    from fnattn.decoding import triton as decode_triton
+    q = jax.ShapeDtypeStruct((4, 1, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((4, 4096, 2, 128), jnp.bfloat16)
+    spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(
+        jnp.asarray(position_bias.alibi_slopes(8))))
+    table = (("default", decode_api.xla.forward), ("cuda", decode_triton.forward))
+
+    def f(q, k, v):
+        return decode_api._attend(table, *_decode_args(spec, q, k, v))
+
+    with gpu_target():
+        text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert decode_triton.KERNEL_NAME in text
+
+
+def _decode_args(spec, q, k, v):
+    """decode's (cfg, q, k, v, starts, lengths, sinks, terms), as it builds them."""
+    from fnattn.decoding import api as decode_api
+    B, _, Hq, _ = q.shape
+    term = spec.position_bias
+    cfg = decode_api.Cfg(scale=q.shape[-1] ** -0.5, softcap=None,
+                         mask_treedef=jax.tree_util.tree_structure(spec.mask), num_splits=None,
+                         term_treedef=jax.tree_util.tree_structure(term))
+    lengths = jnp.full((B,), k.shape[1], jnp.int32)
+    return (cfg, q, k, v, jnp.zeros((B,), jnp.int32), lengths, None,
+            decode_api.term_rows(term, B, Hq))

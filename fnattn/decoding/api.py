@@ -60,7 +60,7 @@ from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch, _linear, _partition, masks
+from fnattn import _checks, _dispatch, _linear, _partition, masks, position_bias
 from fnattn._varying import varying_like
 from fnattn.decoding import xla
 from fnattn.spec import AttentionOutput, AttentionSpec
@@ -121,6 +121,37 @@ def _given_splits(spec, S) -> Optional[int]:
     return None
 
 
+def _check_term(fn, term, dims):
+    """A position term: valid for these sizes, and holding arrays per batch row
+    and head only (ALiBi's slopes), which decode carries to its rows."""
+    try:
+        term.validate(dims.batch, dims.num_q_heads, dims.q_len, dims.kv_len)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{fn}: {e}") from None
+    for op in jax.eval_shape(lambda t: t.operands(), term):
+        if op.shape[2] != 1 or op.shape[3] != 1:
+            raise NotImplementedError(
+                f"{fn}: a position term whose arrays vary along queries or keys ({term!r}) "
+                "is not supported by decode, which takes arrays per batch row and head "
+                "(position_bias.alibi); fnattn.attention takes any")
+
+
+def term_rows(term, B: int, Hq: int):
+    """A position term's arrays for decode: float32 (n, B, Hq), or None without
+    arrays. Each is an operand (B|1, Hq|1, 1, 1) broadcast (:func:`_check_term`)."""
+    ops = term.operands()
+    if not ops:
+        return None
+    return jnp.stack([jnp.broadcast_to(op[:, :, 0, 0].astype(jnp.float32), (B, Hq))
+                      for op in ops])
+
+
+def term_value(term, pos, rows, n: int):
+    """The term at ``pos`` with its arrays' values ``rows`` (a sequence of ``n``
+    arrays broadcastable with ``pos``), float32."""
+    return term.value(pos, [rows[i] for i in range(n)])
+
+
 def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
     fn = "decode"
     dims = _checks.check_qkv(q, k_cache, v_cache, spec.layout, fn=fn)
@@ -136,7 +167,8 @@ def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
         if tuple(jnp.shape(x)) != (B,):
             raise ValueError(f"{fn}: {name} must have shape (B,)=({B},), one per sequence "
                              f"of q {tuple(q.shape)}; got {tuple(jnp.shape(x))}")
-    _checks.refuse_position_bias(spec, fn)
+    if spec.position_bias is not None:
+        _check_term(fn, spec.position_bias, dims)
     if spec.bias is not None:
         raise NotImplementedError(f"{fn}: spec.bias is not supported by decode; "
                                   "fnattn.attention and fnattn.flash take a bias.")
@@ -211,8 +243,9 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
 
     Args:
       spec: the :class:`AttentionSpec` (mask, scale, softcap, sinks, layout,
-        ``block_sizes=DecodeBlockSizes(...)``; no bias, no dropout, no masks
-        that hold arrays).
+        ``block_sizes=DecodeBlockSizes(...)``, a position term whose arrays
+        are per batch row and head such as ALiBi; no bias, no dropout, no
+        masks that hold arrays).
       q: (B, Tq, Hq, D) in "bthd" or (B, Hq, Tq, D) in "bhtd" (Tq small: 1 for
         plain decoding, a few for speculative decoding).
       k_cache: (B, S, Hkv, D) or (B, Hkv, S, D); Hq a multiple of Hkv.
@@ -259,13 +292,19 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
     starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts.astype(I32)
     starts = jnp.clip(starts, 0, S)
     lengths = jnp.clip(kv_lengths.astype(I32), 0, S - starts)
+    term, terms = spec.position_bias, None
+    if term is not None:
+        # the term's arrays are constants (a tangent raises: see position_bias.attach)
+        term = position_bias.attach(None, term).bias
+        terms = term_rows(term, B, qb.shape[2])
     cfg = Cfg(scale=scale, softcap=spec.softcap,
               mask_treedef=None if spec.mask is None else jax.tree_util.tree_structure(spec.mask),
-              num_splits=ns, block_sizes=spec.block_sizes)
+              num_splits=ns, block_sizes=spec.block_sizes,
+              term_treedef=None if term is None else jax.tree_util.tree_structure(term))
     # inside shard_map: gradients typed like their inputs (see fnattn._dispatch.attend)
     qb, kb, vb, sinks = varying_like((qb, kb, vb, spec.sinks), qb, kb, vb, spec.sinks, starts,
                                      lengths)
-    out, lse = _attend(lowering_table(spec.impl), cfg, qb, kb, vb, starts, lengths, sinks)
+    out, lse = _attend(lowering_table(spec.impl), cfg, qb, kb, vb, starts, lengths, sinks, terms)
     out = _checks.from_bthd(out, spec.layout)
     return AttentionOutput(out, lse if spec.return_lse else None)
 
@@ -279,17 +318,28 @@ class Cfg:
     mask_treedef: Any          # None: no mask. Masks here hold no arrays.
     num_splits: Optional[int]  # from DecodeBlockSizes; None: each lowering chooses
     block_sizes: Any = None
+    term_treedef: Any = None   # a position term (fnattn.position_bias), or None
 
     @property
     def mask(self):
         return masks.from_treedef(self.mask_treedef)
 
+    @property
+    def term(self):
+        """The position term (its arrays placeholders: their values come as the
+        ``terms`` argument, :func:`term_rows`), or None."""
+        if self.term_treedef is None:
+            return None
+        return jax.tree_util.tree_unflatten(self.term_treedef,
+                                            [0] * self.term_treedef.num_leaves)
+
 
 def lowering_table(impl: str):
     """The (platform, forward) pairs for ``impl``.
 
-    ``forward(cfg, q, k, v, starts, lengths, sinks) -> (out, lse)`` on "bthd"
-    arrays: out (B, Tq, Hq, Dv) in q's dtype, lse (B, Hq, Tq) float32.
+    ``forward(cfg, q, k, v, starts, lengths, sinks, terms) -> (out, lse)`` on
+    "bthd" arrays: out (B, Tq, Hq, Dv) in q's dtype, lse (B, Hq, Tq) float32;
+    ``terms``: the position term's arrays (:func:`term_rows`) or None.
     """
     if impl in ("auto", "pallas"):
         from fnattn.decoding import mosaic, triton  # Pallas is imported only when needed
@@ -309,21 +359,33 @@ def lowering_table(impl: str):
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _attend(table, cfg, q, k, v, starts, lengths, sinks):
-    return _forward(table, cfg, q, k, v, starts, lengths, sinks)
+def _attend(table, cfg, q, k, v, starts, lengths, sinks, terms):
+    return _forward(table, cfg, q, k, v, starts, lengths, sinks, terms)
 
 
 def _forward(table, cfg, *args):
     # split along the batch and heads of sharded inputs under jit (fnattn._partition)
-    return _partition.decode(functools.partial(_dispatch.select, table, cfg), *args)
+    return _partition.decode(functools.partial(_dispatch.select, table, cfg), *args,
+                             allow=_splittable(cfg))
+
+
+def _splittable(cfg) -> str:
+    """Which of the batch ("b") and the heads ("h") jit may split: not an index
+    that a ``from_fn`` mask or position term reads (a shard would see its local
+    one)."""
+    mask = position_bias.attach(cfg.mask, cfg.term, constant=False)
+    if mask is None:
+        return "bh"
+    return _partition.mask_roles(mask, _partition.Sizes(0, 0, 0))[1]
 
 
 @_attend.defjvp
 def _attend_jvp(table, cfg, primals, tangents):
-    q, k, v, starts, lengths, sinks = primals
-    tq, tk, tv, _, _, tsinks = tangents
+    # (the terms' tangents are zero: their arrays refuse one before they get here)
+    q, k, v, starts, lengths, sinks, terms = primals
+    tq, tk, tv, _, _, tsinks, _ = tangents
     out, lse = _attend(table, cfg, *primals)  # second order comes back here
-    t_out, t_lse = _linear.tangent(_Derivatives(cfg), (q, k, v, sinks, starts, lengths),
+    t_out, t_lse = _linear.tangent(_Derivatives(cfg), (q, k, v, sinks, starts, lengths, terms),
                                    (tq, tk, tv, tsinks), (out, lse))
     return (out, lse), (t_out, t_lse)
 
@@ -333,31 +395,31 @@ class _Derivatives(_linear.Rule):
     """Derivatives of decode on every platform: those of the XLA lowering (its
     ``jax.jvp`` forward, its ``jax.vjp`` backward), which reads the cache
     once per pass, like the forward. Residuals (q, k, v, sinks, starts,
-    lengths); tangents of (q, k, v, sinks)."""
+    lengths, terms); tangents of (q, k, v, sinks)."""
 
     cfg: Any
 
     def smooth(self, res):
-        q, k, v, sinks, starts, lengths = res
-        return _xla_fn(self.cfg, starts, lengths), (q, k, v, sinks)
+        q, k, v, sinks, starts, lengths, terms = res
+        return _xla_fn(self.cfg, starts, lengths, terms), (q, k, v, sinks)
 
     def tangent(self, res, lin):
         return self.smooth_tangent(res, lin)
 
     def cotangent(self, res, cts):
-        q, k, v, sinks, starts, lengths = res
+        q, k, v, sinks, starts, lengths, terms = res
         d_out, d_lse = cts
         return _partition.decode(functools.partial(_grads, self.cfg), q, k, v, starts, lengths,
-                                 sinks, d_out, d_lse)
+                                 sinks, terms, d_out, d_lse, allow=_splittable(self.cfg))
 
 
-def _xla_fn(cfg, starts, lengths):
+def _xla_fn(cfg, starts, lengths, terms):
     """The XLA lowering as a function of the differentiable inputs (q, k, v, sinks)."""
     def f(q, k, v, sinks):
-        return xla.forward(cfg, q, k, v, starts, lengths, sinks, sanitize=True)
+        return xla.forward(cfg, q, k, v, starts, lengths, sinks, terms, sanitize=True)
     return f
 
 
-def _grads(cfg, q, k, v, starts, lengths, sinks, d_out, d_lse):
-    _, vjp = jax.vjp(_xla_fn(cfg, starts, lengths), q, k, v, sinks)
+def _grads(cfg, q, k, v, starts, lengths, sinks, terms, d_out, d_lse):
+    _, vjp = jax.vjp(_xla_fn(cfg, starts, lengths, terms), q, k, v, sinks)
     return vjp((d_out.astype(q.dtype), d_lse.astype(jnp.float32)))

@@ -214,7 +214,9 @@ def unsupported(cfg, q, k, v) -> Optional[str]:
 
     ``impl="auto"`` then uses the XLA lowering on TPU; ``impl="pallas"`` raises.
     """
-    del cfg, v
+    del v
+    if getattr(cfg, "term_treedef", None) is not None:
+        return "no position term (fnattn.position_bias: this kernel does not compute one)"
     if k.dtype == jnp.float64:
         return "a float32, bfloat16 or float16 cache (got float64: TPUs have no float64)"
     names = _checks.symbolic_sizes(B=q.shape[0], Tq=q.shape[1], S=k.shape[1])
@@ -224,7 +226,8 @@ def unsupported(cfg, q, k, v) -> Optional[str]:
     return None
 
 
-def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=None):
+def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=False,
+             block_k=None):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv), lse (B, Hq, Tq).
 
     ``block_k`` (a multiple of 8, 16 for bfloat16) overrides the key block size
@@ -309,10 +312,10 @@ forward = functools.partial(_forward, interpret=False)
 forward_interpret = functools.partial(_forward, interpret=True)
 
 
-def auto_forward(cfg, q, k, v, starts, lengths, sinks):
+def auto_forward(cfg, q, k, v, starts, lengths, sinks, terms=None):
     """impl="auto" on TPU: the Mosaic kernel, or the XLA lowering for a call it cannot
     run (see :func:`unsupported`), decided from the static shapes and dtypes."""
     # (a float16 cache would be copied to float32 first: XLA reads it as it is)
     slow = k.dtype == jnp.float16
     fwd = xla.forward if slow or unsupported(cfg, q, k, v) else forward
-    return fwd(cfg, q, k, v, starts, lengths, sinks)
+    return fwd(cfg, q, k, v, starts, lengths, sinks, terms)

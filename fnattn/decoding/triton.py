@@ -127,13 +127,22 @@ class _K:
     softcap: Optional[float]
     mask_treedef: Any
     sinks: bool
+    term_treedef: Any = None   # a position term, or None
+    n_terms: int = 0           # its arrays, one value per row
 
     def mask(self):
         return masks.from_treedef(self.mask_treedef)
 
+    def term(self):
+        if self.term_treedef is None:
+            return None
+        return jax.tree_util.tree_unflatten(self.term_treedef,
+                                            [0] * self.term_treedef.num_leaves)
+
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
     sinks_ref = refs[0] if K.sinks else None
+    terms_ref = refs[int(K.sinks)] if K.n_terms else None
     o_ref, lse_ref = refs[-2], refs[-1]
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length = meta_ref[b, 0], meta_ref[b, 1]
@@ -153,11 +162,20 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         return c if a is None else (a if c is None else a & c)
 
     q = q_ref[b, h]
-    mask = K.mask()
-    if mask is not None:
+    mask, term = K.mask(), K.term()
+    if mask is not None or term is not None:
         raw_rows = t_i[:, None]
         qpos_rows = (length - K.Tq + t_i)[:, None]
         head_rows = (h * K.G + g_i)[:, None]
+    if term is not None:  # the term's arrays, one value per row
+        term_rows = [terms_ref[n, b, h][:, None] for n in range(K.n_terms)]
+
+    def bias_of(kpos):
+        if term is None:
+            return None
+        pos = masks.Positions(b=b, h=head_rows, q=raw_rows, q_pos=qpos_rows, k=kpos[None, :])
+        return jnp.broadcast_to(term.value(pos, term_rows), (K.M, K.bk))
+
     def body(j, carry, full=False):
         """One block of keys; ``full``: inside the sequence and seen whole by every
         row (no bounds, no mask, no sanitising: the keys are all used)."""
@@ -174,7 +192,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         load_v = lambda: load(v_ref, vcols, vmask)  # noqa: E731
         if full:
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
-            return online.step_exp2(carry, s, None, load_v, scale=K.scale, softcap=K.softcap)
+            return online.step_exp2(carry, s, None, load_v, scale=K.scale, softcap=K.softcap,
+                                    bias=bias_of(kpos))
         bad = None
         if mask is not None:
             # Slots outside the range are never loaded; keys of the sequence that the
@@ -189,7 +208,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
             pos = masks.Positions(b=b, h=head_rows, q=raw_rows, q_pos=qpos_rows,
                                   k=kpos[None, :])
             allowed = allowed & mask.predicate(pos, [])
-        return online.step_exp2(carry, s, allowed, load_v, scale=K.scale, softcap=K.softcap)
+        return online.step_exp2(carry, s, allowed, load_v, scale=K.scale, softcap=K.softcap,
+                                bias=bias_of(kpos))
 
     acc = jnp.zeros((K.M, K.Dvp), F32)
     m = jnp.full((K.M,), -jnp.inf, F32)
@@ -210,7 +230,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         lse_ref[sp, b, h] = lse
 
 
-def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=None):
+def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=False,
+             block_k=None):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv), lse (B, Hq, Tq).
 
     ``block_k`` overrides :func:`launch_plan`'s key block size (tests)."""
@@ -232,7 +253,8 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
     Dp, Dvp = common.pow2(max(D, MIN_COLS)), common.pow2(max(Dv, MIN_COLS))
     K = _K(Tq=Tq, G=G, R=R, M=M, bk=bk, D=D, Dp=Dp, Dv=Dv, Dvp=Dvp, splits=splits,
            scale=cfg.scale, softcap=cfg.softcap, mask_treedef=cfg.mask_treedef,
-           sinks=sinks is not None and splits == 1)
+           sinks=sinks is not None and splits == 1, term_treedef=cfg.term_treedef,
+           n_terms=0 if terms is None else terms.shape[0])
 
     r = common.block_ranges(cfg.mask, Tq, lengths, jnp.zeros_like(lengths), bk,
                             common.cdiv(S, bk))
@@ -244,6 +266,8 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, *, interpret=False, block_k=N
     args = [meta, qg, k, v]
     if K.sinks:
         args.append(common.row_sinks(sinks, Hkv, Tq, M))
+    if K.n_terms:   # (n, B, Hq) -> (n, B, Hkv, M), in the rows' order
+        args.append(jax.vmap(jax.vmap(lambda x: common.row_sinks(x, Hkv, Tq, M)))(terms))
     lead = () if splits == 1 else (splits,)
     out_shape = [jax.ShapeDtypeStruct(lead + (B, Hkv, M, Dvp), q.dtype if splits == 1 else F32),
                  jax.ShapeDtypeStruct(lead + (B, Hkv, M), F32)]
@@ -273,8 +297,8 @@ def symbolic(q, k) -> list:
     return _checks.symbolic_sizes(B=q.shape[0], Tq=q.shape[1], S=k.shape[1])
 
 
-def auto_forward(cfg, q, k, v, starts, lengths, sinks):
+def auto_forward(cfg, q, k, v, starts, lengths, sinks, terms=None):
     """impl="auto" on NVIDIA GPUs: the Triton kernel, or the XLA lowering for
     symbolic sizes (``jax.export``), which no Triton grid can take."""
     fwd = xla.forward if symbolic(q, k) else forward
-    return fwd(cfg, q, k, v, starts, lengths, sinks)
+    return fwd(cfg, q, k, v, starts, lengths, sinks, terms)

@@ -46,7 +46,7 @@ def choose(cfg, rows: int, cache_len: int):
     return form, 1
 
 
-def forward(cfg, q, k, v, starts, lengths, sinks, *, sanitize=None):
+def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) q.dtype, lse (B, Hq, Tq).
 
     ``sanitize=None`` passes over the cache for non-finite keys only when it holds
@@ -55,7 +55,7 @@ def forward(cfg, q, k, v, starts, lengths, sinks, *, sanitize=None):
     get zero cotangents, and 0 times the NaN of a poisoned slot is NaN).
     """
     form, ns = choose(cfg, q.shape[1] * q.shape[2] // k.shape[2], k.shape[1])
-    f = functools.partial(_attend, cfg, q, k, v, starts, lengths, sinks, num_splits=ns)
+    f = functools.partial(_attend, cfg, q, k, v, starts, lengths, sinks, terms, num_splits=ns)
     if sanitize is None:
         # The rare garbage branch uses the "mixed" form, whose products with the
         # zeroed values fuse into one reduction (no copy of the cache), and keeps
@@ -68,14 +68,14 @@ def forward(cfg, q, k, v, starts, lengths, sinks, *, sanitize=None):
     return out.astype(q.dtype), lse
 
 
-def reference_forward(cfg, q, k, v, starts, lengths, sinks):
+def reference_forward(cfg, q, k, v, starts, lengths, sinks, terms=None):
     """One split, plain batched products (impl="reference")."""
     out, lse = online.clean_unless_garbage(functools.partial(
-        _attend, cfg, q, k, v, starts, lengths, sinks, num_splits=1, form="dot"))
+        _attend, cfg, q, k, v, starts, lengths, sinks, terms, num_splits=1, form="dot"))
     return out.astype(q.dtype), lse
 
 
-def _attend(cfg, q, k, v, starts, lengths, sinks, sanitize, *, num_splits, form,
+def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits, form,
             clean_keys=True):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) f32, lse (B, Hq, Tq),
     and whether everything was finite (see ``_online.clean_unless_garbage``).
@@ -105,21 +105,29 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, sanitize, *, num_splits, form,
     else:                 # s[b, n, h, r, c]: keys last
         s = jnp.einsum("bhrd,bnchd->bnhrc", qr.astype(k.dtype), kr, preferred_element_type=F32)
     finite = sanitize or jnp.all(jnp.isfinite(s))    # before the cap hides an inf
-    if cfg.softcap is not None:
-        s = cfg.softcap * jnp.tanh(s / cfg.softcap)
     # Positions: key slot n*C + c is at logical position slot - start; row r is
     # query t = r // G of head h * G + r % G.
     slot = (jnp.arange(ns, dtype=I32)[:, None] * C + jnp.arange(C, dtype=I32)[None])
     kpos = slot[None, :, :, None, None] - starts[:, None, None, None, None]
     ok = (kpos >= 0) & (kpos < lengths[:, None, None, None, None])
-    mask = cfg.mask
-    if mask is not None:
+    mask, term = cfg.mask, cfg.term
+    if mask is not None or term is not None:
         r = jnp.arange(R, dtype=I32)
         t = (r // G)[None, None, None, None, :]
         h = (jnp.arange(Hkv, dtype=I32)[:, None] * G + r[None] % G)[None, None, None]
         b = jnp.arange(B, dtype=I32)[:, None, None, None, None]
         q_pos = lengths[:, None, None, None, None] - Tq + t
         pos = masks.Positions(b=b, h=h, q=t, q_pos=q_pos, k=kpos)
+    if term is not None:   # added before the cap, as a bias is
+        # the term's arrays (n, B, Hq) at each row: (B, 1, 1, Hkv, R)
+        rows = [] if terms is None else [
+            jnp.tile(x.reshape(B, Hkv, 1, G), (1, 1, Tq, 1)).reshape(B, Hkv, R)[:, None, None]
+            for x in terms]
+        add = jnp.broadcast_to(term.value(pos, rows), (B, ns, C, Hkv, R))
+        s = s + (jnp.moveaxis(add, 2, -1) if form == "dot" else add)
+    if cfg.softcap is not None:
+        s = cfg.softcap * jnp.tanh(s / cfg.softcap)
+    if mask is not None:
         ok = ok & mask.predicate(pos, [])
     kax = 2
     if form == "dot":     # ok and bad were built as (b, n, c, h, r)
