@@ -217,7 +217,8 @@ def write(rows, args, dev, elapsed):
         "compilation; GB/s: cached K and V of the context read once, plus q and the output; "
         "speed-up: the plain jnp implementation of the same cache layout divided by this row; "
         "memory: XLA's estimate of the call's temporary and output buffers; |diff|: largest "
-        "difference from the first non-fnattn row of the group", "",
+        "difference from the first non-fnattn row of the group computing the same (with "
+        "ALiBi or without)", "",
         "| cache | impl | B | S | time (ms) | GB/s |" + (" % of peak |" if args.gpu else "")
         + " XLA MB | speed-up vs jnp | jax.nn ÷ this | |diff| |",
         "|---|---|---|---|---|---|" + ("---|" if args.gpu else "") + "---|---|---|---|",

@@ -161,7 +161,8 @@ def test_triton_interpret_matches_reference(case):
 
 def test_mosaic_interpret_matches_reference():
     q, k, v, d_out = _qkv(1, 200, 200, 4, 2, 128)
-    spec = _spec(masks.causal(), None, 1, 200).replace(block_sizes=fnattn.MosaicBlockSizes(128, 128))
+    spec = _spec(masks.causal(), None, 1, 200).replace(
+        block_sizes=fnattn.MosaicBlockSizes(128, 128))
     with cheap_compiles():
         got = jax.jit(lambda *a: _grads(MOSAIC, spec, *a))(q, k, v, d_out)
     want = jax.jit(lambda *a: _grads(None, spec, *a))(q, k, v, d_out)

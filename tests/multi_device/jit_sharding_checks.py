@@ -356,5 +356,6 @@ def check_gspmd_propagation():
 
 
 CHECKS = [check_flash_gqa_segments_sinks, check_flash_bias_dropout_layouts,
-          check_flash_fallbacks, check_flash_position_bias, check_flash_transforms, check_decode, check_paged,
+          check_flash_fallbacks, check_flash_position_bias, check_flash_transforms,
+          check_decode, check_paged,
           check_explicit_mesh, check_explicit_context_mesh, check_gspmd_propagation]
