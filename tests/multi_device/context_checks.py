@@ -5,9 +5,8 @@ Each case runs ring or all-gather with one layout and a different set of
 features, so that together they cover every mask kind and composition, sinks,
 soft-cap, a bias with its gradient, position terms (ALiBi, a from_fn), dropout
 (bit for bit the unsharded mask), GQA and MQA, both tensor layouts, the batch
-sharded on a second axis, and the
-Pallas kernels (interpreted) as the per-step computation. out, lse and every
-gradient must equal the single-device result. Then: the collectives the ring
+sharded on a second axis, and the Pallas kernels (interpreted) as the per-step
+computation. out, lse and every gradient must equal the single-device result. Then: the collectives the ring
 issues (N-1 K/V transfers per pass), the work balance of the layouts, and the
 Triton and Mosaic per-step kernels lowering inside the ring for GPU and TPU.
 """
