@@ -606,8 +606,11 @@ def paged(fn: Callable, cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v
     pool, packed, tokens_kv = ("k", None, None, None), (None, "h", None), (None, "k", None)
     meta_leaves, meta_def = jax.tree_util.tree_flatten(meta)
     n = len(meta_leaves)
-    in_roles = [packed, pool, pool, ("h",), *[(None,) * jnp.ndim(x) for x in meta_leaves],
-                tokens_kv, tokens_kv]
+    # (the last leaf is a position term's arrays (n, Hq), if any: split with the heads)
+    terms = getattr(meta, "terms", None) is not None
+    meta_roles = [(None,) * jnp.ndim(x) for x in meta_leaves[:n - terms]]
+    meta_roles += [(None, "h")] * terms
+    in_roles = [packed, pool, pool, ("h",), *meta_roles, tokens_kv, tokens_kv]
     if cotangents:
         in_roles += [packed, ("h", None)]
         outs = [Out(packed), Out(pool), Out(pool), None if sinks is None else Out(("h",))]

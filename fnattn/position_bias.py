@@ -36,12 +36,13 @@ lowering, the Pallas Triton kernels, the Pallas Mosaic TPU kernels and the
 dense XLA lowering. On an NVIDIA GPU ``impl="auto"`` gives such a spec to the
 Triton kernels (cuDNN and the Mosaic GPU kernels do not compute a term).
 :func:`fnattn.context.attention` (ring and all-gather context parallelism)
-evaluates it at each step's global positions. :func:`fnattn.decode` (and
-``decode_with_update``) takes terms whose arrays are per batch row and head
-(ALiBi): the XLA lowering and the Triton kernel compute them, and on a TPU
-``impl="auto"`` gives such a call to the XLA lowering (the Mosaic decode kernel
-does not compute a term). The paged variants, ``fnattn.context.decode`` and
-``impl="cudnn"`` raise ``NotImplementedError``. Gradients flow to q, k, v, ``bias`` and ``sinks`` as
+evaluates it at each step's global positions. The serving variants
+(:func:`fnattn.decode`, ``decode_with_update``, the paged and ragged paged
+ones, with or without the cache update) take terms whose arrays are per head
+(and, for decode, per batch row): ALiBi. Their XLA lowerings and Triton kernels
+compute them; on a TPU ``impl="auto"`` gives such a call to the XLA lowering
+(the Mosaic serving kernels do not compute a term). ``fnattn.context.decode``
+and ``impl="cudnn"`` raise ``NotImplementedError``. Gradients flow to q, k, v, ``bias`` and ``sinks`` as
 usual; the term's own arrays (ALiBi's slopes) are constants to the kernels:
 differentiating with respect to them raises (:func:`fnattn.reference`
 differentiates them, as a check).

@@ -265,15 +265,6 @@ def test_other_variants_refuse_a_term():
         "attention with impl='cudnn'": lambda: fnattn.attention(
             spec.replace(impl="cudnn"), q, k, v),
     }
-    cache = fnattn.PagedKVCache.create(num_pages=8, page_size=4, num_kv_heads=2, head_dim=8,
-                                       max_seqs=2, max_pages_per_seq=4)
-    table = jnp.arange(8, dtype=jnp.int32).reshape(2, 4)
-    calls["paged_attention"] = lambda: fnattn.paged_attention(
-        spec, q, cache.k_pages, cache.v_pages, page_table=table, kv_lengths=lengths)
-    calls["ragged_paged_attention"] = lambda: fnattn.ragged_paged_attention(
-        spec, q[:, 0], cache.k_pages, cache.v_pages, page_table=table,
-        context_lengths=lengths, query_start_loc=jnp.array([0, 1, 2], jnp.int32),
-        num_seqs=jnp.array([2], jnp.int32))
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
     seq = jax.sharding.PartitionSpec(None, "x")
 
@@ -521,3 +512,103 @@ def _decode_args(spec, q, k, v):
     lengths = jnp.full((B,), k.shape[1], jnp.int32)
     return (cfg, q, k, v, jnp.zeros((B,), jnp.int32), lengths, None,
             decode_api.term_rows(term, B, Hq))
+
+
+# ----------------------------------------------------------------------------------
+# paged and ragged paged attention
+# ----------------------------------------------------------------------------------
+
+
+def _paged_problem(B=3, Tq=2, Hq=4, Hkv=2, D=8, ps=4, P=6, seed=0):
+    rs = np.random.default_rng(seed)
+    kp, vp = (jnp.asarray(rs.standard_normal((Hkv, B * P, ps, D)), jnp.float32)
+              for _ in range(2))
+    table = jnp.asarray(rs.permutation(B * P).reshape(B, P), jnp.int32)
+    q = jnp.asarray(rs.standard_normal((B, Tq, Hq, D)), jnp.float32)
+    return q, kp, vp, table, jnp.array([24, 9, 3])
+
+
+def _paged_reference(spec, q, kp, vp, table, lengths):
+    outs, lses = [], []
+    Hkv, _, ps, D = kp.shape
+    for b in range(q.shape[0]):
+        pages, n = table[b], int(lengths[b])
+        k, v = (x[:, pages].reshape(Hkv, -1, D).transpose(1, 0, 2)[None, :n] for x in (kp, vp))
+        term = position_bias.alibi(SLOPES4 * 0.75) + position_bias.from_fn(
+            lambda bb, h, q, k, b=b: jnp.where(k % 3 == 0, 0.4, 0.0) * (b + 1))
+        res = fnattn.reference(spec.replace(impl="reference", block_sizes=None,
+                                            position_bias=term), q[b:b + 1], k, v)
+        outs.append(res.out)
+        lses.append(res.lse)
+    return jnp.concatenate(outs), jnp.concatenate(lses)
+
+
+@pytest.mark.parametrize("impl", ["xla", "pallas", "auto"])
+def test_paged_and_ragged_match_reference(impl):
+    """paged_attention, ragged_paged_attention (the same tokens packed) and the
+    form that writes the cache, with ALiBi and a from_fn of the sequence index."""
+    q, kp, vp, table, lengths = _paged_problem()
+    B, Tq, Hq, D = q.shape
+    for mask, softcap in ((masks.causal(), None), (masks.causal() & masks.sliding_window(5), 3.0)):
+        spec = AttentionSpec(mask=mask, softcap=softcap, position_bias=DECODE_TERM, impl=impl,
+                             block_sizes=fnattn.PagedBlockSizes(block_k=16))
+        with cheap_compiles():
+            res = jax.jit(lambda q, kp, vp: fnattn.paged_attention(
+                spec, q, kp, vp, page_table=table, kv_lengths=lengths))(q, kp, vp)
+        out, lse = _paged_reference(spec, q, kp, vp, table, lengths)
+        np.testing.assert_allclose(res.out, out, atol=2e-5, err_msg=f"{impl} {mask}")
+        np.testing.assert_allclose(res.lse, lse, atol=2e-5, err_msg=f"{impl} {mask}")
+        packed = dict(page_table=table, context_lengths=lengths,
+                      query_start_loc=jnp.arange(0, B * Tq + 1, Tq, dtype=jnp.int32),
+                      num_seqs=jnp.array([B], jnp.int32))
+        with cheap_compiles():
+            ragged = jax.jit(lambda q, kp, vp: fnattn.ragged_paged_attention(
+                spec, q, kp, vp, **packed))(q.reshape(B * Tq, Hq, D), kp, vp)
+        np.testing.assert_allclose(ragged.out.reshape(B, Tq, Hq, D), out, atol=2e-5)
+    # the form that writes the new tokens first: the same answer
+    if impl != "pallas":
+        return
+    Hkv, _, ps, _ = kp.shape
+    slot = [(table[b, (int(lengths[b]) - Tq + t) // ps], (int(lengths[b]) - Tq + t) % ps)
+            for b in range(B) for t in range(Tq)]
+    new_k = jnp.stack([kp[:, p, o] for p, o in slot], axis=0)      # (B*Tq, Hkv, D)
+    new_v = jnp.stack([vp[:, p, o] for p, o in slot], axis=0)
+    res, _, _ = jax.jit(lambda q: fnattn.ragged_paged_attention_with_update(
+        spec, q, new_k, new_v, kp, vp, **packed))(q.reshape(B * Tq, Hq, D))
+    np.testing.assert_allclose(res.out.reshape(B, Tq, Hq, D), out, atol=2e-5)
+
+
+def test_paged_gradients_kernel_refusal_and_lowering():
+    q, kp, vp, table, lengths = _paged_problem()
+    spec = AttentionSpec(mask=masks.causal(), position_bias=DECODE_TERM)
+
+    def loss(q):
+        return jnp.sum(fnattn.paged_attention(spec, q, kp, vp, page_table=table,
+                                              kv_lengths=lengths).out ** 2)
+
+    want = jax.grad(lambda q: jnp.sum(_paged_reference(spec, q, kp, vp, table, lengths)[0]
+                                      ** 2))(q)
+    np.testing.assert_allclose(jax.jit(jax.grad(loss))(q), want, atol=1e-4, rtol=1e-4)
+    from fnattn.paged import api as paged_api
+    from fnattn.paged import mosaic as paged_mosaic
+    from fnattn.paged import triton as paged_triton
+    cfg = paged_api._make_cfg(spec, num_q_heads=4, num_kv_heads=2, head_dim=8, v_head_dim=8,
+                              num_pages=18, page_size=8, pages_per_seq=6, max_seqs=3,
+                              total_tokens=6, uniform_q=2, update=False)
+    assert "position term" in paged_mosaic.unsupported(cfg)
+    # the Triton kernel with the term lowers for cuda
+    qs = jax.ShapeDtypeStruct((16, 1, 8, 128), jnp.bfloat16)
+    pool = jax.ShapeDtypeStruct((2, 256, 16, 128), jnp.bfloat16)
+    alibi = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(
+        jnp.asarray(position_bias.alibi_slopes(8))))
+    table16 = jnp.arange(256, dtype=jnp.int32).reshape(16, 16)
+    lens16 = jnp.full((16,), 200, jnp.int32)
+
+    def f(q, kp, vp):
+        return paged_api.paged_attention_with(
+            (("default", paged_api.xla.forward), ("cuda", paged_triton.forward)), alibi, q, kp,
+            vp, page_table=table16, kv_lengths=lens16).out
+
+    with gpu_target():
+        text = jax.jit(f).trace(qs, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
+    assert "fnattn_paged_triton" in text

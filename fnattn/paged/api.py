@@ -65,7 +65,7 @@ from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch, _linear, _partition
+from fnattn import _checks, _dispatch, _linear, _partition, position_bias
 from fnattn._varying import varying_like
 from fnattn.paged import common, reference, xla
 from fnattn.paged.common import I32, Cfg
@@ -269,7 +269,18 @@ def refuse_float64(fn, **arrays):
 
 
 def _check_spec(fn, spec: AttentionSpec, num_q_heads):
-    _checks.refuse_position_bias(spec, fn)
+    if spec.position_bias is not None:
+        term = spec.position_bias
+        try:
+            term.validate(1, num_q_heads, 1, 1)
+        except (ValueError, TypeError) as e:
+            raise type(e)(f"{fn}: {e}") from None
+        for op in jax.eval_shape(lambda t: t.operands(), term):
+            if op.shape[0] != 1 or op.shape[2] != 1 or op.shape[3] != 1:
+                raise NotImplementedError(
+                    f"{fn}: a position term whose arrays vary along sequences, queries or "
+                    f"keys ({term!r}) is not supported by paged attention, which takes "
+                    "arrays per head (position_bias.alibi); fnattn.attention takes any")
     if spec.bias is not None:
         raise NotImplementedError(f"{fn}: spec.bias is not supported by paged attention (no "
                                   "paged lowering takes a bias); fnattn.attention and "
@@ -293,7 +304,9 @@ def _check_spec(fn, spec: AttentionSpec, num_q_heads):
 def _make_cfg(spec, *, num_q_heads, num_kv_heads, head_dim, v_head_dim, num_pages, page_size,
               pages_per_seq, max_seqs, total_tokens, uniform_q, update):
     treedef = None if spec.mask is None else jax.tree_util.tree_structure(spec.mask)
-    return Cfg(num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+    term = spec.position_bias
+    return Cfg(term_treedef=None if term is None else jax.tree_util.tree_structure(term),
+               num_q_heads=num_q_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
                v_head_dim=v_head_dim, num_pages=num_pages, page_size=page_size,
                pages_per_seq=pages_per_seq, max_seqs=max_seqs, total_tokens=total_tokens,
                scale=_checks.resolve_scale(spec, head_dim), softcap=spec.softcap,
@@ -393,6 +406,13 @@ def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, ne
     """Sanitises the metadata and dispatches (``table`` overrides ``spec.impl``'s)."""
     table = lowering_table(spec.impl) if table is None else table
     meta = common.sanitize(cfg, *meta_args)
+    if spec.position_bias is not None:
+        # the term's arrays, one value per head; constants (a tangent raises)
+        ops = position_bias.attach(None, spec.position_bias).bias.operands()
+        if ops:
+            meta = meta._replace(terms=jnp.stack([
+                jnp.broadcast_to(op[0, :, 0, 0].astype(jnp.float32), (cfg.num_q_heads,))
+                for op in ops]))
     if cfg.update:
         return _attend_update(table, cfg, q, k_pages, v_pages, spec.sinks, meta, new_k, new_v)
     # inside shard_map: gradients typed like their inputs (see fnattn._dispatch.attend)
@@ -410,7 +430,8 @@ def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shape
 
     Args:
       spec: the :class:`AttentionSpec` (mask, scale, softcap, sinks, impl,
-        block_sizes as :class:`fnattn.PagedBlockSizes`; no bias, no dropout).
+        block_sizes as :class:`fnattn.PagedBlockSizes`, a position term whose
+        arrays are per head such as ALiBi; no bias, no dropout).
       q: (B, Tq, Hq, D) ("bthd") or (B, Hq, Tq, D) ("bhtd"): the Tq newest
         tokens of each sequence (Tq is small: 1 for decode, a few for
         speculative decoding).

@@ -28,6 +28,7 @@ sanitised metadata; its static length bounds the number of items any batch of
 import dataclasses
 from typing import Any, NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -116,6 +117,7 @@ class Cfg:
     uniform_q: Optional[int]   # paged_attention: every sequence has exactly this many queries
     update: bool               # new tokens' k/v are written into the pool first
     block_sizes: PagedBlockSizes
+    term_treedef: Any = None   # a position term (its arrays: Meta.terms), or None
 
     @property
     def group(self) -> int:
@@ -128,6 +130,25 @@ class Cfg:
     def mask(self):
         return masks.from_treedef(self.mask_treedef)
 
+    def term(self):
+        """The position term (its arrays placeholders: their values are
+        ``Meta.terms``), or None."""
+        if self.term_treedef is None:
+            return None
+        return jax.tree_util.tree_unflatten(self.term_treedef,
+                                            [0] * self.term_treedef.num_leaves)
+
+
+def term_value(cfg, meta, pos, rows):
+    """The position term at ``pos``, its arrays' per-head values given by
+    ``rows(x)`` for each (Hq,) array ``x`` of ``meta.terms`` (broadcastable with
+    ``pos``), float32; None without a term."""
+    term = cfg.term()
+    if term is None:
+        return None
+    ops = [] if meta.terms is None else [rows(meta.terms[i]) for i in range(meta.terms.shape[0])]
+    return jnp.asarray(term.value(pos, ops), jnp.float32)
+
 
 class Meta(NamedTuple):
     """Sanitised per-sequence metadata (see the module docstring); all int32.
@@ -137,12 +158,15 @@ class Meta(NamedTuple):
       kv_len: (S,) keys of each sequence, in [0, capacity]; 0 for padding.
       q_start: (S,) first token row of each sequence in the packed q.
       q_len: (S,) new query tokens of each sequence; 0 for padding.
+      terms: (n, Hq) float32, the arrays of a position term
+        (:mod:`fnattn.position_bias`), one value per query head; or None.
     """
 
     page_table: Any
     kv_len: Any
     q_start: Any
     q_len: Any
+    terms: Any = None
 
 
 def sanitize(cfg: Cfg, page_table, context_lengths, query_start_loc, num_seqs) -> Meta:

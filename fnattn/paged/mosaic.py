@@ -263,6 +263,8 @@ def unsupported(cfg: Cfg) -> Optional[str]:
 
     ``impl="auto"`` then uses the XLA lowering on TPU; ``impl="pallas"`` raises.
     """
+    if getattr(cfg, "term_treedef", None) is not None:
+        return "no position term (fnattn.position_bias: this kernel does not compute one)"
     if cfg.page_size % 8:
         return (f"a page size that is a multiple of 8 (got {cfg.page_size}: pages are "
                 "copied to 8-row-aligned VMEM slots)")

@@ -29,18 +29,21 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
     k, v, bad = online.finite_keys(k, v)     # (Hkv, T, capacity) bad keys
     qg = q.reshape(T, Hkv, G, D).astype(F32)
     s = jnp.einsum("thgd,htkd->thgk", qg, k.astype(F32)) * cfg.scale
+    kpos = jnp.arange(cfg.capacity, dtype=I32)
+    heads = jnp.arange(Hq, dtype=I32).reshape(1, Hkv, G, 1)
+    col = lambda x: x[:, None, None, None]  # noqa: E731
+    pos = common.positions(col(seq), heads, col(row), col(L - meta.q_len[seq] + row),
+                           kpos[None, None, None, :])
+    term = common.term_value(cfg, meta, pos, lambda x: x.reshape(1, Hkv, G, 1))
+    if term is not None:   # a position term, added before the cap
+        s = s + term
     if cfg.softcap is not None:
         s = cfg.softcap * jnp.tanh(s / cfg.softcap)
     s = jnp.where(jnp.transpose(bad, (1, 0, 2))[:, :, None, :], jnp.nan, s)
-    kpos = jnp.arange(cfg.capacity, dtype=I32)
     ok = (kpos[None, :] < L[:, None]) & jnp.repeat(pages >= 0, ps, axis=1) & valid[:, None]
     ok = ok[:, None, None, :]
     mask = cfg.mask()
     if mask is not None:
-        heads = jnp.arange(Hq, dtype=I32).reshape(1, Hkv, G, 1)
-        col = lambda x: x[:, None, None, None]  # noqa: E731
-        pos = common.positions(col(seq), heads, col(row), col(L - meta.q_len[seq] + row),
-                               kpos[None, None, None, :])
         ok = ok & mask.predicate(pos, [])
     s = jnp.where(ok, s, -jnp.inf)
     m = s.max(-1)

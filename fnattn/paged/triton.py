@@ -108,9 +108,17 @@ class _K:
     mask_treedef: Any
     sinks: bool
     update: bool
+    term_treedef: Any = None   # a position term, or None
+    n_terms: int = 0           # its arrays, one value per head
 
     def mask(self):
         return masks.from_treedef(self.mask_treedef)
+
+    def term(self):
+        if self.term_treedef is None:
+            return None
+        return jax.tree_util.tree_unflatten(self.term_treedef,
+                                            [0] * self.term_treedef.num_leaves)
 
 
 def launch_plan(cfg: Cfg):
@@ -140,6 +148,7 @@ def launch_plan(cfg: Cfg):
 def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
     it = iter(refs)
     sinks_ref = next(it) if K.sinks else None
+    terms_ref = next(it) if K.n_terms else None
     nk_ref, nv_ref = (next(it), next(it)) if K.update else (None, None)
     o_ref, lse_ref = next(it), next(it)
     ko_ref, vo_ref = (next(it), next(it)) if K.update else (None, None)
@@ -159,11 +168,19 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         return a if b is None else a & b
 
     q = q_ref[h, pl.ds(tok * K.Gp, K.M), :]
-    mask = K.mask()
-    if mask is not None:
+    mask, term = K.mask(), K.term()
+    if mask is not None or term is not None:
         qpos_rows = (f["q_pos"] + t_i)[:, None]
         raw_rows = (f["row0"] + t_i)[:, None]
         head_rows = (h * K.G + g_i)[:, None]
+    if term is not None:  # the term's per-head arrays at each row
+        term_rows = [plgpu.load(terms_ref.at[n, h, g_i])[:, None] for n in range(K.n_terms)]
+
+    def bias_of(kpos):
+        if term is None:
+            return None
+        pos = common.positions(seq, head_rows, raw_rows, qpos_rows, kpos[None, :])
+        return jnp.broadcast_to(term.value(pos, term_rows), (K.M, K.bk)).astype(F32)
 
     def load_kv(ref, new_ref, cols, cmask, slot, ok, kpos):
         if not K.update:
@@ -201,7 +218,8 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         if mask is not None and not full:
             pos = common.positions(seq, head_rows, raw_rows, qpos_rows, kpos[None, :])
             allowed = allowed & mask.predicate(pos, [])
-        return online.step_exp2(carry, s, allowed, load_v, scale=K.scale, softcap=K.softcap)
+        return online.step_exp2(carry, s, allowed, load_v, scale=K.scale, softcap=K.softcap,
+                                bias=bias_of(kpos))
 
     lo, hi = common.split_range(f["k_lo"], f["k_hi"], sp, K.splits)
     # this split's share of the blocks every row sees whole
@@ -269,7 +287,8 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
     K = _K(G=G, Gp=Gp, bq=bq, M=M, bk=bk, D=D, Dp=Dp, Dv=Dv, Dvp=Dvp, ps=ps,
            P=cfg.pages_per_seq, T=T, splits=splits, scale=cfg.scale, softcap=cfg.softcap,
            mask_treedef=cfg.mask_treedef, sinks=sinks is not None and splits == 1,
-           update=cfg.update)
+           update=cfg.update, term_treedef=cfg.term_treedef,
+           n_terms=0 if meta.terms is None else meta.terms.shape[0])
 
     # q as (Hkv, tokens * Gp, Dp): a tile of M consecutive rows is bq tokens x Gp heads.
     # Padded so that the tile of the last item never runs past the end.
@@ -282,6 +301,8 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
             v_pages.reshape(Hkv, N * ps, Dv)]
     if K.sinks:
         args.append(jnp.pad(sinks.astype(F32).reshape(Hkv, G), ((0, 0), (0, Gp - G))))
+    if K.n_terms:   # (n, Hq) -> (n, Hkv, Gp)
+        args.append(jnp.pad(meta.terms.reshape(-1, Hkv, G), ((0, 0), (0, 0), (0, Gp - G))))
     out_dtype = q.dtype if splits == 1 else F32
     lead = () if splits == 1 else (splits,)
     out_shape = [jax.ShapeDtypeStruct(lead + (Hkv, rows, Dvp), out_dtype),

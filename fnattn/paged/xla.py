@@ -125,6 +125,9 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
     seq4 = work.seq[None, :, None, None]
     head4 = (jnp.arange(Hkv, dtype=I32)[:, None] * G + g_of)[:, None, :, None]  # (Hkv, 1, M, 1)
     mask = cfg.mask()
+    # a position term's per-head arrays at each row: (Hkv, 1, M, 1)
+    term_rows = None if cfg.term() is None else (
+        lambda x: x.reshape(Hkv, G)[:, g_of][:, None, :, None])
 
     pt = meta.page_table[work.seq]                                   # (W, P)
     pad = n_chunks * ppc - cfg.pages_per_seq
@@ -142,11 +145,14 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
             kc, vc, bad = online.finite_keys(kc, vc)
         s = jnp.einsum("hwmd,hwkd->hwmk", qw, kc, preferred_element_type=F32) * cfg.scale
         finite = sanitize or jnp.all(jnp.isfinite(s))    # before the cap hides an inf
+        kpos = j * C + jnp.arange(C, dtype=I32)
+        if term_rows is not None:  # a position term, added before the cap
+            pos = common.positions(seq4, head4, raw_q, q_pos, kpos[None, None, None, :])
+            s = s + common.term_value(cfg, meta, pos, term_rows)
         if cfg.softcap is not None:
             s = cfg.softcap * jnp.tanh(s / cfg.softcap)
         if sanitize:
             s = jnp.where(bad[:, :, None, :], jnp.nan, s)
-        kpos = j * C + jnp.arange(C, dtype=I32)
         ok = (kpos[None, :] < work.kv_len[:, None]) & jnp.repeat(pages >= 0, ps, axis=1)
         ok = ok[None, :, None, :]
         if mask is not None:

@@ -20,7 +20,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import fnattn
-from fnattn import AttentionSpec, masks
+from fnattn import AttentionSpec, masks, position_bias
 
 F32 = jnp.float32
 COLLECTIVES = ("all-gather", "all-reduce", "all-to-all", "collective-permute",
@@ -182,7 +182,6 @@ def check_flash_position_bias():
     """ALiBi with its slopes sharded like the heads: the heads split, forward and
     the gradients of q, k and v with no collective. A position term that reads
     the head index (a ``from_fn``) is gathered, and right."""
-    from fnattn import position_bias
     mesh = _mesh()
     q, k, v = _qkv(mesh)
     Hq = q.shape[2]
@@ -233,8 +232,9 @@ def check_flash_transforms():
 
 def check_decode():
     """decode on a cache sharded on batch and kv heads, lengths with the batch,
-    sinks with the heads: forward and gradients of q and the caches, no collective;
-    the gradient of the sinks is summed over the batch split (all-reduce)."""
+    sinks with the heads, ALiBi's slopes (a constant) cut with the batch and the
+    heads: forward and gradients of q and the caches, no collective; the gradient
+    of the sinks is summed over the batch split (all-reduce)."""
     mesh = _mesh()
     rs = np.random.default_rng(4)
     B, S, Hq, Hkv, D = 4, 40, 4, 2, 8
@@ -245,8 +245,9 @@ def check_decode():
     sinks = _put(mesh, rs.standard_normal((Hq,)).astype(np.float32), "model")
 
     def attend(q, kc, vc, lengths, sinks):
-        return fnattn.decode(AttentionSpec(mask=masks.causal(), sinks=sinks), q, kc, vc,
-                             kv_lengths=lengths)
+        alibi = position_bias.alibi(jnp.asarray(position_bias.alibi_slopes(Hq)))
+        return fnattn.decode(AttentionSpec(mask=masks.causal(), sinks=sinks,
+                                           position_bias=alibi), q, kc, vc, kv_lengths=lengths)
 
     args = (q, kc, vc, lengths, sinks)
     _check("decode fwd+grad(q, k_cache, v_cache)", _out_and_grads(attend), args,
@@ -259,11 +260,13 @@ def check_paged():
     """ragged paged attention (forward and gradients of q and the pools, and the
     form that writes the cache) and paged_attention, with heads-major pools
     sharded on the kv heads: no collective; the pools come back sharded as they
-    went in. (The pools are shared by all sequences: tokens are not split.)"""
+    went in. (The pools are shared by all sequences: tokens are not split.) With
+    ALiBi, whose slopes are cut with the heads."""
     from paged import problems  # tests/ is on sys.path
     mesh = _mesh()
     p = problems.make([(9, 9), (13, 1), (6, 2)], Hq=4, Hkv=2, page_size=4, pad_tokens=3)
-    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.array([0.5, -1.0, 0.0, 2.0], F32))
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.array([0.5, -1.0, 0.0, 2.0], F32),
+                         position_bias=position_bias.alibi(jnp.array([0.5, 0.25, 0.1, 0.05])))
     heads, pool = (None, "model", None), ("model", None, None, None)
     q = _put(mesh, p.q, *heads)
     kp, vp = (_put(mesh, x, *pool) for x in (p.k_pages, p.v_pages))
