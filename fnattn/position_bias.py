@@ -39,10 +39,9 @@ Triton kernels (cuDNN and the Mosaic GPU kernels do not compute a term).
 evaluates it at each step's global positions. The serving variants
 (:func:`fnattn.decode`, ``decode_with_update``, the paged and ragged paged
 ones, with or without the cache update) take terms whose arrays are per head
-(and, for decode, per batch row): ALiBi. Their XLA lowerings and Triton kernels
-compute them; on a TPU ``impl="auto"`` gives such a call to the XLA lowering
-(the Mosaic serving kernels do not compute a term). ``fnattn.context.decode``
-and ``impl="cudnn"`` raise ``NotImplementedError``. Gradients flow to q, k, v, ``bias`` and ``sinks`` as
+(and, for decode, per batch row): ALiBi. Every one of their lowerings computes
+them (XLA, Triton, Mosaic TPU). ``fnattn.context.decode`` and ``impl="cudnn"``
+raise ``NotImplementedError``. Gradients flow to q, k, v, ``bias`` and ``sinks`` as
 usual; the term's own arrays (ALiBi's slopes) are constants to the kernels:
 differentiating with respect to them raises (:func:`fnattn.reference`
 differentiates them, as a check).

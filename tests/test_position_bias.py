@@ -6,6 +6,7 @@ array; the variants and lowerings that do not compute a term refuse it.
 """
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -470,18 +471,53 @@ def test_decode_refusals_and_routing():
     table_like = AttentionSpec(position_bias=per_key)
     fnattn.decode(table_like, q, k, v, kv_lengths=jnp.array([16, 3]))  # per head: taken
     from fnattn.decoding import api as decode_api
-    from fnattn.decoding import mosaic as decode_mosaic
     cfg = decode_api.Cfg(scale=1.0, softcap=None, mask_treedef=None, num_splits=None,
                          term_treedef=jax.tree_util.tree_structure(per_key))
-    assert "position term" in decode_mosaic.unsupported(cfg, q, k, v)
-    with pytest.raises(NotImplementedError, match="Mosaic .* position term"):
-        decode_mosaic._forward(cfg, q, k, v, jnp.zeros(2, jnp.int32), jnp.full(2, 16),
-                               None, decode_api.term_rows(per_key, 2, 4), interpret=True)
     # a term that reads the head index keeps jit from splitting the heads
     reads_h = position_bias.from_fn(lambda b, h, q, k: jnp.where(h == 0, 1.0, 0.0))
     assert decode_api._splittable(dataclasses.replace(
         cfg, term_treedef=jax.tree_util.tree_structure(reads_h))) == "b"
     assert decode_api._splittable(cfg) == "bh"
+
+
+@pytest.mark.parametrize("D, Tq", [(8, 1), (128, 3)])
+def test_decode_mosaic_interpret_matches_reference(D, Tq, monkeypatch):
+    """The Mosaic (TPU) decode kernel, interpreted: several kv heads a program
+    (D = 8) or one (D = 128), split in two, with sinks."""
+    from fnattn.decoding import api as decode_api
+    from fnattn.decoding import mosaic as decode_mosaic
+    B, S, Hq, Hkv = 3, 48, 4, 2
+    q, k, v, _ = _qkv(B, Tq, S, Hq, Hkv, D, seed=D)
+    lengths, starts = jnp.array([48, 17, 5]), jnp.array([0, 10, 3])
+    table = (("default", functools.partial(decode_mosaic._forward, interpret=True,
+                                           block_k=16)),)
+    monkeypatch.setattr(decode_api, "lowering_table", lambda impl: table)
+    spec = AttentionSpec(mask=masks.causal(), softcap=4.0, position_bias=DECODE_TERM,
+                         sinks=jnp.array([0.5, -1.0, 0.0, 2.0]),
+                         block_sizes=fnattn.DecodeBlockSizes(num_splits=2))
+    with cheap_compiles():
+        res = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=lengths,
+                                                    kv_starts=starts))(q, k, v)
+    out, lse = _decode_reference(spec.replace(block_sizes=None), q, k, v, lengths, starts)
+    np.testing.assert_allclose(res.out, out, atol=2e-5)
+    np.testing.assert_allclose(res.lse, lse, atol=2e-5)
+
+
+def test_decode_kernels_lower_for_tpu():
+    from fnattn.decoding import api as decode_api
+    from fnattn.decoding import mosaic as decode_mosaic
+    q = jax.ShapeDtypeStruct((4, 1, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((4, 4096, 2, 128), jnp.bfloat16)
+    spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(
+        jnp.asarray(position_bias.alibi_slopes(8))))
+    table = (("default", decode_api.xla.forward), ("tpu", decode_mosaic.forward))
+
+    def f(q, k, v):
+        return decode_api._attend(table, *_decode_args(spec, q, k, v))
+
+    with tpu_target():
+        text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
+    assert decode_mosaic.KERNEL_NAME in text
 
 
 def test_decode_kernel_lowers_for_cuda():
@@ -592,11 +628,7 @@ def test_paged_gradients_kernel_refusal_and_lowering():
     from fnattn.paged import api as paged_api
     from fnattn.paged import mosaic as paged_mosaic
     from fnattn.paged import triton as paged_triton
-    cfg = paged_api._make_cfg(spec, num_q_heads=4, num_kv_heads=2, head_dim=8, v_head_dim=8,
-                              num_pages=18, page_size=8, pages_per_seq=6, max_seqs=3,
-                              total_tokens=6, uniform_q=2, update=False)
-    assert "position term" in paged_mosaic.unsupported(cfg)
-    # the Triton kernel with the term lowers for cuda
+    # the Triton kernel with the term lowers for cuda, the Mosaic one for TPU
     qs = jax.ShapeDtypeStruct((16, 1, 8, 128), jnp.bfloat16)
     pool = jax.ShapeDtypeStruct((2, 256, 16, 128), jnp.bfloat16)
     alibi = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(
@@ -612,3 +644,29 @@ def test_paged_gradients_kernel_refusal_and_lowering():
     with gpu_target():
         text = jax.jit(f).trace(qs, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
     assert "fnattn_paged_triton" in text
+
+    def g(q, kp, vp):
+        return paged_api.paged_attention_with(
+            (("default", paged_api.xla.forward), ("tpu", paged_mosaic.forward)), alibi, q, kp,
+            vp, page_table=table16, kv_lengths=lens16).out
+
+    with tpu_target():
+        text = jax.jit(g).trace(qs, pool, pool).lower(lowering_platforms=("tpu",)).as_text()
+    assert "fnattn_paged_mosaic" in text
+
+
+def test_paged_mosaic_interpret_matches_reference():
+    from fnattn.paged import api as paged_api
+    from fnattn.paged import mosaic as paged_mosaic
+    q, kp, vp, table, lengths = _paged_problem(D=128, ps=8, P=4)
+    lengths = jnp.array([30, 9, 3])
+    table_ = (("default", functools.partial(paged_mosaic._forward, interpret=True)),)
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(5), softcap=3.0,
+                         sinks=jnp.array([0.5, -1.0, 0.0, 2.0]), position_bias=DECODE_TERM,
+                         block_sizes=fnattn.PagedBlockSizes(block_k=16))
+    with cheap_compiles():
+        res = jax.jit(lambda q, kp, vp: paged_api.paged_attention_with(
+            table_, spec, q, kp, vp, page_table=table, kv_lengths=lengths))(q, kp, vp)
+    out, lse = _paged_reference(spec, q, kp, vp, table, lengths)
+    np.testing.assert_allclose(res.out, out, atol=2e-5)
+    np.testing.assert_allclose(res.lse, lse, atol=2e-5)

@@ -85,9 +85,19 @@ class _K:
     softcap: Optional[float]
     mask_treedef: Any
     sinks: bool
+    term_treedef: Any = None   # a position term, or None
+    n_terms: int = 0           # its arrays: (n, B, Hq) flat in SMEM
+    B: int = 0
+    Hq: int = 0
 
     def mask(self):
         return masks.from_treedef(self.mask_treedef)
+
+    def term(self):
+        if self.term_treedef is None:
+            return None
+        return jax.tree_util.tree_unflatten(self.term_treedef,
+                                            [0] * self.term_treedef.num_leaves)
 
 
 def heads_per_program(num_kv_heads: int, head_dim: int, v_head_dim: int) -> int:
@@ -118,13 +128,14 @@ def _kv_index(b, hg, sp, i, meta_ref, *, K: _K):
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
     sinks_ref = refs[0] if K.sinks else None
+    terms_ref = refs[int(K.sinks)] if K.n_terms else None
     o_ref, lse_ref, m_scr, l_scr, acc_scr = refs[-5:]
     b, hg, sp, i = (pl.program_id(a) for a in range(4))
     start, length = meta_ref[b * NUM_META], meta_ref[b * NUM_META + 1]
     first, end = _block_range(meta_ref, b, sp, K)
     j = first + i
     shift = K.Gp.bit_length() - 1
-    mask = K.mask()
+    mask, term = K.mask(), K.term()
 
     @pl.when(i == 0)
     def _init():
@@ -158,15 +169,19 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
             # q_ref[hh] is zero outside head hh's columns: its product with the
             # block of hb heads is head hh's logits.
             s = lax.dot_general(q_ref[hh], k, NT, preferred_element_type=F32) * K.scale
+            h = hg * K.hb + hh
+            pos = masks.Positions(b=b, h=h * K.G + g_i, q=t_i, q_pos=length - K.Tq + t_i,
+                                  k=kpos)
+            if term is not None:   # added before the cap: its arrays, one value per row
+                cols = [online.group_sink_column(terms_ref, (n * K.B + b) * (K.Hq // K.G) + h,
+                                                 K.G, K.Gp, K.M) for n in range(K.n_terms)]
+                s = s + jnp.broadcast_to(term.value(pos, cols), s.shape)
             if K.softcap is not None:
                 s = K.softcap * jnp.tanh(s / K.softcap)
             if fk is not None:
                 s = jnp.where(_nonfinite(fk, fv, hh, K), jnp.nan, s)
             ok = in_range
             if mask is not None:
-                h = hg * K.hb + hh
-                pos = masks.Positions(b=b, h=h * K.G + g_i, q=t_i, q_pos=length - K.Tq + t_i,
-                                      k=kpos)
                 ok = ok & mask.predicate(pos, [])
             s = jnp.where(ok, s, -jnp.inf)
             # (the columns of the other heads of the block are computed and dropped)
@@ -214,9 +229,7 @@ def unsupported(cfg, q, k, v) -> Optional[str]:
 
     ``impl="auto"`` then uses the XLA lowering on TPU; ``impl="pallas"`` raises.
     """
-    del v
-    if getattr(cfg, "term_treedef", None) is not None:
-        return "no position term (fnattn.position_bias: this kernel does not compute one)"
+    del cfg, v
     if k.dtype == jnp.float64:
         return "a float32, bfloat16 or float16 cache (got float64: TPUs have no float64)"
     names = _checks.symbolic_sizes(B=q.shape[0], Tq=q.shape[1], S=k.shape[1])
@@ -252,7 +265,8 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
     nb = common.cdiv(n_blocks, splits)
     K = _K(Tq=Tq, G=G, Gp=Gp, M=M, hb=hb, bk=bk, nb=nb, splits=splits, scale=cfg.scale,
            softcap=cfg.softcap, mask_treedef=cfg.mask_treedef,
-           sinks=sinks is not None and splits == 1)
+           sinks=sinks is not None and splits == 1, term_treedef=cfg.term_treedef,
+           n_terms=0 if terms is None else terms.shape[0], B=B, Hq=Hq)
     # TPUs have no float16 arithmetic: such caches run in float32 (a copy).
     cd = F32 if k.dtype == jnp.float16 else k.dtype
 
@@ -271,6 +285,9 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
     if K.sinks:
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         args.append(sinks.astype(F32))
+    if K.n_terms:   # (n, B, Hq), flat: one scalar per (array, row, head)
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        args.append(terms.astype(F32).reshape(-1))
     lead = () if splits == 1 else (splits,)
     blk = (None,) * len(lead) + (None, None, hb)
 

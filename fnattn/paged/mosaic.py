@@ -68,6 +68,9 @@ class _K:
     softcap: Optional[float]
     mask_treedef: Any
     sinks: bool
+    term_treedef: Any = None   # a position term, or None
+    n_terms: int = 0           # its arrays: (n, Hq) flat in SMEM
+    Hkv: int = 0
 
     @property
     def C(self) -> int:
@@ -76,11 +79,18 @@ class _K:
     def mask(self):
         return masks.from_treedef(self.mask_treedef)
 
+    def term(self):
+        if self.term_treedef is None:
+            return None
+        return jax.tree_util.tree_unflatten(self.term_treedef,
+                                            [0] * self.term_treedef.num_leaves)
+
 
 def _attn_kernel(work_ref, pt_ref, *refs, K: _K):
     it = iter(refs)
     q_ref, k_hbm, v_hbm = next(it), next(it), next(it)
     sinks_ref = next(it) if K.sinks else None
+    terms_ref = next(it) if K.n_terms else None
     o_ref, lse_ref, kbuf, vbuf, sem = next(it), next(it), next(it), next(it), next(it)
     w, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f = {name: work_ref[w * NF + i] for name, i in common.FIELDS.items()}
@@ -123,7 +133,10 @@ def _attn_kernel(work_ref, pt_ref, *refs, K: _K):
     r_i = lax.broadcasted_iota(I32, shape, 0)
     t_i, g_i = lax.div(r_i, I32(K.Gp)), lax.rem(r_i, I32(K.Gp))
     c_i = lax.broadcasted_iota(I32, shape, 1)
-    mask = K.mask()
+    mask, term = K.mask(), K.term()
+    if term is not None:  # the term's per-head arrays, one value per row
+        cols = [online.group_sink_column(terms_ref, n * K.Hkv + h, K.G, K.Gp, K.M)
+                for n in range(K.n_terms)]
 
     def body(b, carry):
         slot = lax.rem(b - lo, I32(2))
@@ -146,16 +159,18 @@ def _attn_kernel(work_ref, pt_ref, *refs, K: _K):
             # row by a product (a per-key vector would need a lane transpose).
             k, v, bad = _nonfinite_logits(k, v, K.M)
         s = lax.dot_general(q, k, NT, preferred_element_type=F32) * K.scale
+        kpos = b * K.C + c_i
+        pos = common.positions(seq, h * K.G + g_i, f["row0"] + t_i, f["q_pos"] + t_i, kpos)
+        if term is not None:   # added before the cap
+            s = s + jnp.broadcast_to(term.value(pos, cols), s.shape)
         if K.softcap is not None:
             s = K.softcap * jnp.tanh(s / K.softcap)
         if bad is not None:
             s = jnp.where(bad, jnp.nan, s)
-        kpos = b * K.C + c_i
         ok = kpos < kv_len
         for i in range(K.ppb):  # keys of invalid pages are masked
             ok = ok & ((lax.div(c_i, I32(K.ps)) != i) | (page_of(b, i) >= 0))
         if mask is not None:
-            pos = common.positions(seq, h * K.G + g_i, f["row0"] + t_i, f["q_pos"] + t_i, kpos)
             ok = ok & mask.predicate(pos, [])
         s = jnp.where(ok, s, -jnp.inf)
         return online.step_exp(carry, s, v)
@@ -263,8 +278,6 @@ def unsupported(cfg: Cfg) -> Optional[str]:
 
     ``impl="auto"`` then uses the XLA lowering on TPU; ``impl="pallas"`` raises.
     """
-    if getattr(cfg, "term_treedef", None) is not None:
-        return "no position term (fnattn.position_bias: this kernel does not compute one)"
     if cfg.page_size % 8:
         return (f"a page size that is a multiple of 8 (got {cfg.page_size}: pages are "
                 "copied to 8-row-aligned VMEM slots)")
@@ -301,7 +314,8 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
     splits = bs.num_splits or 1  # a TPU has one or two cores: splitting rarely pays
     K = _K(G=G, Gp=Gp, M=M, ppb=ppb, ps=ps, P=cfg.pages_per_seq, splits=splits,
            scale=cfg.scale, softcap=cfg.softcap, mask_treedef=cfg.mask_treedef,
-           sinks=sinks is not None and splits == 1)
+           sinks=sinks is not None and splits == 1, term_treedef=cfg.term_treedef,
+           n_terms=0 if meta.terms is None else meta.terms.shape[0], Hkv=Hkv)
     work = common.work_list(cfg, meta, bq, K.C)
     W = work.seq.shape[0]
     cd = _compute_dtype(q.dtype)
@@ -325,6 +339,9 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
     if K.sinks:
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         args.append(sinks.astype(F32))
+    if K.n_terms:   # (n, Hq), flat: one scalar per (array, head)
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        args.append(meta.terms.astype(F32).reshape(-1))
     out, lse = _varying.pallas_call(
         functools.partial(_attn_kernel, K=K),
         grid_spec=pltpu.PrefetchScalarGridSpec(
