@@ -1,6 +1,7 @@
 """What ALiBi costs: fnattn's in-kernel term against the same logits as a bias array.
 
-Causal attention with ALiBi (``-slope[h] * |q - k|``), B=1, H=8, D=64, float32:
+Causal attention with ALiBi (``-slope[h] * |q - k|``), B=1, H=8, D=64, float32 by
+default (``--dtype bfloat16 --jaxnn cudnn`` on a GPU):
 
 * ``jax.nn:xla``: ``jax.nn.dot_product_attention(is_causal=True)`` without ALiBi,
   the baseline of every ratio;
@@ -19,6 +20,10 @@ buffers. Times are medians of ``--reps`` calls after a warm-up.
 
     python benchmarks/position_bias.py            # T = 1k, 2k, 4k; fwd and fwd+bwd
     python benchmarks/position_bias.py --T 2048 --modes fwd
+    python benchmarks/position_bias.py --T 8192 --H 16 --D 128 --dtype bfloat16 \
+        --jaxnn cudnn                                # a GPU: the Triton kernels, cuDNN
+
+On a GPU the peak memory is the allocator's peak bytes in use.
 
 Writes ``benchmarks/results/position_bias_<device>.{md,csv}``.
 """
@@ -60,7 +65,7 @@ def child(cfg):
         def f(q, k, v):
             bias = alibi_bias() if impl.endswith("+bias") else None
             return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True,
-                                                implementation="xla")
+                                                implementation=cfg["jaxnn"])
     else:
         def f(q, k, v):
             spec = AttentionSpec(mask=masks.causal(), return_lse=False)
@@ -75,7 +80,7 @@ def child(cfg):
     else:
         fn = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2)))
     ks = jax.random.split(jax.random.key(0), 3)
-    q, k, v = (jax.random.normal(kk, (B, T, H, D), jnp.float32) for kk in ks)
+    q, k, v = (jax.random.normal(kk, (B, T, H, D), jnp.dtype(cfg["dtype"])) for kk in ks)
     jax.block_until_ready((q, k, v))
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     compiled = fn.lower(q, k, v).compile()
@@ -90,7 +95,10 @@ def child(cfg):
         t0 = time.perf_counter()
         jax.block_until_ready(compiled(q, k, v))
         times.append(time.perf_counter() - t0)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
+    if jax.devices()[0].platform == "gpu":
+        peak = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - base
     t = float(np.median(times))
     cspec = AttentionSpec(mask=masks.causal())
     flops = cost.estimate(cspec, q, k, v).flops
@@ -124,6 +132,9 @@ def main():
     ap.add_argument("--H", type=int, default=8)
     ap.add_argument("--D", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--jaxnn", default="xla", choices=("xla", "cudnn"),
+                    help="jax.nn.dot_product_attention's implementation")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--out", default=None, help="file stem (default: position_bias_<device>)")
     args = ap.parse_args()
@@ -138,7 +149,7 @@ def main():
             group = []
             for impl in impls:
                 cfg = dict(B=args.B, T=T, H=args.H, D=args.D, impl=impl, mode=mode,
-                           reps=args.reps)
+                           reps=args.reps, dtype=args.dtype, jaxnn=args.jaxnn)
                 res = dict(cfg, **run_one(cfg, args.timeout))
                 group.append(res)
                 print(_line(res), flush=True)
@@ -151,10 +162,15 @@ def main():
     write(rows, args, time.time() - start)
 
 
+def _label(r):
+    """The row's name, with jax.nn's implementation as run."""
+    return r["impl"].replace("jax.nn:xla", f"jax.nn:{r.get('jaxnn', 'xla')}")
+
+
 def _line(r):
     if r["status"] != "ok":
-        return f"T={r['T']:>6} {r['mode']:8} {r['impl']:16} {r['status']}"
-    return (f"T={r['T']:>6} {r['mode']:8} {r['impl']:16} {r['time_s'] * 1e3:9.1f} ms "
+        return f"T={r['T']:>6} {r['mode']:8} {_label(r):16} {r['status']}"
+    return (f"T={r['T']:>6} {r['mode']:8} {_label(r):16} {r['time_s'] * 1e3:9.1f} ms "
             f"{r['gflops']:7.1f} GFLOP/s peak {r['peak_mb']:8.0f} MiB xla {r['xla_mb']:8.0f} MiB")
 
 
@@ -177,8 +193,9 @@ def write(rows, args, seconds):
         + " on "
         f"{platform.processor() or platform.machine()} ({os.cpu_count()} cores), jax "
         f"{jax_version}, {datetime.date.today().isoformat()}, {seconds / 60:.1f} min. "
-        f"Causal, B={args.B}, H={args.H}, D={args.D}, float32; median of {args.reps} calls. "
-        "`vs jax.nn` is the time of `jax.nn.dot_product_attention` (xla, causal, no ALiBi) "
+        f"Causal, B={args.B}, H={args.H}, D={args.D}, {args.dtype}; median of {args.reps} "
+        f"calls. `vs jax.nn` is the time of `jax.nn.dot_product_attention` ({args.jaxnn}, "
+        "causal, no ALiBi) "
         "over the row's, in the same run. Peak memory: the rise of the process's peak "
         "resident set (compilation included); XLA: temporary and output buffers.",
         "",
@@ -187,9 +204,9 @@ def write(rows, args, seconds):
     ]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['T']} | {r['mode']} | {r['impl']} | {r['status']} | | | | |")
+            lines.append(f"| {r['T']} | {r['mode']} | {_label(r)} | {r['status']} | | | | |")
             continue
-        lines.append(f"| {r['T']} | {r['mode']} | {r['impl']} | {r['time_s'] * 1e3:.1f} | "
+        lines.append(f"| {r['T']} | {r['mode']} | {_label(r)} | {r['time_s'] * 1e3:.1f} | "
                      f"{r['gflops']:.1f} | {r['vs_jax_nn']:.2f}x | {r['peak_mb']:.0f} | "
                      f"{r['xla_mb']:.0f} |")
     with open(os.path.join(RESULTS, stem + ".md"), "w") as fh:

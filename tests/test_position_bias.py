@@ -361,7 +361,7 @@ def test_gpu_auto_runs_the_term_on_the_triton_kernels(D):
     f = jax.jit(lambda *a: _grads(None, spec, *a, impl="auto"))
     text = f.lower(q, k, v, d_out).as_text()
     assert "fnattn_flash_fwd" in text and "fnattn_flash_dkdv" in text
-    assert "cudnn" not in text.lower() and "mosaic_gpu" not in text
+    assert not re.search(r"custom_call @(__cudnn|mosaic_gpu)", text)
     got = f(q, k, v, d_out)
     want = jax.jit(lambda *a: _grads(None, spec, *a, impl="xla"))(q, k, v, d_out)
     _check(got, want, 3e-2)
@@ -414,11 +414,11 @@ def _decode_reference(spec, q, k, v, lengths, starts):
     return jnp.concatenate(outs), jnp.concatenate(lses)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas", "auto"])
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 @pytest.mark.parametrize("Tq", [1, 3])
 def test_decode_matches_reference(impl, Tq):
-    """XLA (split in two), the Triton kernel (interpreted, several blocks) and
-    auto, with masks, soft-cap, sinks and kv_starts."""
+    """XLA (split in two; what impl="auto" runs on a CPU) and the Triton kernel
+    (interpreted, several blocks), with masks, soft-cap, sinks and kv_starts."""
     B, S, Hq, Hkv, D = 3, 40, 4, 2, 8
     q, k, v, _ = _qkv(B, Tq, S, Hq, Hkv, D, seed=Tq)
     lengths, starts = jnp.array([40, 17, 5]), jnp.array([0, 10, 3])
@@ -579,7 +579,7 @@ def _paged_reference(spec, q, kp, vp, table, lengths):
     return jnp.concatenate(outs), jnp.concatenate(lses)
 
 
-@pytest.mark.parametrize("impl", ["xla", "pallas", "auto"])
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
 def test_paged_and_ragged_match_reference(impl):
     """paged_attention, ragged_paged_attention (the same tokens packed) and the
     form that writes the cache, with ALiBi and a from_fn of the sequence index."""

@@ -17,6 +17,7 @@ mask                 none, or an ``&`` of: ``causal()`` and ``sliding_window(lef
                      with ``right > 0`` only under ``causal()``), ``lengths(...)``
                      with one length per batch row
 bias, sinks          none (the Triton kernels take them)
+position terms       none (``fnattn.position_bias``: the Triton kernels take them)
 softcap, dropout     none
 block sizes          not set (``TritonBlockSizes`` choose the Triton kernels)
 sizes                static (``jax.export`` with symbolic sizes: the XLA lowering)
