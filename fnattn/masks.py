@@ -76,6 +76,7 @@ __all__ = [
     "block_classes",
     "block_classes_static",
     "render",
+    "dense_positions",
     "EMPTY",
     "PARTIAL",
     "FULL",
@@ -873,7 +874,8 @@ def from_treedef(treedef) -> Mask | None:
     ``jax.tree_util.tree_structure(mask)``; this rebuilds the mask from it to call
     its predicate, which reads the arrays' tiles from its ``ops`` argument. (The
     placeholders are not None, which would read as an absent optional array such
-    as ``q_lengths``.)
+    as ``q_lengths``.) The same rebuilds a position term
+    (:mod:`fnattn.position_bias`) from its structure.
 
     >>> import jax
     >>> m = from_treedef(jax.tree_util.tree_structure(causal() & sliding_window(4)))
@@ -896,14 +898,26 @@ def materialize(mask: Mask | None, batch: int, num_heads: int, q_len: int, kv_le
         return jnp.ones((1, 1, q_len, kv_len), bool)
     if validate:
         mask.validate(batch, num_heads, q_len, kv_len)
+    pos = dense_positions(batch, num_heads, q_len, kv_len, q_offset=q_offset)
+    out = mask.predicate(pos, mask.operands())
+    return jnp.broadcast_to(out, jnp.broadcast_shapes(jnp.shape(out), (1, 1, q_len, kv_len)))
+
+
+def dense_positions(batch: int, num_heads: int, q_len: int, kv_len: int, *,
+                    q_offset: int | None = None) -> Positions:
+    """The :class:`Positions` of the whole (batch, heads, Tq, Tk) logit array,
+    broadcastable; ``q_offset`` overrides the alignment ``Tk - Tq``.
+
+    >>> pos = dense_positions(1, 2, 2, 3)
+    >>> pos.q_pos.reshape(-1).tolist(), pos.k.reshape(-1).tolist()
+    ([1, 2], [0, 1, 2])
+    """
     off = kv_len - q_len if q_offset is None else q_offset
     b = jnp.arange(batch, dtype=jnp.int32)[:, None, None, None]
     h = jnp.arange(num_heads, dtype=jnp.int32)[None, :, None, None]
     q = jnp.arange(q_len, dtype=jnp.int32)[None, None, :, None]
     k = jnp.arange(kv_len, dtype=jnp.int32)[None, None, None, :]
-    pos = Positions(b=b, h=h, q=q, q_pos=q + off, k=k)
-    out = mask.predicate(pos, mask.operands())
-    return jnp.broadcast_to(out, jnp.broadcast_shapes(jnp.shape(out), (1, 1, q_len, kv_len)))
+    return Positions(b=b, h=h, q=q, q_pos=q + off, k=k)
 
 
 def _reduce_blocks(x: Array, axis: int, blk: int, fn) -> Array:

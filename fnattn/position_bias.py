@@ -47,7 +47,6 @@ differentiating with respect to them raises (:func:`fnattn.reference`
 differentiates them, as a check).
 """
 
-import dataclasses
 import math
 from typing import Any, Callable, Sequence
 
@@ -90,12 +89,6 @@ class PositionBias:
             raise TypeError(f"cannot add {type(other).__name__} to a position bias; both "
                             "sides must be fnattn.position_bias terms")
         return Sum(self, other)
-
-
-def _register(cls, data=(), meta=()):
-    cls = dataclasses.dataclass(frozen=True, eq=False)(cls)
-    jax.tree_util.register_dataclass(cls, data_fields=list(data), meta_fields=list(meta))
-    return cls
 
 
 class ALiBi(PositionBias):
@@ -158,9 +151,9 @@ class Sum(PositionBias):
         return f"({self.a!r} + {self.b!r})"
 
 
-ALiBi = _register(ALiBi, data=("slopes",))
-FromFn = _register(FromFn, meta=("fn",))
-Sum = _register(Sum, data=("a", "b"))
+ALiBi = masks._register(ALiBi, data=("slopes",))
+FromFn = masks._register(FromFn, meta=("fn",))
+Sum = masks._register(Sum, data=("a", "b"))
 
 
 def alibi(slopes) -> PositionBias:
@@ -269,7 +262,7 @@ class Biased(masks.Mask):
         return f"biased({self.mask!r}, {self.bias!r})"
 
 
-Biased = _register(Biased, data=("mask", "bias"))
+Biased = masks._register(Biased, data=("mask", "bias"))
 
 
 def present(mask) -> bool:
@@ -307,9 +300,49 @@ def attach(mask, bias: PositionBias | None, *, constant: bool = True):
     gradient for them; a silent zero would be a wrong gradient)."""
     if bias is None:
         return mask
-    if constant:
-        bias = jax.tree_util.tree_map(_constant, bias)
-    return Biased(mask, bias)
+    return Biased(mask, constants(bias) if constant else bias)
+
+
+def constants(term: PositionBias) -> PositionBias:
+    """``term`` with its arrays refusing a tangent (the kernels compute no
+    gradient for them; a silent zero would be a wrong gradient)."""
+    return jax.tree_util.tree_map(_constant, term)
+
+
+# ----------------------------------------------------------------------------------
+# The serving variants: a term's arrays per batch row and head only
+# ----------------------------------------------------------------------------------
+
+
+def check_serving(fn: str, term: PositionBias, dims: tuple, *, per_batch: bool,
+                  what: str) -> None:
+    """Validates ``term`` for ``dims`` = (batch, heads, Tq, Tk) and raises
+    ``NotImplementedError`` if its arrays vary along queries or keys (or along
+    the batch, unless ``per_batch``): a serving variant (``what``) carries them
+    to its rows one value per (batch row,) head."""
+    try:
+        term.validate(*dims)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"{fn}: {e}") from None
+    along = ("queries or keys" if per_batch else "sequences, queries or keys")
+    takes = "batch row and head" if per_batch else "head"
+    for op in jax.eval_shape(lambda t: t.operands(), term):
+        if op.shape[2] != 1 or op.shape[3] != 1 or (not per_batch and op.shape[0] != 1):
+            raise NotImplementedError(
+                f"{fn}: a position term whose arrays vary along {along} ({term!r}) is not "
+                f"supported by {what}, which takes arrays per {takes} "
+                "(position_bias.alibi); fnattn.attention takes any")
+
+
+def per_head_arrays(term: PositionBias, batch: int, num_heads: int):
+    """A term's arrays as constants (:func:`constants`), float32 (n, batch,
+    num_heads), or None without arrays; each an operand (B|1, H|1, 1, 1)
+    broadcast (:func:`check_serving`)."""
+    ops = constants(term).operands()
+    if not ops:
+        return None
+    return jnp.stack([jnp.broadcast_to(op[:, :, 0, 0].astype(jnp.float32),
+                                       (batch, num_heads)) for op in ops])
 
 
 @jax.custom_jvp

@@ -103,12 +103,7 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
 def _position_term(mask, B, Hq, Tq, Tk, q_offset):
     """The position term of ``mask`` (a :func:`fnattn.position_bias.attach`) on
     the whole (B, Hq, Tq, Tk) logit matrix."""
-    off = Tk - Tq if q_offset is None else q_offset
-    b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
-    h = jnp.arange(Hq, dtype=jnp.int32)[None, :, None, None]
-    q = jnp.arange(Tq, dtype=jnp.int32)[None, None, :, None]
-    k = jnp.arange(Tk, dtype=jnp.int32)[None, None, None, :]
-    pos = masks.Positions(b=b, h=h, q=q, q_pos=q + off, k=k)
+    pos = masks.dense_positions(B, Hq, Tq, Tk, q_offset=q_offset)
     return position_bias.term(mask, pos, mask.operands())
 
 

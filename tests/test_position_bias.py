@@ -547,7 +547,7 @@ def _decode_args(spec, q, k, v):
                          term_treedef=jax.tree_util.tree_structure(term))
     lengths = jnp.full((B,), k.shape[1], jnp.int32)
     return (cfg, q, k, v, jnp.zeros((B,), jnp.int32), lengths, None,
-            decode_api.term_rows(term, B, Hq))
+            position_bias.per_head_arrays(term, B, Hq))
 
 
 # ----------------------------------------------------------------------------------

@@ -121,37 +121,6 @@ def _given_splits(spec, S) -> Optional[int]:
     return None
 
 
-def _check_term(fn, term, dims):
-    """A position term: valid for these sizes, and holding arrays per batch row
-    and head only (ALiBi's slopes), which decode carries to its rows."""
-    try:
-        term.validate(dims.batch, dims.num_q_heads, dims.q_len, dims.kv_len)
-    except (ValueError, TypeError) as e:
-        raise type(e)(f"{fn}: {e}") from None
-    for op in jax.eval_shape(lambda t: t.operands(), term):
-        if op.shape[2] != 1 or op.shape[3] != 1:
-            raise NotImplementedError(
-                f"{fn}: a position term whose arrays vary along queries or keys ({term!r}) "
-                "is not supported by decode, which takes arrays per batch row and head "
-                "(position_bias.alibi); fnattn.attention takes any")
-
-
-def term_rows(term, B: int, Hq: int):
-    """A position term's arrays for decode: float32 (n, B, Hq), or None without
-    arrays. Each is an operand (B|1, Hq|1, 1, 1) broadcast (:func:`_check_term`)."""
-    ops = term.operands()
-    if not ops:
-        return None
-    return jnp.stack([jnp.broadcast_to(op[:, :, 0, 0].astype(jnp.float32), (B, Hq))
-                      for op in ops])
-
-
-def term_value(term, pos, rows, n: int):
-    """The term at ``pos`` with its arrays' values ``rows`` (a sequence of ``n``
-    arrays broadcastable with ``pos``), float32."""
-    return term.value(pos, [rows[i] for i in range(n)])
-
-
 def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
     fn = "decode"
     dims = _checks.check_qkv(q, k_cache, v_cache, spec.layout, fn=fn)
@@ -168,7 +137,9 @@ def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
             raise ValueError(f"{fn}: {name} must have shape (B,)=({B},), one per sequence "
                              f"of q {tuple(q.shape)}; got {tuple(jnp.shape(x))}")
     if spec.position_bias is not None:
-        _check_term(fn, spec.position_bias, dims)
+        position_bias.check_serving(
+            fn, spec.position_bias, (dims.batch, dims.num_q_heads, dims.q_len, dims.kv_len),
+            per_batch=True, what="decode")
     if spec.bias is not None:
         raise NotImplementedError(f"{fn}: spec.bias is not supported by decode; "
                                   "fnattn.attention and fnattn.flash take a bias.")
@@ -293,10 +264,8 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
     starts = jnp.clip(starts, 0, S)
     lengths = jnp.clip(kv_lengths.astype(I32), 0, S - starts)
     term, terms = spec.position_bias, None
-    if term is not None:
-        # the term's arrays are constants (a tangent raises: see position_bias.attach)
-        term = position_bias.attach(None, term).bias
-        terms = term_rows(term, B, qb.shape[2])
+    if term is not None:   # its arrays: constants (a tangent raises)
+        terms = position_bias.per_head_arrays(term, B, qb.shape[2])
     cfg = Cfg(scale=scale, softcap=spec.softcap,
               mask_treedef=None if spec.mask is None else jax.tree_util.tree_structure(spec.mask),
               num_splits=ns, block_sizes=spec.block_sizes,
@@ -327,11 +296,8 @@ class Cfg:
     @property
     def term(self):
         """The position term (its arrays placeholders: their values come as the
-        ``terms`` argument, :func:`term_rows`), or None."""
-        if self.term_treedef is None:
-            return None
-        return jax.tree_util.tree_unflatten(self.term_treedef,
-                                            [0] * self.term_treedef.num_leaves)
+        ``terms`` argument, :func:`fnattn.position_bias.per_head_arrays`), or None."""
+        return masks.from_treedef(self.term_treedef)
 
 
 def lowering_table(impl: str):
@@ -339,7 +305,8 @@ def lowering_table(impl: str):
 
     ``forward(cfg, q, k, v, starts, lengths, sinks, terms) -> (out, lse)`` on
     "bthd" arrays: out (B, Tq, Hq, Dv) in q's dtype, lse (B, Hq, Tq) float32;
-    ``terms``: the position term's arrays (:func:`term_rows`) or None.
+    ``terms``: the position term's arrays
+    (:func:`fnattn.position_bias.per_head_arrays`) or None.
     """
     if impl in ("auto", "pallas"):
         from fnattn.decoding import mosaic, triton  # Pallas is imported only when needed

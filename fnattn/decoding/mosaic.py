@@ -94,10 +94,7 @@ class _K:
         return masks.from_treedef(self.mask_treedef)
 
     def term(self):
-        if self.term_treedef is None:
-            return None
-        return jax.tree_util.tree_unflatten(self.term_treedef,
-                                            [0] * self.term_treedef.num_leaves)
+        return masks.from_treedef(self.term_treedef)
 
 
 def heads_per_program(num_kv_heads: int, head_dim: int, v_head_dim: int) -> int:

@@ -270,17 +270,8 @@ def refuse_float64(fn, **arrays):
 
 def _check_spec(fn, spec: AttentionSpec, num_q_heads):
     if spec.position_bias is not None:
-        term = spec.position_bias
-        try:
-            term.validate(1, num_q_heads, 1, 1)
-        except (ValueError, TypeError) as e:
-            raise type(e)(f"{fn}: {e}") from None
-        for op in jax.eval_shape(lambda t: t.operands(), term):
-            if op.shape[0] != 1 or op.shape[2] != 1 or op.shape[3] != 1:
-                raise NotImplementedError(
-                    f"{fn}: a position term whose arrays vary along sequences, queries or "
-                    f"keys ({term!r}) is not supported by paged attention, which takes "
-                    "arrays per head (position_bias.alibi); fnattn.attention takes any")
+        position_bias.check_serving(fn, spec.position_bias, (1, num_q_heads, 1, 1),
+                                    per_batch=False, what="paged attention")
     if spec.bias is not None:
         raise NotImplementedError(f"{fn}: spec.bias is not supported by paged attention (no "
                                   "paged lowering takes a bias); fnattn.attention and "
@@ -408,11 +399,9 @@ def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, ne
     meta = common.sanitize(cfg, *meta_args)
     if spec.position_bias is not None:
         # the term's arrays, one value per head; constants (a tangent raises)
-        ops = position_bias.attach(None, spec.position_bias).bias.operands()
-        if ops:
-            meta = meta._replace(terms=jnp.stack([
-                jnp.broadcast_to(op[0, :, 0, 0].astype(jnp.float32), (cfg.num_q_heads,))
-                for op in ops]))
+        arrays = position_bias.per_head_arrays(spec.position_bias, 1, cfg.num_q_heads)
+        if arrays is not None:
+            meta = meta._replace(terms=arrays[:, 0])
     if cfg.update:
         return _attend_update(table, cfg, q, k_pages, v_pages, spec.sinks, meta, new_k, new_v)
     # inside shard_map: gradients typed like their inputs (see fnattn._dispatch.attend)

@@ -28,7 +28,6 @@ sanitised metadata; its static length bounds the number of items any batch of
 import dataclasses
 from typing import Any, NamedTuple, Optional
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -133,10 +132,7 @@ class Cfg:
     def term(self):
         """The position term (its arrays placeholders: their values are
         ``Meta.terms``), or None."""
-        if self.term_treedef is None:
-            return None
-        return jax.tree_util.tree_unflatten(self.term_treedef,
-                                            [0] * self.term_treedef.num_leaves)
+        return masks.from_treedef(self.term_treedef)
 
 
 def term_value(cfg, meta, pos, rows):

@@ -115,10 +115,7 @@ class _K:
         return masks.from_treedef(self.mask_treedef)
 
     def term(self):
-        if self.term_treedef is None:
-            return None
-        return jax.tree_util.tree_unflatten(self.term_treedef,
-                                            [0] * self.term_treedef.num_leaves)
+        return masks.from_treedef(self.term_treedef)
 
 
 def launch_plan(cfg: Cfg):
