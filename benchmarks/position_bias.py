@@ -9,7 +9,10 @@ default (``--dtype bfloat16 --jaxnn cudnn`` on a GPU):
   what a ``jax.nn`` user writes;
 * ``fnattn``: ``fnattn.flash`` causal, without ALiBi;
 * ``fnattn+alibi``: with ``AttentionSpec(position_bias=position_bias.alibi(...))``;
-* ``fnattn+bias``: with ALiBi as a bias array.
+* ``fnattn+bias``: with ALiBi as a bias array;
+* ``fnattn+alibi:learned`` and ``jax.nn:xla+bias:learned`` (forward and backward
+  only): the same with the slopes differentiated too (learnable ALiBi; for
+  ``jax.nn`` through the bias array it builds from them).
 
 The bias arrays are built from the slopes inside the jitted function (an ALiBi
 model builds them per call or keeps them; either way they exist in memory).
@@ -40,7 +43,8 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
-IMPLS = ("jax.nn:xla", "jax.nn:xla+bias", "fnattn", "fnattn+alibi", "fnattn+bias")
+IMPLS = ("jax.nn:xla", "jax.nn:xla+bias", "fnattn", "fnattn+alibi", "fnattn+bias",
+         "fnattn+alibi:learned", "jax.nn:xla+bias:learned")
 
 
 def child(cfg):
@@ -55,45 +59,48 @@ def child(cfg):
     from fnattn import AttentionSpec, cost, masks, position_bias
 
     B, T, H, D, impl, mode = cfg["B"], cfg["T"], cfg["H"], cfg["D"], cfg["impl"], cfg["mode"]
-    slopes = jnp.asarray(position_bias.alibi_slopes(H))
+    learned = impl.endswith(":learned")
+    impl = impl.removesuffix(":learned")
 
-    def alibi_bias():
+    def alibi_bias(slopes):
         dist = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]).astype(jnp.float32)
         return (-slopes[:, None, None] * dist)[None]  # (1, H, T, T)
 
     if impl.startswith("jax.nn"):
-        def f(q, k, v):
-            bias = alibi_bias() if impl.endswith("+bias") else None
+        def f(q, k, v, slopes):
+            bias = alibi_bias(slopes) if impl.endswith("+bias") else None
             return jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=True,
                                                 implementation=cfg["jaxnn"])
     else:
-        def f(q, k, v):
+        def f(q, k, v, slopes):
             spec = AttentionSpec(mask=masks.causal(), return_lse=False)
             if impl == "fnattn+alibi":
                 spec = spec.replace(position_bias=position_bias.alibi(slopes))
             elif impl == "fnattn+bias":
-                spec = spec.replace(bias=alibi_bias())
+                spec = spec.replace(bias=alibi_bias(slopes))
             return fnattn.flash(spec, q, k, v).out
 
     if mode == "fwd":
         fn = jax.jit(f)
     else:
-        fn = jax.jit(jax.grad(lambda q, k, v: f(q, k, v).sum(), argnums=(0, 1, 2)))
+        argnums = (0, 1, 2, 3) if learned else (0, 1, 2)
+        fn = jax.jit(jax.grad(lambda *a: f(*a).sum(), argnums=argnums))
     ks = jax.random.split(jax.random.key(0), 3)
     q, k, v = (jax.random.normal(kk, (B, T, H, D), jnp.dtype(cfg["dtype"])) for kk in ks)
+    slopes = jnp.asarray(position_bias.alibi_slopes(H))
     jax.block_until_ready((q, k, v))
     base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    compiled = fn.lower(q, k, v).compile()
+    compiled = fn.lower(q, k, v, slopes).compile()
     try:
         ma = compiled.memory_analysis()
         xla_bytes = ma.temp_size_in_bytes + ma.output_size_in_bytes
     except Exception:  # noqa: BLE001 - not every backend reports it
         xla_bytes = float("nan")
-    jax.block_until_ready(compiled(q, k, v))
+    jax.block_until_ready(compiled(q, k, v, slopes))
     times = []
     for _ in range(cfg["reps"]):
         t0 = time.perf_counter()
-        jax.block_until_ready(compiled(q, k, v))
+        jax.block_until_ready(compiled(q, k, v, slopes))
         times.append(time.perf_counter() - t0)
     if jax.devices()[0].platform == "gpu":
         peak = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
@@ -148,6 +155,8 @@ def main():
         for mode in args.modes.split(","):
             group = []
             for impl in impls:
+                if mode == "fwd" and impl.endswith(":learned"):
+                    continue  # the forward of a learned term is the forward
                 cfg = dict(B=args.B, T=T, H=args.H, D=args.D, impl=impl, mode=mode,
                            reps=args.reps, dtype=args.dtype, jaxnn=args.jaxnn)
                 res = dict(cfg, **run_one(cfg, args.timeout))

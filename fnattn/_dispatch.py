@@ -8,7 +8,10 @@ A *lowering* is a forward, a backward and a tangent pass::
     jvp(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo,
         tq, tk, tv, tbias, tsinks) -> (t_out, t_lse)
 
-on "bthd" inputs, with ``out`` in q's dtype and ``lse`` and ``lse_lo`` float32
+on "bthd" inputs (with ``cfg.term_grad``, the indices of the mask leaves
+being differentiated, a position term's arrays: ``jvp`` takes their tangents
+after ``tsinks`` and ``bwd`` returns their cotangents after ``dsinks``), with
+``out`` in q's dtype and ``lse`` and ``lse_lo`` float32
 (B, Hq, Tq), so that every branch has the same output types. ``lse_lo`` is the
 rounding error of ``lse`` (see :func:`fnattn._online.lse_parts`): the pair
 ``lse + lse_lo`` is ``m + log(l)`` to twice float32's precision, so that a
@@ -43,7 +46,7 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from fnattn import _linear, _partition, _platforms
+from fnattn import _linear, _partition, _platforms, position_bias
 from fnattn._checks import Dims
 from fnattn._varying import varying_like
 
@@ -75,6 +78,12 @@ class Config:
     mask_treedef: Any
     block_sizes: Any = None
     q_offset: Optional[int] = None
+    # Indices of the mask leaves (a position term's arrays, such as ALiBi's
+    # slopes) being differentiated: the tangent pass then takes their tangents
+    # after those of (q, k, v, bias, sinks), and the backward returns their
+    # cotangents after (dq, dk, dv, dbias, dsinks). Set only by the derivative
+    # rule, for the derivatives that need them.
+    term_grad: tuple = ()
 
     def mask(self, leaves):
         return jax.tree_util.tree_unflatten(self.mask_treedef, leaves)
@@ -127,7 +136,8 @@ def _with_mask(fn):
 
 def attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
     """``(out, lse)`` of the lowering ``table`` picks, differentiable in q, k, v,
-    bias and sinks.
+    bias, sinks and the arrays of a position term riding with the mask
+    (ALiBi's slopes: ``Config.term_grad``).
 
     Inside ``jax.shard_map`` the differentiable inputs are first made to vary
     over the same mesh axes (:func:`fnattn._varying.varying_like`): the
@@ -137,6 +147,13 @@ def attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
     """
     q, k, v, bias, sinks = varying_like((q, k, v, bias, sinks), q, k, v, bias, sinks,
                                         mask_leaves, seed)
+    # (and so do a position term's arrays, which take gradients too)
+    terms = position_bias.term_leaves(cfg.mask(mask_leaves))
+    if terms:
+        leaves = list(mask_leaves)
+        for i, x in zip(terms, varying_like(tuple(leaves[i] for i in terms), q, k, v)):
+            leaves[i] = x
+        mask_leaves = tuple(leaves)
     out, lse, _ = _attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed)
     return out, lse
 
@@ -146,16 +163,40 @@ def _attend(table, cfg, q, k, v, bias, sinks, mask_leaves, seed):
     return _select_split(table, "fwd", cfg, q, k, v, bias, sinks, mask_leaves, seed)
 
 
-@_attend.defjvp
 def _attend_jvp(table, cfg, primals, tangents):
     q, k, v, bias, sinks, mask_leaves, seed = primals
     # the primal through _attend itself, so that a derivative of this rule
     # (second order) comes back here instead of differentiating a kernel
     out, lse, lse_lo = _attend(table, cfg, *primals)
     res = (q, k, v, bias, sinks, seed, out, lse, lse_lo, *mask_leaves)
-    t_out, t_lse = _linear.tangent(Derivatives(table, cfg), res, tangents[:5], (out, lse))
+    lin = tuple(jax.custom_derivatives.zero_from_primal(x) if _zero(t) else t
+                for x, t in zip(primals[:5], tangents[:5]))
+    # A position term's arrays (ALiBi's slopes) are differentiated only when
+    # asked (a tangent that is not a symbolic zero): the passes then carry
+    # them (Config.term_grad). A mask's own arrays select keys: their
+    # derivative is zero.
+    terms = position_bias.term_leaves(cfg.mask(mask_leaves))
+    which = tuple(i for i in terms if not _zero(tangents[5][i]))
+    other = [i for i, t in enumerate(tangents[5]) if i not in terms and not _zero(t)
+             and jnp.issubdtype(jnp.result_type(mask_leaves[i]), jnp.floating)]
+    if other:
+        raise NotImplementedError(
+            f"differentiating with respect to float arrays of the mask ({cfg.mask_treedef}) "
+            "is not implemented here; only a position term's arrays (ALiBi's slopes) "
+            "riding with the spec's mask are differentiated")
+    if which:
+        cfg = dataclasses.replace(cfg, term_grad=which)
+        lin += tuple(tangents[5][i] for i in which)
+    t_out, t_lse = _linear.tangent(Derivatives(table, cfg), res, lin, (out, lse))
     # lse_lo is a rounding error, a residual only: no tangent of its own
     return (out, lse, lse_lo), (t_out, t_lse, jnp.zeros_like(lse_lo))
+
+
+_attend.defjvp(_attend_jvp, symbolic_zeros=True)
+
+
+def _zero(t):
+    return isinstance(t, jax.custom_derivatives.SymbolicZero)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,15 +230,17 @@ class Derivatives(_linear.Rule):
     def smooth(self, res):
         from fnattn import xla  # (fnattn.xla builds on this module)
         q, k, v, bias, sinks, seed, _, _, _, *mask_leaves = res
-        dense = xla.dense(self.cfg, self.cfg.mask(mask_leaves), seed)
+        mask = self.cfg.mask(mask_leaves)
+        which = self.cfg.term_grad
         acc = jnp.promote_types(jnp.float32, q.dtype)
 
-        def f(q, k, v, bias, sinks):
-            out, lse = dense(*[None if x is None else x.astype(acc)
-                               for x in (q, k, v, bias, sinks)])
+        def f(q, k, v, bias, sinks, *terms):
+            m = position_bias.with_leaves(mask, which, terms)
+            out, lse = xla.dense(self.cfg, m, seed)(*[None if x is None else x.astype(acc)
+                                                      for x in (q, k, v, bias, sinks)])
             return out.astype(q.dtype), lse.astype(jnp.float32)
 
-        return f, (q, k, v, bias, sinks)
+        return f, (q, k, v, bias, sinks, *[mask_leaves[i] for i in which])
 
 
 def _select_tangent(table, cfg, *args):

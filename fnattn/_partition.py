@@ -547,20 +547,26 @@ def flash(fn: Callable, cfg, q, k, v, bias, sinks, mask_leaves, seed, *residuals
     lowering (forward: no residuals, returns (out, lse, lse_lo); backward:
     residuals (out, lse, lse_lo, d_out, d_lse), returns (dq, dk, dv, dbias,
     dsinks); tangent: residuals (out, lse, lse_lo, tq, tk, tv, tbias, tsinks),
-    returns (t_out, t_lse)), split along the batch and the heads."""
+    returns (t_out, t_lse)), split along the batch and the heads. With
+    ``cfg.term_grad`` the tangent takes the tangents of those mask leaves last,
+    and the backward returns their cotangents last."""
     d = cfg.dims
     sizes = Sizes(d.batch, d.num_q_heads, d.num_kv_heads)
     leaf_roles, allow = mask_roles(cfg.mask(mask_leaves), sizes)
     bias_r, bias_summed = bias_roles(jnp.shape(bias), sizes) if bias is not None else (None, "")
     n = len(mask_leaves)
     in_roles = [Q4, KV4, KV4, bias_r, ("h",), *leaf_roles, (None,)]
+    # the differentiated arrays of a position term (cfg.term_grad): their
+    # gradients are summed over the batch and heads they are broadcast along
+    term_roles = [leaf_roles[i] for i in cfg.term_grad]
+    term_outs = [Out(r, "".join(a for a in "bh" if a not in r)) for r in term_roles]
     if len(residuals) == 5:  # backward: out, lse, lse_lo, d_out, d_lse
         in_roles += [Q4, ROWS, ROWS, Q4, ROWS]
         outs = [Out(Q4), Out(KV4), Out(KV4),
                 None if bias is None else Out(bias_r, bias_summed),
-                None if sinks is None else Out(("h",), "b")]
+                None if sinks is None else Out(("h",), "b"), *term_outs]
     elif residuals:  # tangent: out, lse, lse_lo and the tangents of q, k, v, bias, sinks
-        in_roles += [Q4, ROWS, ROWS, Q4, KV4, KV4, bias_r, ("h",)]
+        in_roles += [Q4, ROWS, ROWS, Q4, KV4, KV4, bias_r, ("h",), *term_roles]
         outs = [Out(Q4), Out(ROWS)]
     else:
         outs = [Out(Q4), Out(ROWS), Out(ROWS)]

@@ -30,7 +30,7 @@ def run(spec: AttentionSpec, q, k, v, *, fn: str, table=None) -> AttentionOutput
         out = _checks.from_bthd(res.out, spec.layout)
         return AttentionOutput(out, res.lse if spec.return_lse else None)
     # A position term rides with the mask's arrays to every lowering's tiles.
-    mask = position_bias.attach(spec.mask, spec.position_bias)
+    mask = position_bias.attach(spec.mask, spec.position_bias, constant=False)
     leaves, treedef = jax.tree_util.tree_flatten(mask)
     cfg = _dispatch.Config(dims=dims, scale=scale, softcap=spec.softcap,
                            dropout_rate=float(spec.dropout_rate), mask_treedef=treedef,

@@ -41,10 +41,32 @@ evaluates it at each step's global positions. The serving variants
 ones, with or without the cache update) take terms whose arrays are per head
 (and, for decode, per batch row): ALiBi. Every one of their lowerings computes
 them (XLA, Triton, Mosaic TPU). ``fnattn.context.decode`` and ``impl="cudnn"``
-raise ``NotImplementedError``. Gradients flow to q, k, v, ``bias`` and ``sinks`` as
-usual; the term's own arrays (ALiBi's slopes) are constants to the kernels:
-differentiating with respect to them raises (:func:`fnattn.reference`
-differentiates them, as a check).
+raise ``NotImplementedError``.
+
+**Gradients.** q, k, v, ``bias`` and ``sinks`` as usual, and the term's own
+arrays: learnable ALiBi slopes. :func:`fnattn.attention` and
+:func:`fnattn.flash` differentiate them in every lowering that computes the
+term, in both modes and to any order: the backward kernels (XLA blockwise,
+Triton, Mosaic TPU) sum ``dS * d(term)/d(slope)`` over the tiles they visit,
+beside dq, with no extra pass and nothing of size ``Tq x Tk``; the tangent
+pass (forward mode) carries the term's tangent; second-order derivatives come
+from the dense formulation. Only when differentiated: a spec whose slopes are
+held fixed runs the same kernels as before. The kernels sum one value per
+batch row and head, so they take gradients for arrays of that form (ALiBi's;
+``from_fn`` terms hold no arrays). :func:`fnattn.context.attention` (ring and
+all-gather) differentiates them too, summing over the devices. The serving
+variants take the arrays as constants: differentiating with respect to them
+there raises ``NotImplementedError``.
+
+>>> slopes = jnp.asarray(alibi_slopes(4))
+>>> def loss(slopes):
+...     spec = AttentionSpec(mask=masks.causal(), position_bias=alibi(slopes))
+...     return jnp.sum(fnattn.flash(spec, q, k, v).out ** 2)
+>>> g = jax.jit(jax.grad(loss))(slopes)
+>>> g_ref = jax.grad(lambda s: jnp.sum(fnattn.reference(AttentionSpec(
+...     mask=masks.causal(), position_bias=alibi(s)), q, k, v).out ** 2))(slopes)
+>>> bool(jnp.allclose(g, g_ref, rtol=1e-4, atol=1e-4))
+True
 """
 
 import math
@@ -161,8 +183,10 @@ def alibi(slopes) -> PositionBias:
 
     Args:
       slopes: float array (Hq,), one slope per query head (see
-        :func:`alibi_slopes` for the usual geometric sequence). A constant:
-        the kernels take no gradient with respect to it.
+        :func:`alibi_slopes` for the usual geometric sequence). A leaf of
+        the spec: it traces, vmaps, splits with the heads and takes
+        gradients (learnable slopes) through :func:`fnattn.attention` and
+        :func:`fnattn.flash`.
 
     >>> import jax.numpy as jnp
     >>> from fnattn import masks
@@ -296,16 +320,77 @@ def term(mask, pos: masks.Positions, tiles: Sequence[Array]):
 def attach(mask, bias: PositionBias | None, *, constant: bool = True):
     """``mask`` with ``bias`` riding along (``mask`` itself when ``bias`` is None).
 
-    ``constant``: the term's arrays refuse a tangent (the kernels compute no
-    gradient for them; a silent zero would be a wrong gradient)."""
+    ``constant``: the term's arrays refuse a tangent (for a variant that computes
+    no gradient for them; a silent zero would be a wrong gradient). The flash
+    and dense lowerings differentiate them (``_dispatch.Config.term_grad``)."""
     if bias is None:
         return mask
     return Biased(mask, constants(bias) if constant else bias)
 
 
+def term_leaves(mask) -> tuple:
+    """Indices, in ``jax.tree_util.tree_leaves(mask)``, of the float arrays of
+    the position term riding with ``mask`` (:func:`attach`): the leaves a
+    gradient can flow to (ALiBi's slopes). Empty without a term. Sees through
+    the wrappers of context parallelism (``masks.AtPositions`` around
+    ``masks.Canonical``, whose leaves are the canonical operands)."""
+    if isinstance(mask, masks.AtPositions):
+        return term_leaves(mask.mask)
+    if isinstance(mask, masks.Canonical):
+        return tuple(n for n in term_operands(mask)
+                     if jnp.issubdtype(jnp.result_type(mask.ops[n]), jnp.floating))
+    if not isinstance(mask, Biased):
+        return ()
+    n = len(jax.tree_util.tree_leaves(mask.mask))
+    return tuple(n + i for i, x in enumerate(jax.tree_util.tree_leaves(mask.bias))
+                 if jnp.issubdtype(jnp.result_type(x), jnp.floating))
+
+
+def term_operands(mask) -> range:
+    """Indices, in ``mask.operands()``, of the term's operands (see
+    :class:`Biased`), through the wrappers of context parallelism."""
+    if isinstance(mask, masks.AtPositions):
+        return term_operands(mask.mask)  # its positions come after the mask's operands
+    if isinstance(mask, masks.Canonical):
+        return term_operands(mask._inner())
+    if not isinstance(mask, Biased):
+        return range(0)
+    n = mask._n()
+    return range(n, n + mask.bias.num_operands)
+
+
+def with_leaves(mask, which: Sequence[int], values: Sequence[Array]):
+    """``mask`` with the leaves at indices ``which`` replaced by ``values``."""
+    leaves, treedef = jax.tree_util.tree_flatten(mask)
+    for i, x in zip(which, values):
+        leaves[i] = x
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+def leaf_cotangents(mask, which: Sequence[int], d_ops: dict) -> tuple:
+    """Cotangents of the leaves ``which`` of ``mask`` from those of its operands.
+
+    ``d_ops`` maps an index in ``mask.operands()`` to its cotangent (an array of
+    the operand's shape); the others are zero. A lowering computes the gradient
+    of the term's operands (canonical 4-D, what its tiles are cut from); this is
+    the transpose of :meth:`PositionBias.operands` back to the user's arrays.
+    """
+    leaves = jax.tree_util.tree_leaves(mask)
+    primals = [leaves[i] for i in which]
+    ops, back = jax.vjp(lambda *xs: tuple(with_leaves(mask, which, xs).operands()), *primals)
+    cts = []
+    for n, op in enumerate(ops):
+        if not jnp.issubdtype(op.dtype, jnp.inexact):
+            cts.append(np.zeros(op.shape, jax.dtypes.float0))
+        else:
+            d = d_ops.get(n)
+            cts.append(jnp.zeros(op.shape, op.dtype) if d is None else d.astype(op.dtype))
+    return tuple(g.astype(x.dtype) for g, x in zip(back(tuple(cts)), primals))
+
+
 def constants(term: PositionBias) -> PositionBias:
-    """``term`` with its arrays refusing a tangent (the kernels compute no
-    gradient for them; a silent zero would be a wrong gradient)."""
+    """``term`` with its arrays refusing a tangent (for the variants that compute
+    no gradient for them; a silent zero would be a wrong gradient)."""
     return jax.tree_util.tree_map(_constant, term)
 
 
@@ -354,5 +439,6 @@ def _constant(x):
 def _constant_jvp(primals, tangents):
     raise NotImplementedError(
         "position_bias: differentiating with respect to a position term's arrays (ALiBi's "
-        "slopes) is not implemented by the flash lowerings, which take them as constants; "
-        "fnattn.reference differentiates them, or learn a bias array (AttentionSpec(bias=...)).")
+        "slopes) is not implemented by the serving variants (decode, paged, "
+        "fnattn.context.decode), which take them as constants; fnattn.attention, "
+        "fnattn.flash, fnattn.context.attention and fnattn.reference differentiate them.")

@@ -10,6 +10,7 @@ gradient product (dO.V under loss scaling) overflow their dtype.
 import jax
 import jax.numpy as jnp
 
+from fnattn import position_bias
 from fnattn._dispatch import Lowering
 from fnattn.reference import dense_attention
 
@@ -34,10 +35,22 @@ def dense(cfg, mask, seed):
     return f
 
 
+def _differentiable(cfg, mask, seed, q, k, v, bias, sinks):
+    """``(f, primals)``: the dense forward as a function of (q, k, v, bias, sinks)
+    and of the position term's arrays being differentiated (``cfg.term_grad``)."""
+    which = cfg.term_grad
+    leaves = jax.tree_util.tree_leaves(mask)
+
+    def f(q, k, v, bias, sinks, *terms):
+        return dense(cfg, position_bias.with_leaves(mask, which, terms), seed)(
+            q, k, v, bias, sinks)
+
+    return f, (q, k, v, bias, sinks, *[leaves[i] for i in which])
+
+
 def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse):
     acc = jnp.promote_types(jnp.float32, q.dtype)
-    f = dense(cfg, mask, seed)
-    primals = (q, k, v, bias, sinks)
+    f, primals = _differentiable(cfg, mask, seed, q, k, v, bias, sinks)
     up = tuple(None if x is None else x.astype(acc) for x in primals)
     _, vjp = jax.vjp(f, *up)
     grads = vjp((d_out.astype(acc), d_lse.astype(acc)))
@@ -48,9 +61,9 @@ def _tangent(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, *tangents)
     """(d_out, d_lse): ``jax.jvp`` of the forward, in the accumulation dtype."""
     del out, lse, lse_lo
     acc = jnp.promote_types(jnp.float32, q.dtype)
-    f = dense(cfg, mask, seed)
+    f, primals = _differentiable(cfg, mask, seed, q, k, v, bias, sinks)
     up = lambda xs: tuple(None if x is None else x.astype(acc) for x in xs)  # noqa: E731
-    _, (d_out, d_lse) = jax.jvp(f, up((q, k, v, bias, sinks)), up(tangents))
+    _, (d_out, d_lse) = jax.jvp(f, up(primals), up(tangents))
     return d_out.astype(q.dtype), d_lse.astype(jnp.float32)
 
 

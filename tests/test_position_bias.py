@@ -213,28 +213,180 @@ def test_masked_poisoned_keys_contribute_nothing():
         assert bool(jnp.isfinite(out).all())
 
 
-def test_gradient_of_the_slopes():
+# ----------------------------------------------------------------------------------
+# Gradients into the term's arrays (learnable ALiBi slopes)
+# ----------------------------------------------------------------------------------
+
+
+def _slope_grads(table, spec, q, k, v, slopes, d_out, impl=None):
+    """(out, lse, dq, dk, dv, dslopes) of one lowering table, or the reference."""
+    def f(q, k, v, slopes):
+        s = spec.replace(position_bias=position_bias.alibi(slopes))
+        if impl is not None:
+            res = fnattn.attention(s.replace(impl=impl), q, k, v)
+        elif table is None:
+            res = fnattn.reference(s, q, k, v)
+        else:
+            res = core.run(s, q, k, v, fn="flash", table=table)
+        return res.out, res.lse
+
+    (out, lse), pull = jax.vjp(f, q, k, v, slopes)
+    d_lse = jnp.where(jnp.isfinite(lse), jnp.cos(lse), 0.0)
+    return (out, lse) + pull((d_out.astype(out.dtype), d_lse))
+
+
+def _check_slopes(got, want, tol):
+    *rest, dslopes = got
+    _check(rest, want[:-1], tol)
+    # dslopes sums Tq * Tk terms of distance-weighted dS: a relative tolerance
+    np.testing.assert_allclose(dslopes, want[-1], rtol=tol * 10,
+                               atol=tol * 10 * float(jnp.abs(want[-1]).max()), err_msg="dslopes")
+
+
+# (name, table, impl, mask, softcap, dropout, Tq, Tk, D)
+SLOPE_CASES = [
+    ("flash-xla-segments", None, "auto", "segments", None, 0.0, 70, 70, 16),
+    ("flash-xla-cap-dropout", None, "auto", masks.causal(), 5.0, 0.25, 40, 70, 16),
+    ("dense-xla-cap", None, "xla", masks.causal(), 3.0, 0.0, 30, 30, 16),
+    ("triton-segments-cap", TRITON, None, "segments", 5.0, 0.0, 70, 70, 16),
+    ("triton-window", TRITON, None, masks.causal() & masks.sliding_window(24), None, 0.0,
+     40, 70, 16),
+    ("mosaic-causal", MOSAIC, None, masks.causal(), None, 0.0, 200, 200, 128),
+]
+
+
+@pytest.mark.parametrize("case", SLOPE_CASES, ids=[c[0] for c in SLOPE_CASES])
+def test_slope_gradients_match_the_reference(case):
+    """Every lowering that computes the term also differentiates its slopes
+    (the XLA backward, the Triton and Mosaic TPU dq kernels), with dq, dk and
+    dv unchanged; masks, soft-cap, dropout, GQA, ragged and Tq != Tk."""
+    _, table, impl, mask, softcap, rate, Tq, Tk, D = case
+    B = 1 if table is not None else 2
+    q, k, v, d_out = _qkv(B, Tq, Tk, 4, 2, D)
+    spec = _spec(mask, softcap, B, Tk)
+    if rate:
+        spec = spec.replace(dropout_rate=rate, dropout_key=jax.random.key(3))
+    if impl == "auto":
+        spec = spec.replace(block_sizes=fnattn.XlaBlockSizes(32, 32))
+    elif table is TRITON:
+        spec = spec.replace(block_sizes=fnattn.TritonBlockSizes(32, 32))
+    elif table is MOSAIC:
+        spec = spec.replace(block_sizes=fnattn.MosaicBlockSizes(128, 128))
+    with cheap_compiles():
+        got = jax.jit(lambda *a: _slope_grads(table, spec, *a, impl=impl))(
+            q, k, v, SLOPES4, d_out)
+    want = jax.jit(lambda *a: _slope_grads(None, spec, *a))(q, k, v, SLOPES4, d_out)
+    assert float(jnp.abs(want[-1]).min()) > 1e-3  # a gradient that is there to get wrong
+    _check_slopes(got, want, 5e-5 if table is MOSAIC else 2e-5)
+
+
+def test_reference_slope_gradient_is_that_of_the_bias_they_make():
     q, k, v, _ = _qkv(1, 20, 20, 4, 2, 8)
 
-    def loss(fn, slopes):
+    def loss(slopes):
         spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(slopes))
-        return jnp.sum(fn(spec, q, k, v).out ** 2)
+        return jnp.sum(fnattn.reference(spec, q, k, v).out ** 2)
 
-    with pytest.raises(NotImplementedError, match="slopes.*constants"):
-        jax.jit(jax.grad(lambda s: loss(fnattn.attention, s)))(SLOPES4)
-    # the reference differentiates them: as the bias they make
-    got = jax.grad(lambda s: loss(fnattn.reference, s))(SLOPES4)
     dist = jnp.abs(jnp.arange(20)[:, None] - jnp.arange(20)[None, :]).astype(jnp.float32)
 
     def via_bias(s):
         spec = AttentionSpec(mask=masks.causal(), bias=-s[:, None, None] * dist)
         return jnp.sum(fnattn.reference(spec, q, k, v).out ** 2)
 
-    np.testing.assert_allclose(got, jax.grad(via_bias)(SLOPES4), rtol=1e-5, atol=1e-6)
-    # gradients to q, k, v with the slopes held fixed are fine
-    g = jax.jit(jax.grad(lambda q: jnp.sum(fnattn.attention(
-        AttentionSpec(position_bias=position_bias.alibi(SLOPES4)), q, k, v).out)))(q)
-    assert bool(jnp.isfinite(g).all())
+    np.testing.assert_allclose(jax.grad(loss)(SLOPES4), jax.grad(via_bias)(SLOPES4),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_slope_gradients_forward_mode_second_order_and_vmap():
+    q, k, v, _ = _qkv(2, 40, 40, 4, 2, 8)
+    base = AttentionSpec(mask=masks.causal(), softcap=4.0,
+                         block_sizes=fnattn.XlaBlockSizes(16, 16))
+
+    def out(fn, slopes, q=q):
+        return fn(base.replace(position_bias=position_bias.alibi(slopes)), q, k, v).out
+
+    t = jnp.linspace(-1.0, 1.0, 4)
+    jvp = lambda fn: jax.jit(lambda s: jax.jvp(  # noqa: E731
+        lambda s: out(fn, s), (s,), (t,))[1])(SLOPES4)
+    np.testing.assert_allclose(jvp(fnattn.flash), jvp(fnattn.reference), atol=2e-5)
+
+    def loss(fn, s, q=q):
+        return jnp.sum(out(fn, s, q) ** 2)
+
+    hess = lambda fn: jax.jit(jax.hessian(lambda s: loss(fn, s)))(SLOPES4)  # noqa: E731
+    want = hess(fnattn.reference)
+    np.testing.assert_allclose(hess(fnattn.flash), want, rtol=1e-4,
+                               atol=1e-4 * float(jnp.abs(want).max()))
+    mixed = lambda fn: jax.jit(jax.grad(lambda q: jnp.sum(  # noqa: E731
+        jax.grad(lambda s: loss(fn, s, q))(SLOPES4) ** 2)))(q)
+    want = mixed(fnattn.reference)
+    np.testing.assert_allclose(mixed(fnattn.flash), want, rtol=1e-4,
+                               atol=1e-4 * float(jnp.abs(want).max()))
+    # one set of slopes per instance under vmap
+    many = jnp.stack([SLOPES4, SLOPES4 * 0.5, SLOPES4 * 2.0])
+    per = lambda fn: jax.jit(jax.vmap(jax.grad(lambda s: loss(fn, s))))(many)  # noqa: E731
+    want = per(fnattn.reference)
+    np.testing.assert_allclose(per(fnattn.flash), want, rtol=1e-4,
+                               atol=1e-4 * float(jnp.abs(want).max()))
+
+
+def test_fixed_slopes_run_the_backward_without_their_gradient():
+    """Only a differentiated term asks the kernels for its gradient."""
+    q, k, v, _ = _qkv(1, 20, 20, 4, 2, 8)
+    spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(SLOPES4))
+
+    def loss(q, slopes):
+        s = spec.replace(position_bias=position_bias.alibi(slopes))
+        return jnp.sum(fnattn.attention(s, q, k, v).out)
+
+    fixed = str(jax.make_jaxpr(jax.grad(loss))(q, SLOPES4))
+    learned = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(q, SLOPES4))
+    assert "term_grad=()" in fixed and "term_grad=(" not in fixed.replace("term_grad=()", "")
+    assert re.search(r"term_grad=\(\d", learned)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "all_gather"])
+def test_context_parallel_slope_gradients_on_one_device(strategy):
+    """Ring and all-gather attention differentiate the slopes too (reverse and
+    forward mode); 2 to 8 devices: tests/multi_device/context_checks.py."""
+    q, k, v, _ = _qkv(2, 32, 32, 4, 2, 8)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    seq = jax.sharding.PartitionSpec(None, "x")
+
+    def loss(fn, slopes, q):
+        spec = AttentionSpec(mask=masks.causal(), softcap=5.0,
+                             position_bias=position_bias.alibi(slopes))
+        return jnp.sum(fn(spec, q) ** 2)
+
+    def ring(spec, q):
+        return jax.shard_map(
+            lambda q, k, v: fnattn.context.attention(spec, q, k, v, axis_name="x",
+                                                     strategy=strategy).out,
+            mesh=mesh, in_specs=(seq,) * 3, out_specs=seq)(q, k, v)
+
+    def ref(spec, q):
+        return fnattn.reference(spec, q, k, v).out
+
+    grads = lambda fn: jax.jit(jax.grad(  # noqa: E731
+        lambda s, q: loss(fn, s, q), argnums=(0, 1)))(SLOPES4, q)
+    (gs, gq), (ws, wq) = grads(ring), grads(ref)
+    np.testing.assert_allclose(gq, wq, atol=2e-5)
+    np.testing.assert_allclose(gs, ws, rtol=1e-4, atol=1e-4 * float(jnp.abs(ws).max()))
+    t = jnp.linspace(-1.0, 1.0, 4)
+    jvp = lambda fn: jax.jit(lambda s: jax.jvp(  # noqa: E731
+        lambda s: loss(fn, s, q), (s,), (t,))[1])(SLOPES4)
+    np.testing.assert_allclose(jvp(ring), jvp(ref), rtol=1e-4)
+
+
+def test_slope_gradients_refused_where_not_computed():
+    q, k, v, _ = _qkv(1, 16, 16, 4, 2, 8)
+
+    def decode(slopes):
+        spec = AttentionSpec(position_bias=position_bias.alibi(slopes))
+        return jnp.sum(fnattn.decode(spec, q[:, :1], k, v, kv_lengths=jnp.array([16])).out)
+
+    with pytest.raises(NotImplementedError, match="slopes.*constants.*fnattn.attention"):
+        jax.jit(jax.grad(decode))(SLOPES4)
 
 
 # ----------------------------------------------------------------------------------
@@ -300,22 +452,28 @@ def test_kernels_lower_for_cuda_and_tpu():
     kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.bfloat16)
     spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(SLOPES4))
 
-    def loss(table):
-        def f(q, k, v):
-            res = core.run(spec, q, k, v, fn="flash", table=table)
-            return jnp.sum(res.out.astype(jnp.float32)) + jnp.sum(res.lse)
-        return jax.jit(jax.grad(f, argnums=(0, 1, 2)))
+    slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
 
-    cuda = (("default", xla.DENSE), ("cuda", triton.LOWERING))
-    with gpu_target():
-        text = loss(cuda).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-    for name in ("fnattn_flash_fwd", "fnattn_flash_dq", "fnattn_flash_dkdv"):
-        assert name in text
-    tpu = (("default", xla.DENSE), ("tpu", mosaic.LOWERING))
-    with tpu_target():
-        text = loss(tpu).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
-    assert set(re.findall(r'kernel_name = "(\w+)"', text)) == {
-        "fnattn_flash_mosaic_fwd", "fnattn_flash_mosaic_dq", "fnattn_flash_mosaic_dkv"}
+    def loss(table, argnums):
+        def f(q, k, v, slopes):
+            s = spec.replace(position_bias=position_bias.alibi(slopes))
+            res = core.run(s, q, k, v, fn="flash", table=table)
+            return jnp.sum(res.out.astype(jnp.float32)) + jnp.sum(res.lse)
+        return jax.jit(jax.grad(f, argnums=argnums))
+
+    for argnums in ((0, 1, 2), (0, 1, 2, 3)):  # and with the slopes' gradient
+        cuda = (("default", xla.DENSE), ("cuda", triton.LOWERING))
+        with gpu_target():
+            text = loss(cuda, argnums).trace(q, kv, kv, slopes).lower(
+                lowering_platforms=("cuda",)).as_text()
+        for name in ("fnattn_flash_fwd", "fnattn_flash_dq", "fnattn_flash_dkdv"):
+            assert name in text
+        tpu = (("default", xla.DENSE), ("tpu", mosaic.LOWERING))
+        with tpu_target():
+            text = loss(tpu, argnums).trace(q, kv, kv, slopes).lower(
+                lowering_platforms=("tpu",)).as_text()
+        assert set(re.findall(r'kernel_name = "(\w+)"', text)) == {
+            "fnattn_flash_mosaic_fwd", "fnattn_flash_mosaic_dq", "fnattn_flash_mosaic_dkv"}
 
 
 def test_ring_attention_on_one_device_takes_the_term():

@@ -120,7 +120,7 @@ def prepare(spec, q, k, v, *, axis_name, strategy: str, layout: str, fn: str):
     ops, kinds, treedef = (), (), None
     # A position term rides with the mask's arrays (fnattn.position_bias), and a
     # ring step evaluates it at the global positions it gives the mask.
-    mask = position_bias.attach(spec.mask, spec.position_bias)
+    mask = position_bias.attach(spec.mask, spec.position_bias, constant=False)
     if mask is not None:
         treedef = jax.tree_util.tree_structure(mask)
         ops = tuple(mask.operands())

@@ -17,9 +17,11 @@ the global ``lse`` (with its rounding error ``lse_lo``); each step recomputes it
 pairs' probabilities from the global ``lse`` with the flash lowering's backward.
 dQ stays on the device; dK and dV are accumulated in float32 and travel with K
 and V (``N - 1`` K/V transfers and ``N`` dK/dV transfers: the last one brings
-them home). The sink gradient comes from the global statistics; the gradient
-of inputs replicated along the axis (sinks, a replicated bias) is summed over
-it by JAX, since they are made to vary like q first. Forward mode
+them home). The sink gradient comes from the global statistics; a position
+term's arrays (ALiBi's slopes), when differentiated, get each pair's gradient
+from the flash backward (``Config.term_grad``), summed over the steps; the
+gradient of inputs replicated along the axis (sinks, a replicated bias, the
+slopes) is summed over it by JAX, since they are made to vary like q first. Forward mode
 (``jvp``, ``jacfwd``) and second-order derivatives are those of all-gather
 attention, which computes the same function: they gather K and V (and their
 tangents) instead of passing them around.
@@ -32,10 +34,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fnattn import _dispatch, _linear, _online
+from fnattn import _dispatch, _linear, _online, masks, position_bias
 from fnattn.context import gather
 from fnattn._varying import varying_like
-from fnattn.context.common import Problem, pair_call
+from fnattn.context.common import Problem, pair_call, slice_op
 from fnattn.context.layouts import pieces
 
 F32 = jnp.float32
@@ -58,8 +60,20 @@ def attention(P: Problem, q, k, v, bias4, sinks, ops, key, base):
     """``(out, lse)`` of ring attention on this device's shard ("bthd")."""
     q, k, v, bias4, sinks = varying_like((q, k, v, bias4, sinks), q, k, v, bias4, sinks, ops,
                                          key, base)
-    out, lse, _ = _ring(P, q, k, v, bias4, sinks, ops, key, base)
+    # a position term's arrays take gradients too: typed to vary like q, so
+    # that JAX sums their gradient over the axis
+    ops = list(ops)
+    for n in _term_ops(P):
+        ops[n] = varying_like(ops[n], q, k, v)
+    out, lse, _ = _ring(P, q, k, v, bias4, sinks, tuple(ops), key, base)
     return out, lse
+
+
+def _term_ops(P: Problem) -> tuple:
+    """The canonical operands of the position term riding with the mask."""
+    if P.mask_treedef is None:
+        return ()
+    return tuple(position_bias.term_operands(masks.from_treedef(P.mask_treedef)))
 
 
 def _fold(state, out, lse, lo):
@@ -139,13 +153,25 @@ def _ring(P, q, k, v, bias4, sinks, ops, key, base):
     return _forward(P, q, k, v, bias4, sinks, ops, key, base)
 
 
-@_ring.defjvp
 def _ring_jvp(P, primals, tangents):
     q, k, v, bias4, sinks, ops, key, base = primals
     out, lse, lo = _ring(P, *primals)  # second order comes back here
     res = (q, k, v, bias4, sinks, key, base, out, lse, lo, *ops)
-    t_out, t_lse = _linear.tangent(_Derivatives(P), res, tangents[:5], (out, lse))
+    lin = tuple(jax.custom_derivatives.zero_from_primal(x) if _zero(t) else t
+                for x, t in zip(primals[:5], tangents[:5]))
+    # the position term's operands being differentiated (ALiBi's slopes)
+    which = tuple(n for n in _term_ops(P) if not _zero(tangents[5][n])
+                  and jnp.issubdtype(ops[n].dtype, jnp.floating))
+    lin += tuple(tangents[5][n] for n in which)
+    t_out, t_lse = _linear.tangent(_Derivatives(P, which), res, lin, (out, lse))
     return (out, lse, lo), (t_out, t_lse, jnp.zeros_like(lo))
+
+
+_ring.defjvp(_ring_jvp, symbolic_zeros=True)
+
+
+def _zero(t):
+    return isinstance(t, jax.custom_derivatives.SymbolicZero)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +182,9 @@ class _Derivatives(_linear.Rule):
     and gathers K, V and their tangents."""
 
     P: Problem
+    # the canonical operands (a position term's) differentiated, after
+    # (q, k, v, bias4, sinks)
+    which: tuple = ()
 
     def _split(self, res):
         q, k, v, bias4, sinks, key, base, out, lse, lo, *ops = res
@@ -164,17 +193,20 @@ class _Derivatives(_linear.Rule):
     def smooth(self, res):
         (q, k, v, bias4, sinks, ops, key, base), _ = self._split(res)
 
-        def f(q, k, v, bias4, sinks):
-            return gather.attention(self.P, q, k, v, bias4, sinks, ops, key, base)
+        def f(q, k, v, bias4, sinks, *terms):
+            ops_ = list(ops)
+            for n, x in zip(self.which, terms):
+                ops_[n] = x
+            return gather.attention(self.P, q, k, v, bias4, sinks, tuple(ops_), key, base)
 
-        return f, (q, k, v, bias4, sinks)
+        return f, (q, k, v, bias4, sinks, *[ops[n] for n in self.which])
 
     def tangent(self, res, lin):
         return self.smooth_tangent(res, lin)
 
     def cotangent(self, res, cts):
         inputs, outputs = self._split(res)
-        return _ring_bwd(self.P, inputs + outputs, cts)[:5]
+        return _ring_bwd(self.P, inputs + outputs, cts, self.which)
 
 
 def _add_rows(acc, x, lo: int, size: int):
@@ -194,58 +226,83 @@ def _add_bias(P: Problem, acc, g, qp, kp, src):
     return lax.dynamic_update_slice(acc, cur + g.astype(F32), start)
 
 
-def _ring_bwd(P, res, cts):
+def _ring_bwd(P, res, cts, which=()):
+    """The ring backward: (dq, dk, dv, dbias, dsinks), then the gradients of the
+    canonical operands ``which`` (a position term's, summed over every pair
+    this device computes; the sum over devices is JAX's, since they vary)."""
     q, k, v, bias4, sinks, ops, key, base, out, lse, lse_lo = res
     d_out, d_lse = cts
     N, L = P.axis_size, P.L
     rank = lax.axis_index(P.axis_name)
     qps = pieces(P.layout, L, rank, N)
     perm = _ring_perm(N)
+    for n in which:
+        if P.op_kinds[n][1] == "travel":
+            raise NotImplementedError(
+                "context.attention (ring): gradients into a position term's arrays that hold "
+                "each device's keys are not implemented; strategy='all_gather' computes them")
 
     def pair_backward(qp, kp, src, inputs):
         cfg, qx, kx, vx, bx, leaves, seed, nonempty = pair_call(P, qp, kp, src, **inputs)
+        # the pair's mask leaves are its cut canonical operands, then positions
+        cfg = dataclasses.replace(cfg, term_grad=which)
         rows = lambda x, axis: lax.slice_in_dim(x, qp.lo, qp.lo + qp.size, axis=axis)  # noqa
         stats = (rows(out, 1), rows(lse, 2), rows(lse_lo, 2), rows(d_out, 1), rows(d_lse, 2))
 
         def run():
-            dq, dk, dv, db, _ = _dispatch._select(_dispatch._wrap(P.table), "bwd", cfg, qx, kx,
-                                                  vx, bx, None, leaves, seed, *stats)
-            return dq, dk, dv, db
+            dq, dk, dv, db, _, *d_ops = _dispatch._select(
+                _dispatch._wrap(P.table), "bwd", cfg, qx, kx, vx, bx, None, leaves, seed,
+                *stats)
+            return dq, dk, dv, db, tuple(d_ops)
 
         def skip():
             return (jnp.zeros_like(qx), jnp.zeros_like(kx), jnp.zeros_like(vx),
-                    None if bx is None else jnp.zeros_like(bx))
+                    None if bx is None else jnp.zeros_like(bx),
+                    tuple(jnp.zeros(leaves[n].shape, leaves[n].dtype) for n in which))
 
         refs = (qx, kx, vx, bx, leaves, seed, stats)
         return lax.cond(nonempty, lambda: varying_like(run(), *refs),
                         lambda: varying_like(skip(), *refs))
 
-    def step(s, k, v, travel, dq, dk, dv, dbias):
+    def add_ops(d_ops, g_ops, qp, kp, src):
+        """Adds a pair's operand gradients where its cut of each operand came from."""
+        out_ = []
+        for n, acc, g in zip(which, d_ops, g_ops):
+            qv, kind = P.op_kinds[n]
+            cut = functools.partial(slice_op, q_varies=qv, kind=kind, qp=qp, kp=kp, src=src,
+                                    L=L)
+            _, back = jax.vjp(cut, ops[n])
+            out_.append(acc + back(g.astype(ops[n].dtype))[0].astype(F32))
+        return tuple(out_)
+
+    def step(s, k, v, travel, dq, dk, dv, dbias, d_ops):
         src = (rank - s) % N
         inputs = dict(q=q, k=k, v=v, bias4=bias4, ops=_with_travel(P, ops, travel), key=key,
                       base=base)
         for qp in qps:
             for kp in pieces(P.layout, L, src, N):
-                gq, gk, gv, gb = pair_backward(qp, kp, src, inputs)
+                gq, gk, gv, gb, g_ops = pair_backward(qp, kp, src, inputs)
                 dq = _add_rows(dq, gq, qp.lo, qp.size)
                 dk = _add_rows(dk, gk, kp.lo, kp.size)
                 dv = _add_rows(dv, gv, kp.lo, kp.size)
                 if dbias is not None:
                     dbias = _add_bias(P, dbias, gb, qp, kp, src)
-        return dq, dk, dv, dbias
+                d_ops = add_ops(d_ops, g_ops, qp, kp, src)
+        return dq, dk, dv, dbias, d_ops
 
     def body(carry, s):
-        k, v, travel, dq, dk, dv, dbias = carry
+        k, v, travel, dq, dk, dv, dbias, d_ops = carry
         k_next, v_next, travel_next = lax.ppermute((k, v, travel), P.axis_name, perm)
-        dq, dk, dv, dbias = step(s, k, v, travel, dq, dk, dv, dbias)
+        dq, dk, dv, dbias, d_ops = step(s, k, v, travel, dq, dk, dv, dbias, d_ops)
         dk, dv = lax.ppermute((dk, dv), P.axis_name, perm)
-        return (k_next, v_next, travel_next, dq, dk, dv, dbias), None
+        return (k_next, v_next, travel_next, dq, dk, dv, dbias, d_ops), None
 
     zeros = lambda x: None if x is None else varying_like(  # noqa: E731
         jnp.zeros(x.shape, F32), q, k, v, x)
-    carry = (k, v, _travel(P, ops), zeros(q), zeros(k), zeros(v), zeros(bias4))
-    (k, v, travel, dq, dk, dv, dbias), _ = lax.scan(body, carry, jnp.arange(N - 1))
-    dq, dk, dv, dbias = step(N - 1, k, v, travel, dq, dk, dv, dbias)
+    carry = (k, v, _travel(P, ops), zeros(q), zeros(k), zeros(v), zeros(bias4),
+             tuple(zeros(ops[n]) for n in which))
+    (k, v, travel, dq, dk, dv, dbias, d_ops), _ = lax.scan(body, carry, jnp.arange(N - 1))
+    dq, dk, dv, dbias, d_ops = step(N - 1, k, v, travel, dq, dk, dv, dbias, d_ops)
     # dK/dV of device r + 1's keys: one more hop brings them home.
     dk, dv = lax.ppermute((dk, dv), P.axis_name, perm)
 
@@ -253,9 +310,8 @@ def _ring_bwd(P, res, cts):
     if sinks is not None:
         delta = jnp.einsum("bthd,bthd->bht", out.astype(F32), d_out.astype(F32)) - d_lse
         dsinks = _online.sink_grad(sinks, lse, lse_lo, delta).astype(sinks.dtype)
-    none = lambda tree: jax.tree_util.tree_map(lambda _: None, tree)  # noqa: E731
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
-            None if dbias is None else dbias.astype(bias4.dtype), dsinks, none(ops),
-            none(key), none(base))
+            None if dbias is None else dbias.astype(bias4.dtype), dsinks,
+            *(g.astype(ops[n].dtype) for n, g in zip(which, d_ops)))
 
 

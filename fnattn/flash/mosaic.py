@@ -176,6 +176,7 @@ class _K:
     dbias: Optional[str]   # the dbias form this kernel produces, if any
     ops: tuple
     mask_treedef: object
+    term_grad: tuple = ()  # mask operands (a position term's) whose gradient dq sums
 
     def sched_row(self, b, h, r):
         bb = b if self.sb else 0
@@ -398,11 +399,14 @@ def _fwd_kernel(code_ref, cnt_ref, *refs, K: _K):
 
 
 def _dq_kernel(code_ref, cnt_ref, *refs, K: _K):
-    n_out = 1 + (K.dbias is not None)
-    n_scratch = 1 + (K.dbias == "row")
+    n_term = len(K.term_grad)
+    n_out = 1 + (K.dbias is not None) + n_term
+    n_scratch = 1 + (K.dbias == "row") + n_term
     (q_ref, k_ref, v_ref, do_ref, lse_ref, lo_ref, delta_ref), bias_ref, _, seed_ref, op_refs, \
         outs, scratch = _split(refs, K, 7, n_out, n_scratch)
     dq_ref, dq_sc = outs[0], scratch[0]
+    # the term's gradients: row sums of dS * d(term)/d(operand), lane-replicated
+    term_outs, term_sc = outs[n_out - n_term:], scratch[n_scratch - n_term:]
     b, h, i, t = (pl.program_id(a) for a in range(4))
     row = K.sched_row(b, h, i)
     i = i + K.r0
@@ -414,6 +418,8 @@ def _dq_kernel(code_ref, cnt_ref, *refs, K: _K):
         dq_sc[...] = jnp.zeros(dq_sc.shape, F32)
         if K.dbias == "row":
             scratch[1][...] = jnp.zeros(scratch[1].shape, F32)
+        for sc in term_sc:
+            sc[...] = jnp.zeros(sc.shape, F32)
 
     def step(masked):
         k, v = k_ref[...], v_ref[...]
@@ -439,6 +445,8 @@ def _dq_kernel(code_ref, cnt_ref, *refs, K: _K):
             outs[1][...] = ds
         elif K.dbias == "row":
             scratch[1][...] += jnp.sum(ds, axis=1, keepdims=True)
+        for sc, g in zip(term_sc, _term_grads(K, op_refs, ds, b, h, i, j)):
+            sc[...] += jnp.sum(g, axis=1, keepdims=True)
 
     _when_visited(cnt_ref[row], t, kind, step)
 
@@ -447,6 +455,32 @@ def _dq_kernel(code_ref, cnt_ref, *refs, K: _K):
         dq_ref[...] = (dq_sc[...] * K.scale).astype(dq_ref.dtype)
         if K.dbias == "row":
             outs[1][...] = _row_out(scratch[1][...])
+        for ref, sc in zip(term_outs, term_sc):
+            ref[...] = _row_out(sc[...])
+
+
+def _term_grads(K: _K, op_refs, ds, b, h, r_blk, c_blk):
+    """dS times the derivative of the position term with respect to each of the
+    operands ``K.term_grad`` (one value per batch row and head, read from SMEM),
+    elementwise over the tile: the operand is broadcast to the tile first, so
+    the transpose of the term's function is elementwise too."""
+    if not K.term_grad:
+        return ()
+    q, k = _positions(K, r_blk, c_blk)
+    pos = masks.Positions(b=b, h=h, q=q, q_pos=q + K.off, k=k)
+    tiles = [_load(r, op, K, b, h) for r, op in zip(op_refs, K.ops)]
+    mask = masks.from_treedef(K.mask_treedef)
+    shape = (K.br, K.bc)
+
+    def value(*xs):
+        t = list(tiles)
+        for n, x in zip(K.term_grad, xs):
+            t[n] = x
+        return jnp.broadcast_to(position_bias.term(mask, pos, t), shape)
+
+    wide = [jnp.full(shape, tiles[n], F32) for n in K.term_grad]
+    _, back = jax.vjp(value, *wide)
+    return back(ds)
 
 
 def _dkv_kernel(code_ref, cnt_ref, *refs, K: _K):
@@ -692,7 +726,8 @@ def _flat(x, T, D, dtype):
     return x.reshape(x.shape[0], T, x.shape[2] * D)
 
 
-def _kernel_facts(cfg, mask, bias, sinks, *, br, bc, chunk, W, sb, sh, transposed, dbias):
+def _kernel_facts(cfg, mask, bias, sinks, *, br, bc, chunk, W, sb, sh, transposed, dbias,
+                  term_grad=()):
     d = cfg.dims
     ops = () if mask is None else tuple(_operand(o, transposed) for o in mask.operands())
     treedef = None if mask is None else jax.tree_util.tree_structure(mask)
@@ -702,7 +737,7 @@ def _kernel_facts(cfg, mask, bias, sinks, *, br, bc, chunk, W, sb, sh, transpose
               transposed=transposed, scale=cfg.scale, softcap=cfg.softcap,
               rate=cfg.dropout_rate, has_sinks=sinks is not None,
               bias=None if bias is None else _operand(_bias4(bias), transposed),
-              dbias=dbias, ops=ops, mask_treedef=treedef)
+              dbias=dbias, ops=ops, mask_treedef=treedef, term_grad=term_grad)
 
 
 def _extras(K: _K, mask, bias, sinks, seed, R, C, *, with_sinks):
@@ -905,19 +940,26 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     kf, vf = _flat(k, P.Tkp, P.Dp, cd), _flat(v, P.Tkp, P.Dvp, cd)
     dbias_dq, dbias_dkv = _dbias_forms(bias)
 
-    # dq (and dbias along the queries)
+    # dq (and dbias along the queries, and the term's gradients)
+    term_ops = _term_grad_operands(cfg, mask)
     classes, chunks, W, sb, sh = _schedule(cfg, mask, P.bq, P.bk, transpose=False)
     res, extras = [], None
     for chunk in chunks:
         K = _kernel_facts(cfg, mask, bias, None, br=P.bq, bc=P.bk, chunk=chunk, W=W, sb=sb,
-                          sh=sh, transposed=False, dbias=dbias_dq)
+                          sh=sh, transposed=False, dbias=dbias_dq, term_grad=term_ops)
         if extras is None:
             extras = _extras(K, mask, bias, None, seed, P.Tqp, P.Tkp, with_sinks=False)
         res.append(_dq_call(K, P, cd, chunk, classes.shape[3], qf, kf, vf, dof, lse8, lo8,
                             delta8, extras, interpret=interpret))
-    axes = (1, 2 if dbias_dq == "tile" else 3)  # the row axes of dq and dbias
+    # the row axes of dq, dbias and the term's gradients
+    axes = (1,) + ((2 if dbias_dq == "tile" else 3,) if dbias_dq else ()) + (3,) * len(term_ops)
     res = [jnp.concatenate(parts, axis=ax) if len(parts) > 1 else parts[0]
            for parts, ax in zip(zip(*res), axes)]
+    d_ops = {}
+    ops = () if mask is None else mask.operands()
+    for n, g in zip(term_ops, res[len(res) - len(term_ops):]):
+        g = g[:, :, 0, :d.q_len].sum(-1).reshape(B, Hq, 1, 1)
+        d_ops[n] = g.sum(tuple(a for a in (0, 1) if ops[n].shape[a] == 1), keepdims=True)
     dq = res[0].reshape(B, -1, Hq, P.Dp)[:, :d.q_len, :, :d.head_dim].astype(q.dtype)
     dbias_full = None
     if dbias_dq == "tile":
@@ -956,7 +998,27 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     dsinks = None
     if sinks is not None:
         dsinks = _online.sink_grad(sinks, lse, lse_lo, delta).astype(sinks.dtype)
-    return dq, dk, dv, dbias, dsinks
+    if not cfg.term_grad:
+        return dq, dk, dv, dbias, dsinks
+    return (dq, dk, dv, dbias, dsinks) + position_bias.leaf_cotangents(mask, cfg.term_grad, d_ops)
+
+
+def _term_grad_operands(cfg, mask) -> tuple:
+    """The mask operands (the position term's) whose gradient the dq kernel
+    sums, when ``cfg.term_grad`` asks for the term's arrays: one value per
+    batch row and head (an SMEM scalar); an operand varying along the queries
+    or keys is refused."""
+    if not cfg.term_grad:
+        return ()
+    ops = mask.operands()
+    term_ops = tuple(position_bias.term_operands(mask))
+    for n in term_ops:
+        if ops[n].shape[2] != 1 or ops[n].shape[3] != 1:
+            raise NotImplementedError(
+                "flash (Pallas Mosaic TPU): gradients into a position term's arrays that vary "
+                f"along the queries or keys (shape {tuple(ops[n].shape)}) are not implemented; "
+                "the blockwise XLA lowering (impl='xla') computes them")
+    return term_ops
 
 
 def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, lo8, delta8, extras,
@@ -984,6 +1046,11 @@ def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, lo8,
             b, h, i, col(b, h, i, t, *r))))
         out_shape.append(jax.ShapeDtypeStruct((B, Hq, rows, nk * bk), F32))
     elif K.dbias == "row":
+        out_specs.append(pl.BlockSpec((None, None, SUBLANES, bq),
+                                      lambda b, h, i, t, *_: (b, h, 0, i)))
+        out_shape.append(jax.ShapeDtypeStruct((B, Hq, SUBLANES, rows), F32))
+        scratch.append(pltpu.VMEM((bq, LANES), F32))
+    for _ in K.term_grad:
         out_specs.append(pl.BlockSpec((None, None, SUBLANES, bq),
                                       lambda b, h, i, t, *_: (b, h, 0, i)))
         out_shape.append(jax.ShapeDtypeStruct((B, Hq, SUBLANES, rows), F32))

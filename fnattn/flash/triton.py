@@ -212,6 +212,7 @@ class _K:
     ragged_k: bool                # Tk is not a multiple of bk
     ragged_q: bool = False        # Tq is not a multiple of bq
     one_list: bool = False        # the schedule is [n_full, n_visited, tiles...] (Mosaic GPU's)
+    term_grad: tuple = ()         # mask operands (a position term's) whose gradient dq sums
 
     @property
     def has_mask(self) -> bool:
@@ -512,8 +513,11 @@ def _probs(s, c, lse, lse_lo, K: _K):
 
 
 def _dq_kernel(*refs, K: _K, sched: bool):
-    R = _Refs(refs, K, _row_names(K), ("dq", "dbias"), sched=sched,
-              aliased=K.bias_varies is not None)
+    outs = ("dq",) + (("dbias",) if K.bias_varies is not None else ())
+    outs += tuple(f"dterm{n}" for n in range(len(K.term_grad)))
+    R = _Refs(refs, K, _row_names(K), outs, sched=sched, aliased=K.bias_varies is not None)
+    R.dbias = getattr(R, "dbias", None)
+    dterm_refs = [getattr(R, f"dterm{n}") for n in range(len(K.term_grad))]
     i, bh = _heavy_first(R.q.shape[0] // K.bq), pl.program_id(1)
     b, h = bh // K.Hq, bh % K.Hq
     rows = _q_rows(i, K)
@@ -521,7 +525,8 @@ def _dq_kernel(*refs, K: _K, sched: bool):
     lse, delta = R.lse[rows][:, None], R.delta[rows]
     lse_lo = R.lse_lo[rows][:, None] if K.large else None
 
-    def body(j, _, dq, partial):
+    def body(j, _, carry, partial):
+        dq, dterm = carry
         ks = _k_rows(j, K)
         k, v, bad = R.k[ks, :], None, None
         if partial and K.has_mask:  # masked keys with NaN/inf K/V give exactly 0
@@ -539,10 +544,33 @@ def _dq_kernel(*refs, K: _K, sched: bool):
         _, ds = _ds(p, dp, delta[:, None], th, keep, K)
         if R.dbias is not None:
             _add_dbias(R.dbias, ds, rows, ks, K)
-        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=F32)
+        if K.term_grad:
+            dterm = tuple(a + g for a, g in zip(dterm, _term_grads(R, K, ds, b, h, i, j)))
+        return dq + jnp.dot(ds.astype(k.dtype), k, preferred_element_type=F32), dterm
 
-    dq = _loops(R, K, K.Tk // K.bk, body, jnp.zeros((K.bq, R.q.shape[-1]), F32))
+    dterm0 = tuple(jnp.zeros((1, 1), F32) for _ in K.term_grad)
+    dq, dterm = _loops(R, K, K.Tk // K.bk, body, (jnp.zeros((K.bq, R.q.shape[-1]), F32), dterm0))
     R.dq[rows, :] = (dq * K.scale).astype(R.dq.dtype)
+    for ref, g in zip(dterm_refs, dterm):
+        ref[...] = g[0]
+
+
+def _term_grads(R, K: _K, ds, b, h, i, j):
+    """The gradients of the term's operands ``K.term_grad`` (each one value per
+    batch row and head, a (1, 1) tile) from tile (i, j)'s dS: the transpose of
+    the term's elementwise function, a sum over the tile."""
+    pos = _positions(b, h, i, j, K, False)
+    tiles = [_tile(r, v, None, i, j, K, False) for r, v in zip(R.ops, K.op_varies)]
+    mask = masks.from_treedef(K.mask_treedef)
+
+    def value(*xs):
+        t = list(tiles)
+        for n, x in zip(K.term_grad, xs):
+            t[n] = x.astype(F32)
+        return position_bias.term(mask, pos, t)
+
+    _, back = jax.vjp(value, *[tiles[n].astype(F32) for n in K.term_grad])
+    return back(ds)
 
 
 def _add_dbias(dbias_ref, ds, rows, ks, K: _K):
@@ -723,7 +751,7 @@ def _blocks_for(cfg, dtype, which, tile_bytes=0):
     return bq, bk, plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
-def _make_k(cfg, mask, bias, sinks, bq, bk, *, dkdv=False, Gp=1):
+def _make_k(cfg, mask, bias, sinks, bq, bk, *, dkdv=False, Gp=1, term_grad=()):
     d = cfg.dims
     nq, nk = -(-d.q_len // bq), -(-d.kv_len // bk)
     ops = () if mask is None else mask.operands()
@@ -735,7 +763,7 @@ def _make_k(cfg, mask, bias, sinks, bq, bk, *, dkdv=False, Gp=1):
               bias_varies=None if bias is None else _varies(_bias4(bias).shape),
               has_sinks=sinks is not None, mask_treedef=treedef,
               op_varies=tuple(_varies(op.shape) for op in ops),
-              ragged_k=d.kv_len % bk != 0, ragged_q=d.q_len % bq != 0)
+              ragged_k=d.kv_len % bk != 0, ragged_q=d.q_len % bq != 0, term_grad=term_grad)
 
 
 def _bias4(bias):
@@ -1010,12 +1038,16 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     tile_bytes = _tile_bytes(bias, mask)
     bq, bk, params = _blocks_for(cfg, q.dtype, "dq", tile_bytes)
     Tqp, Tkp, Dp, Dvp = _dims_padded(cfg, bq, bk)
-    K = _make_k(cfg, mask, bias, None, bq, bk)
+    term_ops = _term_grad_operands(cfg, mask)
+    K = _make_k(cfg, mask, bias, None, bq, bk, term_grad=term_ops)
     table = _schedule(mask, cfg, K)
     extra, extra_specs = _extras(K, mask, bias, None, seed, (Tqp, Tkp), n_heads=Hq)
     sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, Hq, heavy_first=True)])
     out_specs = [_seq_spec(Tqp, Dp, Hq, lambda h: h)]
     out_shape = [jax.ShapeDtypeStruct((B, Tqp, Hq, Dp), q.dtype)]
+    # the term's gradients: one partial sum per program, (q-blocks, B*Hq, 1)
+    term_specs = [pl.BlockSpec((None, None, 1), lambda r, bh: (r, bh, 0))] * len(term_ops)
+    term_shapes = [jax.ShapeDtypeStruct((Tqp // bq, B * Hq, 1), F32)] * len(term_ops)
     aliases = {}
     if bias is not None:
         # dbias in the bias's broadcast shape, float32, starting from zeros.
@@ -1026,6 +1058,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
         extra, extra_specs = extra + [zeros], extra_specs + [_bh_spec(b4, Hq, None)]
         out_specs.append(_bh_spec(b4, Hq, None))
         out_shape.append(jax.ShapeDtypeStruct(b4, F32))
+    out_specs, out_shape = out_specs + term_specs, out_shape + term_shapes
     res = _varying.pallas_call(
         functools.partial(_dq_kernel, K=K, sched=table is not None),
         grid=(Tqp // bq, B * Hq),
@@ -1041,6 +1074,12 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     if bias is not None:
         dbias = res[1][:, :, :min(res[1].shape[2], d.q_len), :min(res[1].shape[3], d.kv_len)]
         dbias = dbias.reshape(bias.shape).astype(bias.dtype)
+    d_ops = {}
+    ops = () if mask is None else mask.operands()
+    for n, g in zip(term_ops, res[len(res) - len(term_ops):]):
+        g = g.sum(0).reshape(B, Hq, 1, 1)
+        shape = ops[n].shape
+        d_ops[n] = g.sum(tuple(a for a in (0, 1) if shape[a] == 1), keepdims=True)
 
     # dk, dv: programs over (kv-block, batch x group of Gp query heads).
     bq, bk, params = _blocks_for(cfg, q.dtype, "dkdv", tile_bytes)
@@ -1078,8 +1117,29 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     dsinks = None
     if sinks is not None:
         dsinks = online.sink_grad(sinks, lse, lse_lo, delta).astype(sinks.dtype)
-    return (dq.astype(q.dtype), finish(dk, d.head_dim, k.dtype), finish(dv, d.v_head_dim, v.dtype),
-            dbias, dsinks)
+    grads = (dq.astype(q.dtype), finish(dk, d.head_dim, k.dtype),
+             finish(dv, d.v_head_dim, v.dtype), dbias, dsinks)
+    if not cfg.term_grad:
+        return grads
+    return grads + position_bias.leaf_cotangents(mask, cfg.term_grad, d_ops)
+
+
+def _term_grad_operands(cfg, mask) -> tuple:
+    """The mask operands (the position term's) whose gradient the dq kernel
+    sums, when ``cfg.term_grad`` asks for the term's arrays. The kernel sums
+    one value per batch row and head: an operand that varies along the
+    queries or keys is refused."""
+    if not cfg.term_grad:
+        return ()
+    ops = mask.operands()
+    term_ops = tuple(position_bias.term_operands(mask))
+    for n in term_ops:
+        if ops[n].shape[2] != 1 or ops[n].shape[3] != 1:
+            raise NotImplementedError(
+                "flash (Pallas Triton): gradients into a position term's arrays that vary "
+                f"along the queries or keys (shape {tuple(ops[n].shape)}) are not implemented; "
+                "the blockwise XLA lowering (impl='xla') computes them")
+    return term_ops
 
 
 LOWERING = Lowering("flash-triton", functools.partial(_forward, interpret=False),

@@ -485,10 +485,14 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
                    bias=None if shared_bias else bias4,
                    ops=tuple(mask.operands()) if mask is not None else ())
     dbias0 = jnp.zeros(_pad4(bias4, P).shape, A) if shared_bias else None
-    dbias0 = varying_like(dbias0, batched, mask, seed)
-    (dq, dk, dv, dbias), dbias_shared = _by_batch(
-        P, per_row, _backward_rows, batched, (mask, seed, bias4 if shared_bias else None),
-        dbias0)
+    # the gradients of the term's operands (cfg.term_grad), whole, over all rows
+    term_ops = _term_grad_operands(cfg, mask)
+    ops_all = batched["ops"]
+    dterm0 = tuple(jnp.zeros(_pad4(ops_all[n], P).shape, A) for n in term_ops)
+    dbias0, dterm0 = varying_like((dbias0, dterm0), batched, mask, seed)
+    (dq, dk, dv, dbias), (dbias_shared, dterm) = _by_batch(
+        P, per_row, _backward_rows, batched,
+        (mask, seed, bias4 if shared_bias else None, term_ops), (dbias0, dterm0))
     if shared_bias:
         dbias = dbias_shared
     if dbias is not None:
@@ -497,11 +501,23 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     dsinks = None
     if sinks is not None:
         dsinks = online.sink_grad(sinks, lse, lse_lo, delta).astype(sinks.dtype)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, dsinks
+    grads = (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), dbias, dsinks)
+    if not cfg.term_grad:
+        return grads
+    d_ops = {n: g[tuple(slice(0, s) for s in ops_all[n].shape)]
+             for n, g in zip(term_ops, dterm)}
+    return grads + position_bias.leaf_cotangents(mask, cfg.term_grad, d_ops)
 
 
-def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
-    mask, seed, bias_shared = shared
+def _term_grad_operands(cfg, mask) -> tuple:
+    """The indices in ``mask.operands()`` whose gradient the backward computes:
+    the position term's, when ``cfg.term_grad`` asks for its arrays'."""
+    return tuple(position_bias.term_operands(mask)) if cfg.term_grad else ()
+
+
+def _backward_rows(P: _Plan, bidx, a, shared, carry):
+    mask, seed, bias_shared, term_ops = shared
+    dbias_shared, dterm_all = carry
     B = a["q"].shape[0]
     qb = _scaled(_q_blocks(a["q"], P), P)                      # (nq, B*Hkv, G*bq, D)
     qtb = _scaled(_q_blocks(a["q"], P, transposed=True), P)    # (nq, B*Hkv, D, G*bq)
@@ -525,7 +541,7 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
     def tile_step(j, kj, ktj, vj, partial, bad):
         # Tiles are (B*Hkv, bk, G*bq): every product below is a plain matmul.
         def step(t, carry, index):
-            dqt, dbias, dkj, dvj = carry
+            dqt, dbias, dterm, dkj, dvj = carry
             i = index[t]
             s = jnp.einsum("hkd,hdq->hkq", kj, qtb[i], preferred_element_type=A)
             if lowp:
@@ -559,15 +575,17 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
                 ds = ds * (1.0 - th * th)
             if dbias is not None:
                 dbias = _add_dbias(dbias, ds, i, j, P)
+            if term_ops:
+                dterm = _add_dterm(dterm, ds, mask, ops, term_ops, bidx, i, j, P)
             dsc = ds.astype(dtype)
             dkj = dkj + jnp.einsum("hkq,hqd->hkd", dsc, qb[i], preferred_element_type=A)
             dqi = jnp.einsum("hdk,hkq->hdq", ktj, dsc, preferred_element_type=A)
             dqt = lax.dynamic_update_index_in_dim(dqt, dqt[i] + dqi, i, 0)
-            return dqt, dbias, dkj, dvj
+            return dqt, dbias, dterm, dkj, dvj
         return step
 
     def kv_block(carry, xs):
-        dqt, dbias = carry
+        dqt, dbias, dterm = carry
         kj, ktj, vj, j, fidx, fn, pidx, pn = xs
         full_step = tile_step(j, kj, ktj, vj, False, None)
         # PARTIAL tiles: keys with a non-finite K or V are zeroed (so that dp = dO.v
@@ -575,23 +593,25 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
         kjs, vjs, bad = online.finite_keys(kj, vj)
         ktjs = jnp.where(jnp.isfinite(ktj), ktj, jnp.zeros((), ktj.dtype))
         part_step = tile_step(j, kjs, ktjs, vjs, True, bad[:, :, None])
-        inner = (dqt, dbias) + varying_like(
+        inner = (dqt, dbias, dterm) + varying_like(
             (jnp.zeros((B * P.Hkv, P.bk, P.D), A), jnp.zeros((B * P.Hkv, P.bk, P.Dv), A)),
             a, shared, bidx)
         if not skip_full:
             inner = lax.fori_loop(0, fn, lambda t, c: full_step(t, c, fidx), inner)
         if not skip_part:
             inner = lax.fori_loop(0, pn, lambda t, c: part_step(t, c, pidx), inner)
-        dqt, dbias, dkj, dvj = inner
-        return (dqt, dbias), (dkj, dvj)
+        dqt, dbias, dterm, dkj, dvj = inner
+        return (dqt, dbias, dterm), (dkj, dvj)
 
     dbias0 = dbias_shared
     if dbias0 is None and bias4 is not None:
         dbias0 = jnp.zeros(bias4.shape, A)
+    # this call's rows of the term gradients (the rows of operands per batch row)
+    dterm0 = tuple(jnp.zeros(ops[n].shape, A) for n in term_ops)
     dqt0 = jnp.zeros((P.nq, B * P.Hkv, P.D, P.G * P.bq), A)
-    dqt0, dbias0 = varying_like((dqt0, dbias0), a, shared, bidx)
-    (dqt, dbias), (dk, dv) = lax.scan(
-        kv_block, (dqt0, dbias0),
+    dqt0, dbias0, dterm0 = varying_like((dqt0, dbias0, dterm0), a, shared, bidx)
+    (dqt, dbias, dterm), (dk, dv) = lax.scan(
+        kv_block, (dqt0, dbias0, dterm0),
         (kb, ktb, vb, jnp.arange(P.nk, dtype=jnp.int32), full_idx, full_n, part_idx, part_n))
     # dq: (nq, B*Hkv, D, G*bq) -> (B, Tq, Hq, D)
     dq = dqt.reshape(P.nq, B, P.Hkv, P.D, P.G, P.bq).transpose(1, 0, 5, 2, 4, 3)
@@ -603,9 +623,32 @@ def _backward_rows(P: _Plan, bidx, a, shared, dbias_shared):
         dk = dk * P.scale
     dv = dv.reshape(P.nk, B, P.Hkv, P.bk, P.Dv).transpose(1, 0, 3, 2, 4)
     dv = dv.reshape(B, P.nk * P.bk, P.Hkv, P.Dv)[:, :P.Tk]
+    dterm_all = tuple(_add_rows(acc, g, bidx) for acc, g in zip(dterm_all, dterm))
     if bias_shared is not None:
-        return (dq, dk, dv, None), dbias
-    return (dq, dk, dv, dbias), dbias_shared
+        return (dq, dk, dv, None), (dbias, dterm_all)
+    return (dq, dk, dv, dbias), (dbias_shared, dterm_all)
+
+
+def _add_rows(acc, g, bidx):
+    """Adds ``g``, the gradient of one call's rows of an operand (all of them,
+    or the row ``bidx[0]`` of one varying along the batch), into ``acc``."""
+    if g.shape[0] == acc.shape[0]:
+        return acc + g
+    return lax.dynamic_update_index_in_dim(acc, acc[bidx[0]] + g[0], bidx[0], 0)
+
+
+def _add_dterm(dterm, ds, mask, ops, term_ops, bidx, i, j, P: _Plan):
+    """Adds a transposed tile's d(logits) into the gradients of the term's
+    operands: the transpose of :func:`_term` (a slice of each operand, then the
+    term's elementwise function) applied to ``ds``."""
+    def value(*xs):
+        ops_ = list(ops)
+        for n, x in zip(term_ops, xs):
+            ops_[n] = x
+        return _term(mask, ops_, bidx, i, j, P, True)
+
+    _, back = jax.vjp(value, *[ops[n] for n in term_ops])
+    return tuple(d + g for d, g in zip(dterm, back(ds.astype(P.acc))))
 
 
 def _add_dbias(dbias, ds, i, j, P: _Plan):
@@ -629,19 +672,24 @@ def _add_dbias(dbias, ds, i, j, P: _Plan):
 
 
 def tangent(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, tq, tk, tv, tbias,
-            tsinks):
-    """(d_out, d_lse) for the tangents of (q, k, v, bias, sinks): ``jax.jvp`` of
+            tsinks, *tterms):
+    """(d_out, d_lse) for the tangents of (q, k, v, bias, sinks) and of the
+    position term's arrays in ``cfg.term_grad`` (``tterms``): ``jax.jvp`` of
     the blockwise forward, one pass over the same tiles (empty ones skipped)
     carrying each tile's tangent beside its values, in O(T) memory. It is plain
     XLA, so every flash lowering uses it as its tangent pass, on every platform.
     """
     del out, lse, lse_lo
+    which = cfg.term_grad
+    leaves = jax.tree_util.tree_leaves(mask)
 
-    def f(q, k, v, bias, sinks):
-        out, lse, _ = _forward(cfg, q, k, v, bias, sinks, mask, seed)
+    def f(q, k, v, bias, sinks, *terms):
+        m = position_bias.with_leaves(mask, which, terms)
+        out, lse, _ = _forward(cfg, q, k, v, bias, sinks, m, seed)
         return out, lse
 
-    _, (d_out, d_lse) = jax.jvp(f, (q, k, v, bias, sinks), (tq, tk, tv, tbias, tsinks))
+    _, (d_out, d_lse) = jax.jvp(f, (q, k, v, bias, sinks, *[leaves[i] for i in which]),
+                                (tq, tk, tv, tbias, tsinks, *tterms))
     return d_out, d_lse
 
 

@@ -78,16 +78,24 @@ def _spec(c: Case, a):
         dropout_key=jax.random.key(7) if c.dropout else None, layout=c.tensor_layout,
         impl=c.impl, block_sizes=(fnattn.XlaBlockSizes(8, 8),
                                   fnattn.TritonBlockSizes(16, 16, 16, 16)),
-        position_bias=position_bias.alibi(a["slopes"]) + position_bias.from_fn(
-            lambda b, h, q, k: jnp.where((q + 2 * k) % 7 == 0, 0.5, 0.0)) if c.alibi else None)
+        position_bias=_term(a["slopes"]) if c.alibi else None)
 
 
-def _loss_and_grads(attend, spec, q, k, v, w):
-    def loss(q, k, v, bias, sinks):
-        res = attend(spec.replace(bias=bias, sinks=sinks), q, k, v)
+def _term(slopes):
+    return position_bias.alibi(slopes) + position_bias.from_fn(
+        lambda b, h, q, k: jnp.where((q + 2 * k) % 7 == 0, 0.5, 0.0))
+
+
+def _loss_and_grads(attend, spec, q, k, v, w, slopes=None):
+    """(out, lse, grads of q, k, v, bias, sinks and, if given, ALiBi's slopes)."""
+    def loss(q, k, v, bias, sinks, slopes):
+        s = spec.replace(bias=bias, sinks=sinks)
+        if slopes is not None:
+            s = s.replace(position_bias=_term(slopes))
+        res = attend(s, q, k, v)
         return jnp.sum(res.out * w) + jnp.sum(jnp.where(jnp.isfinite(res.lse), res.lse, 0)), res
-    (_, res), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
-        q, k, v, spec.bias, spec.sinks)
+    (_, res), g = jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4, 5), has_aux=True)(
+        q, k, v, spec.bias, spec.sinks, slopes)
     return res.out, res.lse, g
 
 
@@ -100,8 +108,9 @@ def run_case(c: Case):
     mesh = Mesh(devices, ("data", "seq"))
     t_axis = 1 if c.tensor_layout == "bthd" else 2
     spec = _spec(c, a)
-    whole = jax.jit(lambda q, k, v, w: _loss_and_grads(fnattn.attention, spec, q, k, v, w))
-    out_w, lse_w, g_w = whole(a["q"], a["k"], a["v"], a["w"])
+    slopes = a["slopes"] if c.alibi else None
+    whole = jax.jit(lambda q, k, v, w, s: _loss_and_grads(fnattn.attention, spec, q, k, v, w, s))
+    out_w, lse_w, g_w = whole(a["q"], a["k"], a["v"], a["w"], slopes)
 
     # Reorder every sequence axis into the layout's order.
     re = lambda x, axis: fnattn.context.reorder(x, N, c.layout, axis=axis)  # noqa: E731
@@ -129,17 +138,21 @@ def run_case(c: Case):
                 x["q"], layout=c.tensor_layout, batch_axis="data"))
         attend = lambda sp, q, k, v: fnattn.context.attention(  # noqa: E731
             sp, q, k, v, axis_name="seq", strategy=c.strategy, layout=c.layout)
-        out, lse, g = _loss_and_grads(attend, s, x["q"], x["k"], x["v"], x["w"])
-        if c.impl == "pallas" and c.sinks:
+        out, lse, g = _loss_and_grads(attend, s, x["q"], x["k"], x["v"], x["w"],
+                                      x["slopes"] if c.alibi else None)
+        if c.impl == "pallas":
             # Without the varying-axes check (the Pallas interpreter cannot run
             # under it) JAX leaves each device its share of a replicated input's
             # gradient, as for any shard_map.
-            g = (*g[:4], jax.lax.psum(g[4], ("data", "seq")))
+            g = (*g[:4], *(None if x is None else jax.lax.psum(x, ("data", "seq"))
+                           for x in g[4:]))
         return out, lse, g
 
     bias_spec = specs["bias"] if "bias" in r else None
     sink_spec = P() if c.sinks else None
-    out_specs = (seq, P("data", None, "seq"), (seq, seq, seq, bias_spec, sink_spec))
+    slope_spec = P() if c.alibi else None
+    out_specs = (seq, P("data", None, "seq"),
+                 (seq, seq, seq, bias_spec, sink_spec, slope_spec))
     f = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=tuple(specs[n] for n in names),
                               out_specs=out_specs, check_vma=c.impl != "pallas"))
     out, lse, g = f(*(r[n] for n in names))
@@ -159,6 +172,9 @@ def run_case(c: Case):
         np.testing.assert_allclose(back(g[3], 3), g_w[3], err_msg=f"{name} dbias", **gtol)
     if c.sinks:
         np.testing.assert_allclose(g[4], g_w[4], err_msg=f"{name} dsinks", **gtol)
+    if c.alibi:  # learnable slopes: summed over the sequence and batch splits
+        assert float(jnp.abs(g_w[5]).min()) > 1e-3
+        np.testing.assert_allclose(g[5], g_w[5], err_msg=f"{name} dslopes", **gtol)
 
 
 CAUSAL_DOCS = lambda a: masks.causal() & masks.segments(a["ids"])  # noqa: E731

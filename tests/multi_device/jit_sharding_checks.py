@@ -193,6 +193,11 @@ def check_flash_position_bias():
 
     _check("flash alibi fwd+grad(q, k, v)", _out_and_grads(attend), (q, k, v, slopes),
            out_specs=[HEADS, ROWS] + [HEADS] * 3)
+    # learnable slopes: their gradient is split with the heads and summed over
+    # the batch's split (the one collective)
+    _check("flash alibi grad(q, k, v, slopes)", _out_and_grads(attend, (0, 1, 2, 3)),
+           (q, k, v, slopes), out_specs=[HEADS, ROWS] + [HEADS] * 3 + [("model",)],
+           allowed=("all-reduce",))
     reads_h = AttentionSpec(position_bias=position_bias.from_fn(
         lambda b, h, q, k: jnp.where(h == 1, -0.5, 0.0) * jnp.abs(q - k)))
     _check("flash position term reading the head",
