@@ -412,11 +412,13 @@ def bias_roles(shape, sizes: Sizes) -> tuple:
     return roles, summed
 
 
-def _reads_batch_or_head(fn) -> str:
-    """Which of "b" and "h" a ``from_fn`` predicate reads (both if unknown)."""
+def _reads_batch_or_head(fn, n_values: int = 0) -> str:
+    """Which of "b" and "h" a ``from_fn`` predicate (or position term, with
+    ``n_values`` float values after the indices) reads (both if unknown)."""
     i32 = jax.ShapeDtypeStruct((), jnp.int32)
+    f32 = jax.ShapeDtypeStruct((), jnp.float32)
     try:
-        jaxpr = jax.make_jaxpr(fn)(i32, i32, i32, i32).jaxpr
+        jaxpr = jax.make_jaxpr(fn)(i32, i32, i32, i32, *[f32] * n_values).jaxpr
     except Exception:  # noqa: BLE001 - whatever it is, assume the worst
         return "bh"
     used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars}
@@ -425,12 +427,15 @@ def _reads_batch_or_head(fn) -> str:
 
 
 def _canonical_reads(m) -> str:
-    """What the ``from_fn`` predicates inside a canonical mask read."""
+    """What the ``from_fn`` predicates and position terms inside a canonical
+    mask read."""
+    from fnattn import position_bias
     inner = m._inner()
-    fns = [x for x in jax.tree_util.tree_leaves(
-        inner, is_leaf=lambda x: isinstance(x, _masks().FromFn))
-        if isinstance(x, _masks().FromFn)]
-    return "".join(sorted({a for f in fns for a in _reads_batch_or_head(f.fn)}))
+    kinds = (_masks().FromFn, position_bias.FromFn)
+    fns = [x for x in jax.tree_util.tree_leaves(inner, is_leaf=lambda x: isinstance(x, kinds))
+           if isinstance(x, kinds)]
+    return "".join(sorted({a for f in fns for a in _reads_batch_or_head(
+        f.fn, len(getattr(f, "arrays", ())))}))
 
 
 def _masks():
@@ -507,7 +512,9 @@ def mask_roles(mask, sizes: Sizes) -> tuple:
         elif isinstance(t, position_bias.ALiBi):
             roles.append(lead_roles(jnp.shape(t.slopes), "h"))
         elif isinstance(t, position_bias.FromFn):
-            reads.update(_reads_batch_or_head(t.fn))
+            reads.update(_reads_batch_or_head(t.fn, len(t.arrays)))
+            for x in t.arrays:  # per head (Hq,) or per row and head (B, Hq)
+                roles.append(lead_roles(jnp.shape(x), "bh"[2 - jnp.ndim(x):]))
         else:
             reads.update("bh")
             roles.extend((None,) * jnp.ndim(x) for x in jax.tree_util.tree_leaves(t))

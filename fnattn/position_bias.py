@@ -1,5 +1,6 @@
 """Logit terms computed from positions inside the kernels: ALiBi and any
-elementwise function of (batch, head, query position, key position).
+elementwise function of (batch, head, query position, key position) and of
+per-head parameters, learnable.
 
 ``AttentionSpec(position_bias=...)`` adds the term where ``bias`` is added,
 before the soft-cap::
@@ -8,7 +9,7 @@ before the soft-cap::
 
 Unlike ``bias``, nothing of size ``Tq x Tk`` is stored or read: every lowering
 computes a tile's term from the tile's indices (and from small arrays such as
-ALiBi's per-head slopes). Block-sparse skipping is unchanged: the term never
+ALiBi's per-head slopes, or the per-head parameters of a :func:`from_fn`). Block-sparse skipping is unchanged: the term never
 hides a key, the mask does.
 
 ``q_pos`` is the *aligned* query position, as for the positional masks
@@ -44,16 +45,17 @@ them (XLA, Triton, Mosaic TPU). ``fnattn.context.decode`` and ``impl="cudnn"``
 raise ``NotImplementedError``.
 
 **Gradients.** q, k, v, ``bias`` and ``sinks`` as usual, and the term's own
-arrays: learnable ALiBi slopes. :func:`fnattn.attention` and
+arrays: learnable ALiBi slopes, learnable parameters of a ``from_fn`` term
+(``from_fn(fn, *arrays)``). :func:`fnattn.attention` and
 :func:`fnattn.flash` differentiate them in every lowering that computes the
 term, in both modes and to any order: the backward kernels (XLA blockwise,
-Triton, Mosaic TPU) sum ``dS * d(term)/d(slope)`` over the tiles they visit,
+Triton, Mosaic TPU) sum ``dS * d(term)/d(array)`` over the tiles they visit,
 beside dq, with no extra pass and nothing of size ``Tq x Tk``; the tangent
 pass (forward mode) carries the term's tangent; second-order derivatives come
-from the dense formulation. Only when differentiated: a spec whose slopes are
+from the dense formulation. Only when differentiated: a spec whose arrays are
 held fixed runs the same kernels as before. The kernels sum one value per
-batch row and head, so they take gradients for arrays of that form (ALiBi's;
-``from_fn`` terms hold no arrays). :func:`fnattn.context.attention` (ring and
+batch row and head, the form of every term's arrays (ALiBi's (Hq,), a
+``from_fn``'s (Hq,) or (B, Hq)). :func:`fnattn.context.attention` (ring and
 all-gather) differentiates them too, summing over the devices. The serving
 variants take the arrays as constants: differentiating with respect to them
 there raises ``NotImplementedError``.
@@ -139,9 +141,16 @@ class ALiBi(PositionBias):
 
 class FromFn(PositionBias):
     fn: Callable
+    arrays: tuple = ()
+
+    def operands(self):
+        # (Hq,) -> (1, Hq, 1, 1); (B, Hq) -> (B, Hq, 1, 1)
+        return tuple(jnp.reshape(jnp.asarray(x, jnp.float32), (-1 if jnp.ndim(x) == 2 else 1,
+                                                               jnp.shape(x)[-1], 1, 1))
+                     for x in self.arrays)
 
     def value(self, pos, ops):
-        out = self.fn(pos.b, pos.h, pos.q_pos, pos.k)
+        out = self.fn(pos.b, pos.h, pos.q_pos, pos.k, *(op.astype(jnp.float32) for op in ops))
         dtype = jnp.result_type(out)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(
@@ -150,8 +159,23 @@ class FromFn(PositionBias):
                 "fnattn.masks.from_fn.")
         return jnp.asarray(out, jnp.float32)
 
+    def validate(self, batch, num_heads, q_len, kv_len):
+        name = getattr(self.fn, "__name__", "fn")
+        for n, x in enumerate(self.arrays):
+            shape = tuple(jnp.shape(x))
+            if shape not in ((num_heads,), (batch, num_heads)):
+                raise ValueError(
+                    f"position_bias.from_fn({name}): array {n} must have shape (Hq,)="
+                    f"({num_heads},) or (B, Hq)={(batch, num_heads)}, one value per query "
+                    f"head (and batch row); got {shape}")
+            dtype = jnp.result_type(x)
+            if not jnp.issubdtype(dtype, jnp.floating):
+                raise TypeError(f"position_bias.from_fn({name}): array {n} must be a float "
+                                f"array; got {dtype}")
+
     def __repr__(self):
-        return f"from_fn({getattr(self.fn, '__name__', 'fn')})"
+        name = getattr(self.fn, "__name__", "fn")
+        return f"from_fn({name}{', ...' * bool(self.arrays)})"
 
 
 class Sum(PositionBias):
@@ -174,7 +198,7 @@ class Sum(PositionBias):
 
 
 ALiBi = masks._register(ALiBi, data=("slopes",))
-FromFn = masks._register(FromFn, meta=("fn",))
+FromFn = masks._register(FromFn, data=("arrays",), meta=("fn",))
 Sum = masks._register(Sum, data=("a", "b"))
 
 
@@ -222,14 +246,24 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
     return np.asarray(first + extra, np.float32)
 
 
-def from_fn(fn: Callable) -> PositionBias:
-    """A term ``fn(b, h, q_pos, k) -> float`` of the batch row, the query head,
-    the aligned query position and the key index (broadcastable int32 arrays).
+def from_fn(fn: Callable, *arrays) -> PositionBias:
+    """A term ``fn(b, h, q_pos, k, *values) -> float`` of the batch row, the
+    query head, the aligned query position and the key index (broadcastable
+    int32 arrays), and of per-head parameters.
+
+    ``arrays``: float arrays of shape (Hq,) or (B, Hq), one value per query
+    head (and batch row); ``fn`` receives each as ``values[i]``, the value of
+    the tile's head (and row), broadcastable like the indices. They are leaves
+    of the spec: traced, vmapped, split with the heads, and **learnable**:
+    ``fnattn.attention`` and ``fnattn.flash`` differentiate them in every
+    lowering that computes the term (the backward kernels sum ``dS *
+    d(term)/d(value)`` beside dq), so a learned relative-position scheme
+    (KERPLE's ``-r1 * log(1 + r2 |q - k|)``, a learned decay, ...) trains in
+    the fast kernels without a ``Tq x Tk`` array.
 
     ``fn`` must use elementwise ``jnp`` operations only (every lowering calls it
-    on a tile, Pallas kernels included) and hold no arrays (a per-head table is
-    written as ``jnp.where`` over heads, or as :func:`alibi`); it is static, part
-    of the jit cache key by identity.
+    on a tile, Pallas kernels included) and close over no arrays (pass them as
+    ``arrays``); it is static, part of the jit cache key by identity.
 
     >>> import jax.numpy as jnp
     >>> from fnattn import masks
@@ -237,10 +271,24 @@ def from_fn(fn: Callable) -> PositionBias:
     >>> pos = masks.Positions(b=0, h=0, q=2, q_pos=2, k=jnp.arange(3))
     >>> t.value(pos, ()).tolist()
     [1.0, 0.0, 0.0]
+    >>> def kerple(b, h, q, k, r1, r2):  # learnable per-head r1, r2 > 0
+    ...     return -r1 * jnp.log1p(r2 * jnp.abs(q - k))
+    >>> t = from_fn(kerple, jnp.array([1.0, 2.0]), jnp.array([0.5, 0.5]))
+    >>> ops = [op[:, 1] for op in t.operands()]  # head 1's values
+    >>> [round(x, 3) for x in t.value(pos, ops).reshape(-1).tolist()]
+    [-1.386, -0.811, -0.0]
     """
     if not callable(fn):
         raise TypeError(f"position_bias.from_fn: fn must be callable; got {type(fn).__name__}")
-    return FromFn(fn)
+    fixed = []
+    for n, x in enumerate(arrays):
+        if isinstance(x, (list, tuple, np.ndarray)):
+            x = jnp.asarray(x, jnp.float32)
+        if not isinstance(x, jax.Array) or jnp.ndim(x) not in (1, 2):
+            raise TypeError(f"position_bias.from_fn: array {n} must be an array of shape (Hq,) "
+                            f"or (B, Hq); got {getattr(x, 'shape', type(x).__name__)}")
+        fixed.append(x)
+    return FromFn(fn, tuple(fixed))
 
 
 # ----------------------------------------------------------------------------------

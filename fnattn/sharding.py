@@ -376,7 +376,8 @@ def _refuse_index_reads(spec, *, batch, heads):
                 f"(its {what} may read the {index}, as a from_fn can): inside shard_map it "
                 f"would see each shard's local {index}. Leave "
                 f"{name} unsplit, or write the per-{name} part as arrays (masks.segments, "
-                "masks.from_array, position_bias.alibi), which split with it.")
+                "masks.from_array, position_bias.alibi, position_bias.from_fn(fn, "
+                "*arrays)), which split with it.")
 
 
 def rules(spec: Optional[AttentionSpec] = None, *, mode: str = "train",

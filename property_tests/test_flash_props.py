@@ -11,7 +11,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 import fnattn
-from fnattn import XlaBlockSizes
+from fnattn import XlaBlockSizes, position_bias
 from np_attention import np_attention, np_attention_grads, reduce_to
 from strategies import problems
 
@@ -78,3 +78,73 @@ def test_block_sizes_do_not_change_the_result(p, bs1, bs2):
     for x in (a, b):
         np.testing.assert_allclose(np.asarray(x.out), np.asarray(r.out), atol=2e-5, rtol=2e-5)
         np.testing.assert_allclose(np.asarray(x.lse), np.asarray(r.lse), atol=2e-5, rtol=2e-5)
+
+
+@st.composite
+def position_terms(draw, B, Hq):
+    """``(kind, arrays)``: ALiBi with drawn slopes, or KERPLE's logarithmic term
+    with drawn positive parameters per head or per (row, head)."""
+    rs = np.random.default_rng(draw(st.integers(0, 2**16)))
+    kind = draw(st.sampled_from(["alibi", "kerple"]))
+    if kind == "alibi":
+        return kind, (rs.uniform(0.0, 1.0, Hq).astype(np.float32),)
+    shape = draw(st.sampled_from([(Hq,), (B, Hq)]))
+    return kind, (rs.uniform(0.2, 2.0, Hq).astype(np.float32),
+                  rs.uniform(0.1, 1.5, shape).astype(np.float32))
+
+
+def _kerple(b, h, q, k, r1, r2):
+    return -r1 * jnp.log1p(r2 * jnp.abs(q - k))
+
+
+def _term_parts(kind, arrays, B, Hq, Tq, Tk):
+    """The term as a float64 (B, Hq, Tq, Tk) bias, and its derivative with
+    respect to each array's entries, as arrays of the same shape (one per array)."""
+    dist = np.abs(np.arange(Tq)[:, None] + (Tk - Tq) - np.arange(Tk)[None, :]).astype(np.float64)
+    per = [np.broadcast_to(np.asarray(a, np.float64).reshape(
+        (-1 if a.ndim == 2 else 1, Hq, 1, 1)), (B, Hq, 1, 1)) for a in arrays]
+    if kind == "alibi":
+        (s,) = per
+        return -s * dist, [-dist + 0 * s]
+    r1, r2 = per
+    return -r1 * np.log1p(r2 * dist), [-np.log1p(r2 * dist), -r1 * dist / (1 + r2 * dist)]
+
+
+@settings(max_examples=5)
+@given(problems(impl="xla", layouts=("bthd",), dropout=False), block_sizes, st.data())
+def test_position_terms_and_their_gradients_match_float64_numpy(p, bs, data):
+    """In-kernel position terms (ALiBi, KERPLE) against the same logits as a
+    float64 bias: out, lse, dq, dk, dv, and the gradients of the term's arrays
+    (summed dbias times the term's derivative)."""
+    B, Tq, Tk, Hq, Hkv, D, Dv = p.dims
+    kind, arrays = data.draw(position_terms(B, Hq))
+    build = (position_bias.alibi if kind == "alibi"
+             else lambda *a: position_bias.from_fn(_kerple, *a))
+    rs = np.random.default_rng(Tq * 31 + Tk)
+    d_out = jnp.asarray(rs.standard_normal((B, Tq, Hq, Dv)), jnp.float32)
+    d_lse = jnp.asarray(rs.standard_normal((B, Hq, Tq)), jnp.float32)
+
+    def f(q, k, v, *arrays):
+        spec = p.spec.replace(block_sizes=bs, position_bias=build(*arrays))
+        r = fnattn.flash(spec, q, k, v)
+        return jnp.sum(r.out * d_out) + jnp.sum(jnp.where(jnp.isfinite(r.lse), r.lse, 0.0) * d_lse), r
+
+    n = len(arrays)
+    (_, res), g = jax.jit(jax.value_and_grad(f, argnums=tuple(range(3 + n)), has_aux=True))(
+        p.q, p.k, p.v, *(jnp.asarray(a) for a in arrays))
+    term, dterm = _term_parts(kind, arrays, B, Hq, Tq, Tk)
+    kw = dict(p.np_kwargs)
+    kw["bias"] = term if kw.get("bias") is None else np.asarray(kw["bias"], np.float64) + term
+    q, k, v = (np.asarray(x, np.float64) for x in (p.q, p.k, p.v))
+    out, lse, _ = np_attention(q, k, v, **kw)
+    np.testing.assert_allclose(np.asarray(res.out), out, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(res.lse), lse, atol=1e-4, rtol=1e-4)
+    ref = np_attention_grads(q, k, v, np.asarray(d_out), np.asarray(d_lse), **kw)
+    for name, x in zip(("dq", "dk", "dv"), g[:3]):
+        np.testing.assert_allclose(np.asarray(x), ref[name], atol=2e-4, rtol=2e-4, err_msg=name)
+    dbias = ref["dbias"]  # (B, Hq, Tq, Tk), before any reduction to the bias's shape
+    for i, (a, dt, x) in enumerate(zip(arrays, dterm, g[3:])):
+        want = reduce_to((dbias * dt).sum((2, 3), keepdims=True),
+                         (B, Hq, 1, 1) if a.ndim == 2 else (1, Hq, 1, 1)).reshape(a.shape)
+        np.testing.assert_allclose(np.asarray(x), want, atol=1e-3, rtol=1e-3,
+                                   err_msg=f"{kind} array {i}")

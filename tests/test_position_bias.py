@@ -345,6 +345,107 @@ def test_fixed_slopes_run_the_backward_without_their_gradient():
     assert re.search(r"term_grad=\(\d", learned)
 
 
+def _kerple(b, h, q, k, r1, r2):
+    """KERPLE's logarithmic term, with learnable per-head r1, r2."""
+    return -r1 * jnp.log1p(r2 * jnp.abs(q - k))
+
+
+R1 = jnp.array([1.0, 0.5, 2.0, 0.25])
+R2 = jnp.array([[0.5, 1.0, 0.1, 2.0], [0.3, 0.6, 0.9, 1.2]])  # per batch row and head
+
+
+def _fn_grads(table, spec, q, k, v, r1, r2, d_out, impl=None):
+    """(out, lse, dq, dk, dv, dr1, dr2) with a from_fn term holding arrays."""
+    def f(q, k, v, r1, r2):
+        s = spec.replace(position_bias=position_bias.from_fn(_kerple, r1, r2))
+        if impl is not None:
+            res = fnattn.attention(s.replace(impl=impl), q, k, v)
+        elif table is None:
+            res = fnattn.reference(s, q, k, v)
+        else:
+            res = core.run(s, q, k, v, fn="flash", table=table)
+        return res.out, res.lse
+
+    (out, lse), pull = jax.vjp(f, q, k, v, r1, r2)
+    d_lse = jnp.where(jnp.isfinite(lse), jnp.cos(lse), 0.0)
+    return (out, lse) + pull((d_out.astype(out.dtype), d_lse))
+
+
+FN_CASES = [
+    ("flash-xla", None, "auto", fnattn.XlaBlockSizes(32, 32), 1e-5),
+    ("dense-xla", None, "xla", None, 1e-5),
+    ("triton", TRITON, None, fnattn.TritonBlockSizes(32, 32), 2e-5),
+    ("mosaic", MOSAIC, None, fnattn.MosaicBlockSizes(128, 128), 5e-5),
+]
+
+
+@pytest.mark.parametrize("case", FN_CASES, ids=[c[0] for c in FN_CASES])
+def test_from_fn_with_learnable_arrays_matches_the_reference(case):
+    """``from_fn(fn, *arrays)``: per-head and per-(row, head) parameters reach
+    every lowering's tiles, and their gradients come back from every backward."""
+    _, table, impl, bs, tol = case
+    D = 128 if table is MOSAIC else 16
+    q, k, v, d_out = _qkv(2, 70, 70, 4, 2, D)
+    spec = AttentionSpec(mask=masks.causal() & _segments(2, 70), softcap=5.0, block_sizes=bs)
+    with cheap_compiles():
+        got = jax.jit(lambda *a: _fn_grads(table, spec, *a, impl=impl))(q, k, v, R1, R2, d_out)
+    want = jax.jit(lambda *a: _fn_grads(None, spec, *a))(q, k, v, R1, R2, d_out)
+    for name, a, b in zip(("out", "lse", "dq", "dk", "dv", "dr1", "dr2"), got, want):
+        a, b = np.asarray(a), np.asarray(b)
+        scale = float(np.abs(b).max()) if name.startswith("dr") else 1.0
+        np.testing.assert_allclose(a, b, rtol=10 * tol, atol=10 * tol * scale, err_msg=name)
+    assert float(np.abs(np.asarray(want[-1])).min()) > 1e-3
+    # the arrays matter: another r1 changes the answer
+    other = jax.jit(lambda *a: _fn_grads(None, spec, *a))(q, k, v, R1 * 2, R2, d_out)
+    assert float(jnp.abs(other[0] - want[0]).max()) > 1e-2
+
+
+def test_from_fn_arrays_in_decode_and_paged():
+    """The serving variants take per-head arrays of a ``from_fn`` term too."""
+    B, S, H, Hk, D = 2, 40, 4, 2, 16
+    q, k, v, _ = _qkv(B, 1, S, H, Hk, D)
+    lengths = jnp.array([40, 23])
+    spec = AttentionSpec(position_bias=position_bias.from_fn(_kerple, R1, R2))
+    # each sequence over its own keys, with its own row of the (B, Hq) array
+    want = [fnattn.reference(AttentionSpec(position_bias=position_bias.from_fn(
+        _kerple, R1, R2[b])), q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n])
+        for b, n in enumerate(lengths.tolist())]
+    for impl in ("xla", "pallas"):
+        with cheap_compiles():
+            got = jax.jit(lambda q, k, v: fnattn.decode(  # noqa: B023
+                spec.replace(impl=impl), q, k, v, kv_lengths=lengths))(q, k, v)
+        for b, w in enumerate(want):
+            np.testing.assert_allclose(got.out[b:b + 1], w.out, atol=2e-5, err_msg=impl)
+            np.testing.assert_allclose(got.lse[b:b + 1], w.lse, atol=2e-5, err_msg=impl)
+    # the paged variant, per head (its arrays are one value per head)
+    ps, n_pages = 8, 5
+    pool_k = k[:1, :40].reshape(n_pages, ps, Hk, D).transpose(2, 0, 1, 3)
+    pool_v = v[:1, :40].reshape(n_pages, ps, Hk, D).transpose(2, 0, 1, 3)
+    table = jnp.arange(n_pages, dtype=jnp.int32)[None]
+    one = AttentionSpec(position_bias=position_bias.from_fn(_kerple, R1, R2[0]))
+    want = fnattn.reference(one, q[:1], k[:1, :40], v[:1, :40])
+    got = jax.jit(lambda q, kp, vp: fnattn.paged_attention(
+        one, q, kp, vp, page_table=table, kv_lengths=jnp.array([40])))(q[:1], pool_k, pool_v)
+    np.testing.assert_allclose(got.out, want.out, atol=2e-5)
+
+
+def test_from_fn_arrays_are_checked_and_split_with_the_heads():
+    q, k, v, _ = _qkv(2, 8, 8, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"from_fn\(_kerple\): array 1 must have shape "
+                                         r"\(Hq,\)=\(4,\) or \(B, Hq\)=\(2, 4\).*got \(3,\)"):
+        fnattn.flash(AttentionSpec(position_bias=position_bias.from_fn(
+            _kerple, R1, jnp.ones(3))), q, k, v)
+    with pytest.raises(TypeError, match="array 0 must be a float array"):
+        fnattn.flash(AttentionSpec(position_bias=position_bias.from_fn(
+            _kerple, jnp.ones(4, jnp.int32), R1)), q, k, v)
+    with pytest.raises(TypeError, match=r"array 0 must be an array of shape \(Hq,\)"):
+        position_bias.from_fn(_kerple, 1.0)
+    spec = AttentionSpec(position_bias=position_bias.from_fn(_kerple, R1, R2))
+    r = fnattn.sharding.rules(spec, batch="data", heads="model")
+    assert r.spec.position_bias.arrays == (jax.sharding.PartitionSpec("model"),
+                                           jax.sharding.PartitionSpec("data", "model"))
+
+
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 def test_context_parallel_slope_gradients_on_one_device(strategy):
     """Ring and all-gather attention differentiate the slopes too (reverse and
@@ -453,24 +554,27 @@ def test_kernels_lower_for_cuda_and_tpu():
     spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(SLOPES4))
 
     slopes = jax.ShapeDtypeStruct((4,), jnp.float32)
+    kerple = lambda s: position_bias.from_fn(_kerple, s, s)  # noqa: E731
 
-    def loss(table, argnums):
+    def loss(table, argnums, term):
         def f(q, k, v, slopes):
-            s = spec.replace(position_bias=position_bias.alibi(slopes))
+            s = spec.replace(position_bias=term(slopes))
             res = core.run(s, q, k, v, fn="flash", table=table)
             return jnp.sum(res.out.astype(jnp.float32)) + jnp.sum(res.lse)
         return jax.jit(jax.grad(f, argnums=argnums))
 
-    for argnums in ((0, 1, 2), (0, 1, 2, 3)):  # and with the slopes' gradient
+    # and with the gradient of the term's arrays (ALiBi's, KERPLE's)
+    for argnums, term in (((0, 1, 2), position_bias.alibi), ((0, 1, 2, 3), position_bias.alibi),
+                          ((0, 1, 2, 3), kerple)):
         cuda = (("default", xla.DENSE), ("cuda", triton.LOWERING))
         with gpu_target():
-            text = loss(cuda, argnums).trace(q, kv, kv, slopes).lower(
+            text = loss(cuda, argnums, term).trace(q, kv, kv, slopes).lower(
                 lowering_platforms=("cuda",)).as_text()
         for name in ("fnattn_flash_fwd", "fnattn_flash_dq", "fnattn_flash_dkdv"):
             assert name in text
         tpu = (("default", xla.DENSE), ("tpu", mosaic.LOWERING))
         with tpu_target():
-            text = loss(tpu, argnums).trace(q, kv, kv, slopes).lower(
+            text = loss(tpu, argnums, term).trace(q, kv, kv, slopes).lower(
                 lowering_platforms=("tpu",)).as_text()
         assert set(re.findall(r'kernel_name = "(\w+)"', text)) == {
             "fnattn_flash_mosaic_fwd", "fnattn_flash_mosaic_dq", "fnattn_flash_mosaic_dkv"}

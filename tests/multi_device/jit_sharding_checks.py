@@ -198,6 +198,18 @@ def check_flash_position_bias():
     _check("flash alibi grad(q, k, v, slopes)", _out_and_grads(attend, (0, 1, 2, 3)),
            (q, k, v, slopes), out_specs=[HEADS, ROWS] + [HEADS] * 3 + [("model",)],
            allowed=("all-reduce",))
+    # a from_fn term with learnable per-head arrays (KERPLE), split alike
+    r1 = _put(mesh, np.linspace(0.5, 2.0, Hq).astype(np.float32), "model")
+    r2 = _put(mesh, np.linspace(0.1, 1.0, Hq).astype(np.float32), "model")
+
+    def kerple(q, k, v, r1, r2):
+        term = position_bias.from_fn(
+            lambda b, h, q, k, r1, r2: -r1 * jnp.log1p(r2 * jnp.abs(q - k)), r1, r2)
+        return fnattn.attention(AttentionSpec(mask=masks.causal(), position_bias=term), q, k, v)
+
+    _check("flash from_fn arrays grad(q, k, v, r1, r2)", _out_and_grads(kerple, (0, 1, 2, 3, 4)),
+           (q, k, v, r1, r2), out_specs=[HEADS, ROWS] + [HEADS] * 3 + [("model",)] * 2,
+           allowed=("all-reduce",))
     reads_h = AttentionSpec(position_bias=position_bias.from_fn(
         lambda b, h, q, k: jnp.where(h == 1, -0.5, 0.0) * jnp.abs(q - k)))
     _check("flash position term reading the head",
