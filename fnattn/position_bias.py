@@ -9,8 +9,8 @@ before the soft-cap::
 
 Unlike ``bias``, nothing of size ``Tq x Tk`` is stored or read: every lowering
 computes a tile's term from the tile's indices (and from small arrays such as
-ALiBi's per-head slopes, or the per-head parameters of a :func:`from_fn`). Block-sparse skipping is unchanged: the term never
-hides a key, the mask does.
+ALiBi's per-head slopes, or the per-head parameters of a :func:`from_fn`).
+Block-sparse skipping is unchanged: the term never hides a key, the mask does.
 
 ``q_pos`` is the *aligned* query position, as for the positional masks
 (:mod:`fnattn.masks`): with ``Tq != Tk`` the queries are the last ``Tq``
