@@ -12,7 +12,10 @@ default (``--dtype bfloat16 --jaxnn cudnn`` on a GPU):
 * ``fnattn+bias``: with ALiBi as a bias array;
 * ``fnattn+alibi:learned`` and ``jax.nn:xla+bias:learned`` (forward and backward
   only): the same with the slopes differentiated too (learnable ALiBi; for
-  ``jax.nn`` through the bias array it builds from them).
+  ``jax.nn`` through the bias array it builds from them);
+* ``fnattn+alibi:mosaic_gpu``: ``fnattn+alibi`` with ``MosaicGpuBlockSizes`` in
+  the spec, which asks a Hopper GPU for the Mosaic GPU forward (ALiBi runs
+  there only when asked until timed; elsewhere the row is ``fnattn+alibi``).
 
 The bias arrays are built from the slopes inside the jitted function (an ALiBi
 model builds them per call or keeps them; either way they exist in memory).
@@ -44,7 +47,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 IMPLS = ("jax.nn:xla", "jax.nn:xla+bias", "fnattn", "fnattn+alibi", "fnattn+bias",
-         "fnattn+alibi:learned", "jax.nn:xla+bias:learned")
+         "fnattn+alibi:learned", "jax.nn:xla+bias:learned", "fnattn+alibi:mosaic_gpu")
 
 
 def child(cfg):
@@ -60,7 +63,8 @@ def child(cfg):
 
     B, T, H, D, impl, mode = cfg["B"], cfg["T"], cfg["H"], cfg["D"], cfg["impl"], cfg["mode"]
     learned = impl.endswith(":learned")
-    impl = impl.removesuffix(":learned")
+    mosaic_gpu = impl.endswith(":mosaic_gpu")
+    impl = impl.removesuffix(":learned").removesuffix(":mosaic_gpu")
 
     def alibi_bias(slopes):
         dist = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]).astype(jnp.float32)
@@ -73,7 +77,8 @@ def child(cfg):
                                                 implementation=cfg["jaxnn"])
     else:
         def f(q, k, v, slopes):
-            spec = AttentionSpec(mask=masks.causal(), return_lse=False)
+            spec = AttentionSpec(mask=masks.causal(), return_lse=False,
+                                 block_sizes=fnattn.MosaicGpuBlockSizes() if mosaic_gpu else None)
             if impl == "fnattn+alibi":
                 spec = spec.replace(position_bias=position_bias.alibi(slopes))
             elif impl == "fnattn+bias":

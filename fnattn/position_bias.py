@@ -35,7 +35,9 @@ Where it runs: :func:`fnattn.attention`, :func:`fnattn.flash` and
 :func:`fnattn.reference`, with every ``impl`` but "cudnn": the blockwise XLA
 lowering, the Pallas Triton kernels, the Pallas Mosaic TPU kernels and the
 dense XLA lowering. On an NVIDIA GPU ``impl="auto"`` gives such a spec to the
-Triton kernels (cuDNN and the Mosaic GPU kernels do not compute a term).
+Triton kernels (cuDNN computes no term; the Mosaic GPU forward computes ALiBi
+when the spec's block sizes include ``MosaicGpuBlockSizes``, with the Triton
+backward, until an H100 timing makes it the default).
 :func:`fnattn.context.attention` (ring and all-gather context parallelism)
 evaluates it at each step's global positions. The serving variants
 (:func:`fnattn.decode`, ``decode_with_update``, the paged and ragged paged
@@ -405,6 +407,25 @@ def term_operands(mask) -> range:
         return range(0)
     n = mask._n()
     return range(n, n + mask.bias.num_operands)
+
+
+def kernel_grad_operands(term_grad: tuple, mask, kernel: str) -> tuple:
+    """The operands (indices in ``mask.operands()``) whose gradient a backward
+    kernel sums beside dq, one value per batch row and head, when
+    ``term_grad`` (``Config.term_grad``) asks for the term's arrays; empty
+    otherwise. An operand that varies along the queries or keys raises
+    ``NotImplementedError`` naming ``kernel`` and the lowering that takes it."""
+    if not term_grad:
+        return ()
+    ops = mask.operands()
+    term_ops = tuple(term_operands(mask))
+    for n in term_ops:
+        if ops[n].shape[2] != 1 or ops[n].shape[3] != 1:
+            raise NotImplementedError(
+                f"flash ({kernel}): gradients into a position term's arrays that vary along "
+                f"the queries or keys (shape {tuple(ops[n].shape)}) are not implemented; the "
+                "blockwise XLA lowering (impl='xla') computes them")
+    return term_ops
 
 
 def with_leaves(mask, which: Sequence[int], values: Sequence[Array]):

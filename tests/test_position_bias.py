@@ -80,20 +80,27 @@ def test_reference_adds_the_term_as_a_bias_before_the_cap(Tq, Tk):
         np.testing.assert_allclose(got.lse, want.lse, atol=1e-6)
 
 
+def _call(table, spec, q, k, v, impl=None):
+    """(out, lse) of one lowering table, through the API (``impl``), or the reference."""
+    if impl is not None:
+        res = fnattn.attention(spec.replace(impl=impl), q, k, v)
+    elif table is None:
+        res = fnattn.reference(spec, q, k, v)
+    else:
+        res = core.run(spec, q, k, v, fn="flash", table=table)
+    return res.out, res.lse
+
+
+def _pulled(f, args, d_out):
+    """(out, lse, *cotangents of args) of ``f(*args) -> (out, lse)``."""
+    (out, lse), pull = jax.vjp(f, *args)
+    d_lse = jnp.where(jnp.isfinite(lse), jnp.cos(lse), 0.0)
+    return (out, lse) + pull((d_out.astype(out.dtype), d_lse))
+
+
 def _grads(table, spec, q, k, v, d_out, impl=None):
     """(out, lse, dq, dk, dv) of one lowering table (``impl``: or through the API)."""
-    def f(q, k, v):
-        if impl is not None:
-            res = fnattn.attention(spec.replace(impl=impl), q, k, v)
-        elif table is None:
-            res = fnattn.reference(spec, q, k, v)
-        else:
-            res = core.run(spec, q, k, v, fn="flash", table=table)
-        return res.out, res.lse
-
-    (out, lse), pull = jax.vjp(f, q, k, v)
-    d_lse = jnp.cos(lse)
-    return (out, lse) + pull((d_out.astype(out.dtype), d_lse))
+    return _pulled(lambda q, k, v: _call(table, spec, q, k, v, impl), (q, k, v), d_out)
 
 
 def _check(got, want, tol):
@@ -222,17 +229,8 @@ def _slope_grads(table, spec, q, k, v, slopes, d_out, impl=None):
     """(out, lse, dq, dk, dv, dslopes) of one lowering table, or the reference."""
     def f(q, k, v, slopes):
         s = spec.replace(position_bias=position_bias.alibi(slopes))
-        if impl is not None:
-            res = fnattn.attention(s.replace(impl=impl), q, k, v)
-        elif table is None:
-            res = fnattn.reference(s, q, k, v)
-        else:
-            res = core.run(s, q, k, v, fn="flash", table=table)
-        return res.out, res.lse
-
-    (out, lse), pull = jax.vjp(f, q, k, v, slopes)
-    d_lse = jnp.where(jnp.isfinite(lse), jnp.cos(lse), 0.0)
-    return (out, lse) + pull((d_out.astype(out.dtype), d_lse))
+        return _call(table, s, q, k, v, impl)
+    return _pulled(f, (q, k, v, slopes), d_out)
 
 
 def _check_slopes(got, want, tol):
@@ -358,17 +356,8 @@ def _fn_grads(table, spec, q, k, v, r1, r2, d_out, impl=None):
     """(out, lse, dq, dk, dv, dr1, dr2) with a from_fn term holding arrays."""
     def f(q, k, v, r1, r2):
         s = spec.replace(position_bias=position_bias.from_fn(_kerple, r1, r2))
-        if impl is not None:
-            res = fnattn.attention(s.replace(impl=impl), q, k, v)
-        elif table is None:
-            res = fnattn.reference(s, q, k, v)
-        else:
-            res = core.run(s, q, k, v, fn="flash", table=table)
-        return res.out, res.lse
-
-    (out, lse), pull = jax.vjp(f, q, k, v, r1, r2)
-    d_lse = jnp.where(jnp.isfinite(lse), jnp.cos(lse), 0.0)
-    return (out, lse) + pull((d_out.astype(out.dtype), d_lse))
+        return _call(table, s, q, k, v, impl)
+    return _pulled(f, (q, k, v, r1, r2), d_out)
 
 
 FN_CASES = [
@@ -536,16 +525,26 @@ def test_other_variants_refuse_a_term():
 
 
 def test_kernels_that_do_not_compute_a_term_are_not_routed_to():
+    """cuDNN and the Mosaic GPU backward compute no term; the Mosaic GPU forward
+    computes ALiBi (its arrays per head), only when asked for by name until
+    timed on a GPU, and refuses ``from_fn`` terms (whose functions it may not
+    lower)."""
     dims = Dims(1, 256, 256, 4, 2, 128, 128)
     mask = position_bias.attach(masks.causal(), position_bias.alibi(SLOPES4), constant=False)
     cfg = Config(dims, 0.1, None, 0.0, jax.tree_util.tree_structure(mask))
     assert "position bias" in cudnn.reasons(cfg, jnp.bfloat16, mask, None, None)
     assert cudnn.reasons(cfg, jnp.bfloat16, masks.causal(), None, None) == []
-    for module in (mosaic_gpu, mosaic_gpu_bwd):
-        why = module.supports(cfg, jnp.bfloat16, mask, None, None)
-        assert any("position bias" in w for w in why), why
-    term_only = position_bias.attach(None, position_bias.from_fn(lambda b, h, q, k: 0.0 * k))
-    assert mosaic_gpu.supports(cfg, jnp.bfloat16, term_only, None, None)
+    why = mosaic_gpu_bwd.supports(cfg, jnp.bfloat16, mask, None, None)
+    assert any("position bias" in w for w in why), why
+    assert mosaic_gpu.supports(cfg, jnp.bfloat16, mask, None, None) == []
+    assert mosaic_gpu._explicit_only(cfg)
+    plain = Config(dims, 0.1, None, 0.0, jax.tree_util.tree_structure(masks.causal()))
+    assert not mosaic_gpu._explicit_only(plain)
+    for term in (position_bias.from_fn(lambda b, h, q, k: 0.0 * k),
+                 position_bias.alibi(SLOPES4) + position_bias.from_fn(_kerple, SLOPES4, SLOPES4)):
+        why = mosaic_gpu.supports(cfg, jnp.bfloat16, position_bias.attach(None, term), None,
+                                  None)
+        assert any("from_fn position bias" in w for w in why), why
 
 
 def test_kernels_lower_for_cuda_and_tpu():
@@ -627,6 +626,25 @@ def test_gpu_auto_runs_the_term_on_the_triton_kernels(D):
     got = f(q, k, v, d_out)
     want = jax.jit(lambda *a: _grads(None, spec, *a, impl="xla"))(q, k, v, d_out)
     _check(got, want, 3e-2)
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu" or mosaic_gpu.available() is not None,
+                    reason="needs a Hopper GPU (the Mosaic GPU kernels)")
+def test_gpu_mosaic_gpu_forward_computes_alibi_when_asked():
+    """With MosaicGpuBlockSizes in the spec (ALiBi is explicit-only until timed):
+    the Mosaic GPU forward with the term, the Triton backward, learned slopes."""
+    B, T, Hq, Hkv, D = 2, 1000, 8, 2, 128
+    q, k, v, d_out = _qkv(B, T, T, Hq, Hkv, D, jnp.bfloat16)
+    slopes = jnp.asarray(position_bias.alibi_slopes(Hq))
+    spec = AttentionSpec(mask=masks.causal(), block_sizes=mosaic_gpu.MosaicGpuBlockSizes())
+    f = jax.jit(lambda *a: _slope_grads(None, spec, *a, impl="auto"))
+    text = f.lower(q, k, v, slopes, d_out).as_text()
+    assert re.search(r"custom_call @mosaic_gpu", text) and "fnattn_flash_dkdv" in text
+    got = f(q, k, v, slopes, d_out)
+    want = jax.jit(lambda *a: _slope_grads(None, spec, *a, impl="xla"))(q, k, v, slopes, d_out)
+    _check(got[:-1], want[:-1], 3e-2)
+    np.testing.assert_allclose(got[-1], want[-1], rtol=3e-2,
+                               atol=3e-2 * float(jnp.abs(want[-1]).max()))
 
 
 def test_decoding_with_alibi_through_attention_over_a_padded_cache():

@@ -941,7 +941,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     dbias_dq, dbias_dkv = _dbias_forms(bias)
 
     # dq (and dbias along the queries, and the term's gradients)
-    term_ops = _term_grad_operands(cfg, mask)
+    term_ops = position_bias.kernel_grad_operands(cfg.term_grad, mask, "Pallas Mosaic TPU")
     classes, chunks, W, sb, sh = _schedule(cfg, mask, P.bq, P.bk, transpose=False)
     res, extras = [], None
     for chunk in chunks:
@@ -1001,24 +1001,6 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     if not cfg.term_grad:
         return dq, dk, dv, dbias, dsinks
     return (dq, dk, dv, dbias, dsinks) + position_bias.leaf_cotangents(mask, cfg.term_grad, d_ops)
-
-
-def _term_grad_operands(cfg, mask) -> tuple:
-    """The mask operands (the position term's) whose gradient the dq kernel
-    sums, when ``cfg.term_grad`` asks for the term's arrays: one value per
-    batch row and head (an SMEM scalar); an operand varying along the queries
-    or keys is refused."""
-    if not cfg.term_grad:
-        return ()
-    ops = mask.operands()
-    term_ops = tuple(position_bias.term_operands(mask))
-    for n in term_ops:
-        if ops[n].shape[2] != 1 or ops[n].shape[3] != 1:
-            raise NotImplementedError(
-                "flash (Pallas Mosaic TPU): gradients into a position term's arrays that vary "
-                f"along the queries or keys (shape {tuple(ops[n].shape)}) are not implemented; "
-                "the blockwise XLA lowering (impl='xla') computes them")
-    return term_ops
 
 
 def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, lo8, delta8, extras,

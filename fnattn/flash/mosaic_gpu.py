@@ -85,14 +85,23 @@ Supported: float16 / bfloat16, ``D == Dv``, ``D % 64 == 0``, ``D <= 256``, any
 scale, soft-cap, attention sinks, dropout, GQA, no mask, an array-free mask
 (causal, sliding windows, chunks and their ``&``, ``|``, ``~``) or a mask
 holding per-row, per-key or per-sequence integer arrays (segments, lengths,
-prefix-LM, ``at_positions``, combined with the others). :func:`supports` lists
-what else a spec asks for; :func:`forward` refuses it with
+prefix-LM, ``at_positions``, combined with the others), and an ALiBi position
+term (:func:`fnattn.position_bias.alibi`, or a sum of them): its slopes are
+read once per item as float scalars and the term is added to every tile's
+logits, FULL ones included, before the soft-cap; without a soft-cap the row
+state is then kept in natural units (:attr:`_Plan.natural`), so that rows
+whose every logit is huge stay exact. ``from_fn`` terms are refused (their
+functions may use operations Mosaic GPU does not lower). :func:`supports`
+lists what else a spec asks for; :func:`forward` refuses it with
 ``NotImplementedError``.
 
 impl="auto" on a Hopper GPU (:func:`route`) runs this kernel for the specs it
-takes, except those with dropout: that path has not been timed on an H100 yet
-(:func:`_explicit_only`), so it runs here only when the spec's block sizes
-include :class:`MosaicGpuBlockSizes`, and on the Triton kernels otherwise.
+takes, except those with dropout or a position term: those paths have not
+been timed on an H100 yet (:func:`_explicit_only`), so they run here only when
+the spec's block sizes include :class:`MosaicGpuBlockSizes`, and on the
+Triton kernels otherwise. The Mosaic GPU backward computes no term: a spec
+with one takes the Triton backward from this forward's residuals (and the
+gradient of its slopes with it).
 
 >>> import jax.numpy as jnp
 >>> from fnattn import masks
@@ -317,12 +326,41 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
     return why
 
 
-def term_refusals(mask) -> list:
-    """A position term (:mod:`fnattn.position_bias`) riding with the mask: the
-    Mosaic GPU kernels (this forward and the backward) do not compute one."""
-    if position_bias.present(mask):
-        return ["a position bias (the kernel adds nothing to the logits)"]
+def term_refusals(mask, *, backward: bool = False) -> list:
+    """A position term (:mod:`fnattn.position_bias`) riding with the mask: this
+    forward computes one whose arrays hold one value per batch row and head
+    (ALiBi's slopes, a ``from_fn``'s parameters); the Mosaic GPU backward
+    (``backward=True``) computes none (the Triton backward does)."""
+    if not position_bias.present(mask):
+        return []
+    if backward:
+        return ["a position bias (the Mosaic GPU backward adds nothing to the logits)"]
+    if _has_from_fn_term(mask):
+        # Its function may use operations Mosaic GPU does not lower (log1p, ...).
+        return ["a from_fn position bias (the kernel computes ALiBi; the Triton kernels any "
+                "term)"]
+    ops = jax.eval_shape(lambda m: m.operands(), mask)
+    if any(ops[n].shape[2] > 1 or ops[n].shape[3] > 1 for n in position_bias.term_operands(mask)):
+        return [f"a position bias with arrays along the queries or keys ({mask!r}; the kernel "
+                "reads one value per batch row and head)"]
     return []
+
+
+def _has_from_fn_term(mask) -> bool:
+    terms = [mask]
+    while terms:
+        t = terms.pop()
+        if isinstance(t, masks.AtPositions):
+            terms.append(t.mask)
+        elif isinstance(t, masks.Canonical):
+            terms.append(t._inner())
+        elif isinstance(t, position_bias.Biased):
+            terms.append(t.bias)
+        elif isinstance(t, position_bias.Sum):
+            terms += [t.a, t.b]
+        elif isinstance(t, position_bias.FromFn):
+            return True
+    return False
 
 
 def maskless_refusals(cfg, dtype, bias, sinks) -> list:
@@ -360,7 +398,10 @@ def operand_refusals(mask) -> list:
     dtypes only): arrays along both queries and keys, and non-integers or integers
     wider than 32 bits."""
     why = []
-    for op in jax.eval_shape(lambda m: m.operands(), mask):
+    term = set(position_bias.term_operands(mask))  # (floats, read through their bits)
+    for n, op in enumerate(jax.eval_shape(lambda m: m.operands(), mask)):
+        if n in term:
+            continue
         if op.shape[2] > 1 and op.shape[3] > 1:
             why.append(f"a mask array that varies along both queries and keys ({mask!r}; "
                        "the kernel reads per-row, per-key and per-sequence arrays)")
@@ -401,8 +442,12 @@ def _explicit_only(cfg) -> bool:
     not: with packed documents (T = 8192, D = 128) this forward took 0.42 ms
     against the Triton forward's 0.55 ms
     (benchmarks/results/gpu_h100_2026-11-26_s20).
+
+    True for a position term (ALiBi) too: computed here since this kernel
+    learned it, not timed on an H100 yet; impl="auto" runs it on the Triton
+    kernels until a measurement shows this forward ahead.
     """
-    return cfg.dropout_rate > 0
+    return cfg.dropout_rate > 0 or position_bias.present(masks.from_treedef(cfg.mask_treedef))
 
 
 def route(cfg, dtype, mask, bias, sinks) -> bool:
@@ -429,7 +474,7 @@ def _refuse(cfg, dtype, mask, bias, sinks):
 
 # How the kernel reads each mask array, from its canonical (B|1, H|1, Tq|1, Tk|1)
 # shape: one value per (batch, head); one per query row; one per key.
-_KINDS = ("scalar", "rows", "cols")
+_KINDS = ("scalar", "fscalar", "rows", "cols")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -458,6 +503,14 @@ class _Plan:
     flag: bool = False    # m = NaN on rows that met a non-finite logit or output
     programs: int = 0     # persistent programs walking the work items (0: one per item)
     q_buffers: int = 1    # 2: an item's Q loads while the one before it runs
+    term: bool = False    # the mask carries a position term, added to every tile's logits
+
+    @property
+    def natural(self) -> bool:
+        """The row state ``m`` is kept in natural units (a term without soft-cap:
+        logits may be huge, and ``(s - m) * log2(e)`` stays exact where the
+        fused ``s * log2(e) - m`` would not); else in base 2."""
+        return self.term and self.softcap is None
 
     @property
     def rows(self) -> int:
@@ -638,14 +691,15 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
             m = _in_layout(jnp.full((P.bq,), -jnp.inf, F32), rows_layout, P)
             l = _in_layout(jnp.full((P.bq,), 0.0, F32), rows_layout, P)
             acc = _in_layout(jnp.full((P.bq, P.D), 0.0, F32), plgpu.Layout.WGMMA, P)
-            row_ids, scalars = [], []
+            row_ids, scalars = [], {}
             if n_rows:
                 plgpu.barrier_wait(S.rows_ready.at[at])
                 row_ids = [_load(S.rows_smem.at[at, c], rows_layout, P) for c in range(n_rows)]
-            if P.stack("scalar") is not None:
-                where = ids_at("scalar", b, h)
-                scalars = [ids_ref["scalar"][where + (c,)]
-                           for c in range(P.stack("scalar")[0])]
+            for kind in ("scalar", "fscalar"):  # (integers; a position term's floats)
+                if P.stack(kind) is not None:
+                    where = ids_at(kind, b, h)
+                    scalars[kind] = [ids_ref[kind][where + (c,)]
+                                     for c in range(P.stack(kind)[0])]
 
             with _region("wait_k"):
                 @pl.when(n_seen > 0)
@@ -668,7 +722,7 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                     j_next = kv_tile(t + 1)
                 else:
                     acc, m, l = carry
-                    j = kv_tile(t) if seed is not None else None
+                    j = kv_tile(t) if seed is not None or P.term else None
                 slot = slot_of(start + t)
                 reads_ids = partial and n_cols > 0
 
@@ -711,7 +765,14 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                         # epilogue. Elementwise and independent, unlike a row
                         # sum: no chain of adds, no shuffles.
                         s = s + s * 0.0
-                    if P.softcap is None:
+                    if P.term:  # scale * s + term, then the cap
+                        s = s * P.scale + _term(q0, j, b, h, scalars, P)
+                        if P.softcap is None:
+                            c = 1.0  # natural units (P.natural): exp2((s - m) * log2(e))
+                        else:
+                            s = jnp.tanh(s * (1.0 / P.softcap))
+                            c = P.softcap * LOG2E
+                    elif P.softcap is None:
                         c = P.scale * LOG2E
                     else:  # softcap * tanh(scale * s / softcap), its factor folded into c
                         s = jnp.tanh(s * (P.scale / P.softcap))
@@ -727,8 +788,12 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                     # 0 keeps its p at exp2(-inf) = 0 instead of NaN. FULL tiles
                     # come first and see every key, so they need no such guard.
                     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if partial else m_new
-                    alpha = jnp.exp2(m - m_use)
-                    p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                    if P.natural:
+                        alpha = jnp.exp2((m - m_use) * LOG2E)
+                        p = jnp.exp2((s - lax.broadcast_in_dim(m_use, s.shape, [0])) * LOG2E)
+                    else:
+                        alpha = jnp.exp2(m - m_use)
+                        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
                     l = l * alpha + p.sum(axis=1)
                     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                     if seed is not None:  # the denominator keeps every weight; P V the kept
@@ -781,7 +846,12 @@ def _kernel(q_ref, k_ref, v_ref, sched_ref, *refs, P: _Plan, dtype):
                     flagged = (l + (acc * 0.0).sum(axis=1)) * 0.0
                 inv = 1.0 / jnp.where(l > 0, l, 1.0)
                 if P.sinks:  # the head's sink joins the denominator only
-                    a, m, l = online.sink_rescale(m, l, sinks_ref[h] * LOG2E, exp=jnp.exp2)
+                    if P.natural:
+                        a, m, l = online.sink_rescale(m, l, sinks_ref[h],
+                                                      exp=lambda x: jnp.exp2(x * LOG2E))
+                    else:
+                        a, m, l = online.sink_rescale(m, l, sinks_ref[h] * LOG2E,
+                                                      exp=jnp.exp2)
                     inv = a / jnp.where(l > 0, l, 1.0)
                 mine[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(dtype)
                 S.m_smem.at[wg][...] = (m + flagged) if P.flag else m
@@ -910,12 +980,27 @@ def _iota(shape, axis, P: _Plan):
 def _tile_operands(scalars, row_ids, kv_ids, P: _Plan):
     """The mask's arrays on one (bq, bk) tile, in the mask's order: the per-row
     and per-key vectors broadcast to the tile (in registers, no data moves),
-    the per-(batch, head) values as scalars."""
+    the per-(batch, head) values as scalars (``scalars``: by kind, "scalar"
+    for integers, "fscalar" for a position term's floats)."""
     shape = (P.bq, P.bk)
-    pick = {"scalar": lambda i: scalars[i],
+    pick = {"scalar": lambda i: scalars["scalar"][i],
+            "fscalar": lambda i: scalars["fscalar"][i],
             "rows": lambda i: lax.broadcast_in_dim(row_ids[i], shape, [0]),
             "cols": lambda i: lax.broadcast_in_dim(kv_ids[i], shape, [1])}
     return [pick[kind](i) for kind, i in P.operands]
+
+
+def _term(q0, j, b, h, scalars, P: _Plan):
+    """The position term on kv-tile ``j`` of the consumer's rows ``q0 ..`` (WGMMA
+    layout): its arrays are per (batch, head), so every tile, FULL ones
+    included, reads them from the scalars (the mask's other arrays are not
+    read: the term sees only its own)."""
+    qi, kj = _tile_indices(q0, j, P)
+    ops = [scalars[kind][i] if kind in ("scalar", "fscalar") else None
+           for kind, i in P.operands]
+    pos = masks.Positions(b=b, h=h, q=qi, q_pos=qi + P.offset, k=kj)
+    term = position_bias.term(masks.from_treedef(P.mask_treedef), pos, ops)
+    return jnp.broadcast_to(term, (P.bq, P.bk))
 
 
 def _tile_indices(q0, j, P: _Plan):
@@ -1065,7 +1150,8 @@ def visit_list(xp, cls):
 
 
 def id_arrays(mask, Tqp, Tkp):
-    """The mask's arrays as the Mosaic GPU kernels read them: int32, one stack
+    """The mask's arrays as the Mosaic GPU kernels read them: int32 (float32
+    for a position term's, kind "fscalar"), one stack
     per kind (:data:`_KINDS`), each (B|1, H|1, n) for scalars or (B|1, H|1, n,
     T) padded to ``Tqp`` rows or ``Tkp`` keys. Returns ``(operands, stacks,
     arrays)``, the first two for the kernels' plans.
@@ -1088,8 +1174,11 @@ def id_arrays(mask, Tqp, Tkp):
     for op in mask.operands():
         along_q, along_k = op.shape[2] > 1, op.shape[3] > 1  # (never both: refused)
         kind = "rows" if along_q else "cols" if along_k else "scalar"
+        if jnp.issubdtype(op.dtype, jnp.floating):  # a position term's (per batch, head)
+            kind = "fscalar"
         operands.append((kind, len(groups[kind])))
-        groups[kind].append((op[:, :, :, 0] if along_q else op[:, :, 0, :]).astype(jnp.int32))
+        x = op[:, :, :, 0] if along_q else op[:, :, 0, :]
+        groups[kind].append(x.astype(F32 if kind == "fscalar" else jnp.int32))
     stacks, arrays = [], []
     for kind in _KINDS:
         xs = groups[kind]
@@ -1097,7 +1186,7 @@ def id_arrays(mask, Tqp, Tkp):
             continue
         lead = (max(x.shape[0] for x in xs), max(x.shape[1] for x in xs))
         x = jnp.stack([jnp.broadcast_to(x, lead + x.shape[2:]) for x in xs], axis=2)
-        if kind == "scalar":
+        if kind in ("scalar", "fscalar"):
             x = x[..., 0]
         else:
             x = triton._pad(x, 3, Tqp if kind == "rows" else Tkp)
@@ -1157,7 +1246,8 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
               ragged_k=d.kv_len % bk != 0,
               sched_b=table.shape[0] > 1, sched_h=table.shape[1] > 1,
               interpreted=bool(interpret), sinks=sinks is not None,
-              rate=float(cfg.dropout_rate), operands=operands, stacks=stacks, flag=redo)
+              rate=float(cfg.dropout_rate), operands=operands, stacks=stacks, flag=redo,
+              term=position_bias.present(mask))
     n_rows, n_cols = ((stack_of(stacks, kind) or (0,))[0] for kind in ("rows", "cols"))
     need = bs.smem_bytes(d.head_dim, jnp.dtype(q.dtype).itemsize, row_arrays=n_rows,
                          key_arrays=n_cols)
@@ -1193,7 +1283,10 @@ def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     kk, vv = _hidden_keys_inert(k, v) if mask is not None and not redo else (k, v)
     out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(kk, 1, Tkp), triton._pad(vv, 1, Tkp),
                      jnp.asarray(table), *ids, *extra)
-    lse, lse_lo = online.lse_parts(m, l, log=jnp.log2, scale=LN2)
+    if P.natural:
+        lse, lse_lo = online.lse_parts(m, l)
+    else:
+        lse, lse_lo = online.lse_parts(m, l, log=jnp.log2, scale=LN2)
     if redo:
         # Rows flagged by the kernel (m = NaN: a non-finite logit, hidden or not,
         # or a non-finite output) are recomputed, by blocks of its rows, by the

@@ -232,7 +232,8 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
     ['head dim D=80 (the kernel takes multiples of 64 up to 256)']
     """
     d = cfg.dims
-    why = mosaic_gpu.maskless_refusals(cfg, dtype, bias, sinks) + mosaic_gpu.term_refusals(mask)
+    why = (mosaic_gpu.maskless_refusals(cfg, dtype, bias, sinks)
+           + mosaic_gpu.term_refusals(mask, backward=True))
     if mask is not None and not _checks.symbolic_sizes(B=d.batch, Tq=d.q_len, Tk=d.kv_len):
         if mask.num_operands:
             why += mosaic_gpu.operand_refusals(mask)

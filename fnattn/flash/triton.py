@@ -1038,7 +1038,7 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     tile_bytes = _tile_bytes(bias, mask)
     bq, bk, params = _blocks_for(cfg, q.dtype, "dq", tile_bytes)
     Tqp, Tkp, Dp, Dvp = _dims_padded(cfg, bq, bk)
-    term_ops = _term_grad_operands(cfg, mask)
+    term_ops = position_bias.kernel_grad_operands(cfg.term_grad, mask, "Pallas Triton")
     K = _make_k(cfg, mask, bias, None, bq, bk, term_grad=term_ops)
     table = _schedule(mask, cfg, K)
     extra, extra_specs = _extras(K, mask, bias, None, seed, (Tqp, Tkp), n_heads=Hq)
@@ -1122,24 +1122,6 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     if not cfg.term_grad:
         return grads
     return grads + position_bias.leaf_cotangents(mask, cfg.term_grad, d_ops)
-
-
-def _term_grad_operands(cfg, mask) -> tuple:
-    """The mask operands (the position term's) whose gradient the dq kernel
-    sums, when ``cfg.term_grad`` asks for the term's arrays. The kernel sums
-    one value per batch row and head: an operand that varies along the
-    queries or keys is refused."""
-    if not cfg.term_grad:
-        return ()
-    ops = mask.operands()
-    term_ops = tuple(position_bias.term_operands(mask))
-    for n in term_ops:
-        if ops[n].shape[2] != 1 or ops[n].shape[3] != 1:
-            raise NotImplementedError(
-                "flash (Pallas Triton): gradients into a position term's arrays that vary "
-                f"along the queries or keys (shape {tuple(ops[n].shape)}) are not implemented; "
-                "the blockwise XLA lowering (impl='xla') computes them")
-    return term_ops
 
 
 LOWERING = Lowering("flash-triton", functools.partial(_forward, interpret=False),

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import fnattn
-from fnattn import AttentionSpec, core, masks
+from fnattn import AttentionSpec, core, masks, position_bias
 from fnattn.flash import xla
 from fnattn._checks import Dims
 from fnattn._dispatch import Config, Lowering
@@ -116,6 +116,45 @@ def test_interpreted_softcap_and_scale():
 def test_interpreted_default_blocks_bfloat16():
     q, k, v = qkv(Tq=128, Tk=256, dtype=jnp.bfloat16)
     check(AttentionSpec(mask=masks.causal(), return_lse=True), q, k, v, tol=3e-2)
+
+
+POSITION_TERM_CASES = {
+    "alibi_causal": (masks.causal(), None, False),
+    "alibi_softcap_sinks": (None, 5.0, True),
+    "alibi_documents": ("documents", None, False),
+}
+
+
+@pytest.mark.parametrize("name", POSITION_TERM_CASES)
+def test_interpreted_position_terms_match_reference(name):
+    """ALiBi (and a sum of two) added to every tile's logits, FULL ones
+    included; its slopes read per (batch, head) as float scalars."""
+    mask, cap, sinks = POSITION_TERM_CASES[name]
+    q, k, v = qkv(Tq=192, Tk=256, Hq=4, Hkv=2)
+    if mask == "documents":
+        ids = jnp.asarray(documents(100, 156))[None]
+        mask = masks.causal() & masks.segments(ids[:, 64:], ids)
+    slopes = jnp.asarray(position_bias.alibi_slopes(4)) * 4
+    for term in (position_bias.alibi(slopes),
+                 position_bias.alibi(slopes) + position_bias.alibi(slopes[::-1])):
+        spec = AttentionSpec(mask=mask, softcap=cap, position_bias=term, return_lse=True,
+                             sinks=jnp.linspace(-1.0, 1.0, 4) if sinks else None,
+                             block_sizes=SMALL)
+        res = check(spec, q, k, v)
+        plain = jax.jit(lambda *a: fnattn.reference(spec.replace(position_bias=None), *a))(
+            *(x.astype(jnp.float32) for x in (q, k, v)))
+        assert float(jnp.abs(res.out.astype(jnp.float32) - plain.out).max()) > 0.1
+
+
+def test_interpreted_huge_terms_keep_rows_exact():
+    """Without soft-cap a term keeps the row state in natural units: rows whose
+    every logit is about -4e30 (slopes of 1e30, no key within distance 4) still
+    weigh their nearest keys exactly, as the reference does."""
+    q, k, v = qkv(Tq=128, Tk=128, Hq=2, Hkv=2)
+    spec = AttentionSpec(mask=~masks.sliding_window(3, 3), return_lse=True, block_sizes=SMALL,
+                         position_bias=position_bias.alibi(jnp.array([1e30, 1.0])))
+    res = check(spec, q, k, v)
+    assert np.all(np.isfinite(np.asarray(res.out, np.float32)))
 
 
 def test_rows_that_see_no_key_give_zero_and_minus_inf():
@@ -510,6 +549,22 @@ def test_lowers_for_cuda(D, mask):
                          dropout_rate=0.1 if D == 64 else 0.0,
                          dropout_key=jax.random.key(0) if D == 64 else None)
     assert lowered_has_mosaic_gpu_call(spec, q, k, (("default", LOWERING),))
+
+
+@pytest.mark.parametrize("mask", ["causal", "documents"])
+def test_lowers_for_cuda_with_position_terms(mask):
+    """ALiBi (with sinks, a soft-cap, or documents' segment ids beside it)."""
+    pytest.importorskip("absl")
+    B, T = 2, 1000
+    ids = jnp.asarray(np.stack([documents(300, 700), documents(250, 250, 500)]))
+    q = jax.ShapeDtypeStruct((B, T, 8, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, T, 2, 128), jnp.bfloat16)
+    mask = masks.causal() if mask == "causal" else masks.causal() & masks.segments(ids)
+    term = position_bias.alibi(jnp.asarray(position_bias.alibi_slopes(8)))
+    for cap, sinks in ((None, jnp.zeros(8)), (30.0, None)):
+        spec = AttentionSpec(mask=mask, softcap=cap, sinks=sinks, position_bias=term,
+                             block_sizes=MosaicGpuBlockSizes(block_k=64, max_concurrent_steps=2))
+        assert lowered_has_mosaic_gpu_call(spec, q, k, (("default", LOWERING),))
 
 
 ARRAY_MASKS = {
