@@ -277,7 +277,7 @@ def from_fn(fn: Callable, *arrays) -> PositionBias:
     ...     return -r1 * jnp.log1p(r2 * jnp.abs(q - k))
     >>> t = from_fn(kerple, jnp.array([1.0, 2.0]), jnp.array([0.5, 0.5]))
     >>> ops = [op[:, 1] for op in t.operands()]  # head 1's values
-    >>> [round(x, 3) for x in t.value(pos, ops).reshape(-1).tolist()]
+    >>> np.round(np.asarray(t.value(pos, ops), np.float64).reshape(-1), 3).tolist()
     [-1.386, -0.811, -0.0]
     """
     if not callable(fn):
