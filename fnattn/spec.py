@@ -42,6 +42,7 @@ from typing import Any, Literal, Optional
 import jax
 import jax.numpy as jnp
 
+from fnattn.flash import blocks
 from fnattn.masks import Mask
 from fnattn.position_bias import PositionBias
 
@@ -164,13 +165,12 @@ class AttentionSpec:
         if self.position_bias is not None and not isinstance(self.position_bias, PositionBias):
             raise TypeError(
                 "AttentionSpec: position_bias must be an fnattn.position_bias term "
-                "(position_bias.alibi(slopes), position_bias.from_fn(fn)) or None; got "
+                "(position_bias.alibi(slopes), position_bias.from_fn(fn, *arrays)) or None; got "
                 f"{type(self.position_bias).__name__}. An array of logits is a bias: "
                 "AttentionSpec(bias=...).")
         if not isinstance(self.return_lse, bool):
             raise TypeError(f"AttentionSpec: return_lse must be a bool; got {self.return_lse!r}")
-        items = self.block_sizes if isinstance(self.block_sizes, tuple) else (self.block_sizes,)
-        if self.block_sizes is not None and not all(_is_block_sizes(b) for b in items):
+        if not all(_is_block_sizes(b) for b in blocks.entries(self.block_sizes)):
             raise TypeError(
                 "AttentionSpec: block_sizes must be None, a block-size object "
                 "(fnattn.XlaBlockSizes, TritonBlockSizes, MosaicBlockSizes, DecodeBlockSizes, "

@@ -63,6 +63,7 @@ from jaxtyping import Array, Shaped, jaxtyped
 from fnattn import _checks, _dispatch, _linear, _partition, masks, position_bias
 from fnattn._varying import varying_like
 from fnattn.decoding import xla
+from fnattn.flash import blocks
 from fnattn.spec import AttentionOutput, AttentionSpec
 
 __all__ = ["Cfg", "DecodeBlockSizes", "check_inputs", "decode", "lowering_table"]
@@ -111,14 +112,13 @@ class DecodeBlockSizes:
 
 def _given_splits(spec, S) -> Optional[int]:
     """``DecodeBlockSizes.num_splits`` from the spec (validated), or None."""
-    items = spec.block_sizes if isinstance(spec.block_sizes, tuple) else (spec.block_sizes,)
-    for b in items:
-        if isinstance(b, DecodeBlockSizes) and b.num_splits is not None:
-            if S % b.num_splits:
-                raise ValueError(f"decode: DecodeBlockSizes(num_splits={b.num_splits}) must "
-                                 f"divide the cache length S={S}")
-            return b.num_splits
-    return None
+    b = blocks.pick(spec.block_sizes, DecodeBlockSizes, None)
+    if b is None or b.num_splits is None:
+        return None
+    if S % b.num_splits:
+        raise ValueError(f"decode: DecodeBlockSizes(num_splits={b.num_splits}) must "
+                         f"divide the cache length S={S}")
+    return b.num_splits
 
 
 def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts):

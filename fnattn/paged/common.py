@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnattn import _checks, masks
+from fnattn.flash import blocks
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -89,11 +90,8 @@ class PagedBlockSizes:
 
 
 def pick_block_sizes(block_sizes) -> PagedBlockSizes:
-    items = block_sizes if isinstance(block_sizes, tuple) else (block_sizes,)
-    for b in items:
-        if isinstance(b, PagedBlockSizes):
-            return b
-    return PagedBlockSizes()
+    """The spec's ``PagedBlockSizes``, or the defaults."""
+    return blocks.pick(block_sizes, PagedBlockSizes, PagedBlockSizes())
 
 
 @dataclasses.dataclass(frozen=True)
