@@ -169,15 +169,14 @@ def _attend_jvp(table, cfg, primals, tangents):
     # (second order) comes back here instead of differentiating a kernel
     out, lse, lse_lo = _attend(table, cfg, *primals)
     res = (q, k, v, bias, sinks, seed, out, lse, lse_lo, *mask_leaves)
-    lin = tuple(jax.custom_derivatives.zero_from_primal(x) if _zero(t) else t
-                for x, t in zip(primals[:5], tangents[:5]))
+    lin = _linear.instantiate(primals[:5], tangents[:5])
     # A position term's arrays (ALiBi's slopes) are differentiated only when
     # asked (a tangent that is not a symbolic zero): the passes then carry
     # them (Config.term_grad). A mask's own arrays select keys: their
     # derivative is zero.
     terms = position_bias.term_leaves(cfg.mask(mask_leaves))
-    which = tuple(i for i in terms if not _zero(tangents[5][i]))
-    other = [i for i, t in enumerate(tangents[5]) if i not in terms and not _zero(t)
+    which = tuple(i for i in terms if not _linear.is_zero(tangents[5][i]))
+    other = [i for i, t in enumerate(tangents[5]) if i not in terms and not _linear.is_zero(t)
              and jnp.issubdtype(jnp.result_type(mask_leaves[i]), jnp.floating)]
     if other:
         raise NotImplementedError(
@@ -193,10 +192,6 @@ def _attend_jvp(table, cfg, primals, tangents):
 
 
 _attend.defjvp(_attend_jvp, symbolic_zeros=True)
-
-
-def _zero(t):
-    return isinstance(t, jax.custom_derivatives.SymbolicZero)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,17 +225,15 @@ class Derivatives(_linear.Rule):
     def smooth(self, res):
         from fnattn import xla  # (fnattn.xla builds on this module)
         q, k, v, bias, sinks, seed, _, _, _, *mask_leaves = res
-        mask = self.cfg.mask(mask_leaves)
-        which = self.cfg.term_grad
+        dense, x = xla.differentiable(self.cfg, self.cfg.mask(mask_leaves), seed,
+                                      q, k, v, bias, sinks)
         acc = jnp.promote_types(jnp.float32, q.dtype)
 
-        def f(q, k, v, bias, sinks, *terms):
-            m = position_bias.with_leaves(mask, which, terms)
-            out, lse = xla.dense(self.cfg, m, seed)(*[None if x is None else x.astype(acc)
-                                                      for x in (q, k, v, bias, sinks)])
+        def f(*xs):
+            out, lse = dense(*[None if x is None else x.astype(acc) for x in xs])
             return out.astype(q.dtype), lse.astype(jnp.float32)
 
-        return f, (q, k, v, bias, sinks, *[mask_leaves[i] for i in which])
+        return f, x
 
 
 def _select_tangent(table, cfg, *args):

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.extend import core as jex_core
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["Rule", "tangent"]
+__all__ = ["Rule", "tangent", "is_zero", "instantiate"]
 
 
 class Rule:
@@ -79,6 +79,19 @@ class Rule:
         y, vjp = jax.vjp(f, *x)
         return tuple(vjp(tuple(jnp.zeros_like(o) if c is None else c
                                for o, c in zip(y, cts))))
+
+
+def is_zero(t) -> bool:
+    """Whether ``t`` is a symbolic zero tangent (a ``custom_jvp`` rule defined
+    with ``symbolic_zeros=True`` sees inputs that are not differentiated so)."""
+    return isinstance(t, jax.custom_derivatives.SymbolicZero)
+
+
+def instantiate(primals, tangents) -> tuple:
+    """``tangents`` with symbolic zeros made arrays of zeros typed like their
+    primals (what a ``custom_jvp`` rule without ``symbolic_zeros`` receives)."""
+    return tuple(jax.custom_derivatives.zero_from_primal(x) if is_zero(t) else t
+                 for x, t in zip(primals, tangents))
 
 
 def _zeros_for_none(x, lin):

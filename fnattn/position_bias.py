@@ -339,15 +339,41 @@ class Biased(masks.Mask):
 Biased = masks._register(Biased, data=("mask", "bias"))
 
 
+def _biased(mask):
+    """The :class:`Biased` mask ``mask`` is, or holds inside the wrappers of
+    context parallelism (``masks.AtPositions`` around ``masks.Canonical``);
+    None without a position term."""
+    if isinstance(mask, masks.AtPositions):
+        return _biased(mask.mask)
+    if isinstance(mask, masks.Canonical):
+        return _biased(mask._inner())
+    return mask if isinstance(mask, Biased) else None
+
+
 def present(mask) -> bool:
     """Whether ``mask`` (a mask, a placeholder from a treedef, or None) carries
     a position term, itself or inside the wrappers of context parallelism
     (``masks.AtPositions`` around ``masks.Canonical``)."""
-    if isinstance(mask, masks.AtPositions):
-        return present(mask.mask)
-    if isinstance(mask, masks.Canonical):
-        return present(mask._inner())
-    return isinstance(mask, Biased)
+    return _biased(mask) is not None
+
+
+def parts(mask) -> list:
+    """The terms whose sum is the position term riding with ``mask`` (through
+    ``+`` and the wrappers of context parallelism); empty without one.
+
+    >>> t = alibi(jnp.ones(2)) + from_fn(lambda b, h, q, k: 0.0 * k)
+    >>> [type(p).__name__ for p in parts(attach(None, t))]
+    ['FromFn', 'ALiBi']
+    """
+    b = _biased(mask)
+    found, todo = [], [] if b is None else [b.bias]
+    while todo:
+        t = todo.pop()
+        if isinstance(t, Sum):
+            todo += [t.a, t.b]
+        else:
+            found.append(t)
+    return found
 
 
 def term(mask, pos: masks.Positions, tiles: Sequence[Array]):
@@ -399,14 +425,13 @@ def term_leaves(mask) -> tuple:
 def term_operands(mask) -> range:
     """Indices, in ``mask.operands()``, of the term's operands (see
     :class:`Biased`), through the wrappers of context parallelism."""
-    if isinstance(mask, masks.AtPositions):
-        return term_operands(mask.mask)  # its positions come after the mask's operands
-    if isinstance(mask, masks.Canonical):
-        return term_operands(mask._inner())
-    if not isinstance(mask, Biased):
+    # (AtPositions's positions come after its mask's operands; Canonical's
+    # operands are its mask's)
+    b = _biased(mask)
+    if b is None:
         return range(0)
-    n = mask._n()
-    return range(n, n + mask.bias.num_operands)
+    n = b._n()
+    return range(n, n + b.bias.num_operands)
 
 
 def kernel_grad_operands(term_grad: tuple, mask, kernel: str) -> tuple:
@@ -426,6 +451,22 @@ def kernel_grad_operands(term_grad: tuple, mask, kernel: str) -> tuple:
                 f"the queries or keys (shape {tuple(ops[n].shape)}) are not implemented; the "
                 "blockwise XLA lowering (impl='xla') computes them")
     return term_ops
+
+
+def kernel_leaf_grads(mask, term_grad: tuple, term_ops: tuple, sums) -> tuple:
+    """The cotangents of the leaves ``term_grad`` from a backward kernel's sums:
+    ``sums`` holds, per operand of ``term_ops`` (:func:`kernel_grad_operands`),
+    its gradient summed per (batch row, head), (B, Hq); each is reduced over
+    the axes its operand is broadcast along, then mapped back to the user's
+    arrays (:func:`leaf_cotangents`). Empty when nothing is differentiated."""
+    if not term_grad:
+        return ()
+    ops = mask.operands()
+    d_ops = {}
+    for n, g in zip(term_ops, sums):
+        g = jnp.reshape(g, g.shape + (1, 1))
+        d_ops[n] = g.sum(tuple(a for a in (0, 1) if ops[n].shape[a] == 1), keepdims=True)
+    return leaf_cotangents(mask, term_grad, d_ops)
 
 
 def with_leaves(mask, which: Sequence[int], values: Sequence[Array]):

@@ -35,7 +35,7 @@ def dense(cfg, mask, seed):
     return f
 
 
-def _differentiable(cfg, mask, seed, q, k, v, bias, sinks):
+def differentiable(cfg, mask, seed, q, k, v, bias, sinks):
     """``(f, primals)``: the dense forward as a function of (q, k, v, bias, sinks)
     and of the position term's arrays being differentiated (``cfg.term_grad``)."""
     which = cfg.term_grad
@@ -50,7 +50,7 @@ def _differentiable(cfg, mask, seed, q, k, v, bias, sinks):
 
 def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse):
     acc = jnp.promote_types(jnp.float32, q.dtype)
-    f, primals = _differentiable(cfg, mask, seed, q, k, v, bias, sinks)
+    f, primals = differentiable(cfg, mask, seed, q, k, v, bias, sinks)
     up = tuple(None if x is None else x.astype(acc) for x in primals)
     _, vjp = jax.vjp(f, *up)
     grads = vjp((d_out.astype(acc), d_lse.astype(acc)))
@@ -61,7 +61,7 @@ def _tangent(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, *tangents)
     """(d_out, d_lse): ``jax.jvp`` of the forward, in the accumulation dtype."""
     del out, lse, lse_lo
     acc = jnp.promote_types(jnp.float32, q.dtype)
-    f, primals = _differentiable(cfg, mask, seed, q, k, v, bias, sinks)
+    f, primals = differentiable(cfg, mask, seed, q, k, v, bias, sinks)
     up = lambda xs: tuple(None if x is None else x.astype(acc) for x in xs)  # noqa: E731
     _, (d_out, d_lse) = jax.jvp(f, up(primals), up(tangents))
     return d_out.astype(q.dtype), d_lse.astype(jnp.float32)

@@ -783,38 +783,26 @@ def test_decode_mosaic_interpret_matches_reference(D, Tq, monkeypatch):
     np.testing.assert_allclose(res.lse, lse, atol=2e-5)
 
 
-def test_decode_kernels_lower_for_tpu():
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+def test_decode_kernel_lowers(platform):
+    """The Mosaic kernel with the term lowers for TPU, the Triton one for cuda."""
     from fnattn.decoding import api as decode_api
     from fnattn.decoding import mosaic as decode_mosaic
-    q = jax.ShapeDtypeStruct((4, 1, 8, 128), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((4, 4096, 2, 128), jnp.bfloat16)
-    spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(
-        jnp.asarray(position_bias.alibi_slopes(8))))
-    table = (("default", decode_api.xla.forward), ("tpu", decode_mosaic.forward))
-
-    def f(q, k, v):
-        return decode_api._attend(table, *_decode_args(spec, q, k, v))
-
-    with tpu_target():
-        text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
-    assert decode_mosaic.KERNEL_NAME in text
-
-
-def test_decode_kernel_lowers_for_cuda():
-    from fnattn.decoding import api as decode_api
     from fnattn.decoding import triton as decode_triton
+    kernel, target = {"tpu": (decode_mosaic, tpu_target),
+                      "cuda": (decode_triton, gpu_target)}[platform]
     q = jax.ShapeDtypeStruct((4, 1, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((4, 4096, 2, 128), jnp.bfloat16)
     spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(
         jnp.asarray(position_bias.alibi_slopes(8))))
-    table = (("default", decode_api.xla.forward), ("cuda", decode_triton.forward))
+    table = (("default", decode_api.xla.forward), (platform, kernel.forward))
 
     def f(q, k, v):
         return decode_api._attend(table, *_decode_args(spec, q, k, v))
 
-    with gpu_target():
-        text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
-    assert decode_triton.KERNEL_NAME in text
+    with target():
+        text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=(platform,)).as_text()
+    assert kernel.KERNEL_NAME in text
 
 
 def _decode_args(spec, q, k, v):
@@ -916,23 +904,18 @@ def test_paged_gradients_kernel_refusal_and_lowering():
     table16 = jnp.arange(256, dtype=jnp.int32).reshape(16, 16)
     lens16 = jnp.full((16,), 200, jnp.int32)
 
-    def f(q, kp, vp):
-        return paged_api.paged_attention_with(
-            (("default", paged_api.xla.forward), ("cuda", paged_triton.forward)), alibi, q, kp,
-            vp, page_table=table16, kv_lengths=lens16).out
+    for platform, forward, target, name in (
+            ("cuda", paged_triton.forward, gpu_target, "fnattn_paged_triton"),
+            ("tpu", paged_mosaic.forward, tpu_target, "fnattn_paged_mosaic")):
+        def f(q, kp, vp):
+            return paged_api.paged_attention_with(
+                (("default", paged_api.xla.forward), (platform, forward)), alibi, q, kp, vp,
+                page_table=table16, kv_lengths=lens16).out  # noqa: B023
 
-    with gpu_target():
-        text = jax.jit(f).trace(qs, pool, pool).lower(lowering_platforms=("cuda",)).as_text()
-    assert "fnattn_paged_triton" in text
-
-    def g(q, kp, vp):
-        return paged_api.paged_attention_with(
-            (("default", paged_api.xla.forward), ("tpu", paged_mosaic.forward)), alibi, q, kp,
-            vp, page_table=table16, kv_lengths=lens16).out
-
-    with tpu_target():
-        text = jax.jit(g).trace(qs, pool, pool).lower(lowering_platforms=("tpu",)).as_text()
-    assert "fnattn_paged_mosaic" in text
+        with target():
+            text = jax.jit(f).trace(qs, pool, pool).lower(
+                lowering_platforms=(platform,)).as_text()
+        assert name in text
 
 
 def test_paged_mosaic_interpret_matches_reference():

@@ -157,10 +157,9 @@ def _ring_jvp(P, primals, tangents):
     q, k, v, bias4, sinks, ops, key, base = primals
     out, lse, lo = _ring(P, *primals)  # second order comes back here
     res = (q, k, v, bias4, sinks, key, base, out, lse, lo, *ops)
-    lin = tuple(jax.custom_derivatives.zero_from_primal(x) if _zero(t) else t
-                for x, t in zip(primals[:5], tangents[:5]))
+    lin = _linear.instantiate(primals[:5], tangents[:5])
     # the position term's operands being differentiated (ALiBi's slopes)
-    which = tuple(n for n in _term_ops(P) if not _zero(tangents[5][n])
+    which = tuple(n for n in _term_ops(P) if not _linear.is_zero(tangents[5][n])
                   and jnp.issubdtype(ops[n].dtype, jnp.floating))
     lin += tuple(tangents[5][n] for n in which)
     t_out, t_lse = _linear.tangent(_Derivatives(P, which), res, lin, (out, lse))
@@ -168,10 +167,6 @@ def _ring_jvp(P, primals, tangents):
 
 
 _ring.defjvp(_ring_jvp, symbolic_zeros=True)
-
-
-def _zero(t):
-    return isinstance(t, jax.custom_derivatives.SymbolicZero)
 
 
 @dataclasses.dataclass(frozen=True)

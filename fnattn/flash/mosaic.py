@@ -955,11 +955,8 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     axes = (1,) + ((2 if dbias_dq == "tile" else 3,) if dbias_dq else ()) + (3,) * len(term_ops)
     res = [jnp.concatenate(parts, axis=ax) if len(parts) > 1 else parts[0]
            for parts, ax in zip(zip(*res), axes)]
-    d_ops = {}
-    ops = () if mask is None else mask.operands()
-    for n, g in zip(term_ops, res[len(res) - len(term_ops):]):
-        g = g[:, :, 0, :d.q_len].sum(-1).reshape(B, Hq, 1, 1)
-        d_ops[n] = g.sum(tuple(a for a in (0, 1) if ops[n].shape[a] == 1), keepdims=True)
+    # the term's gradients per (batch row, head): the sum of the rows' sums
+    term_sums = [g[:, :, 0, :d.q_len].sum(-1) for g in res[len(res) - len(term_ops):]]
     dq = res[0].reshape(B, -1, Hq, P.Dp)[:, :d.q_len, :, :d.head_dim].astype(q.dtype)
     dbias_full = None
     if dbias_dq == "tile":
@@ -998,9 +995,8 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     dsinks = None
     if sinks is not None:
         dsinks = _online.sink_grad(sinks, lse, lse_lo, delta).astype(sinks.dtype)
-    if not cfg.term_grad:
-        return dq, dk, dv, dbias, dsinks
-    return (dq, dk, dv, dbias, dsinks) + position_bias.leaf_cotangents(mask, cfg.term_grad, d_ops)
+    return (dq, dk, dv, dbias, dsinks,
+            *position_bias.kernel_leaf_grads(mask, cfg.term_grad, term_ops, term_sums))
 
 
 def _dq_call(K: _K, P: _Plan, cd, chunk: _Chunk, nk, qf, kf, vf, dof, lse8, lo8, delta8, extras,

@@ -328,14 +328,14 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
 
 def term_refusals(mask, *, backward: bool = False) -> list:
     """A position term (:mod:`fnattn.position_bias`) riding with the mask: this
-    forward computes one whose arrays hold one value per batch row and head
-    (ALiBi's slopes, a ``from_fn``'s parameters); the Mosaic GPU backward
+    forward computes ALiBi (and sums of it: arrays of one value per batch row
+    and head), not ``from_fn`` terms; the Mosaic GPU backward
     (``backward=True``) computes none (the Triton backward does)."""
     if not position_bias.present(mask):
         return []
     if backward:
         return ["a position bias (the Mosaic GPU backward adds nothing to the logits)"]
-    if _has_from_fn_term(mask):
+    if any(isinstance(t, position_bias.FromFn) for t in position_bias.parts(mask)):
         # Its function may use operations Mosaic GPU does not lower (log1p, ...).
         return ["a from_fn position bias (the kernel computes ALiBi; the Triton kernels any "
                 "term)"]
@@ -344,23 +344,6 @@ def term_refusals(mask, *, backward: bool = False) -> list:
         return [f"a position bias with arrays along the queries or keys ({mask!r}; the kernel "
                 "reads one value per batch row and head)"]
     return []
-
-
-def _has_from_fn_term(mask) -> bool:
-    terms = [mask]
-    while terms:
-        t = terms.pop()
-        if isinstance(t, masks.AtPositions):
-            terms.append(t.mask)
-        elif isinstance(t, masks.Canonical):
-            terms.append(t._inner())
-        elif isinstance(t, position_bias.Biased):
-            terms.append(t.bias)
-        elif isinstance(t, position_bias.Sum):
-            terms += [t.a, t.b]
-        elif isinstance(t, position_bias.FromFn):
-            return True
-    return False
 
 
 def maskless_refusals(cfg, dtype, bias, sinks) -> list:
@@ -398,7 +381,7 @@ def operand_refusals(mask) -> list:
     dtypes only): arrays along both queries and keys, and non-integers or integers
     wider than 32 bits."""
     why = []
-    term = set(position_bias.term_operands(mask))  # (floats, read through their bits)
+    term = set(position_bias.term_operands(mask))  # (floats: the "fscalar" stack)
     for n, op in enumerate(jax.eval_shape(lambda m: m.operands(), mask)):
         if n in term:
             continue

@@ -1074,12 +1074,8 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     if bias is not None:
         dbias = res[1][:, :, :min(res[1].shape[2], d.q_len), :min(res[1].shape[3], d.kv_len)]
         dbias = dbias.reshape(bias.shape).astype(bias.dtype)
-    d_ops = {}
-    ops = () if mask is None else mask.operands()
-    for n, g in zip(term_ops, res[len(res) - len(term_ops):]):
-        g = g.sum(0).reshape(B, Hq, 1, 1)
-        shape = ops[n].shape
-        d_ops[n] = g.sum(tuple(a for a in (0, 1) if shape[a] == 1), keepdims=True)
+    # the term's gradients per (batch row, head): the sum of the programs' partials
+    term_sums = [g.sum(0).reshape(B, Hq) for g in res[len(res) - len(term_ops):]]
 
     # dk, dv: programs over (kv-block, batch x group of Gp query heads).
     bq, bk, params = _blocks_for(cfg, q.dtype, "dkdv", tile_bytes)
@@ -1117,11 +1113,9 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     dsinks = None
     if sinks is not None:
         dsinks = online.sink_grad(sinks, lse, lse_lo, delta).astype(sinks.dtype)
-    grads = (dq.astype(q.dtype), finish(dk, d.head_dim, k.dtype),
-             finish(dv, d.v_head_dim, v.dtype), dbias, dsinks)
-    if not cfg.term_grad:
-        return grads
-    return grads + position_bias.leaf_cotangents(mask, cfg.term_grad, d_ops)
+    return (dq.astype(q.dtype), finish(dk, d.head_dim, k.dtype),
+            finish(dv, d.v_head_dim, v.dtype), dbias, dsinks,
+            *position_bias.kernel_leaf_grads(mask, cfg.term_grad, term_ops, term_sums))
 
 
 LOWERING = Lowering("flash-triton", functools.partial(_forward, interpret=False),
