@@ -343,20 +343,23 @@ def flash_section(args, rows, deadline):
         grid = [(8192, 128), (2048, 128), (32768, 128), (8192, 64), (8192, 256)]
     else:
         grid = [tuple(int(x) for x in item.split("x")) for item in args.flash_grid.split(",")]
+    grid = [(item + item[-1:])[:3] for item in grid]    # (T, D, Dv); TxD: Dv = D
     # (fnattn:tuned times tens of candidates per row before its own: only when named)
     impls = ([i for i in FLASH_IMPLS if i in args.impls.split(",")] if args.impls
              else [i for i in FLASH_IMPLS if i != "fnattn:tuned"])
     modes = args.modes.split(",")
-    for T, D in grid:
+    for T, D, Dv in grid:
         B, H = max(1, 16384 // T), 2048 // D
         ks = jax.random.split(jax.random.key(T + D), 4)
-        q, k, v, w = (jax.random.normal(kk, (B, T, H, D), jnp.bfloat16) for kk in ks)
+        q, k, v, w = (jax.random.normal(kk, (B, T, H, d), jnp.bfloat16)
+                      for kk, d in zip(ks, (D, D, Dv, Dv)))
+        label_D = D if Dv == D else f"{D}/{Dv}"   # (the tables' D column)
         cases = [(c, None, None, 0.0, "causal" if c else "none") for c in (False, True)]
         if args.softcap:
             cases.append((True, None, args.softcap, 0.0, "causal+softcap"))
         if args.dropout:
             cases.append((True, None, None, args.dropout, "causal+dropout"))
-        if T == args.doc_T and D == 128:
+        if T == args.doc_T and D == Dv == 128:
             # packed documents of random lengths (mean T/8), causal within each; with
             # --doc-align, the same cuts rounded to that multiple as a second row
             for align in (0,) + ((args.doc_align,) if args.doc_align else ()):
@@ -371,7 +374,8 @@ def flash_section(args, rows, deadline):
                     if time.time() > deadline:
                         print("flash: time budget spent, stopping", flush=True)
                         return
-                    row = dict(section="flash", impl=impl, B=B, T=T, H=H, D=D, causal=int(causal),
+                    row = dict(section="flash", impl=impl, B=B, T=T, H=H, D=label_D,
+                               causal=int(causal),
                                mask=label, mode=mode)
                     if impl.startswith("pass:") and mode != "fwd":
                         continue
@@ -499,7 +503,7 @@ def tile_mix(mask, B, H, T, D):
 
 
 def _flash_line(r):
-    s = (f"{r['impl']:20s} T={r['T']:6d} D={r['D']:3d} {r['mask']:14s} {r['mode']:8s} ")
+    s = (f"{r['impl']:20s} T={r['T']:6d} D={r['D']!s:>3} {r['mask']:14s} {r['mode']:8s} ")
     if r["status"] != "ok":
         return s + r["status"]
     extra = f"  |out - jax.nn| {r['diff_vs_jax_nn']:.1e}" if "diff_vs_jax_nn" in r else ""
@@ -747,7 +751,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="flash,decode")
     ap.add_argument("--flash-grid", default="8192x128",
-                    help="'full', 'core', or comma-separated TxD items")
+                    help="'full', 'core', or comma-separated TxD items (TxDxDv: a value "
+                         "head dim unlike D)")
     ap.add_argument("--impls", default=None, help="comma-separated flash peers")
     ap.add_argument("--modes", default="fwd,fwd+bwd",
                     help="comma-separated: fwd, fwd+bwd, bwd (the backward alone)")

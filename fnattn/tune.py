@@ -377,7 +377,7 @@ def _flash_plan(variant, spec, args, target, backward) -> Plan:
             "routes it), which has no block sizes; tune impl='pallas' to time fnattn's kernels")
     with_mosaic = (spec.impl == "auto" and target.hopper and not mosaic_gpu.supports(
         cfg, qb.dtype, mask, spec.bias, spec.sinks))
-    D, item = max(dims.head_dim, dims.v_head_dim), jnp.dtype(q.dtype).itemsize
+    D, item = mosaic_gpu.kernel_dim(dims), jnp.dtype(q.dtype).itemsize  # (its padded dim)
     n_rows, n_cols = mosaic_gpu.array_counts(mask) if with_mosaic else (0, 0)
     T = triton.TritonBlockSizes
 

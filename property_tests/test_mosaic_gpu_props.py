@@ -3,7 +3,8 @@ fnattn/flash/mosaic_gpu_bwd.py backward), run by JAX's Mosaic GPU interpreter on
 
 Random masks of every kind those kernels read (causal, windows, chunks, segment ids,
 lengths, prefix-LM, ``from_fn`` and their ``&``, ``|``, ``~``), GQA ratios, query and
-key lengths that are not multiples of the 64-row tiles, float16 and bfloat16,
+key lengths that are not multiples of the 64-row tiles, head dims the kernels
+pad to 64 (a value head dim unlike the query's among them), float16 and bfloat16,
 soft-cap, sinks (-inf, +inf or ordinary), dropout, one program per q-tile or
 persistent programs, and NaN / inf in the K and V of keys no row may see. Out, lse
 and every gradient must be those of the float32 reference on the same (rounded)
@@ -43,11 +44,12 @@ def _kernels(spec, q, k, v):
 
 
 @st.composite
-def problems(draw, head_dims=(64,)):
-    """``(spec, q, k, v, d_out, d_lse)`` of a drawn problem whose head dim is one
-    of ``head_dims``: 64 by default, since the interpreter slows down with wider
-    heads, whose own paths (dQ in two halves at 128, the column split above)
-    have tests of their own in tests/flash/."""
+def problems(draw, head_dims=((64, 64), (40, 64), (64, 24))):
+    """``(spec, q, k, v, d_out, d_lse)`` of a drawn problem whose head dims
+    ``(D, Dv)`` are one of ``head_dims``: by default pairs the kernels compute at
+    64 (zero columns pad 40 and 24 there), since the interpreter slows down
+    with wider heads, whose own paths (dQ in two halves at 128, the column
+    split above) have tests of their own in tests/flash/."""
     hq, hkv = draw(gqa_heads(max_kv=2, max_group=2))
     B = draw(st.integers(1, 2))
     Tq, Tk = draw(st.integers(1, 200)), draw(st.integers(1, 200))
@@ -57,8 +59,8 @@ def problems(draw, head_dims=(64,)):
     def normal(*shape, dtype=dtype):  # values the kernel's dtype holds exactly
         return jnp.asarray(rs.standard_normal(shape), F32).astype(dtype)
 
-    D = draw(st.sampled_from(head_dims))
-    q, k, v = normal(B, Tq, hq, D), normal(B, Tk, hkv, D), normal(B, Tk, hkv, D)
+    D, Dv = draw(st.sampled_from(head_dims))
+    q, k, v = normal(B, Tq, hq, D), normal(B, Tk, hkv, D), normal(B, Tk, hkv, Dv)
     mask = draw(st.one_of(st.none(), mask_trees(B, Tq, Tk, H=hq, kinds=KINDS)))
     if mask is not None:
         k, v = poison_hidden_keys(k, v, masks.materialize(mask, B, hq, Tq, Tk))
@@ -68,7 +70,7 @@ def problems(draw, head_dims=(64,)):
                          dropout_rate=rate, dropout_key=jax.random.key(rs.integers(99)) if rate
                          else None, return_lse=True,
                          block_sizes=dataclasses.replace(SMALL, persistent=draw(st.booleans())))
-    do = normal(B, Tq, hq, D).astype(F32)
+    do = normal(B, Tq, hq, Dv).astype(F32)
     dl = jnp.asarray(rs.standard_normal((B, hq, Tq)), F32)
     return spec, q, k, v, do, dl
 

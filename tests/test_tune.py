@@ -328,6 +328,18 @@ def test_hopper_gets_triton_and_mosaic_gpu_candidates_that_fit_shared_memory():
                              mosaic_gpu_bwd.MosaicGpuBwdBlockSizes}
 
 
+def test_mosaic_gpu_candidates_fit_at_the_padded_head_dim():
+    """D = 96 runs on the Mosaic GPU kernels at 128 (mosaic_gpu.kernel_dim): the
+    tiles proposed fit shared memory there, so 64 x 128 with a ring of 3 (which
+    would fit at 96) is not among them."""
+    q = jnp.zeros((1, 4096, 8, 96), jnp.bfloat16)
+    p = tune.plan(fnattn.flash, AttentionSpec(mask=documents(4096)), q, q, q, target=H100)
+    mg = [b for (b,) in p.stages[0].propose(()) if isinstance(b, fnattn.MosaicGpuBlockSizes)]
+    assert mg and all(b.smem_bytes(128, row_arrays=1, key_arrays=1) <= mosaic_gpu.SMEM_BYTES
+                      for b in mg)
+    assert not any((b.block_q, b.block_k, b.max_concurrent_steps) == (64, 128, 3) for b in mg)
+
+
 def test_older_gpus_and_pallas_get_the_triton_kernels_only():
     q = jnp.zeros((1, 64, 4, 64), jnp.bfloat16)
     spec = AttentionSpec(mask=masks.causal())

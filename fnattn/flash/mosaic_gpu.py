@@ -81,7 +81,10 @@ so a row that sees no key gets ``out = 0`` and ``lse = -inf``. The residuals
 are those of the Triton lowering, whose backward kernels :data:`LOWERING`
 reuses.
 
-Supported: float16 / bfloat16, ``D == Dv``, ``D % 64 == 0``, ``D <= 256``, any
+Supported: float16 / bfloat16, head dims ``D`` and ``Dv`` up to 256 (the
+kernel computes at :func:`kernel_dim`, their maximum rounded up to a multiple
+of 64: the wrapper zero-pads q, k and v to it and drops the output's extra
+columns; D = 96 runs at 128, D = 192 with Dv = 128 at 192), any
 scale, soft-cap, attention sinks, dropout, GQA, no mask, an array-free mask
 (causal, sliding windows, chunks and their ``&``, ``|``, ``~``) or a mask
 holding per-row, per-key or per-sequence integer arrays (segments, lengths,
@@ -318,10 +321,13 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
     why = maskless_refusals(cfg, dtype, bias, sinks) + term_refusals(mask)
     if mask is not None and mask.num_operands:
         why += operand_refusals(mask)
-    d = cfg.dims
-    if (mask is not None and _blocks_for(cfg).hidden_keys == "redo"
-            and isinstance(d.head_dim, int) and not triton._is_pow2(d.head_dim)):
-        why.append(f"hidden_keys='redo' at head dim D={d.head_dim} (the Triton forward that "
+    Dp = kernel_dim(cfg.dims)
+    if (mask is not None and Dp is not None and Dp <= 256
+            and _blocks_for(cfg).hidden_keys == "redo" and not triton._is_pow2(Dp)):
+        d = cfg.dims
+        at = (f"D={Dp}" if d.head_dim == d.v_head_dim == Dp
+              else f"{Dp} (D={d.head_dim}, Dv={d.v_head_dim} padded)")
+        why.append(f"hidden_keys='redo' at head dim {at} (the Triton forward that "
                    "recomputes flagged rows takes powers of two; hidden_keys='pass' runs here)")
     return why
 
@@ -349,16 +355,16 @@ def term_refusals(mask, *, backward: bool = False) -> list:
 def maskless_refusals(cfg, dtype, bias, sinks) -> list:
     """What the Mosaic GPU kernels (this forward and :mod:`fnattn.flash.mosaic_gpu_bwd`)
     refuse apart from the mask: a bias, dtypes other than float16/bfloat16,
-    head dims, symbolic sizes.
+    head dims past 256 (:func:`kernel_dim`), symbolic sizes.
 
     >>> from fnattn._checks import Dims
     >>> from fnattn._dispatch import Config
-    >>> cfg = Config(Dims(1, 256, 256, 4, 2, 96, 96), 0.1, None, 0.2, None)
+    >>> cfg = Config(Dims(1, 256, 256, 4, 2, 288, 288), 0.1, None, 0.2, None)
     >>> for why in maskless_refusals(cfg, jnp.float32, jnp.zeros((1, 4, 256, 256)), None):
     ...     print(why)
     a bias (the kernel adds nothing to the logits)
     float32 inputs (the kernel takes float16 or bfloat16)
-    head dim D=96 (the kernel takes multiples of 64 up to 256)
+    head dim D=288 (the kernel computes at a multiple of 64 up to 256)
     """
     d = cfg.dims
     why = []
@@ -366,14 +372,50 @@ def maskless_refusals(cfg, dtype, bias, sinks) -> list:
         why.append("a bias (the kernel adds nothing to the logits)")
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         why.append(f"{jnp.dtype(dtype).name} inputs (the kernel takes float16 or bfloat16)")
-    if d.head_dim != d.v_head_dim:
-        why.append(f"a value head dim Dv={d.v_head_dim} unlike D={d.head_dim}")
-    if isinstance(d.head_dim, int) and (d.head_dim % 64 or d.head_dim > 256):
-        why.append(f"head dim D={d.head_dim} (the kernel takes multiples of 64 up to 256)")
+    Dp = kernel_dim(d)
+    if Dp is None:
+        why.append(f"symbolic head dims D={d.head_dim}, Dv={d.v_head_dim}")
+    elif Dp > 256:
+        dims = f"D={d.head_dim}" + ("" if d.v_head_dim == d.head_dim else f", Dv={d.v_head_dim}")
+        why.append(f"head dim {dims} (the kernel computes at a multiple of 64 up to 256)")
     symbolic = _checks.symbolic_sizes(B=d.batch, Tq=d.q_len, Tk=d.kv_len)
     if symbolic:
         why.append(f"symbolic sizes {symbolic}")
     return why
+
+
+def kernel_dim(dims) -> Optional[int]:
+    """The head dim the Mosaic GPU kernels compute at (None if symbolic): the
+    larger of ``D`` and ``Dv`` rounded up to a multiple of 64, the width of a
+    128-byte swizzled row of 16-bit values. The wrappers zero-pad q, k and v
+    (and the backward's ``out`` and ``d_out``) to it and drop the extra
+    columns of the results: a zero column adds nothing to ``q . k``, and zero
+    columns of V give output columns that are dropped. The Triton kernels pad
+    to the next power of two, so no spec computes on wider tiles here than
+    there.
+
+    >>> from fnattn._checks import Dims
+    >>> [kernel_dim(Dims(1, 8, 8, 1, 1, D, Dv)) for D, Dv in [(128, 128), (96, 96),
+    ...                                                        (80, 80), (192, 128)]]
+    [128, 128, 128, 192]
+    """
+    if not (isinstance(dims.head_dim, int) and isinstance(dims.v_head_dim, int)):
+        return None
+    return -(-max(dims.head_dim, dims.v_head_dim) // 64) * 64
+
+
+def at_kernel_dim(cfg):
+    """``cfg`` with ``D`` and ``Dv`` both :func:`kernel_dim`'s (``cfg`` itself
+    where they already are): what the kernels are traced with."""
+    d, Dp = cfg.dims, kernel_dim(cfg.dims)
+    if d.head_dim == d.v_head_dim == Dp:
+        return cfg
+    return dataclasses.replace(cfg, dims=d._replace(head_dim=Dp, v_head_dim=Dp))
+
+
+def pad_dim(x, D: int):
+    """A "bthd" array zero-padded along its last axis to ``D``."""
+    return triton._pad(x, 3, D)
 
 
 def operand_refusals(mask) -> list:
@@ -1198,19 +1240,31 @@ def _hidden_keys_inert(k, v):
 
 def _blocks_for(cfg):
     return blocks.pick(cfg.block_sizes, MosaicGpuBlockSizes,
-                       MosaicGpuBlockSizes.default(cfg.dims.head_dim))
+                       MosaicGpuBlockSizes.default(kernel_dim(cfg.dims)))
 
 
 def forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret=False):
     """``(out, lse, lse_lo)`` of the flash forward on the Mosaic GPU kernel.
 
     The signature and results of every flash lowering's ``fwd``: "bthd" inputs,
-    ``out`` (B, Tq, Hq, D) in q's dtype, ``lse`` and ``lse_lo`` (B, Hq, Tq)
-    float32, lse in natural-log units. ``interpret``: False to compile for the
-    GPU, or the parameters of the Mosaic GPU interpreter (:func:`interpret_params`)
-    to run the same kernel on CPU.
+    ``out`` (B, Tq, Hq, Dv) in q's dtype, ``lse`` and ``lse_lo`` (B, Hq, Tq)
+    float32, lse in natural-log units. Head dims are padded to
+    :func:`kernel_dim`. ``interpret``: False to compile for the GPU, or the
+    parameters of the Mosaic GPU interpreter (:func:`interpret_params`) to run
+    the same kernel on CPU.
     """
     _refuse(cfg, q.dtype, mask, bias, sinks)
+    kcfg = at_kernel_dim(cfg)
+    if kcfg is cfg:
+        return _forward(cfg, q, k, v, sinks, mask, seed, interpret)
+    Dp = kcfg.dims.head_dim
+    out, lse, lse_lo = _forward(kcfg, pad_dim(q, Dp), pad_dim(k, Dp), pad_dim(v, Dp), sinks,
+                                mask, seed, interpret)
+    return out[..., :cfg.dims.v_head_dim], lse, lse_lo
+
+
+def _forward(cfg, q, k, v, sinks, mask, seed, interpret):
+    """:func:`forward` at the kernel's head dim (``D == Dv ==`` :func:`kernel_dim`)."""
     plgpu = _plgpu()
     d = cfg.dims
     bs = _blocks_for(cfg)

@@ -80,9 +80,11 @@ tiles`` is small, the group is split over programs (as the Triton backward
 does, :data:`fnattn.flash.triton.MIN_DKDV_PROGRAMS`) and float32 partials are
 summed in XLA (row split only).
 
-Supported: float16 / bfloat16, ``D == Dv``, ``D % 64 == 0``, ``D <= 256``,
-any scale, soft-cap, attention sinks (``P`` comes from the forward's ``lse``,
-which holds the sink; their gradient is a sum over the row statistics in XLA),
+Supported: float16 / bfloat16, head dims ``D`` and ``Dv`` up to 256 (computed
+at :func:`fnattn.flash.mosaic_gpu.kernel_dim`, their maximum rounded up to a
+multiple of 64, with zero columns), any scale, soft-cap, attention sinks
+(``P`` comes from the forward's ``lse``, which holds the sink; their gradient
+is a sum over the row statistics in XLA),
 dropout (the forward's keep mask drawn again on the transposed tile: ``dV``
 takes the kept weights, ``dP`` is masked and scaled alike), GQA,
 ragged lengths, no mask, an array-free mask (causal, sliding windows, chunks and
@@ -228,8 +230,11 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
     >>> from fnattn._checks import Dims
     >>> from fnattn._dispatch import Config
     >>> cfg = Config(Dims(1, 256, 256, 4, 2, 80, 80), 0.1, None, 0.0, None)
-    >>> supports(cfg, jnp.float16, masks.causal(), None, None)
-    ['head dim D=80 (the kernel takes multiples of 64 up to 256)']
+    >>> supports(cfg, jnp.float16, masks.causal(), None, None)  # (computed at D = 128)
+    []
+    >>> wide = Config(Dims(1, 256, 256, 4, 2, 320, 320), 0.1, None, 0.0, None)
+    >>> supports(wide, jnp.float16, masks.causal(), None, None)
+    ['head dim D=320 (the kernel computes at a multiple of 64 up to 256)']
     """
     d = cfg.dims
     why = (mosaic_gpu.maskless_refusals(cfg, dtype, bias, sinks)
@@ -271,7 +276,7 @@ def route(cfg, dtype, mask, bias, sinks) -> bool:
         return False
     if blocks.pick(cfg.block_sizes, MosaicGpuBwdBlockSizes, None) is not None:
         return True
-    return cfg.dims.head_dim <= _ROW_SPLIT_MAX_D and cfg.dropout_rate == 0
+    return mosaic_gpu.kernel_dim(cfg.dims) <= _ROW_SPLIT_MAX_D and cfg.dropout_rate == 0
 
 
 def _refuse(cfg, dtype, mask, bias, sinks):
@@ -814,7 +819,7 @@ def _launch_now(P: _Plan, interpret, dtype, q, k, v, do, stats, table, extra):
 
 def _blocks_for(cfg):
     return blocks.pick(cfg.block_sizes, MosaicGpuBwdBlockSizes,
-                       MosaicGpuBwdBlockSizes.default(cfg.dims.head_dim))
+                       MosaicGpuBwdBlockSizes.default(mosaic_gpu.kernel_dim(cfg.dims)))
 
 
 def _plan(cfg, mask, interpret, operands=(), stacks=()) -> _Plan:
@@ -856,8 +861,25 @@ def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_l
     None without sinks. ``interpret``: False to compile for the GPU, or the
     parameters of the Mosaic GPU interpreter
     (:func:`fnattn.flash.mosaic_gpu.interpret_params`) to run the same kernel on CPU.
+    Head dims are padded to :func:`fnattn.flash.mosaic_gpu.kernel_dim` (zero
+    columns of ``out`` and ``d_out`` leave ``rowsum(dO * O)`` as it is).
     """
     _refuse(cfg, q.dtype, mask, bias, sinks)
+    kcfg = mosaic_gpu.at_kernel_dim(cfg)
+    if kcfg is cfg:
+        return _backward(cfg, q, k, v, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse,
+                         interpret)
+    d, Dp, pad = cfg.dims, kcfg.dims.head_dim, mosaic_gpu.pad_dim
+    dq, dk, dv, dbias, dsinks = _backward(kcfg, pad(q, Dp), pad(k, Dp), pad(v, Dp), sinks,
+                                          mask, seed, pad(out, Dp), lse, lse_lo,
+                                          pad(d_out, Dp), d_lse, interpret)
+    return (dq[..., :d.head_dim], dk[..., :d.head_dim], dv[..., :d.v_head_dim], dbias,
+            dsinks)
+
+
+def _backward(cfg, q, k, v, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, interpret):
+    """:func:`backward` at the kernel's head dim (``D == Dv ==``
+    :func:`fnattn.flash.mosaic_gpu.kernel_dim`)."""
     d = cfg.dims
     P = _plan(cfg, mask, interpret)
     ids = []

@@ -41,11 +41,11 @@ def _interpreted():
                     LOWERING.bwd)
 
 
-def qkv(*, B=1, Tq=128, Tk=128, Hq=2, Hkv=2, D=64, dtype=jnp.float16, seed=0):
+def qkv(*, B=1, Tq=128, Tk=128, Hq=2, Hkv=2, D=64, Dv=None, dtype=jnp.float16, seed=0):
     kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
     return (jax.random.normal(kq, (B, Tq, Hq, D), jnp.float32).astype(dtype),
             jax.random.normal(kk, (B, Tk, Hkv, D), jnp.float32).astype(dtype),
-            jax.random.normal(kv, (B, Tk, Hkv, D), jnp.float32).astype(dtype))
+            jax.random.normal(kv, (B, Tk, Hkv, Dv or D), jnp.float32).astype(dtype))
 
 
 def run(spec, q, k, v, table):
@@ -144,6 +144,43 @@ def test_interpreted_position_terms_match_reference(name):
         plain = jax.jit(lambda *a: fnattn.reference(spec.replace(position_bias=None), *a))(
             *(x.astype(jnp.float32) for x in (q, k, v)))
         assert float(jnp.abs(res.out.astype(jnp.float32) - plain.out).max()) > 0.1
+
+
+PADDED_DIMS_CASES = {
+    # D = 96 computed at 128 (a power of two: the flagged rows' recomputation,
+    # no pass over K and V), packed documents with poisoned keys past them.
+    "d96_documents_redo": (96, 96, "documents"),
+    # D = 48, Dv = 80 at 128 with GQA 2:1, a window and sinks.
+    "d48_dv80_window_sinks": (48, 80, "window"),
+    # D = 64, Dv = 32: q and k as they are, V padded; ragged, no mask.
+    "d64_dv32_ragged": (64, 32, None),
+}
+
+
+@pytest.mark.parametrize("name", PADDED_DIMS_CASES)
+def test_interpreted_head_dims_padded_to_a_multiple_of_64(name):
+    """Head dims that are not multiples of 64, and a value head dim unlike the
+    query's: the kernel computes at kernel_dim (zero columns) and the output
+    has Dv columns, against the reference."""
+    D, Dv, mask = PADDED_DIMS_CASES[name]
+    sizes = dict(Tq=100, Tk=150) if mask is None else dict(Tq=128, Tk=192)
+    q, k, v = qkv(Hq=4, Hkv=2, D=D, Dv=Dv, **sizes)
+    sinks = None
+    if mask == "documents":
+        ids = jnp.asarray(documents(100, 92))[None]
+        mask = masks.causal() & masks.segments(ids[:, 64:], ids)
+        # Poisoned keys 150..159: rows before position 150 (rows 0..85) hide them.
+        k, v = k.at[:, 150:160].set(jnp.nan), v.at[:, 150:160].set(jnp.inf)
+    elif mask == "window":
+        mask, sinks = masks.causal() & masks.sliding_window(50), jnp.linspace(-1.0, 1.0, 4)
+    assert mosaic_gpu.kernel_dim(Dims(1, 1, 1, 1, 1, D, Dv)) == (64 if D == 64 else 128)
+    spec = AttentionSpec(mask=mask, sinks=sinks, return_lse=True, block_sizes=SMALL)
+    res = interpret(spec, q, k, v)
+    assert res.out.shape == q.shape[:3] + (Dv,)
+    if name == "d96_documents_redo":
+        out = np.asarray(res.out, np.float32)
+        assert np.isfinite(out[:, :86]).all() and np.isnan(out[:, 86:]).all()
+    compare(res, spec, q, k, v)
 
 
 def test_interpreted_huge_terms_keep_rows_exact():
@@ -420,8 +457,8 @@ def cfg_of(*, D=64, Dv=None, dropout=0.0, Tq=128, Tk=128):
     ("float_lengths", dict(mask=masks.lengths(kv_lengths=jnp.zeros((1,), jnp.float32))),
      "a mask array of dtype float32"),
     ("float32", dict(dtype=jnp.float32), "float32 inputs"),
-    ("d80", dict(cfg=cfg_of(D=80)), "head dim D=80"),
-    ("dv", dict(cfg=cfg_of(D=64, Dv=128)), "value head dim"),
+    ("d288", dict(cfg=cfg_of(D=288)), "head dim D=288"),
+    ("dv320", dict(cfg=cfg_of(D=64, Dv=320)), "head dim D=64, Dv=320"),
 ])
 def test_supports_refuses_with_reasons(what, args, words):
     a = dict(cfg=cfg_of(), dtype=jnp.bfloat16, mask=None, bias=None, sinks=None)
@@ -733,7 +770,7 @@ def gpu_against_xla(spec, q, k, v):
     """On the GPU: the kernel's out, lse and gradients (the Triton backward from its
     residuals) of a loss that weights the head dim, against the float32 XLA
     lowering's. Returns the kernel's result."""
-    D = q.shape[-1]
+    D = v.shape[-1]
 
     def loss(table):
         def f(q, k, v):
@@ -755,12 +792,13 @@ def gpu_against_xla(spec, q, k, v):
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs an NVIDIA GPU (Hopper)")
-@pytest.mark.parametrize("D", [128, 256])
-def test_gpu_mosaic_gpu_ragged_softcap_gqa_and_gradients(D):
-    """Ragged lengths (1000 x 1500), soft-cap, sinks, GQA 4:1, D up to 256, and the
-    gradients (the Triton backward from this kernel's residuals) against the XLA
+@pytest.mark.parametrize("D, Dv", [(128, 128), (256, 256), (192, 128)])
+def test_gpu_mosaic_gpu_ragged_softcap_gqa_and_gradients(D, Dv):
+    """Ragged lengths (1000 x 1500), soft-cap, sinks, GQA 4:1, D up to 256 (and
+    a latent attention's 192 with Dv = 128, V padded to 192), and the gradients
+    (the Triton backward from this kernel's residuals) against the XLA
     lowering."""
-    q, k, v = qkv(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=D, dtype=jnp.bfloat16, seed=1)
+    q, k, v = qkv(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=D, Dv=Dv, dtype=jnp.bfloat16, seed=1)
     spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(700), softcap=20.0,
                          sinks=jnp.linspace(-2.0, 2.0, 8), return_lse=True)
     gpu_against_xla(spec, q, k, v)
@@ -909,6 +947,14 @@ def test_cuda_kernel_choice(hopper):
     # Wide heads: the backward's column split is untimed, so the Triton backward.
     wide, q256 = cfg_of(D=256), jnp.zeros((1, 128, 4, 256), jnp.bfloat16)
     assert kernel(wide, q256, None, None, masks.causal() & seg) == "mgpu"
+    # Head dims computed at a multiple of 64 (kernel_dim): D = 96 at 128 (the
+    # backward's row split); D = 192 with Dv = 128 at 192 (its column split).
+    d96, q96 = cfg_of(D=96), jnp.zeros((1, 128, 4, 96), jnp.bfloat16)
+    assert kernel(d96, q96, None, None, masks.causal() & seg) == "fa3"
+    mla, q192 = cfg_of(D=192, Dv=128), jnp.zeros((1, 128, 4, 192), jnp.bfloat16)
+    assert kernel(mla, q192, None, None, seg) == "mgpu"
+    assert kernel(cfg_of(D=320), jnp.zeros((1, 128, 4, 320), jnp.bfloat16), None, None,
+                  seg) == "triton"
     given = dataclasses.replace(cfg, block_sizes=fnattn.TritonBlockSizes())
     assert kernel(given, q16, None, None, masks.causal()) == "triton"
     assert kernel(given, q16, None, None, seg) == "triton"
@@ -940,6 +986,23 @@ def _lowered(spec, q, k, v):
 
 _TRITON_BWD = ["fnattn_flash_dkdv", "fnattn_flash_dq"]
 _TRITON_ALL = ["fnattn_flash_dkdv", "fnattn_flash_dq", "fnattn_flash_fwd"]
+
+
+@pytest.mark.parametrize("D, Dv, expected", [
+    (96, 64, (2, REDO_KERNELS)),                  # at 128: redo, the row split
+    (192, 128, (1, sorted(_TRITON_BWD))),         # at 192: the pass; the Triton backward
+])
+def test_auto_gradient_with_padded_head_dims_lowers_for_cuda(monkeypatch, D, Dv, expected):
+    """Head dims that are not multiples of 64, and Dv unlike D (a multi-head
+    latent attention's 192 and 128), run on the Mosaic GPU kernels on Hopper
+    at kernel_dim, with their gradients in their own shapes."""
+    pytest.importorskip("absl")
+    monkeypatch.setattr(mosaic_gpu, "available", lambda: None)
+    q = jax.ShapeDtypeStruct((2, 300, 4, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 300, 2, D), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, 300, 2, Dv), jnp.bfloat16)
+    spec = AttentionSpec(mask=masks.causal(), softcap=30.0)
+    assert _lowered(spec, q, k, v) == expected
 
 
 @pytest.mark.parametrize("on_hopper, D", [(False, 128), (True, 128), (True, 256)])

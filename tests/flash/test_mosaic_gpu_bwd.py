@@ -45,13 +45,13 @@ def f32(x):
     return np.asarray(jnp.asarray(x, jnp.float32))
 
 
-def qkv(*, B=1, Tq=128, Tk=128, Hq=1, Hkv=1, D=64, dtype=jnp.float16, seed=0):
+def qkv(*, B=1, Tq=128, Tk=128, Hq=1, Hkv=1, D=64, Dv=None, dtype=jnp.float16, seed=0):
     kq, kk, kv, ko, kl = jax.random.split(jax.random.key(seed), 5)
     normal = lambda key, shape: jax.random.normal(key, shape, jnp.float32)  # noqa: E731
     q = normal(kq, (B, Tq, Hq, D)).astype(dtype)
     k = normal(kk, (B, Tk, Hkv, D)).astype(dtype)
-    v = normal(kv, (B, Tk, Hkv, D)).astype(dtype)
-    d_out = normal(ko, (B, Tq, Hq, D)).astype(dtype)
+    v = normal(kv, (B, Tk, Hkv, Dv or D)).astype(dtype)
+    d_out = normal(ko, (B, Tq, Hq, Dv or D)).astype(dtype)
     d_lse = normal(kl, (B, Hq, Tq))
     return q, k, v, d_out, d_lse
 
@@ -143,6 +143,13 @@ INTERPRET_CASES = {
         dict(Tq=128, Tk=192, Hq=2, Hkv=1, D=64), True),
     # No mask, head dim 256: the column split (both consumers on the same keys).
     "no_mask_head_dim_256": (None, {}, dict(Tq=64, Tk=128, D=256), False),
+    # D = 96, Dv = 48: computed at 128 with zero columns (kernel_dim), causal
+    # GQA 2:1 with sinks; the gradients keep their own head dims.
+    "d96_dv48_causal_gqa_sinks": (
+        masks.causal(), dict(sinks=(0.5, -1.0)), dict(Tq=128, Tk=192, Hq=2, Hkv=1, D=96, Dv=48),
+        True),
+    # D = 160 at 192: the column split (128 + 64) on padded heads, a window.
+    "window_d160": (masks.sliding_window(60), {}, dict(Tq=64, Tk=128, D=160), False),
 }
 
 
@@ -365,9 +372,8 @@ def cfg_of(*, D=64, Dv=None, dropout=0.0, Tq=128, Tk=128):
     ("float_lengths", dict(mask=masks.lengths(kv_lengths=jnp.zeros((1,), jnp.float32))),
      "a mask array of dtype float32"),
     ("float32", dict(dtype=jnp.float32), "float32 inputs"),
-    ("d80", dict(cfg=cfg_of(D=80)), "head dim D=80"),
     ("d320", dict(cfg=cfg_of(D=320)), "head dim D=320"),
-    ("dv", dict(cfg=cfg_of(D=64, Dv=128)), "value head dim"),
+    ("dv288", dict(cfg=cfg_of(D=64, Dv=288)), "head dim D=64, Dv=288"),
 ])
 def test_refuses_with_reasons_and_names_the_triton_backward(what, args, words):
     a = dict(cfg=cfg_of(), dtype=jnp.bfloat16, mask=None, bias=None, sinks=None)
@@ -537,6 +543,10 @@ GPU_CASES = {
             jnp.asarray(np.stack([documents(300, 200, 500), documents(500, 100, 90, 310)])),
             jnp.asarray(np.stack([documents(800, 200, 500), documents(1000, 100, 90, 310)]))),
         None, dict(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=128)),
+    # Head dims computed at 128 with zero columns (mosaic_gpu.kernel_dim).
+    "causal_window_gqa4_ragged_d96_dv64": (masks.causal() & masks.sliding_window(700), None,
+                                           dict(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=96,
+                                                Dv=64)),
 }
 
 
