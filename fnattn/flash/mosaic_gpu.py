@@ -391,8 +391,9 @@ def kernel_dim(dims) -> Optional[int]:
     (and the backward's ``out`` and ``d_out``) to it and drop the extra
     columns of the results: a zero column adds nothing to ``q . k``, and zero
     columns of V give output columns that are dropped. The Triton kernels pad
-    to the next power of two, so no spec computes on wider tiles here than
-    there.
+    D and Dv apart, each to the next power of two (16 at least): where that
+    is less work (D = 32, or Dv = 32 with D = 64), impl="auto" keeps the spec
+    there (:func:`_explicit_only`).
 
     >>> from fnattn._checks import Dims
     >>> [kernel_dim(Dims(1, 8, 8, 1, 1, D, Dv)) for D, Dv in [(128, 128), (96, 96),
@@ -471,8 +472,23 @@ def _explicit_only(cfg) -> bool:
     True for a position term (ALiBi) too: computed here since this kernel
     learned it, not timed on an H100 yet; impl="auto" runs it on the Triton
     kernels until a measurement shows this forward ahead.
+
+    True where the head dims padded to :func:`kernel_dim` make more work
+    (``2 * kernel_dim``) than the Triton kernels' padding of D and Dv to
+    powers of two: D = 32 is computed at 64 here and at 32 there. Where the
+    work is the same (D = 96 at 128 in both; D = 192 with Dv = 128, 384 in
+    both) this kernel runs, as at D = 128, where it was timed ahead.
+
+    >>> from fnattn._checks import Dims
+    >>> from fnattn._dispatch import Config
+    >>> [_explicit_only(Config(Dims(1, 8, 8, 1, 1, D, Dv), 0.1, None, 0.0, None))
+    ...  for D, Dv in [(128, 128), (96, 96), (192, 128), (32, 32), (64, 32)]]
+    [False, False, False, True, True]
     """
-    return cfg.dropout_rate > 0 or position_bias.present(masks.from_treedef(cfg.mask_treedef))
+    d, Dp = cfg.dims, kernel_dim(cfg.dims)
+    wider = 2 * Dp > triton._pow2(max(d.head_dim, 16)) + triton._pow2(max(d.v_head_dim, 16))
+    return (cfg.dropout_rate > 0 or wider
+            or position_bias.present(masks.from_treedef(cfg.mask_treedef)))
 
 
 def route(cfg, dtype, mask, bias, sinks) -> bool:
