@@ -194,6 +194,22 @@ def test_interpreted_huge_terms_keep_rows_exact():
     assert np.all(np.isfinite(np.asarray(res.out, np.float32)))
 
 
+@pytest.mark.parametrize("cap", [None, 5.0])
+def test_interpreted_terms_with_infinite_sinks(cap):
+    """ALiBi with sinks of -inf (no effect), +inf (every weight 0: out 0, lse
+    +inf) and ordinary ones, in natural units (no cap) and in base 2 (cap),
+    rows that see no key among them (Tq > Tk, bottom-right causal)."""
+    q, k, v = qkv(Tq=192, Tk=128, Hq=4, Hkv=2)
+    spec = AttentionSpec(mask=masks.causal(), softcap=cap, return_lse=True, block_sizes=SMALL,
+                         sinks=jnp.array([-jnp.inf, jnp.inf, 0.3, -2.0]),
+                         position_bias=position_bias.alibi(jnp.array([0.5, 0.25, 2.0, 1e4])))
+    res = check(spec, q, k, v)
+    out, lse = np.asarray(res.out, np.float32), np.asarray(res.lse)
+    assert (out[:, :, 1] == 0).all() and (lse[:, 1] == np.inf).all()
+    assert (out[:, :64, 0] == 0).all() and (lse[:, 0, :64] == -np.inf).all()
+    assert np.isfinite(out).all() and np.isfinite(lse[:, 2:]).all()
+
+
 def test_rows_that_see_no_key_give_zero_and_minus_inf():
     # Tq > Tk with bottom-right alignment: the first 64 rows see no key.
     q, k, v = qkv(Tq=128, Tk=64)
