@@ -15,7 +15,9 @@ default (``--dtype bfloat16 --jaxnn cudnn`` on a GPU):
   ``jax.nn`` through the bias array it builds from them);
 * ``fnattn+alibi:mosaic_gpu``: ``fnattn+alibi`` with ``MosaicGpuBlockSizes`` in
   the spec, which asks a Hopper GPU for the Mosaic GPU forward (ALiBi runs
-  there only when asked until timed; elsewhere the row is ``fnattn+alibi``).
+  there only when asked until timed; elsewhere the row is ``fnattn+alibi``);
+* ``fnattn+alibi:mosaic_gpu_bwd``: the same with ``MosaicGpuBwdBlockSizes`` too,
+  which asks for the Mosaic GPU backward as well (the slopes held fixed).
 
 The bias arrays are built from the slopes inside the jitted function (an ALiBi
 model builds them per call or keeps them; either way they exist in memory).
@@ -47,7 +49,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 IMPLS = ("jax.nn:xla", "jax.nn:xla+bias", "fnattn", "fnattn+alibi", "fnattn+bias",
-         "fnattn+alibi:learned", "jax.nn:xla+bias:learned", "fnattn+alibi:mosaic_gpu")
+         "fnattn+alibi:learned", "jax.nn:xla+bias:learned", "fnattn+alibi:mosaic_gpu",
+         "fnattn+alibi:mosaic_gpu_bwd")
 
 
 def child(cfg):
@@ -63,8 +66,14 @@ def child(cfg):
 
     B, T, H, D, impl, mode = cfg["B"], cfg["T"], cfg["H"], cfg["D"], cfg["impl"], cfg["mode"]
     learned = impl.endswith(":learned")
-    mosaic_gpu = impl.endswith(":mosaic_gpu")
-    impl = impl.removesuffix(":learned").removesuffix(":mosaic_gpu")
+    mosaic_gpu = impl.endswith((":mosaic_gpu", ":mosaic_gpu_bwd"))
+    blocks = None
+    if mosaic_gpu:
+        blocks = fnattn.MosaicGpuBlockSizes()
+        if impl.endswith("_bwd"):
+            blocks = (blocks, fnattn.MosaicGpuBwdBlockSizes())
+    impl = impl.removesuffix(":learned").removesuffix(":mosaic_gpu_bwd").removesuffix(
+        ":mosaic_gpu")
 
     def alibi_bias(slopes):
         dist = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]).astype(jnp.float32)
@@ -77,8 +86,7 @@ def child(cfg):
                                                 implementation=cfg["jaxnn"])
     else:
         def f(q, k, v, slopes):
-            spec = AttentionSpec(mask=masks.causal(), return_lse=False,
-                                 block_sizes=fnattn.MosaicGpuBlockSizes() if mosaic_gpu else None)
+            spec = AttentionSpec(mask=masks.causal(), return_lse=False, block_sizes=blocks)
             if impl == "fnattn+alibi":
                 spec = spec.replace(position_bias=position_bias.alibi(slopes))
             elif impl == "fnattn+bias":

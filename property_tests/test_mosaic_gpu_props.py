@@ -5,7 +5,8 @@ Random masks of every kind those kernels read (causal, windows, chunks, segment 
 lengths, prefix-LM, ``from_fn`` and their ``&``, ``|``, ``~``), GQA ratios, query and
 key lengths that are not multiples of the 64-row tiles, head dims the kernels
 pad to 64 (a value head dim unlike the query's among them), float16 and bfloat16,
-soft-cap, sinks (-inf, +inf or ordinary), dropout, one program per q-tile or
+soft-cap, sinks (-inf, +inf or ordinary), dropout, an ALiBi term (its slopes
+fixed), one program per q-tile or
 persistent programs, and NaN / inf in the K and V of keys no row may see. Out, lse
 and every gradient must be those of the float32 reference on the same (rounded)
 inputs, with no NaN; rows that see nothing give 0 and lse -inf.
@@ -20,7 +21,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 import fnattn
-from fnattn import AttentionSpec, core, masks
+from fnattn import AttentionSpec, core, masks, position_bias
 from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
 from mosaic_gpu_interpreter import compile_once, flash_table, reset_after_failure
 from strategies import MASK_KINDS, extreme_sinks, gqa_heads, mask_trees, poison_hidden_keys
@@ -65,7 +66,11 @@ def problems(draw, head_dims=((64, 64), (40, 64), (64, 24))):
     if mask is not None:
         k, v = poison_hidden_keys(k, v, masks.materialize(mask, B, hq, Tq, Tk))
     rate = draw(st.sampled_from([0.0, 0.0, 0.3]))
+    term = None
+    if draw(st.sampled_from([False, False, True])):   # ALiBi, slopes held fixed
+        term = position_bias.alibi(jnp.asarray(rs.uniform(-0.5, 2.0, hq), F32))
     spec = AttentionSpec(mask=mask, softcap=draw(st.sampled_from([None, 20.0])),
+                         position_bias=term,
                          sinks=draw(extreme_sinks(hq)) if draw(st.booleans()) else None,
                          dropout_rate=rate, dropout_key=jax.random.key(rs.integers(99)) if rate
                          else None, return_lse=True,

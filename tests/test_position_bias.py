@@ -525,26 +525,31 @@ def test_other_variants_refuse_a_term():
 
 
 def test_kernels_that_do_not_compute_a_term_are_not_routed_to():
-    """cuDNN and the Mosaic GPU backward compute no term; the Mosaic GPU forward
-    computes ALiBi (its arrays per head), only when asked for by name until
-    timed on a GPU, and refuses ``from_fn`` terms (whose functions it may not
+    """cuDNN computes no term; the Mosaic GPU forward and backward compute ALiBi
+    (its arrays per head), only when asked for by name until timed on a GPU,
+    the backward with the slopes held fixed (learned ones are the Triton
+    backward's), and refuse ``from_fn`` terms (whose functions they may not
     lower)."""
     dims = Dims(1, 256, 256, 4, 2, 128, 128)
     mask = position_bias.attach(masks.causal(), position_bias.alibi(SLOPES4), constant=False)
     cfg = Config(dims, 0.1, None, 0.0, jax.tree_util.tree_structure(mask))
     assert "position bias" in cudnn.reasons(cfg, jnp.bfloat16, mask, None, None)
     assert cudnn.reasons(cfg, jnp.bfloat16, masks.causal(), None, None) == []
-    why = mosaic_gpu_bwd.supports(cfg, jnp.bfloat16, mask, None, None)
-    assert any("position bias" in w for w in why), why
+    assert mosaic_gpu_bwd.supports(cfg, jnp.bfloat16, mask, None, None) == []
+    assert not mosaic_gpu_bwd.route(cfg, jnp.bfloat16, mask, None, None)
+    learned = dataclasses.replace(cfg, term_grad=position_bias.term_leaves(mask))
+    why = mosaic_gpu_bwd.supports(learned, jnp.bfloat16, mask, None, None)
+    assert len(why) == 1 and "gradient of a position bias's arrays" in why[0], why
     assert mosaic_gpu.supports(cfg, jnp.bfloat16, mask, None, None) == []
     assert mosaic_gpu._explicit_only(cfg)
     plain = Config(dims, 0.1, None, 0.0, jax.tree_util.tree_structure(masks.causal()))
     assert not mosaic_gpu._explicit_only(plain)
     for term in (position_bias.from_fn(lambda b, h, q, k: 0.0 * k),
                  position_bias.alibi(SLOPES4) + position_bias.from_fn(_kerple, SLOPES4, SLOPES4)):
-        why = mosaic_gpu.supports(cfg, jnp.bfloat16, position_bias.attach(None, term), None,
+        for kernel in (mosaic_gpu, mosaic_gpu_bwd):
+            why = kernel.supports(cfg, jnp.bfloat16, position_bias.attach(None, term), None,
                                   None)
-        assert any("from_fn position bias" in w for w in why), why
+            assert any("from_fn position bias" in w for w in why), why
 
 
 def test_kernels_lower_for_cuda_and_tpu():
@@ -645,6 +650,27 @@ def test_gpu_mosaic_gpu_forward_computes_alibi_when_asked():
     _check(got[:-1], want[:-1], 3e-2)
     np.testing.assert_allclose(got[-1], want[-1], rtol=3e-2,
                                atol=3e-2 * float(jnp.abs(want[-1]).max()))
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu" or mosaic_gpu.available() is not None,
+                    reason="needs a Hopper GPU (the Mosaic GPU kernels)")
+@pytest.mark.parametrize("cap", [None, 30.0])
+def test_gpu_mosaic_gpu_backward_computes_alibi_when_asked(cap):
+    """With MosaicGpuBlockSizes and MosaicGpuBwdBlockSizes in the spec and the
+    slopes held fixed: both Mosaic GPU kernels compute the term (no Triton
+    dk/dv kernel), against the XLA lowering, with and without a soft-cap."""
+    B, T, Hq, Hkv, D = 2, 1000, 8, 2, 128
+    q, k, v, d_out = _qkv(B, T, T, Hq, Hkv, D, jnp.bfloat16)
+    spec = AttentionSpec(mask=masks.causal(), softcap=cap, position_bias=position_bias.alibi(
+        jnp.asarray(position_bias.alibi_slopes(Hq))),
+        block_sizes=(mosaic_gpu.MosaicGpuBlockSizes(), mosaic_gpu_bwd.MosaicGpuBwdBlockSizes()))
+    f = jax.jit(lambda *a: _grads(None, spec, *a, impl="auto"))
+    text = f.lower(q, k, v, d_out).as_text()
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+    assert "fnattn_flash_dkdv" not in text
+    got = f(q, k, v, d_out)
+    want = jax.jit(lambda *a: _grads(None, spec, *a, impl="xla"))(q, k, v, d_out)
+    _check(got, want, 3e-2)
 
 
 def test_decoding_with_alibi_through_attention_over_a_padded_cache():

@@ -102,9 +102,10 @@ impl="auto" on a Hopper GPU (:func:`route`) runs this kernel for the specs it
 takes, except those with dropout or a position term: those paths have not
 been timed on an H100 yet (:func:`_explicit_only`), so they run here only when
 the spec's block sizes include :class:`MosaicGpuBlockSizes`, and on the
-Triton kernels otherwise. The Mosaic GPU backward computes no term: a spec
-with one takes the Triton backward from this forward's residuals (and the
-gradient of its slopes with it).
+Triton kernels otherwise. The Mosaic GPU backward computes the term with its
+slopes held fixed (when asked for by name too: ``MosaicGpuBwdBlockSizes``);
+learned slopes take the Triton backward from this forward's residuals, which
+sums their gradient.
 
 >>> import jax.numpy as jnp
 >>> from fnattn import masks
@@ -332,15 +333,17 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
     return why
 
 
-def term_refusals(mask, *, backward: bool = False) -> list:
-    """A position term (:mod:`fnattn.position_bias`) riding with the mask: this
-    forward computes ALiBi (and sums of it: arrays of one value per batch row
-    and head), not ``from_fn`` terms; the Mosaic GPU backward
-    (``backward=True``) computes none (the Triton backward does)."""
+def term_refusals(mask, term_grad: tuple = ()) -> list:
+    """A position term (:mod:`fnattn.position_bias`) riding with the mask: the
+    Mosaic GPU kernels compute ALiBi (and sums of it: arrays of one value per
+    batch row and head), not ``from_fn`` terms; the Mosaic GPU backward does
+    not differentiate the term's arrays (``term_grad``, the backward's
+    ``Config.term_grad``: the Triton backward does)."""
     if not position_bias.present(mask):
         return []
-    if backward:
-        return ["a position bias (the Mosaic GPU backward adds nothing to the logits)"]
+    if term_grad:
+        return ["the gradient of a position bias's arrays (the Mosaic GPU backward computes "
+                "the term with its arrays held fixed; the Triton backward sums their gradient)"]
     if any(isinstance(t, position_bias.FromFn) for t in position_bias.parts(mask)):
         # Its function may use operations Mosaic GPU does not lower (log1p, ...).
         return ["a from_fn position bias (the kernel computes ALiBi; the Triton kernels any "

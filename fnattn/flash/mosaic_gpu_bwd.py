@@ -64,6 +64,15 @@ nothing; rows that saw a non-finite key) and for padding rows, so that
 (the lse cotangent folded in: ``dS = P * (dP - delta)``). Soft-cap multiplies
 dS by ``1 - tanh^2``.
 
+A position term (ALiBi, or a sum of them; :func:`fnattn.position_bias.alibi`)
+is added to every tile's ``scale * s``, FULL ones included, before the cap,
+as in the forward, its slopes read as float scalars per (batch row, head).
+Without a cap ``P`` is recomputed in natural units, ``exp2(((z - lse) -
+lse_lo) * log2(e))`` with ``z = scale * s + term`` (lse_lo a third row
+statistic), so that rows whose every logit is huge keep their weights. The
+term's arrays are held fixed: their gradient (learned slopes,
+``Config.term_grad``) is refused here and summed by the Triton backward.
+
 Keys a row may not see contribute nothing to it whatever their bits: for a
 masked spec each program zeroes the non-finite entries of its K tile in
 shared memory before it walks (as :func:`fnattn._online.finite_keys` does;
@@ -89,8 +98,9 @@ dropout (the forward's keep mask drawn again on the transposed tile: ``dV``
 takes the kept weights, ``dP`` is masked and scaled alike), GQA,
 ragged lengths, no mask, an array-free mask (causal, sliding windows, chunks and
 their ``&``, ``|``, ``~``) or a mask holding per-row, per-key or per-sequence
-integer arrays: what the Mosaic GPU forward takes. :func:`supports` lists what
-else a spec asks for; :func:`backward` refuses it with ``NotImplementedError``.
+integer arrays, and an ALiBi term with its slopes held fixed: what the
+Mosaic GPU forward takes. :func:`supports` lists what else a spec asks for;
+:func:`backward` refuses it with ``NotImplementedError``.
 
 Timed on an H100 at T = 8192, D = 128 (benchmarks/results/gpu_h100_2026-11-26_s20):
 forward + backward 1.32x faster than the Mosaic GPU forward with the Triton
@@ -125,7 +135,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fnattn import _checks, dropout, masks
+from fnattn import _checks, dropout, masks, position_bias
 from fnattn import _online as online
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks, mosaic_gpu, triton
@@ -183,13 +193,14 @@ class MosaicGpuBwdBlockSizes:
         return cls(max_concurrent_steps=3 if head_dim <= 64 else 2)
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, *, row_arrays: int = 0,
-                   key_arrays: int = 0) -> int:
+                   key_arrays: int = 0, row_stats: int = 2) -> int:
         """Shared memory a program allocates, as Mosaic GPU counts it
         (:func:`fnattn.flash.mosaic_gpu.smem_layout_bytes`): K and V, the Q /
         dO / statistics ring, dS^T, the float32 staging of dQ chunks, the int32
         tiles of a mask's per-row arrays (in the ring, ``row_arrays`` of them)
         and per-key arrays (the program's keys, ``key_arrays`` of them), and
-        the barriers.
+        the barriers. ``row_stats``: lse and delta, and lse's low part for a
+        position term in natural units (:attr:`_Plan.natural`).
 
         >>> MosaicGpuBwdBlockSizes().smem_bytes(128, row_arrays=1, key_arrays=1)
         199744
@@ -205,7 +216,7 @@ class MosaicGpuBwdBlockSizes:
         ds_bufs, ds_groups, stages = (2, groups, 2) if row_split else (1, 1, 1)
         buffers = ([ring * TILE * w * itemsize for w in widths] * 2      # Q, dO
                    + [groups * TILE * w * itemsize for w in widths] * 2  # K, V
-                   + [ring * 2 * TILE * 4,                               # lse and delta
+                   + [ring * row_stats * TILE * 4,                       # lse and delta
                       ds_bufs * ds_groups * TILE * TILE * itemsize,      # dS^T
                       stages * TILE * TILE * 4])                         # dQ staging
         barriers = 2 * ring + 2
@@ -238,7 +249,7 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
     """
     d = cfg.dims
     why = (mosaic_gpu.maskless_refusals(cfg, dtype, bias, sinks)
-           + mosaic_gpu.term_refusals(mask, backward=True))
+           + mosaic_gpu.term_refusals(mask, cfg.term_grad))
     if mask is not None and not _checks.symbolic_sizes(B=d.batch, Tq=d.q_len, Tk=d.kv_len):
         if mask.num_operands:
             why += mosaic_gpu.operand_refusals(mask)
@@ -257,8 +268,9 @@ def route(cfg, dtype, mask, bias, sinks) -> bool:
     GPU forward runs it (:func:`fnattn.flash.mosaic_gpu.route`): the kernel takes
     the spec, and either ``MosaicGpuBwdBlockSizes`` are in the spec or the spec
     takes the path timed on an H100: the row split (a head dim of at most 128;
-    timed at 128) without dropout. The column split of wider heads, which
-    recomputes S and dP per column half, and dropout are untimed.
+    timed at 128) without dropout or a position term. The column split of
+    wider heads, which recomputes S and dP per column half, dropout and a
+    term (ALiBi) are untimed.
 
     >>> from fnattn._checks import Dims
     >>> from fnattn._dispatch import Config
@@ -276,7 +288,8 @@ def route(cfg, dtype, mask, bias, sinks) -> bool:
         return False
     if blocks.pick(cfg.block_sizes, MosaicGpuBwdBlockSizes, None) is not None:
         return True
-    return mosaic_gpu.kernel_dim(cfg.dims) <= _ROW_SPLIT_MAX_D and cfg.dropout_rate == 0
+    return (mosaic_gpu.kernel_dim(cfg.dims) <= _ROW_SPLIT_MAX_D and cfg.dropout_rate == 0
+            and not position_bias.present(mask))
 
 
 def _refuse(cfg, dtype, mask, bias, sinks):
@@ -307,6 +320,19 @@ class _Plan:
     operands: tuple = ()  # per mask array, in the mask's order: (kind, index in its stack)
     stacks: tuple = ()    # per kind present: (kind, count, along b, along h)
     rate: float = 0.0     # dropout rate (0: none)
+    term: bool = False    # a position term (ALiBi), added to every tile's logits
+
+    @property
+    def natural(self) -> bool:
+        """P recomputed in natural units, ``exp2(((z - lse) - lse_lo) * log2 e)``
+        with ``z = scale * s + term`` (a term without soft-cap, whose logits
+        may all be huge: as the forward keeps its row state)."""
+        return self.term and self.softcap is None
+
+    @property
+    def row_stats(self) -> int:
+        """Row statistics per step: lse (base 2, or natural with lse_lo) and delta."""
+        return 3 if self.natural else 2
 
     def stack(self, kind):
         """``(count, along_b, along_h)`` of the mask arrays of ``kind``, or None."""
@@ -436,8 +462,9 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
                                             ready.at[slot])
                     plgpu.copy_gmem_to_smem(do_ref.at[rows + cols(h)], do_smem[h].at[slot],
                                             ready.at[slot])
-                plgpu.copy_gmem_to_smem(st_ref.at[b, head, pl.ds(0, 2), pl.ds(i * TILE, TILE)],
-                                        st_smem.at[slot], ready.at[slot])
+                plgpu.copy_gmem_to_smem(
+                    st_ref.at[b, head, pl.ds(0, P.row_stats), pl.ds(i * TILE, TILE)],
+                    st_smem.at[slot], ready.at[slot])
                 if n_rows:  # the arrays along the step's rows, for PARTIAL steps only
                     @pl.when(t >= full_steps)
                     def _():
@@ -486,7 +513,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
         tuple(plgpu.SMEM((ring, TILE, w), dtype, transforms=swizzled) for w in widths),
         tuple(plgpu.SMEM((RG, TILE, w), dtype, transforms=swizzled) for w in widths),
         tuple(plgpu.SMEM((RG, TILE, w), dtype, transforms=swizzled) for w in widths),
-        plgpu.SMEM((ring, 2, TILE), F32),
+        plgpu.SMEM((ring, P.row_stats, TILE), F32),
         plgpu.SMEM((ds_bufs, ds_groups, TILE, TILE), dtype, transforms=swizzled),
         plgpu.SMEM((n_stages, TILE, TILE), F32, transforms=staged),
         plgpu.Barrier(num_arrivals=2 * CG + 1, num_barriers=ring),
@@ -559,7 +586,8 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
                              plgpu.ACC((TILE, TILE), F32))
 
     def row_stat(slot, which):
-        """lse2 (0) or delta (1) of the step's 64 rows, broadcast over the keys."""
+        """lse2 (0; natural lse with :attr:`_Plan.natural`), delta (1) or lse_lo
+        (2, natural only) of the step's 64 rows, broadcast over the keys."""
         ref = st_smem.at[slot, which]
         x = _load(ref, plgpu.Layout.WGMMA.reduce(0), P)
         return lax.broadcast_in_dim(x, (TILE, TILE), [1])
@@ -570,8 +598,8 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
         along its rows (registers only), per-sequence values as scalars."""
         shape, ops = (TILE, TILE), []
         for kind, n in P.operands:
-            if kind == "scalar":
-                ops.append(ids_ref["scalar"][ids_at("scalar", head) + (n,)])
+            if kind in ("scalar", "fscalar"):
+                ops.append(ids_ref[kind][ids_at(kind, head) + (n,)])
             elif kind == "rows":
                 x = _load(rows_smem.at[slot, n], plgpu.Layout.WGMMA.reduce(0), P)
                 ops.append(lax.broadcast_in_dim(x, shape, [1]))
@@ -580,18 +608,30 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
                 ops.append(lax.broadcast_in_dim(x, shape, [0]))
         return ops
 
+    def term_operands(head):
+        """The per-(batch, head) scalars a position term reads (None for the
+        mask's other arrays, which it does not see), on every tile."""
+        return [ids_ref[kind][ids_at(kind, head) + (n,)]
+                if kind in ("scalar", "fscalar") else None for kind, n in P.operands]
+
     def probs_and_ds(st, dpt, slot, i, head, partial):
         visible = None
         if partial:
             visible = _visible_t(i, keys0, b, head, tile_operands(slot, head), P)
+        z = None
+        if P.term:  # scale * s + term, before the cap (as in the forward)
+            z = st * P.scale + _term_t(i, keys0, b, head, term_operands(head), P)
         if P.softcap is None:
-            x, c_ = st, P.scale * LOG2E
+            x, c_ = (st, P.scale * LOG2E) if z is None else (z, LOG2E)
         else:  # logit = softcap * tanh(scale * s / softcap), its factor folded into c
-            th = jnp.tanh(st * (P.scale / P.softcap))
+            th = jnp.tanh(st * (P.scale / P.softcap) if z is None else z * (1 / P.softcap))
             x, c_ = th, P.softcap * LOG2E
         if visible is not None:
             x = jnp.where(visible, x, -jnp.inf)
-        pt = jnp.exp2(x * c_ - row_stat(slot, 0))
+        if P.natural:  # (z - lse) exact where every logit of the row is huge
+            pt = jnp.exp2(((x - row_stat(slot, 0)) - row_stat(slot, 2)) * LOG2E)
+        else:
+            pt = jnp.exp2(x * c_ - row_stat(slot, 0))
         pvt = pt  # the weights dV sees: the kept ones, scaled
         if seed is not None:  # the forward's keep mask, drawn again
             keep = _keep_t(seed, i, keys0, b, head, P)
@@ -737,6 +777,16 @@ def _keep_t(seed, i, keys0, b, h, P: _Plan):
     return dropout.keep_mask(seed, b, h, *_tile_indices_t(i, keys0, P), P.rate)
 
 
+def _term_t(i, keys0, b, h, ops, P: _Plan):
+    """The position term on the transposed tile (keys ``keys0 ..``, q tile ``i``;
+    WGMMA layout); ``ops``: the mask's arrays, the term's per-(batch, head)
+    scalars among them."""
+    qi, kj = _tile_indices_t(i, keys0, P)
+    pos = masks.Positions(b=b, h=h, q=qi, q_pos=qi + P.offset, k=kj)
+    term = position_bias.term(masks.from_treedef(P.mask_treedef), pos, ops)
+    return jnp.broadcast_to(term, (TILE, TILE))
+
+
 def _visible_t(i, keys0, b, h, ops, P: _Plan):
     """Which (key, query) pairs of the transposed tile (keys ``keys0 ..``, q tile
     ``i``) are visible (WGMMA layout), or None for all of them. ``ops``: the
@@ -828,7 +878,9 @@ def _plan(cfg, mask, interpret, operands=(), stacks=()) -> _Plan:
     d = cfg.dims
     bs = _blocks_for(cfg)
     count = lambda kind: (mosaic_gpu.stack_of(stacks, kind) or (0,))[0]  # noqa: E731
-    need = bs.smem_bytes(d.head_dim, row_arrays=count("rows"), key_arrays=count("cols"))
+    term = mask is not None and position_bias.present(mask)
+    need = bs.smem_bytes(d.head_dim, row_arrays=count("rows"), key_arrays=count("cols"),
+                         row_stats=3 if term and cfg.softcap is None else 2)
     if need > SMEM_BYTES:
         raise ValueError(
             f"flash: MosaicGpuBwdBlockSizes(max_concurrent_steps={bs.max_concurrent_steps}) "
@@ -847,7 +899,7 @@ def _plan(cfg, mask, interpret, operands=(), stacks=()) -> _Plan:
                  softcap=None if cfg.softcap is None else float(cfg.softcap),
                  mask_treedef=None if mask is None else jax.tree_util.tree_structure(mask),
                  interpreted=bool(interpret), operands=tuple(operands), stacks=tuple(stacks),
-                 rate=float(cfg.dropout_rate))
+                 rate=float(cfg.dropout_rate), term=term)
 
 
 def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, *,
@@ -897,9 +949,15 @@ def _backward(cfg, q, k, v, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, i
     delta = lax.optimization_barrier(online.delta_rows(out, d_out, d_lse))
     # P = exp2(s * c - lse2): +inf where lse is not finite (rows that saw
     # nothing, or a non-finite key) and on padding rows, so that P = 0 there.
-    lse2 = online.lse2_rows(lse, lse_lo)
-    stats = jnp.stack([triton._pad(lse2, 2, P.Tqp, jnp.inf), triton._pad(delta, 2, P.Tqp)],
-                      axis=2)
+    # In natural units (a position term without cap) lse itself, +inf alike,
+    # and lse_lo beside it (P = exp2(((z - lse) - lse_lo) * log2 e)).
+    if P.natural:
+        finite = jnp.isfinite(lse)
+        rows = [jnp.where(finite, lse, jnp.inf), delta, jnp.where(finite, lse_lo, 0.0)]
+        pads = (jnp.inf, 0.0, 0.0)
+    else:
+        rows, pads = [online.lse2_rows(lse, lse_lo), delta], (jnp.inf, 0.0)
+    stats = jnp.stack([triton._pad(x, 2, P.Tqp, pad) for x, pad in zip(rows, pads)], axis=2)
     dq, dk, dv = _launch(P, interpret, q.dtype, triton._pad(q, 1, P.Tqp),
                          triton._pad(k, 1, P.Tkp), triton._pad(v, 1, P.Tkp),
                          triton._pad(d_out.astype(q.dtype), 1, P.Tqp), stats, table,

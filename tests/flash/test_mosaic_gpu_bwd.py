@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import fnattn
-from fnattn import AttentionSpec, core, masks
+from fnattn import AttentionSpec, core, masks, position_bias
 from fnattn._checks import Dims
 from fnattn._dispatch import Config, Lowering
 from fnattn.flash import mosaic_gpu, mosaic_gpu_bwd, triton, xla
@@ -150,6 +150,21 @@ INTERPRET_CASES = {
         True),
     # D = 160 at 192: the column split (128 + 64) on padded heads, a window.
     "window_d160": (masks.sliding_window(60), {}, dict(Tq=64, Tk=128, D=160), False),
+    # ALiBi (slopes held fixed) on every tile, FULL ones included: in natural
+    # units (no cap; lse_lo a third row statistic) with sinks and GQA 2:1 ...
+    "alibi_causal_gqa_sinks": (
+        masks.causal(), dict(sinks=(0.5, -1.0), position_bias=position_bias.alibi(
+            jnp.array([0.5, 0.125]))), dict(Tq=128, Tk=192, Hq=2, Hkv=1, D=64), True),
+    # ... a sum of two under a soft-cap with dropout, no mask, the group split ...
+    "alibi_sum_softcap_dropout_no_mask": (
+        None, dict(softcap=4.0, dropout_rate=0.25, dropout_key=jax.random.key(5),
+                   position_bias=(position_bias.alibi(jnp.array([0.25, 1.0]))
+                                  + position_bias.alibi(jnp.array([0.0, -0.5])))),
+        dict(Tq=100, Tk=150, Hq=2, Hkv=1, D=64), False),
+    # ... and on the column split (D = 256), a window, ragged.
+    "alibi_window_d256": (
+        masks.sliding_window(50, 10), dict(position_bias=position_bias.alibi(jnp.array([2.0]))),
+        dict(Tq=64, Tk=100, D=256), False),
 }
 
 
@@ -176,6 +191,35 @@ def test_interpreted_gradients_match_reference(name, interpreted, monkeypatch):
         np.testing.assert_array_equal(f32(lse)[:, :, :64],
                                       np.broadcast_to(rows_lse, (1, 2, 64)))
         assert (f32(grads[0])[:, :64] == 0).all()  # (d_lse reaches them: still 0)
+
+
+def test_interpreted_huge_terms_keep_rows_exact(interpreted):
+    """ALiBi slopes of 1e30 with no key within distance 4 of a row: every logit
+    about -4e30, which the natural-unit recomputation (z - lse - lse_lo) still
+    weighs exactly, as the reference does."""
+    q, k, v, d_out, d_lse = qkv(Tq=128, Tk=128, Hq=2, Hkv=2)
+    spec = AttentionSpec(mask=~masks.sliding_window(3, 3), return_lse=True, block_sizes=SMALL,
+                         position_bias=position_bias.alibi(jnp.array([1e30, 1.0])))
+    out, lse, grads = outputs_and_grads(spec, q, k, v, d_out, d_lse, interpreted)
+    r_out, r_lse, r_grads = reference(spec, q, k, v, d_out, d_lse)
+    np.testing.assert_allclose(f32(out), f32(r_out), atol=2e-2, rtol=2e-2)
+    assert_grads_close(grads, r_grads)
+
+
+def test_interpreted_learned_slopes_are_refused_with_the_triton_backward_named(interpreted):
+    """The kernel holds a term's arrays fixed: differentiating the slopes asks
+    for their gradient, which it refuses, naming the backward that sums it."""
+    q, k, v, _, _ = qkv(Tq=64, Tk=64, Hq=2, Hkv=2)
+
+    def loss(slopes):
+        spec = AttentionSpec(mask=masks.causal(), block_sizes=SMALL,
+                             position_bias=position_bias.alibi(slopes))
+        return core.run(spec, q, k, v, fn="flash", table=interpreted).out.astype(
+            jnp.float32).sum()
+
+    with pytest.raises(NotImplementedError, match=r"gradient of a position bias's arrays .*"
+                                                  r"Triton backward"):
+        jax.jit(jax.grad(loss))(jnp.array([0.5, 0.25]))
 
 
 def test_interpreted_poisoned_hidden_keys(interpreted):
@@ -395,10 +439,12 @@ def test_supports_array_free_masks():
         assert mosaic_gpu_bwd.supports(cfg_of(), jnp.float16, mask, None, None) == []
 
 
-@pytest.mark.parametrize("D, ring, documents", [(128, 2, False), (64, 3, True), (192, 2, True)])
-def test_smem_estimate_is_what_the_lowering_counts(D, ring, documents):
+@pytest.mark.parametrize("D, ring, documents, alibi", [
+    (128, 2, False, False), (64, 3, True, False), (192, 2, True, False), (128, 2, True, True)])
+def test_smem_estimate_is_what_the_lowering_counts(D, ring, documents, alibi):
     """``smem_bytes`` equals the count of Mosaic GPU's lowering, for the row
-    split (D <= 128) and the column split, with and without mask arrays."""
+    split (D <= 128) and the column split, with and without mask arrays, and
+    with ALiBi (a third row statistic in natural units)."""
     pytest.importorskip("absl")
     T = 1024
     ids = jnp.asarray(np.repeat(np.arange(4), T // 4)[None], jnp.int32)
@@ -409,7 +455,8 @@ def test_smem_estimate_is_what_the_lowering_counts(D, ring, documents):
     # the Triton forward, so that the backward is the one Mosaic GPU kernel
     table = (("default", Lowering("triton-fwd-mosaic-bwd", triton.LOWERING.fwd,
                                   mosaic_gpu_bwd.LOWERING.bwd)),)
-    spec = AttentionSpec(mask=mask, block_sizes=bs)
+    spec = AttentionSpec(mask=mask, block_sizes=bs, position_bias=position_bias.alibi(
+        jnp.asarray(position_bias.alibi_slopes(4))) if alibi else None)
 
     def lower():
         def loss(q, k, v):
@@ -420,7 +467,8 @@ def test_smem_estimate_is_what_the_lowering_counts(D, ring, documents):
                 lowering_platforms=("cuda",))
 
     rows, cols = mosaic_gpu.array_counts(mask)
-    assert mosaic_gpu_smem(lower) == bs.smem_bytes(D, row_arrays=rows, key_arrays=cols)
+    assert mosaic_gpu_smem(lower) == bs.smem_bytes(D, row_arrays=rows, key_arrays=cols,
+                                                   row_stats=3 if alibi else 2)
 
 
 def test_block_sizes_fit_shared_memory():
@@ -481,6 +529,24 @@ def test_gradient_lowers_for_cuda(D, mask, Hq, softcap):
     assert triton_kernels(text) == ([] if D == 192 else REDO_KERNELS)
     # delta's reduction stays out of the fusion that stacks the row statistics
     assert re.search(rf"optimization_barrier %\S+ : tensor<2x{Hq}x1000xf32>", text)
+
+
+@pytest.mark.parametrize("D, cap", [(128, None), (256, 30.0)])
+def test_gradient_with_alibi_lowers_for_cuda(D, cap):
+    """ALiBi with fixed slopes: two Mosaic GPU custom calls (the forward's and
+    this backward's), in natural units without a cap (three row statistics)
+    and in base 2 with one, on the row and the column split, beside segment
+    ids and sinks."""
+    pytest.importorskip("absl")
+    ids = jnp.asarray(np.stack([documents(300, 700), documents(250, 250, 500)]))
+    q = jax.ShapeDtypeStruct((2, 1000, 4, D), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 1000, 2, D), jnp.bfloat16)
+    spec = AttentionSpec(mask=masks.causal() & masks.segments(ids), softcap=cap,
+                         sinks=jnp.linspace(-1.0, 1.0, 4), return_lse=True,
+                         position_bias=position_bias.alibi(
+                             jnp.asarray(position_bias.alibi_slopes(4))))
+    text = _lowered_grad(spec, q, k, k)
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
 
 
 @pytest.mark.parametrize("D, name", [(64, "causal_segments"), (128, "lengths_prefix_lm"),
@@ -661,6 +727,19 @@ def test_cuda_kernel_choice_of_the_backward(monkeypatch):
     both = dataclasses.replace(cfg, block_sizes=(MosaicGpuBwdBlockSizes(),
                                                  fnattn.TritonBlockSizes()))
     assert cuda_kernel(both, q, None, None, None) is triton.LOWERING
+    # ALiBi (untimed, so asked for by name): the Mosaic GPU backward with
+    # MosaicGpuBwdBlockSizes too while its slopes are held fixed; learned slopes
+    # (Config.term_grad) take the Triton backward, which sums their gradient.
+    alibi = position_bias.attach(masks.causal(), position_bias.alibi(jnp.ones(4)),
+                                 constant=False)
+    term = dataclasses.replace(cfg, mask_treedef=jax.tree_util.tree_structure(alibi))
+    assert cuda_kernel(term, q, None, None, alibi) is triton.LOWERING
+    term = dataclasses.replace(term, block_sizes=SMALL)
+    assert cuda_kernel(term, q, None, None, alibi) is mosaic_gpu.LOWERING
+    term = dataclasses.replace(term, block_sizes=(SMALL, MosaicGpuBwdBlockSizes()))
+    assert cuda_kernel(term, q, None, None, alibi) is mosaic_gpu_bwd.LOWERING
+    learned = dataclasses.replace(term, term_grad=position_bias.term_leaves(alibi))
+    assert cuda_kernel(learned, q, None, None, alibi) is mosaic_gpu.LOWERING
 
 
 def test_auto_gradient_with_dropout_lowers_to_the_triton_backward(monkeypatch):
