@@ -330,7 +330,11 @@ def _keep(seed_ref, pos, K: _K):
 
 
 class _Refs:
-    """Names the kernel's refs; the optional ones are None when absent."""
+    """Names the kernel's refs; the optional ones are None when absent.
+
+    ``outs``: the outputs' names in order, each a name or a ``(name, present)``
+    pair, None when not present (no ref taken for it).
+    """
 
     def __init__(self, refs, K: _K, names, outs, *, sched: bool, aliased: int = 0):
         it = iter(refs)
@@ -344,7 +348,8 @@ class _Refs:
         for _ in range(aliased):  # inputs aliased to outputs: used through the outputs
             next(it)
         for n in outs:
-            setattr(self, n, next(it, None))
+            name, present = (n, True) if isinstance(n, str) else n
+            setattr(self, name, next(it, None) if present else None)
 
 
 def _loops(R: _Refs, K: _K, n_static: int, body, carry, repeat: int = 1,
@@ -513,10 +518,9 @@ def _probs(s, c, lse, lse_lo, K: _K):
 
 
 def _dq_kernel(*refs, K: _K, sched: bool):
-    outs = ("dq",) + (("dbias",) if K.bias_varies is not None else ())
+    outs = ("dq", ("dbias", K.bias_varies is not None))
     outs += tuple(f"dterm{n}" for n in range(len(K.term_grad)))
     R = _Refs(refs, K, _row_names(K), outs, sched=sched, aliased=K.bias_varies is not None)
-    R.dbias = getattr(R, "dbias", None)
     dterm_refs = [getattr(R, f"dterm{n}") for n in range(len(K.term_grad))]
     i, bh = _heavy_first(R.q.shape[0] // K.bq), pl.program_id(1)
     b, h = bh // K.Hq, bh % K.Hq
