@@ -120,7 +120,8 @@ def _fewer_heads_hint(Hq, Hkv, q_shape, k_shape, layout) -> str:
 
 POSITION_BIAS_SUPPORT = (
     "fnattn.attention and fnattn.flash (every impl but 'cudnn'), fnattn.context.attention, "
-    "the decode and paged variants and fnattn.reference compute it")
+    "the decode and paged variants (fnattn.context.decode included) and fnattn.reference "
+    "compute it")
 
 
 def refuse_position_bias(spec, fn: str) -> None:

@@ -43,8 +43,9 @@ evaluates it at each step's global positions. The serving variants
 (:func:`fnattn.decode`, ``decode_with_update``, the paged and ragged paged
 ones, with or without the cache update) take terms whose arrays are per head
 (and, for decode, per batch row): ALiBi. Every one of their lowerings computes
-them (XLA, Triton, Mosaic TPU). ``fnattn.context.decode`` and ``impl="cudnn"``
-raise ``NotImplementedError``.
+them (XLA, Triton, Mosaic TPU). :func:`fnattn.context.decode` takes them too,
+at the global positions of every device's slots. ``impl="cudnn"`` raises
+``NotImplementedError``.
 
 **Gradients.** q, k, v, ``bias`` and ``sinks`` as usual, and the term's own
 arrays: learnable ALiBi slopes, learnable parameters of a ``from_fn`` term

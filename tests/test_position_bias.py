@@ -503,21 +503,10 @@ def test_bad_terms_are_refused_with_the_argument_named():
 def test_other_variants_refuse_a_term():
     spec = AttentionSpec(position_bias=position_bias.alibi(SLOPES4))
     q, k, v, _ = _qkv(2, 1, 16, 4, 2, 8)
-    lengths = jnp.array([16, 9])
     calls = {
         "attention with impl='cudnn'": lambda: fnattn.attention(
             spec.replace(impl="cudnn"), q, k, v),
     }
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
-    seq = jax.sharding.PartitionSpec(None, "x")
-
-    def sharded_decode():
-        return jax.jit(jax.shard_map(
-            lambda q, k, v: fnattn.context.decode(spec, q, k, v, axis_name="x",
-                                                  kv_lengths=lengths).out,
-            mesh=mesh, in_specs=(seq,) * 3, out_specs=seq))(q, k, v)
-
-    calls["context.decode"] = sharded_decode
     for name, call in calls.items():
         with pytest.raises(NotImplementedError, match=f"{re.escape(name)}.*position_bias.*"
                                                       "fnattn.attention and fnattn.flash"):
@@ -771,6 +760,41 @@ def test_decode_gradients_and_update():
     np.testing.assert_allclose(res.out, want.out, atol=1e-6)
 
 
+def _sharded_decode(spec, q, k, v, lengths, starts):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    P = jax.sharding.PartitionSpec
+    return jax.jit(jax.shard_map(
+        lambda q, k, v, n, s: fnattn.context.decode(spec, q, k, v, axis_name="x",
+                                                    kv_lengths=n, kv_starts=s),
+        mesh=mesh, in_specs=(P(), P(None, "x"), P(None, "x"), P(), P()),
+        out_specs=P()))(q, k, v, lengths, starts)
+
+
+def test_context_decode_evaluates_the_term_at_global_positions():
+    """context.decode takes per-(row, head) terms: its local decode sees them at
+    the global positions (offsets as float32 values of a from_fn term) and its
+    dense edge part through masks.at_positions. On one device here (8 devices:
+    tests/multi_device/decode_checks.py), Tq = 3 with a window, starts and
+    sinks, against fnattn.decode; the slopes stay constants (serving)."""
+    B, S, Hq, Hkv, D = 2, 24, 4, 2, 8
+    q, k, v, _ = _qkv(B, 3, S, Hq, Hkv, D)
+    lengths, starts = jnp.array([20, 9]), jnp.array([4, 0])
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(5), sinks=jnp.ones(4),
+                         position_bias=DECODE_TERM + position_bias.alibi(SLOPES4),
+                         return_lse=True)
+    got = _sharded_decode(spec, q, k, v, lengths, starts)
+    want = fnattn.decode(spec, q, k, v, kv_lengths=lengths, kv_starts=starts)
+    np.testing.assert_allclose(got.out, want.out, atol=1e-5)
+    np.testing.assert_allclose(got.lse, want.lse, atol=1e-5)
+    with pytest.raises(NotImplementedError, match="serving variants"):
+        jax.grad(lambda s: jnp.sum(_sharded_decode(spec.replace(
+            position_bias=position_bias.alibi(s)), q, k, v, lengths, starts).out))(SLOPES4)
+    per_key = AttentionSpec(position_bias=position_bias.from_fn(
+        lambda b, h, q, k, w: w * k, jnp.ones((B, 24))))
+    with pytest.raises(ValueError, match="context.decode: position_bias.from_fn"):
+        _sharded_decode(per_key, q, k, v, lengths, starts)
+
+
 def test_decode_refusals_and_routing():
     q, k, v, _ = _qkv(2, 1, 16, 4, 2, 8)
     per_key = position_bias.from_fn(lambda b, h, q, k: 0.0 * k) + position_bias.alibi(SLOPES4)
@@ -811,7 +835,10 @@ def test_decode_mosaic_interpret_matches_reference(D, Tq, monkeypatch):
 
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 def test_decode_kernel_lowers(platform):
-    """The Mosaic kernel with the term lowers for TPU, the Triton one for cuda."""
+    """The Mosaic kernel with the term lowers for TPU, the Triton one for cuda:
+    ALiBi, and the term context.decode gives a device's local decode (a
+    KERPLE term plus ALiBi at shifted positions)."""
+    from fnattn.context.decode import _at_global_positions
     from fnattn.decoding import api as decode_api
     from fnattn.decoding import mosaic as decode_mosaic
     from fnattn.decoding import triton as decode_triton
@@ -819,16 +846,20 @@ def test_decode_kernel_lowers(platform):
                       "cuda": (decode_triton, gpu_target)}[platform]
     q = jax.ShapeDtypeStruct((4, 1, 8, 128), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((4, 4096, 2, 128), jnp.bfloat16)
-    spec = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(
-        jnp.asarray(position_bias.alibi_slopes(8))))
+    alibi = position_bias.alibi(jnp.asarray(position_bias.alibi_slopes(8)))
+    kerple = position_bias.from_fn(_kerple, jnp.ones(8), jnp.full((4, 8), 0.5))
+    shifted = _at_global_positions(kerple + alibi, 4, 8, q_shift=jnp.arange(4) * 100,
+                                   k_shift=jnp.arange(4) * 50)
     table = (("default", decode_api.xla.forward), (platform, kernel.forward))
+    for term in (alibi, shifted):
+        spec = AttentionSpec(mask=masks.causal(), position_bias=term)
 
-    def f(q, k, v):
-        return decode_api._attend(table, *_decode_args(spec, q, k, v))
+        def f(q, k, v):
+            return decode_api._attend(table, *_decode_args(spec, q, k, v))
 
-    with target():
-        text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=(platform,)).as_text()
-    assert kernel.KERNEL_NAME in text
+        with target():
+            text = jax.jit(f).trace(q, kv, kv).lower(lowering_platforms=(platform,)).as_text()
+        assert kernel.KERNEL_NAME in text
 
 
 def _decode_args(spec, q, k, v):

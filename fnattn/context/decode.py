@@ -35,19 +35,29 @@ positions around its own: no mask, ``masks.full()``, ``masks.causal()``,
 Other masks (``chunked``, ``from_fn``, ``~``, masks that hold arrays) are
 refused with ``NotImplementedError``.
 
+**Position terms** (:mod:`fnattn.position_bias`) whose arrays are per head or
+per (batch row, head), as :func:`fnattn.decode` takes them, are evaluated at
+the global positions: the local decode gets the term as a ``from_fn`` term
+whose values are the term's arrays and the offsets of its queries' and keys'
+positions (float32, exact below 2**24 slots), and the gathered keys' dense
+part gets it through :func:`fnattn.masks.at_positions`. Their arrays are
+constants, as in every serving variant.
+
 Like :func:`fnattn.decode`: no bias, no dropout; lengths and starts past the
 (global) cache are clipped to it; cache slots outside a sequence's range may
 hold anything.
 """
 
-from typing import Optional
+import dataclasses
+from typing import Any, Optional
 
+import jax
 import jax.numpy as jnp
 from beartype import beartype
 from jax import lax
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, masks
+from fnattn import _checks, masks, position_bias
 from fnattn.core import attention
 from fnattn.decoding import decode as local_decode
 from fnattn.merging import merge, merge_across
@@ -60,6 +70,41 @@ F32 = jnp.float32
 
 _SUPPORTED = ("no mask, masks.full(), masks.causal(), masks.sliding_window(left, right) "
               "and their & / | combinations")
+
+
+# Positions travel to the local decode's term as float32 offsets: exact below 2**24.
+_EXACT_POSITIONS = 1 << 24
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shifted:
+    """A position term evaluated at positions shifted by per-row offsets: the
+    function of a ``from_fn`` term whose values are the term's own (``n`` of
+    them), then the queries' and the keys' offsets. Hashable (the term's
+    structure, not its arrays), so equal calls share their traces."""
+
+    treedef: Any
+    n: int
+    __name__ = "at_global_positions"
+
+    def __call__(self, b, h, q_pos, k, *values):
+        # (placeholders for its arrays, which value() reads from ``values``: not
+        # None, which a pytree drops, so that Sum still counts its parts' operands)
+        term = jax.tree_util.tree_unflatten(self.treedef, [0.0] * self.n)
+        dq, dk = (x.astype(I32) for x in values[self.n:])
+        pos = masks.Positions(b=b, h=h, q=q_pos, q_pos=q_pos + dq, k=k + dk)
+        return term.value(pos, values[:self.n])
+
+
+def _at_global_positions(term, B, Hq, *, q_shift, k_shift):
+    """``term`` for a decode whose queries and keys sit ``q_shift`` and ``k_shift``
+    (B,) positions before their global ones: a ``from_fn`` term of per-(row,
+    head) values (the term's arrays, held constant, and the two offsets)."""
+    values = position_bias.per_head_arrays(term, B, Hq)
+    values = [] if values is None else list(values)
+    offsets = [jnp.broadcast_to(x.astype(F32)[:, None], (B, Hq)) for x in (q_shift, k_shift)]
+    fn = _Shifted(jax.tree_util.tree_structure(term), len(values))
+    return position_bias.from_fn(fn, *values, *offsets)
 
 
 def _band(mask):
@@ -153,7 +198,16 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
             "and combine the parts with fnattn.merging.merge_across.")
     dims = _checks.check_qkv(q, k_cache, v_cache, spec.layout, fn=fn)
     B, Tq, S, Hq = dims.batch, dims.q_len, dims.kv_len, dims.num_q_heads
-    _checks.refuse_position_bias(spec, fn)
+    term = spec.position_bias
+    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
+    total = lax.axis_size(names) * S            # the global cache length
+    if term is not None:
+        position_bias.check_serving(fn, term, (B, Hq, Tq, total), per_batch=True,
+                                    what="fnattn.context.decode")
+        if total >= _EXACT_POSITIONS:
+            raise ValueError(f"{fn}: a position term over a cache of {total} slots: the "
+                             "shards carry their position offsets as float32, exact below "
+                             f"{_EXACT_POSITIONS} slots")
     for name, x in (("kv_lengths", kv_lengths), ("kv_starts", kv_starts)):
         if x is not None and (not jnp.issubdtype(x.dtype, jnp.integer) or x.shape != (B,)):
             raise ValueError(f"{fn}: {name} must be an integer array of shape (B,)=({B},), "
@@ -164,9 +218,7 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
         if tuple(spec.sinks.shape) != (Hq,):
             raise ValueError(f"{fn}: sinks must have shape (Hq,)=({Hq},), one logit per "
                              f"query head; got {tuple(spec.sinks.shape)}")
-    names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
     base = lax.axis_index(names) * S            # this device's first global slot
-    total = lax.axis_size(names) * S            # the global cache length
     # The clipping of fnattn.decode, on the global cache.
     starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts.astype(I32)
     starts = jnp.clip(starts, 0, total)
@@ -179,7 +231,11 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
     hi = lengths if right is None else jnp.clip(p0 + right + 1, lo, lengths)
     a = jnp.clip(starts + lo - base, 0, S)
     e = jnp.clip(starts + hi - base, 0, S)
-    local = spec.replace(mask=None, sinks=None, return_lse=True)
+    # The local decode places its keys at j (slot a + j) and its queries at
+    # e - a - Tq + t: a position term is evaluated at the global positions.
+    shifted = None if term is None else _at_global_positions(
+        term, B, Hq, q_shift=lengths - e + a, k_shift=base + a - starts)
+    local = spec.replace(mask=None, sinks=None, return_lse=True, position_bias=shifted)
     part = local_decode(local, q, k_cache, v_cache, kv_lengths=e - a, kv_starts=a)
     parts = [(part.out.astype(F32), part.lse)]
 
@@ -209,7 +265,11 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
             at = masks.Positions(b=jnp.arange(B, dtype=I32)[:, None, None], h=jnp.int32(0),
                                  q=t, q_pos=p0[:, None, None] + t, k=pos[:, None, :])
             seen = seen & spec.mask.predicate(at, [])
-        dense = spec.replace(mask=masks.from_array(seen[:, None]), sinks=None,
+        edge_mask = masks.from_array(seen[:, None])
+        if term is not None:   # (evaluated at the queries' and the gathered keys' positions)
+            edge_mask = masks.at_positions(position_bias.attach(edge_mask, term),
+                                           p0[:, None] + t[0, :, 0][None], pos)
+        dense = spec.replace(mask=edge_mask, sinks=None, position_bias=None,
                              return_lse=True, impl="xla", block_sizes=None)
         edge = attention(dense, q, *keys)
         parts.append((edge.out.astype(F32), edge.lse))

@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import fnattn
-from fnattn import AttentionSpec, masks
+from fnattn import AttentionSpec, masks, position_bias
 from fnattn.context.decode import decode as context_decode
 from fnattn.merging import merge_across
 
@@ -94,6 +94,37 @@ def check_decode_seq8():
                          softcap=3.0)
     _compare("window+starts", mesh, spec, args)
     print(f"decode_seq8: 2 specs, forward+gradients equal fnattn.decode "
+          f"({time.perf_counter() - t0:.1f}s)")
+
+
+def _kerple(b, h, q, k, r1, r2):
+    return -r1 * jnp.log1p(r2 * jnp.abs(q - k))
+
+
+def check_decode_position_terms():
+    """Position terms evaluated at their global positions on every device: ALiBi
+    under causal with sinks, then a per-(row, head) KERPLE term plus ALiBi under
+    a sliding window with starts (the far edge and the newest tokens on other
+    devices), Tq = 3; forward and gradients (q, caches, sinks) equal
+    fnattn.decode's on the whole cache, and differ from those without the term."""
+    t0 = time.perf_counter()
+    mesh = Mesh(np.array(jax.devices()[:8]), ("seq",))
+    slopes = jnp.asarray(position_bias.alibi_slopes(4))
+    args = _problem(4, 6, 3, 40, 4, 2, 8, [40, 15, 0, 11, 12, 2])
+    _compare("alibi+causal+sinks", mesh, AttentionSpec(
+        mask=masks.causal(), position_bias=position_bias.alibi(slopes * 4)), args)
+    args = _problem(5, 6, 3, 40, 4, 2, 8, [33, 12, 0, 9, 20, 30], starts=[7, 3, 40, 1, 20, 0])
+    r2 = jnp.asarray(np.random.default_rng(6).uniform(0.1, 2.0, (6, 4)), F32)
+    term = position_bias.from_fn(_kerple, jnp.array([1.0, 2.0, 0.5, 3.0]), r2)
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(4), softcap=3.0,
+                         position_bias=term + position_bias.alibi(slopes))
+    _compare("kerple+alibi+window+starts", mesh, spec, args)
+    q, k, v, _, lengths, starts, _ = args
+    with_term, without = (jax.jit(lambda s: fnattn.decode(s, q, k, v, kv_lengths=lengths,
+                                                          kv_starts=starts).out)(s)
+                          for s in (spec, spec.replace(position_bias=None)))
+    assert float(jnp.nanmax(jnp.abs(with_term - without))) > 0.1
+    print(f"decode_position_terms: 2 specs, forward+gradients equal fnattn.decode "
           f"({time.perf_counter() - t0:.1f}s)")
 
 
@@ -228,5 +259,5 @@ def check_refused_masks():
             raise AssertionError(f"context.decode accepted {mask!r}")
 
 
-CHECKS = [check_decode_seq8, check_decode_data2_seq4, check_band_masks, check_merge_across,
-          check_refused_masks]
+CHECKS = [check_decode_seq8, check_decode_position_terms, check_decode_data2_seq4,
+          check_band_masks, check_merge_across, check_refused_masks]
