@@ -147,6 +147,26 @@ def delta_rows(out, d_out, d_lse, dtype=F32):
             - d_lse.astype(dtype))
 
 
+def backward_rows(lse, lse_lo, delta, *, natural: bool) -> tuple:
+    """The per-row statistics a backward kernel recomputes P from, (B, H, Tq)
+    each: ``(lse2, delta)`` in base 2 (:func:`lse2_rows`, P = ``exp2(s * c -
+    lse2)``), or with ``natural`` (a bias or position term without soft-cap,
+    whose logits may all be huge) ``(lse, delta, lse_lo)``, P = ``exp2(((s -
+    lse) - lse_lo) * log2(e))``, exact for such rows. lse is +inf where it is
+    not finite (and lse_lo 0 there), so that P = 0 on those rows. A kernel
+    pads the first with +inf (its padding rows see nothing) and the others
+    with 0.
+
+    >>> lse, lo = jnp.array([1.0, -jnp.inf]), jnp.array([0.5, 0.0])
+    >>> [x.tolist() for x in backward_rows(lse, lo, jnp.zeros(2), natural=True)]
+    [[1.0, inf], [0.0, 0.0], [0.5, 0.0]]
+    """
+    if not natural:
+        return lse2_rows(lse, lse_lo), delta
+    finite = jnp.isfinite(lse)
+    return jnp.where(finite, lse, jnp.inf), delta, jnp.where(finite, lse_lo, 0.0)
+
+
 def lse2_rows(lse, lse_lo):
     """``(lse + lse_lo) * log2(e)``: the natural-log row statistic in base 2 (the
     kernels recompute ``P = exp2(s * c - lse2)``), and +inf where it is not

@@ -88,9 +88,7 @@ class _Shifted:
     __name__ = "at_global_positions"
 
     def __call__(self, b, h, q_pos, k, *values):
-        # (placeholders for its arrays, which value() reads from ``values``: not
-        # None, which a pytree drops, so that Sum still counts its parts' operands)
-        term = jax.tree_util.tree_unflatten(self.treedef, [0.0] * self.n)
+        term = masks.from_treedef(self.treedef)  # (value() reads ``values``)
         dq, dk = (x.astype(I32) for x in values[self.n:])
         pos = masks.Positions(b=b, h=h, q=q_pos, q_pos=q_pos + dq, k=k + dk)
         return term.value(pos, values[:self.n])
@@ -268,7 +266,7 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
         edge_mask = masks.from_array(seen[:, None])
         if term is not None:   # (evaluated at the queries' and the gathered keys' positions)
             edge_mask = masks.at_positions(position_bias.attach(edge_mask, term),
-                                           p0[:, None] + t[0, :, 0][None], pos)
+                                           p0[:, None] + jnp.arange(Tq, dtype=I32), pos)
         dense = spec.replace(mask=edge_mask, sinks=None, position_bias=None,
                              return_lse=True, impl="xla", block_sizes=None)
         edge = attention(dense, q, *keys)

@@ -488,8 +488,7 @@ def _explicit_only(cfg) -> bool:
     ...  for D, Dv in [(128, 128), (96, 96), (192, 128), (32, 32), (64, 32)]]
     [False, False, False, True, True]
     """
-    d, Dp = cfg.dims, kernel_dim(cfg.dims)
-    wider = 2 * Dp > triton._pow2(max(d.head_dim, 16)) + triton._pow2(max(d.v_head_dim, 16))
+    wider = 2 * kernel_dim(cfg.dims) > sum(triton.head_dims_padded(cfg.dims))
     return (cfg.dropout_rate > 0 or wider
             or position_bias.present(masks.from_treedef(cfg.mask_treedef)))
 

@@ -877,29 +877,30 @@ def _plan(cfg, mask, interpret, operands=(), stacks=()) -> _Plan:
     (:func:`fnattn.flash.mosaic_gpu.id_arrays`)."""
     d = cfg.dims
     bs = _blocks_for(cfg)
-    count = lambda kind: (mosaic_gpu.stack_of(stacks, kind) or (0,))[0]  # noqa: E731
-    term = mask is not None and position_bias.present(mask)
-    need = bs.smem_bytes(d.head_dim, row_arrays=count("rows"), key_arrays=count("cols"),
-                         row_stats=3 if term and cfg.softcap is None else 2)
-    if need > SMEM_BYTES:
-        raise ValueError(
-            f"flash: MosaicGpuBwdBlockSizes(max_concurrent_steps={bs.max_concurrent_steps}) "
-            f"needs {need} bytes of shared memory at head dim "
-            f"{d.head_dim}, more than the {SMEM_BYTES} of a Hopper block; use a smaller "
-            "max_concurrent_steps")
     row_split = d.head_dim <= _ROW_SPLIT_MAX_D
     n_kv = -(-d.kv_len // (2 * TILE if row_split else TILE))
     # Too few programs for the GPU: split the GQA group (row split only, which
     # has a float32 staging tile per consumer for the partials).
     Gp = triton._heads_per_dkdv_program(d, n_kv) if row_split else d.group
-    return _Plan(B=d.batch, Hq=d.num_q_heads, G=d.group, Gp=Gp, Tq=d.q_len, Tk=d.kv_len,
+    P = _Plan(B=d.batch, Hq=d.num_q_heads, G=d.group, Gp=Gp, Tq=d.q_len, Tk=d.kv_len,
                  q_offset=cfg.q_offset,
                  offset=d.kv_len - d.q_len if cfg.q_offset is None else cfg.q_offset,
                  D=d.head_dim, ring=bs.max_concurrent_steps, scale=float(cfg.scale),
                  softcap=None if cfg.softcap is None else float(cfg.softcap),
                  mask_treedef=None if mask is None else jax.tree_util.tree_structure(mask),
                  interpreted=bool(interpret), operands=tuple(operands), stacks=tuple(stacks),
-                 rate=float(cfg.dropout_rate), term=term)
+                 rate=float(cfg.dropout_rate),
+                 term=mask is not None and position_bias.present(mask))
+    count = lambda kind: (P.stack(kind) or (0,))[0]  # noqa: E731
+    need = bs.smem_bytes(d.head_dim, row_arrays=count("rows"), key_arrays=count("cols"),
+                         row_stats=P.row_stats)
+    if need > SMEM_BYTES:
+        raise ValueError(
+            f"flash: MosaicGpuBwdBlockSizes(max_concurrent_steps={bs.max_concurrent_steps}) "
+            f"needs {need} bytes of shared memory at head dim "
+            f"{d.head_dim}, more than the {SMEM_BYTES} of a Hopper block; use a smaller "
+            "max_concurrent_steps")
+    return P
 
 
 def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, *,
@@ -951,13 +952,9 @@ def _backward(cfg, q, k, v, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, i
     # nothing, or a non-finite key) and on padding rows, so that P = 0 there.
     # In natural units (a position term without cap) lse itself, +inf alike,
     # and lse_lo beside it (P = exp2(((z - lse) - lse_lo) * log2 e)).
-    if P.natural:
-        finite = jnp.isfinite(lse)
-        rows = [jnp.where(finite, lse, jnp.inf), delta, jnp.where(finite, lse_lo, 0.0)]
-        pads = (jnp.inf, 0.0, 0.0)
-    else:
-        rows, pads = [online.lse2_rows(lse, lse_lo), delta], (jnp.inf, 0.0)
-    stats = jnp.stack([triton._pad(x, 2, P.Tqp, pad) for x, pad in zip(rows, pads)], axis=2)
+    rows = online.backward_rows(lse, lse_lo, delta, natural=P.natural)
+    stats = jnp.stack([triton._pad(x, 2, P.Tqp, jnp.inf if n == 0 else 0.0)
+                       for n, x in enumerate(rows)], axis=2)
     dq, dk, dv = _launch(P, interpret, q.dtype, triton._pad(q, 1, P.Tqp),
                          triton._pad(k, 1, P.Tkp), triton._pad(v, 1, P.Tkp),
                          triton._pad(d_out.astype(q.dtype), 1, P.Tqp), stats, table,

@@ -749,9 +749,8 @@ def _blocks_for(cfg, dtype, which, tile_bytes=0):
     # Tiles never larger than the padded sequence: small problems need no tuning.
     bq, bk = min(bq, max(16, _pow2(d.q_len))), min(bk, max(16, _pow2(d.kv_len)))
     if given is None:  # (block sizes the user chose are kept as they are)
-        bq, bk, stages = _fit_smem(which, bq, bk, stages, _pow2(max(d.head_dim, 16)),
-                                   _pow2(max(d.v_head_dim, 16)), jnp.dtype(dtype).itemsize,
-                                   tile_bytes)
+        bq, bk, stages = _fit_smem(which, bq, bk, stages, *head_dims_padded(d),
+                                   jnp.dtype(dtype).itemsize, tile_bytes)
     return bq, bk, plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
@@ -908,10 +907,22 @@ def _rows_spec(T, n_heads, heads_per_prog=None):
     return pl.BlockSpec((None, hblock, T), lambda r, bh: (bh // n_heads, bh % n_heads, 0))
 
 
+def head_dims_padded(dims) -> tuple:
+    """``(Dp, Dvp)``: the head dims these kernels compute at, D and Dv each
+    padded to a power of two (16 at least: ``tl.arange`` and the smallest
+    tensor-core tile).
+
+    >>> from fnattn._checks import Dims
+    >>> head_dims_padded(Dims(1, 8, 8, 1, 1, 96, 8))
+    (128, 16)
+    """
+    return _pow2(max(dims.head_dim, 16)), _pow2(max(dims.v_head_dim, 16))
+
+
 def _dims_padded(cfg, bq, bk):
     d = cfg.dims
     Tqp, Tkp = -(-d.q_len // bq) * bq, -(-d.kv_len // bk) * bk
-    return Tqp, Tkp, _pow2(max(d.head_dim, 16)), _pow2(max(d.v_head_dim, 16))
+    return (Tqp, Tkp) + head_dims_padded(d)
 
 
 def _pad_bthd(x, T, D):
@@ -983,7 +994,7 @@ def redo_forward(cfg, q, k, v, sinks, mask, seed, table, flags, out, lse, lse_lo
     _refuse_symbolic(cfg, interpret)
     Tp, Hq, G = out.shape[1], d.num_q_heads, d.group
     Tkp, Dp = -(-d.kv_len // bk) * bk, out.shape[-1]
-    if Tp % bq or Tp < d.q_len or Dp != _pow2(max(d.head_dim, 16)) or d.head_dim != d.v_head_dim:
+    if Tp % bq or Tp < d.q_len or Dp != head_dims_padded(d)[0] or d.head_dim != d.v_head_dim:
         raise ValueError(f"redo_forward: out {out.shape} is not whole ({bq}-row) blocks of "
                          f"the queries ({d.q_len}) at a power-of-two head dim ({d.head_dim})")
     K = dataclasses.replace(_make_k(cfg, mask, None, sinks, bq, bk), one_list=True)
@@ -1029,11 +1040,8 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     # The per-row statistics the kernels recompute P from (`_row_names`): +inf
     # where lse is not finite (rows that saw nothing, an infinite sink) and on
     # padding rows, so that P = 0 there.
-    fin = jnp.isfinite(lse)
-    if (bias is not None or position_bias.present(mask)) and cfg.softcap is None:  # K.large
-        rows = (jnp.where(fin, lse, jnp.inf), delta, jnp.where(fin, lse_lo, 0.0))
-    else:  # base 2 (the lse_lo folded in: it only matters for huge logits)
-        rows = (online.lse2_rows(lse, lse_lo), delta)
+    rows = online.backward_rows(lse, lse_lo, delta, natural=(  # (K.large)
+        (bias is not None or position_bias.present(mask)) and cfg.softcap is None))
 
     def pad_rows(T):
         return [_pad(x, 2, T, jnp.inf if n == 0 else 0.0) for n, x in enumerate(rows)]
