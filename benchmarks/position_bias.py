@@ -17,7 +17,11 @@ default (``--dtype bfloat16 --jaxnn cudnn`` on a GPU):
   the spec, which asks a Hopper GPU for the Mosaic GPU forward (ALiBi runs
   there only when asked until timed; elsewhere the row is ``fnattn+alibi``);
 * ``fnattn+alibi:mosaic_gpu_bwd``: the same with ``MosaicGpuBwdBlockSizes`` too,
-  which asks for the Mosaic GPU backward as well (the slopes held fixed).
+  which asks for the Mosaic GPU backward as well (the slopes held fixed);
+* ``fnattn+decay``, ``fnattn+decay:mosaic_gpu``, ``fnattn+decay:mosaic_gpu_bwd``:
+  a ``position_bias.from_fn`` term instead, ``-slope[h] * log(1 + |q - k|)``
+  (a logarithmic decay, in operations every kernel compiles), on the default
+  kernels and asking for the Mosaic GPU forward and backward.
 
 The bias arrays are built from the slopes inside the jitted function (an ALiBi
 model builds them per call or keeps them; either way they exist in memory).
@@ -50,7 +54,14 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 IMPLS = ("jax.nn:xla", "jax.nn:xla+bias", "fnattn", "fnattn+alibi", "fnattn+bias",
          "fnattn+alibi:learned", "jax.nn:xla+bias:learned", "fnattn+alibi:mosaic_gpu",
-         "fnattn+alibi:mosaic_gpu_bwd")
+         "fnattn+alibi:mosaic_gpu_bwd", "fnattn+decay", "fnattn+decay:mosaic_gpu",
+         "fnattn+decay:mosaic_gpu_bwd")
+
+
+def _decay(b, h, q, k, slope):
+    """The ``fnattn+decay`` rows' term: a logarithmic decay with the distance."""
+    import jax.numpy as jnp
+    return -slope * jnp.log(1.0 + jnp.abs(q - k).astype(jnp.float32))
 
 
 def child(cfg):
@@ -89,6 +100,8 @@ def child(cfg):
             spec = AttentionSpec(mask=masks.causal(), return_lse=False, block_sizes=blocks)
             if impl == "fnattn+alibi":
                 spec = spec.replace(position_bias=position_bias.alibi(slopes))
+            elif impl == "fnattn+decay":
+                spec = spec.replace(position_bias=position_bias.from_fn(_decay, slopes))
             elif impl == "fnattn+bias":
                 spec = spec.replace(bias=alibi_bias(slopes))
             return fnattn.flash(spec, q, k, v).out

@@ -619,11 +619,31 @@ class FromArray(Mask):
         return "from_array(...)"
 
 
+def tile_args(*args) -> tuple:
+    """The arguments of a user's function (a ``from_fn`` predicate or position
+    term) with the scalars among them broadcast to the tile the others span.
+
+    Inside a kernel the batch and head indices (and a term's per-head values)
+    are scalars beside index tiles; given as tiles, every operation of the
+    function runs on tiles, which the Pallas lowerings take for any
+    elementwise operation (Triton's, for one, mistypes a ``select`` of
+    scalars). Arrays that already share a shape (the XLA lowerings) are
+    returned as they are.
+
+    >>> [jnp.shape(x) for x in tile_args(0, jnp.zeros((2, 1)), jnp.zeros((1, 3)))]
+    [(2, 3), (2, 1), (1, 3)]
+    """
+    shape = jnp.broadcast_shapes(*(jnp.shape(x) for x in args))
+    if not shape:
+        return args
+    return tuple(jnp.broadcast_to(x, shape) if jnp.ndim(x) == 0 else x for x in args)
+
+
 class FromFn(Mask):
     fn: Callable
 
     def predicate(self, pos, ops):
-        out = self.fn(pos.b, pos.h, pos.q, pos.k)
+        out = self.fn(*tile_args(pos.b, pos.h, pos.q, pos.k))
         if jnp.result_type(out) != jnp.bool_:
             # An int result would be read as "nonzero attends": refuse the guess.
             raise TypeError(

@@ -35,9 +35,12 @@ Where it runs: :func:`fnattn.attention`, :func:`fnattn.flash` and
 :func:`fnattn.reference`, with every ``impl`` but "cudnn": the blockwise XLA
 lowering, the Pallas Triton kernels, the Pallas Mosaic TPU kernels and the
 dense XLA lowering. On an NVIDIA GPU ``impl="auto"`` gives such a spec to the
-Triton kernels (cuDNN computes no term; the Mosaic GPU forward computes ALiBi
+Triton kernels (cuDNN computes no term; the Mosaic GPU forward computes it
 when the spec's block sizes include ``MosaicGpuBlockSizes``, with the Triton
-backward, until an H100 timing makes it the default).
+backward, until an H100 timing makes it the default). A ``from_fn`` term runs
+in a kernel whose backend compiles every operation of its function (checked
+when the spec is traced, :mod:`fnattn._functions`); impl="auto" runs one it
+cannot on the XLA lowering, and the kernel asked for by name refuses it.
 :func:`fnattn.context.attention` (ring and all-gather context parallelism)
 evaluates it at each step's global positions. The serving variants
 (:func:`fnattn.decode`, ``decode_with_update``, the paged and ragged paged
@@ -153,7 +156,8 @@ class FromFn(PositionBias):
                      for x in self.arrays)
 
     def value(self, pos, ops):
-        out = self.fn(pos.b, pos.h, pos.q_pos, pos.k, *(op.astype(jnp.float32) for op in ops))
+        out = self.fn(*masks.tile_args(pos.b, pos.h, pos.q_pos, pos.k,
+                                       *(jnp.asarray(op).astype(jnp.float32) for op in ops)))
         dtype = jnp.result_type(out)
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(

@@ -5,8 +5,8 @@ Random masks of every kind those kernels read (causal, windows, chunks, segment 
 lengths, prefix-LM, ``from_fn`` and their ``&``, ``|``, ``~``), GQA ratios, query and
 key lengths that are not multiples of the 64-row tiles, head dims the kernels
 pad to 64 (a value head dim unlike the query's among them), float16 and bfloat16,
-soft-cap, sinks (-inf, +inf or ordinary), dropout, an ALiBi term (its slopes
-fixed), one program per q-tile or
+soft-cap, sinks (-inf, +inf or ordinary), dropout, an ALiBi or ``from_fn``
+term (its arrays fixed), one program per q-tile or
 persistent programs, and NaN / inf in the K and V of keys no row may see. Out, lse
 and every gradient must be those of the float32 reference on the same (rounded)
 inputs, with no NaN; rows that see nothing give 0 and lse -inf.
@@ -44,6 +44,10 @@ def _kernels(spec, q, k, v):
     return core.run(spec, q, k, v, fn="flash", table=_table())
 
 
+def _decay(b, h, q, k, r):
+    return -r * jnp.log(1.0 + jnp.abs(q - k).astype(F32)) + jnp.where(h == 0, 0.5, 0.0)
+
+
 @st.composite
 def problems(draw, head_dims=((64, 64), (40, 64), (64, 24))):
     """``(spec, q, k, v, d_out, d_lse)`` of a drawn problem whose head dims
@@ -66,9 +70,12 @@ def problems(draw, head_dims=((64, 64), (40, 64), (64, 24))):
     if mask is not None:
         k, v = poison_hidden_keys(k, v, masks.materialize(mask, B, hq, Tq, Tk))
     rate = draw(st.sampled_from([0.0, 0.0, 0.3]))
-    term = None
-    if draw(st.sampled_from([False, False, True])):   # ALiBi, slopes held fixed
+    term = None  # a position term, its arrays held fixed
+    kind = draw(st.sampled_from([None, None, "alibi", "from_fn"]))
+    if kind == "alibi":
         term = position_bias.alibi(jnp.asarray(rs.uniform(-0.5, 2.0, hq), F32))
+    elif kind == "from_fn":  # per (batch row, head) rates, in operations Mosaic GPU compiles
+        term = position_bias.from_fn(_decay, jnp.asarray(rs.uniform(0.0, 2.0, (B, hq)), F32))
     spec = AttentionSpec(mask=mask, softcap=draw(st.sampled_from([None, 20.0])),
                          position_bias=term,
                          sinks=draw(extreme_sinks(hq)) if draw(st.booleans()) else None,

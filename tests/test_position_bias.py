@@ -517,8 +517,8 @@ def test_kernels_that_do_not_compute_a_term_are_not_routed_to():
     """cuDNN computes no term; the Mosaic GPU forward and backward compute ALiBi
     (its arrays per head), only when asked for by name until timed on a GPU,
     the backward with the slopes held fixed (learned ones are the Triton
-    backward's), and refuse ``from_fn`` terms (whose functions they may not
-    lower)."""
+    backward's), and refuse ``from_fn`` terms whose functions Mosaic GPU does
+    not lower."""
     dims = Dims(1, 256, 256, 4, 2, 128, 128)
     mask = position_bias.attach(masks.causal(), position_bias.alibi(SLOPES4), constant=False)
     cfg = Config(dims, 0.1, None, 0.0, jax.tree_util.tree_structure(mask))
@@ -533,12 +533,14 @@ def test_kernels_that_do_not_compute_a_term_are_not_routed_to():
     assert mosaic_gpu._explicit_only(cfg)
     plain = Config(dims, 0.1, None, 0.0, jax.tree_util.tree_structure(masks.causal()))
     assert not mosaic_gpu._explicit_only(plain)
-    for term in (position_bias.from_fn(lambda b, h, q, k: 0.0 * k),
-                 position_bias.alibi(SLOPES4) + position_bias.from_fn(_kerple, SLOPES4, SLOPES4)):
-        for kernel in (mosaic_gpu, mosaic_gpu_bwd):
-            why = kernel.supports(cfg, jnp.bfloat16, position_bias.attach(None, term), None,
-                                  None)
-            assert any("from_fn position bias" in w for w in why), why
+    # from_fn terms: those whose primitives Mosaic GPU lowers (tests/test_functions.py)
+    plain = position_bias.from_fn(lambda b, h, q, k: 0.0 * k)
+    kerple = position_bias.alibi(SLOPES4) + position_bias.from_fn(_kerple, SLOPES4, SLOPES4)
+    for kernel in (mosaic_gpu, mosaic_gpu_bwd):
+        assert kernel.supports(cfg, jnp.bfloat16, position_bias.attach(None, plain), None,
+                               None) == []
+        why = kernel.supports(cfg, jnp.bfloat16, position_bias.attach(None, kerple), None, None)
+        assert len(why) == 1 and "uses log1p, which the Pallas Mosaic GPU kernels" in why[0]
 
 
 def test_kernels_lower_for_cuda_and_tpu():

@@ -53,7 +53,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fnattn import _checks
+from fnattn import _checks, _functions
 from fnattn import _online as online
 from fnattn import _varying, cost, masks
 from fnattn.decoding import common, xla
@@ -226,13 +226,16 @@ def unsupported(cfg, q, k, v) -> Optional[str]:
 
     ``impl="auto"`` then uses the XLA lowering on TPU; ``impl="pallas"`` raises.
     """
-    del cfg, v
+    del v
     if k.dtype == jnp.float64:
         return "a float32, bfloat16 or float16 cache (got float64: TPUs have no float64)"
     names = _checks.symbolic_sizes(B=q.shape[0], Tq=q.shape[1], S=k.shape[1])
     if names:
         return (f"static sizes (got symbolic {', '.join(names)} under jax.export: its grid and "
                 "its scalar-prefetched metadata are sized by them)")
+    why = [] if cfg is None else _functions.refusals((cfg.mask, cfg.term), _functions.MOSAIC_TPU)
+    if why:
+        return f"functions it compiles: {'; '.join(why)}"
     return None
 
 

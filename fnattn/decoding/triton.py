@@ -47,7 +47,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fnattn import _checks
+from fnattn import _checks, _functions
 from fnattn import _online as online
 from fnattn import _varying, masks
 from fnattn.decoding import common, xla
@@ -238,6 +238,8 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
         "decode: the Pallas Triton kernel", "its grid (B, Hkv, splits) and its operand "
         "blocks", "impl='auto' (the XLA lowering for such calls) and impl='xla'",
         B=B, S=S, Tq=Tq)
+    if not interpret:
+        _functions.refuse((cfg.mask, cfg.term), _functions.TRITON, "decode")
     G = Hq // Hkv
     R = Tq * G
     M = max(MIN_ROWS, common.pow2(R))
@@ -296,6 +298,8 @@ def symbolic(q, k) -> list:
 
 def auto_forward(cfg, q, k, v, starts, lengths, sinks, terms=None):
     """impl="auto" on NVIDIA GPUs: the Triton kernel, or the XLA lowering for
-    symbolic sizes (``jax.export``), which no Triton grid can take."""
-    fwd = xla.forward if symbolic(q, k) else forward
+    symbolic sizes (``jax.export``), which no Triton grid can take, and for a
+    ``from_fn`` mask or term Triton does not compile."""
+    slow = symbolic(q, k) or _functions.refusals((cfg.mask, cfg.term), _functions.TRITON)
+    fwd = xla.forward if slow else forward
     return fwd(cfg, q, k, v, starts, lengths, sinks, terms)

@@ -63,7 +63,7 @@ def _table(impl: str, dtype):
             return (("default", xla.LOWERING),)
     if impl == "auto":
         return (("default", xla.LOWERING), ("cuda", _cuda_auto()),
-                ("tpu", _auto(mosaic.LOWERING, mosaic.symbolic)))
+                ("tpu", _auto(mosaic.LOWERING, mosaic.needs_xla)))
     if impl == "xla":
         return (("default", xla.LOWERING),)
     if impl == "pallas":
@@ -80,7 +80,7 @@ def _table(impl: str, dtype):
 
 @functools.lru_cache(maxsize=None)
 def _cuda_auto():
-    return _with_tangent(cudnn.pick(cuda_kernel, triton.symbolic))
+    return _with_tangent(cudnn.pick(cuda_kernel, triton.needs_xla))
 
 
 def cuda_kernel(cfg, q, bias, sinks, mask):
@@ -115,11 +115,12 @@ def cuda_kernel(cfg, q, bias, sinks, mask):
 
 
 @functools.lru_cache(maxsize=None)
-def _auto(kernel, symbolic):
-    """impl="auto" on a GPU or TPU: the ``kernel`` lowering, or the XLA one for the
-    symbolic sizes (``jax.export``) that ``symbolic(cfg)`` says the kernel cannot take."""
+def _auto(kernel, needs_xla):
+    """impl="auto" on a GPU or TPU: the ``kernel`` lowering, or the XLA one where
+    ``needs_xla(cfg)`` says the kernel cannot take the call (symbolic sizes for
+    ``jax.export``, a ``from_fn`` function its backend does not compile)."""
     def pick(cfg):
-        return xla.LOWERING if symbolic(cfg) else kernel
+        return xla.LOWERING if needs_xla(cfg) else kernel
     return dataclasses.replace(kernel, fwd=lambda cfg, *a: pick(cfg).fwd(cfg, *a),
                                bwd=lambda cfg, *a: pick(cfg).bwd(cfg, *a))
 

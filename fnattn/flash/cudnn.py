@@ -364,17 +364,18 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
 LOWERING = Lowering("flash-cudnn", _forward, _backward, takes_absent_cotangents=True)
 
 
-def pick(kernel, symbolic):
+def pick(kernel, needs_xla):
     """impl="auto" on cuda: cuDNN where :func:`route` says so, else
     ``kernel(cfg, q, bias, sinks, mask)`` (the Mosaic GPU or the Triton lowering,
-    :func:`fnattn.flash.api.cuda_kernel`), or the XLA one for symbolic sizes the
-    kernels cannot take."""
+    :func:`fnattn.flash.api.cuda_kernel`), or the XLA one where
+    ``needs_xla(cfg)`` says the kernels cannot take the call (symbolic sizes, a
+    function they do not compile)."""
     from fnattn.flash import xla
 
     def choose(cfg, q, bias, sinks, mask):
         if route(cfg, q.dtype, mask, bias, sinks):
             return LOWERING
-        return xla.LOWERING if symbolic(cfg) else kernel(cfg, q, bias, sinks, mask)
+        return xla.LOWERING if needs_xla(cfg) else kernel(cfg, q, bias, sinks, mask)
 
     def fwd(cfg, q, k, v, bias, sinks, mask, seed):
         low = choose(cfg, q, bias, sinks, mask)

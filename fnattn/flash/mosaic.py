@@ -61,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fnattn import _checks, _online, _varying, cost, dropout, masks, position_bias
+from fnattn import _checks, _functions, _online, _varying, cost, dropout, masks, position_bias
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks
 
@@ -799,15 +799,26 @@ def symbolic(cfg) -> list:
     return _checks.symbolic_sizes(Tq=cfg.dims.q_len, Tk=cfg.dims.kv_len)
 
 
-def _refuse_symbolic(cfg):
+def needs_xla(cfg) -> bool:
+    """Whether impl="auto" gives the call to the XLA lowering instead of these
+    kernels: symbolic sizes (:func:`symbolic`) or a ``from_fn`` function Mosaic
+    TPU does not compile (:func:`fnattn._functions.refusals`)."""
+    return bool(symbolic(cfg)) or bool(_functions.refusals(
+        masks.from_treedef(cfg.mask_treedef), _functions.MOSAIC_TPU, bool(cfg.term_grad)))
+
+
+def _refuse(cfg, interpret):
     _checks.refuse_symbolic(
         "flash: the Pallas Mosaic kernels", "their block-sparse schedule", "impl='auto' (the "
         "XLA lowering for such calls) and impl='xla'", Tq=cfg.dims.q_len, Tk=cfg.dims.kv_len)
+    if not interpret:
+        _functions.refuse(masks.from_treedef(cfg.mask_treedef), _functions.MOSAIC_TPU,
+                          "flash", bool(cfg.term_grad))
 
 
 def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     d = cfg.dims
-    _refuse_symbolic(cfg)
+    _refuse(cfg, interpret)
     bs = blocks.pick(cfg.block_sizes, MosaicBlockSizes, MosaicBlockSizes.default(d, q.dtype))
     P = _plan(cfg, bs.block_q, bs.block_k)
     _, chunks, W, sb, sh = _schedule(cfg, mask, P.bq, P.bk, transpose=False)
@@ -916,7 +927,7 @@ def _dbias_forms(bias):
 
 def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, *, interpret):
     d = cfg.dims
-    _refuse_symbolic(cfg)
+    _refuse(cfg, interpret)
     B, Hq, Hkv = d.batch, d.num_q_heads, d.num_kv_heads
     bs = blocks.pick(cfg.block_sizes, MosaicBlockSizes, MosaicBlockSizes.default(d, q.dtype))
     P = _plan(cfg, bs.block_q_dq, bs.block_k_dq, bs.block_q_dkv, bs.block_k_dkv)

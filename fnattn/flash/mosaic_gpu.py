@@ -93,8 +93,11 @@ term (:func:`fnattn.position_bias.alibi`, or a sum of them): its slopes are
 read once per item as float scalars and the term is added to every tile's
 logits, FULL ones included, before the soft-cap; without a soft-cap the row
 state is then kept in natural units (:attr:`_Plan.natural`), so that rows
-whose every logit is huge stay exact. ``from_fn`` terms are refused (their
-functions may use operations Mosaic GPU does not lower). :func:`supports`
+whose every logit is huge stay exact. A ``from_fn`` term (or mask
+predicate) runs here when its function uses only operations Mosaic GPU lowers
+(:data:`fnattn._functions.MOSAIC_GPU`: no ``log1p``, ``sqrt``, ``pow``,
+``floor``, ``jax.nn.relu``, ...; checked when the spec is traced), its
+arrays read like ALiBi's slopes. :func:`supports`
 lists what else a spec asks for; :func:`forward` refuses it with
 ``NotImplementedError``.
 
@@ -133,7 +136,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fnattn import _checks, dropout, masks, position_bias
+from fnattn import _checks, _functions, dropout, masks, position_bias
 from fnattn import _online as online
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks, triton
@@ -334,25 +337,37 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
 
 
 def term_refusals(mask, term_grad: tuple = ()) -> list:
-    """A position term (:mod:`fnattn.position_bias`) riding with the mask: the
-    Mosaic GPU kernels compute ALiBi (and sums of it: arrays of one value per
-    batch row and head), not ``from_fn`` terms; the Mosaic GPU backward does
-    not differentiate the term's arrays (``term_grad``, the backward's
-    ``Config.term_grad``: the Triton backward does)."""
+    """The user's functions and a position term (:mod:`fnattn.position_bias`)
+    riding with the mask: the Mosaic GPU kernels compile a ``from_fn``
+    predicate or term whose primitives Mosaic GPU lowers
+    (:data:`fnattn._functions.MOSAIC_GPU`: no ``log1p``, ``sqrt``, ``pow``,
+    ``floor``, ``jax.nn.relu``, ...), and a term's arrays of one value per
+    batch row and head (ALiBi's, a ``from_fn``'s); the Mosaic GPU backward
+    does not differentiate the term's arrays (``term_grad``, the backward's
+    ``Config.term_grad``: the Triton backward does).
+
+    >>> import jax.numpy as jnp
+    >>> from fnattn import masks, position_bias
+    >>> decay = position_bias.from_fn(lambda b, h, q, k, a: -a * jnp.log(1.0 + abs(q - k)),
+    ...                               jnp.ones(4))
+    >>> term_refusals(position_bias.attach(masks.causal(), decay))
+    []
+    >>> term_refusals(masks.from_fn(lambda b, h, q, k: jnp.floor(q / 64) == k // 64))
+    ... # doctest: +ELLIPSIS
+    ['the mask predicate from_fn(<lambda>) uses floor, which the Pallas Mosaic GPU ...']
+    """
+    why = _functions.refusals(mask, _functions.MOSAIC_GPU)
     if not position_bias.present(mask):
-        return []
+        return why
     if term_grad:
-        return ["the gradient of a position bias's arrays (the Mosaic GPU backward computes "
-                "the term with its arrays held fixed; the Triton backward sums their gradient)"]
-    if any(isinstance(t, position_bias.FromFn) for t in position_bias.parts(mask)):
-        # Its function may use operations Mosaic GPU does not lower (log1p, ...).
-        return ["a from_fn position bias (the kernel computes ALiBi; the Triton kernels any "
-                "term)"]
+        why.append("the gradient of a position bias's arrays (the Mosaic GPU backward "
+                   "computes the term with its arrays held fixed; the Triton backward sums "
+                   "their gradient)")
     ops = jax.eval_shape(lambda m: m.operands(), mask)
     if any(ops[n].shape[2] > 1 or ops[n].shape[3] > 1 for n in position_bias.term_operands(mask)):
-        return [f"a position bias with arrays along the queries or keys ({mask!r}; the kernel "
-                "reads one value per batch row and head)"]
-    return []
+        why.append(f"a position bias with arrays along the queries or keys ({mask!r}; the "
+                   "kernel reads one value per batch row and head)")
+    return why
 
 
 def maskless_refusals(cfg, dtype, bias, sinks) -> list:

@@ -64,7 +64,8 @@ nothing; rows that saw a non-finite key) and for padding rows, so that
 (the lse cotangent folded in: ``dS = P * (dP - delta)``). Soft-cap multiplies
 dS by ``1 - tanh^2``.
 
-A position term (ALiBi, or a sum of them; :func:`fnattn.position_bias.alibi`)
+A position term (ALiBi, a ``from_fn`` term whose function Mosaic GPU
+compiles, :data:`fnattn._functions.MOSAIC_GPU`, or a sum of them)
 is added to every tile's ``scale * s``, FULL ones included, before the cap,
 as in the forward, its slopes read as float scalars per (batch row, head).
 Without a cap ``P`` is recomputed in natural units, ``exp2(((z - lse) -
@@ -98,7 +99,7 @@ dropout (the forward's keep mask drawn again on the transposed tile: ``dV``
 takes the kept weights, ``dP`` is masked and scaled alike), GQA,
 ragged lengths, no mask, an array-free mask (causal, sliding windows, chunks and
 their ``&``, ``|``, ``~``) or a mask holding per-row, per-key or per-sequence
-integer arrays, and an ALiBi term with its slopes held fixed: what the
+integer arrays, and a position term with its arrays held fixed: what the
 Mosaic GPU forward takes. :func:`supports` lists what else a spec asks for;
 :func:`backward` refuses it with ``NotImplementedError``.
 

@@ -68,7 +68,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fnattn import _checks
+from fnattn import _checks, _functions
 from fnattn import _online as online
 from fnattn import _varying, dropout, masks, position_bias
 from fnattn._dispatch import Lowering
@@ -943,15 +943,28 @@ def symbolic(cfg, *, interpret=False) -> list:
     return _checks.symbolic_sizes(**_sizes(cfg, interpret))
 
 
-def _refuse_symbolic(cfg, interpret):
+def needs_xla(cfg) -> bool:
+    """Whether impl="auto" gives the call to the XLA lowering instead of the
+    compiled kernels: symbolic sizes (:func:`symbolic`) or a ``from_fn``
+    function Triton does not compile (:func:`fnattn._functions.refusals`)."""
+    return bool(symbolic(cfg)) or bool(_functions.refusals(
+        masks.from_treedef(cfg.mask_treedef), _functions.TRITON, bool(cfg.term_grad)))
+
+
+def _refuse(cfg, interpret):
+    """What the kernels cannot take of a call asked of them by name: symbolic
+    sizes, and (compiled, not interpreted) functions Triton does not compile."""
     _checks.refuse_symbolic("flash: the Pallas Triton kernels", "their grids and blocks",
                             "impl='auto' (the XLA lowering for such calls) and impl='xla'",
                             **_sizes(cfg, interpret))
+    if not interpret:
+        _functions.refuse(masks.from_treedef(cfg.mask_treedef), _functions.TRITON, "flash",
+                          bool(cfg.term_grad))
 
 
 def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     d = cfg.dims
-    _refuse_symbolic(cfg, interpret)
+    _refuse(cfg, interpret)
     bq, bk, params = _blocks_for(cfg, q.dtype, "fwd", _tile_bytes(bias, mask))
     Tqp, Tkp, Dp, Dvp = _dims_padded(cfg, bq, bk)
     K = _make_k(cfg, mask, bias, sinks, bq, bk)
@@ -991,7 +1004,7 @@ def redo_forward(cfg, q, k, v, sinks, mask, seed, table, flags, out, lse, lse_lo
     (:func:`fnattn.flash.mosaic_gpu.static_schedule`; None without a mask). No
     bias (the caller takes none)."""
     d = cfg.dims
-    _refuse_symbolic(cfg, interpret)
+    _refuse(cfg, interpret)
     Tp, Hq, G = out.shape[1], d.num_q_heads, d.group
     Tkp, Dp = -(-d.kv_len // bk) * bk, out.shape[-1]
     if Tp % bq or Tp < d.q_len or Dp != head_dims_padded(d)[0] or d.head_dim != d.v_head_dim:
@@ -1033,7 +1046,7 @@ def _heads_per_dkdv_program(d, n_kv_blocks):
 
 def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, *, interpret):
     d = cfg.dims
-    _refuse_symbolic(cfg, interpret)
+    _refuse(cfg, interpret)
     B, Hq, Hkv, G = d.batch, d.num_q_heads, d.num_kv_heads, d.group
     # delta folds in the lse cotangent: dS = P * (dP - (rowsum(dO * O) - d_lse)).
     delta = online.delta_rows(out, d_out, d_lse)

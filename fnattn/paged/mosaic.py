@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fnattn import _checks
+from fnattn import _checks, _functions
 from fnattn import _online as online
 from fnattn import _varying, cost, masks
 from fnattn.paged import common
@@ -283,6 +283,9 @@ def unsupported(cfg: Cfg) -> Optional[str]:
     if names:
         return (f"static sizes (got symbolic {', '.join(names)} under jax.export: its grid, "
                 "its scalar-prefetched work list and page table are sized by them)")
+    why = _functions.refusals((cfg.mask(), cfg.term()), _functions.MOSAIC_TPU)
+    if why:
+        return f"functions it compiles: {'; '.join(why)}"
     return None
 
 

@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fnattn import _checks
+from fnattn import _checks, _functions
 from fnattn import _online as online
 from fnattn import _varying, masks
 from fnattn.paged import common, xla
@@ -275,6 +275,8 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
         "paged attention: the Pallas Triton kernel", "its grid (work items, Hkv, splits) and "
         "its operand blocks", "impl='auto' (the XLA lowering for such calls) and "
         "impl='xla'", **dict(zip(_SIZES, _sizes(cfg))))
+    if not interpret:
+        _functions.refuse((cfg.mask(), cfg.term()), _functions.TRITON, "paged attention")
     bq, bk, splits, params = launch_plan(cfg)
     Gp = common.pow2(G)
     M = max(MIN_ROWS, bq * Gp)
@@ -353,5 +355,7 @@ def symbolic(cfg: Cfg) -> list:
 
 def auto_forward(cfg: Cfg, *args):
     """impl="auto" on NVIDIA GPUs: the Triton kernel, or the XLA lowering for
-    symbolic sizes (``jax.export``), which no Triton grid can take."""
-    return (xla.forward if symbolic(cfg) else forward)(cfg, *args)
+    symbolic sizes (``jax.export``), which no Triton grid can take, and for a
+    ``from_fn`` mask or term Triton does not compile."""
+    slow = symbolic(cfg) or _functions.refusals((cfg.mask(), cfg.term()), _functions.TRITON)
+    return (xla.forward if slow else forward)(cfg, *args)

@@ -146,6 +146,29 @@ def test_interpreted_position_terms_match_reference(name):
         assert float(jnp.abs(res.out.astype(jnp.float32) - plain.out).max()) > 0.1
 
 
+def _decay(b, h, q, k, r):
+    """A from_fn term Mosaic GPU compiles: a logarithmic decay with a per-(row,
+    head) rate, and offsets by head and batch row (a select of scalars)."""
+    return (-r * jnp.log(1.0 + jnp.abs(q - k).astype(jnp.float32))
+            + jnp.where(h % 2 == 0, 0.5, -0.5) * (b + 1))
+
+
+def test_interpreted_from_fn_terms_match_reference():
+    """A ``from_fn`` term whose primitives Mosaic GPU lowers, with per-(batch
+    row, head) arrays read as scalars, beside packed documents in two batch
+    rows, GQA 2:1."""
+    q, k, v = qkv(B=2, Tq=128, Tk=192, Hq=4, Hkv=2)
+    ids = jnp.asarray(np.stack([documents(100, 92), documents(40, 152)]))
+    mask = masks.causal() & masks.segments(ids[:, 64:], ids)
+    rates = jnp.array([[0.5, 1.0, 2.0, 0.25], [3.0, 0.1, 1.5, 0.75]])
+    spec = AttentionSpec(mask=mask, return_lse=True, block_sizes=SMALL,
+                         position_bias=position_bias.from_fn(_decay, rates))
+    res = check(spec, q, k, v)
+    plain = jax.jit(lambda *a: fnattn.reference(spec.replace(position_bias=None), *a))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    assert float(jnp.abs(res.out.astype(jnp.float32) - plain.out).max()) > 0.1
+
+
 PADDED_DIMS_CASES = {
     # D = 96 computed at 128 (a power of two: the flagged rows' recomputation,
     # no pass over K and V), packed documents with poisoned keys past them.

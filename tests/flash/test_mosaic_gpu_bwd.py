@@ -165,6 +165,14 @@ INTERPRET_CASES = {
     "alibi_window_d256": (
         masks.sliding_window(50, 10), dict(position_bias=position_bias.alibi(jnp.array([2.0]))),
         dict(Tq=64, Tk=100, D=256), False),
+    # A from_fn term Mosaic GPU compiles (its array per (batch row, head), a
+    # select of the head and batch indices), two batch rows.
+    "from_fn_term_causal": (
+        masks.causal(), dict(position_bias=position_bias.from_fn(
+            lambda b, h, q, k, r: (-r * jnp.log(1.0 + jnp.abs(q - k).astype(jnp.float32))
+                                   + jnp.where(h == 0, 0.5, -0.5) * (b + 1)),
+            jnp.array([[0.5, 2.0], [0.25, 1.0]]))), dict(B=2, Tq=128, Tk=128, Hq=2, Hkv=1),
+        False),
 }
 
 
@@ -256,11 +264,13 @@ def test_interpreted_padding_rows_never_meet_the_keys_only_they_would_see(interp
     assert (f32(grads[1])[:, 139:] == 0).all() and (f32(grads[2])[:, 139:] == 0).all()
 
 
-def test_interpreted_float16_with_large_cotangents(interpreted):
+@pytest.mark.parametrize("alibi", [False, True])
+def test_interpreted_float16_with_large_cotangents(interpreted, alibi):
     """float16 under loss scaling: |dO| ~ 1e3 and |V| ~ 6, so that dO.V^T
     overflows float16 in many entries (dP is accumulated in float32 by the
     kernel), while every gradient fits float16: all finite and equal to the
-    float32 reference's, GQA 2:1 over the group in one program."""
+    float32 reference's, GQA 2:1 over the group in one program; and with ALiBi
+    (P recomputed in natural units, lse_lo a third row statistic)."""
     rs = np.random.default_rng(3)
     q = jnp.asarray(rs.standard_normal((1, 128, 2, 64)), jnp.float16)
     k = jnp.asarray(rs.standard_normal((1, 128, 1, 64)), jnp.float16)
@@ -269,7 +279,9 @@ def test_interpreted_float16_with_large_cotangents(interpreted):
     d_lse = jnp.zeros((1, 2, 128), jnp.float32)
     dov = np.einsum("bqhd,bkd->bqhk", f32(d_out), f32(v)[:, :, 0])
     assert (np.abs(dov) > np.finfo(np.float16).max).mean() > 0.1
-    spec = AttentionSpec(mask=masks.causal(), return_lse=True, block_sizes=SMALL)
+    spec = AttentionSpec(mask=masks.causal(), return_lse=True, block_sizes=SMALL,
+                         position_bias=position_bias.alibi(jnp.array([0.5, 0.0625]))
+                         if alibi else None)
     _, _, grads = outputs_and_grads(spec, q, k, v, d_out, d_lse, interpreted)
     _, _, r_grads = reference(spec, q, k, v, d_out, d_lse)
     assert max(float(np.abs(f32(g)).max()) for g in r_grads) < 3e4
