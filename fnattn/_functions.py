@@ -77,7 +77,7 @@ _REWRITES = {
     "custom_jvp_call": "jnp.maximum(x, 0.0) for jax.nn.relu(x)",
     "expm1": "jnp.exp(x) - 1.0 for expm1",
     "log1p": "jnp.log(1.0 + x) for log1p",
-    "not (of booleans)": "the opposite comparison, k <= q for ~(k > q)",
+    "not (of booleans)": "jnp.logical_xor(x, True) for ~x",
     "pow": "jnp.exp2(y * jnp.log2(x)) for x ** y with x > 0",
     "sqrt": "x * lax.rsqrt(x) for sqrt(x) with x > 0",
 }

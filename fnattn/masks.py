@@ -295,7 +295,9 @@ class Not(Mask):
         return self.a.operands()
 
     def predicate(self, pos, ops):
-        return ~self.a.predicate(pos, ops)
+        # (an xor with True, not a bitwise not: Mosaic GPU under jax 0.11 lowers no
+        # not of booleans, whose 1-bit registers its layouts do not take)
+        return jnp.logical_xor(self.a.predicate(pos, ops), True)
 
     def tile_bounds(self, t, ops):
         any_a, all_a = self.a.tile_bounds(t, ops)

@@ -512,7 +512,7 @@ def _lowered_grad(spec, q, k, v, *, vmapped=False):
 
 
 @pytest.mark.parametrize("D, mask, Hq, softcap", [
-    (64, "causal", 8, None),
+    (64, "negated", 8, None),
     (128, "window", 2, None),
     (192, "chunks", 4, None),
     (256, "causal", 4, 30.0),
@@ -524,9 +524,10 @@ def test_gradient_lowers_for_cuda(D, mask, Hq, softcap):
     2 kv heads: at D = 64 a GQA group of 4 split over programs (float32
     partials), at 128 no GQA and sinks, at 192 and 256 the column split (columns
     128 + 64 and 128 + 128) with a group of 2 in one program, soft-cap at 256,
-    dropout at 64 and 192."""
+    dropout at 64 and 192, a negated mask (``~``) at 64."""
     pytest.importorskip("absl")
     mask = {"causal": masks.causal(),
+            "negated": masks.causal() & ~masks.sliding_window(8),
             "window": masks.causal() & masks.sliding_window(300),
             "chunks": masks.chunked(256) & masks.causal()}[mask]
     q = jax.ShapeDtypeStruct((2, 1000, Hq, D), jnp.bfloat16)
