@@ -17,7 +17,9 @@ default (``--dtype bfloat16 --jaxnn cudnn`` on a GPU):
   the spec, which asks a Hopper GPU for the Mosaic GPU forward (ALiBi runs
   there only when asked until timed; elsewhere the row is ``fnattn+alibi``);
 * ``fnattn+alibi:mosaic_gpu_bwd``: the same with ``MosaicGpuBwdBlockSizes`` too,
-  which asks for the Mosaic GPU backward as well (the slopes held fixed);
+  which asks for the Mosaic GPU backward as well (the slopes held fixed), and
+  ``fnattn+alibi:mosaic_gpu_bwd:learned`` (forward and backward only) with the
+  slopes learned, their gradient summed by that backward;
 * ``fnattn+decay``, ``fnattn+decay:mosaic_gpu``, ``fnattn+decay:mosaic_gpu_bwd``:
   a ``position_bias.from_fn`` term instead, ``-slope[h] * log(1 + |q - k|)``
   (a logarithmic decay, in operations every kernel compiles), on the default
@@ -54,8 +56,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 IMPLS = ("jax.nn:xla", "jax.nn:xla+bias", "fnattn", "fnattn+alibi", "fnattn+bias",
          "fnattn+alibi:learned", "jax.nn:xla+bias:learned", "fnattn+alibi:mosaic_gpu",
-         "fnattn+alibi:mosaic_gpu_bwd", "fnattn+decay", "fnattn+decay:mosaic_gpu",
-         "fnattn+decay:mosaic_gpu_bwd")
+         "fnattn+alibi:mosaic_gpu_bwd", "fnattn+alibi:mosaic_gpu_bwd:learned", "fnattn+decay",
+         "fnattn+decay:mosaic_gpu", "fnattn+decay:mosaic_gpu_bwd")
 
 
 def _decay(b, h, q, k, slope):
@@ -77,14 +79,14 @@ def child(cfg):
 
     B, T, H, D, impl, mode = cfg["B"], cfg["T"], cfg["H"], cfg["D"], cfg["impl"], cfg["mode"]
     learned = impl.endswith(":learned")
+    impl = impl.removesuffix(":learned")
     mosaic_gpu = impl.endswith((":mosaic_gpu", ":mosaic_gpu_bwd"))
     blocks = None
     if mosaic_gpu:
         blocks = fnattn.MosaicGpuBlockSizes()
         if impl.endswith("_bwd"):
             blocks = (blocks, fnattn.MosaicGpuBwdBlockSizes())
-    impl = impl.removesuffix(":learned").removesuffix(":mosaic_gpu_bwd").removesuffix(
-        ":mosaic_gpu")
+    impl = impl.removesuffix(":mosaic_gpu_bwd").removesuffix(":mosaic_gpu")
 
     def alibi_bias(slopes):
         dist = jnp.abs(jnp.arange(T)[:, None] - jnp.arange(T)[None, :]).astype(jnp.float32)

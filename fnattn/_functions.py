@@ -42,11 +42,15 @@ class Backend:
     """A Pallas backend: the primitives it lowers inside a kernel's tile code.
 
     ``bool_not``: whether it lowers ``not`` of booleans (Mosaic GPU's layouts
-    take no 1-bit registers there)."""
+    take no 1-bit registers there). ``gradient``: how its backward kernels
+    differentiate a term in its learned arrays: "vjp" (a sum over the tile of
+    the cotangent) or "jvp" (the term's tangent tile, summed along the query
+    rows by the kernel)."""
 
     name: str
     allowed: frozenset
     bool_not: bool = True
+    gradient: str = "vjp"
 
 
 # Elementwise primitives every backend lowers on tiles (and scalars broadcast
@@ -69,7 +73,12 @@ MOSAIC_TPU = Backend("Pallas Mosaic TPU kernels", _COMMON | _GRADIENT | {
     "ceil", "custom_jvp_call", "erf", "floor", "log1p", "pow", "round", "sqrt", "tan"})
 # (sqrt lowers under jax 0.11 only; the Mosaic GPU forward's blocks with
 # non-finite keys are recomputed by the Triton forward, whose set holds this one)
-MOSAIC_GPU = Backend("Pallas Mosaic GPU kernels", _COMMON, bool_not=False)
+# Its backward differentiates a learned term in forward mode (no sum over the
+# tile); it lowers no add_any, the sum of the tangents of an array's value used
+# more than once in the function: such a term's learned arrays take the Triton
+# backward.
+MOSAIC_GPU = Backend("Pallas Mosaic GPU kernels", _COMMON | {"one_minus_square"},
+                     bool_not=False, gradient="jvp")
 
 
 # Rewrites in operations every backend compiles, named in a refusal.
@@ -119,10 +128,10 @@ def _walk(jaxpr, out: set):
                     _walk(inner, out)
 
 
-def primitives(node, gradient: bool = False) -> frozenset:
+def primitives(node, gradient=False) -> frozenset:
     """The primitives a ``from_fn`` predicate or term computes on a kernel's tile
-    (with ``gradient``, a term's gradient with respect to its arrays too, which
-    the backward kernels sum when the arrays are learned), traced once per
+    (with ``gradient``, "vjp" or "jvp" (True: "vjp"), a term's derivative in
+    its arrays too, which the backward kernels sum when they are learned), traced once per
     function on scalar batch and head indices and (8, 1) query and (1, 128)
     key indices. A function that fails to trace there gives
     ``{"<untraceable>"}``.
@@ -133,6 +142,7 @@ def primitives(node, gradient: bool = False) -> frozenset:
     """
     if isinstance(node, masks.FromFn):
         return _primitives(masks.FromFn, node.fn, 0, False)
+    gradient = "vjp" if gradient is True else gradient
     return _primitives(position_bias.FromFn, node.fn, len(node.arrays), gradient)
 
 
@@ -152,6 +162,12 @@ def _primitives(kind, fn, n, gradient) -> frozenset:
             value = node.value(p, values)
             if not (values and gradient):
                 return value
+            if gradient == "jvp":  # the tangent tile in each value
+                def at(j, x):
+                    return node.value(p, values[:j] + (x,) + values[j + 1:])
+                return value, [jax.jvp(functools.partial(at, j), (values[j],),
+                                       (jnp.ones_like(values[j]),))[1]
+                               for j in range(len(values))]
             _, back = jax.vjp(lambda *v: node.value(p, v), *values)
             return value, back(jnp.ones_like(value))
 
@@ -174,7 +190,7 @@ def refusals(mask, backend: Backend, gradient: bool = False) -> list:
     arrays (``Config.term_grad``)."""
     why = []
     for what, node in _functions(mask):
-        bad = set(primitives(node, gradient)) - backend.allowed
+        bad = set(primitives(node, gradient and backend.gradient)) - backend.allowed
         if backend.bool_not:
             bad.discard("not (of booleans)")
         if bad:

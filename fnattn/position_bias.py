@@ -55,8 +55,8 @@ arrays: learnable ALiBi slopes, learnable parameters of a ``from_fn`` term
 (``from_fn(fn, *arrays)``). :func:`fnattn.attention` and
 :func:`fnattn.flash` differentiate them in every lowering that computes the
 term, in both modes and to any order: the backward kernels (XLA blockwise,
-Triton, Mosaic TPU) sum ``dS * d(term)/d(array)`` over the tiles they visit,
-beside dq, with no extra pass and nothing of size ``Tq x Tk``; the tangent
+Triton, Mosaic TPU, Mosaic GPU) sum ``dS * d(term)/d(array)`` over the tiles
+they visit, with no extra pass and nothing of size ``Tq x Tk``; the tangent
 pass (forward mode) carries the term's tangent; second-order derivatives come
 from the dense formulation. Only when differentiated: a spec whose arrays are
 held fixed runs the same kernels as before. The kernels sum one value per

@@ -57,6 +57,13 @@ def _tpu_extra(b, h, q, k, a):
             + jax.nn.relu(a - d) + _common(b, h, q, k, a))
 
 
+def _learned_once(b, h, q, k, a):
+    """The common set with its array's value used once (its tangent needs no
+    add_any, which Mosaic GPU does not lower), under a tanh (whose tangent is
+    one_minus_square under jax 0.11)."""
+    return jnp.tanh(-(a * _common(b, h, q, k, 0.5)))
+
+
 def _bool_not(b, h, q, k):
     return ~(k > q) & ~((q - k) % 3 == 1)
 
@@ -64,17 +71,23 @@ def _bool_not(b, h, q, k):
 # (backend, probe, whether its kernels differentiate a term's arrays)
 PROBES = {"triton": (_functions.TRITON, _triton_extra, True),
           "mosaic_tpu": (_functions.MOSAIC_TPU, _tpu_extra, True),
-          "mosaic_gpu": (_functions.MOSAIC_GPU, _common, False)}
+          "mosaic_gpu": (_functions.MOSAIC_GPU, _learned_once, True)}
 
 
 @pytest.mark.parametrize("name", PROBES)
 def test_probe_uses_every_primitive_of_the_backends_set(name):
     backend, fn, gradient = PROBES[name]
-    used = _functions.primitives(position_bias.from_fn(fn, jnp.ones(4)), gradient)
+    used = _functions.primitives(position_bias.from_fn(fn, jnp.ones(4)),
+                                 gradient and backend.gradient)
     assert used - VERSIONED <= backend.allowed
     assert backend.allowed - used <= VERSIONED | {"not (of booleans)"}
     assert _functions.refusals(position_bias.attach(None, position_bias.from_fn(
         fn, jnp.ones(4))), backend, gradient) == []
+    if name == "mosaic_gpu":  # an array's value used twice: held fixed, not learned
+        twice = position_bias.attach(None, position_bias.from_fn(_common, jnp.ones(4)))
+        assert _functions.refusals(twice, backend) == []
+        (why,) = _functions.refusals(twice, backend, True)
+        assert "uses add_any" in why
 
 
 def _lowered_grads(table, platform, term, mask=masks.causal(), *, wrt_arrays, block_sizes=None):
@@ -113,15 +126,17 @@ def test_mosaic_tpu_kernels_lower_their_set():
 
 def test_mosaic_gpu_kernels_lower_their_set():
     """The Mosaic GPU forward (and the Triton forward that recomputes its flagged
-    rows) and backward, the term's array held fixed (learned arrays take the
-    Triton backward)."""
+    rows) and backward: the common set with its array held fixed, and with
+    the gradient of its array (the term's tangent tile, summed along the
+    query rows)."""
     pytest.importorskip("absl")
     table = (("default", mosaic_gpu_bwd.LOWERING),)
-    text = _lowered_grads(table, "cuda", lambda a: position_bias.from_fn(_common, a),
-                          wrt_arrays=False,
-                          block_sizes=(mosaic_gpu.MosaicGpuBlockSizes(block_k=64),
-                                       mosaic_gpu_bwd.MosaicGpuBwdBlockSizes()))
-    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+    blocks = (mosaic_gpu.MosaicGpuBlockSizes(block_k=64), mosaic_gpu_bwd.MosaicGpuBwdBlockSizes())
+    for fn, learned in ((_common, False), (_learned_once, True)):
+        text = _lowered_grads(table, "cuda", lambda a: position_bias.from_fn(fn, a),
+                              wrt_arrays=learned, block_sizes=blocks)
+        assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+        assert "fnattn_flash_dq" not in text  # (no Triton backward)
 
 
 def test_serving_kernels_lower_the_common_set():

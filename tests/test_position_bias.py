@@ -516,9 +516,9 @@ def test_other_variants_refuse_a_term():
 def test_kernels_that_do_not_compute_a_term_are_not_routed_to():
     """cuDNN computes no term; the Mosaic GPU forward and backward compute ALiBi
     (its arrays per head), only when asked for by name until timed on a GPU,
-    the backward with the slopes held fixed (learned ones are the Triton
-    backward's), and refuse ``from_fn`` terms whose functions Mosaic GPU does
-    not lower."""
+    the backward with the slopes held fixed or learned, and refuse ``from_fn``
+    terms whose functions Mosaic GPU does not lower (and learned arrays whose
+    tangent it does not: a value used twice)."""
     dims = Dims(1, 256, 256, 4, 2, 128, 128)
     mask = position_bias.attach(masks.causal(), position_bias.alibi(SLOPES4), constant=False)
     cfg = Config(dims, 0.1, None, 0.0, jax.tree_util.tree_structure(mask))
@@ -527,8 +527,12 @@ def test_kernels_that_do_not_compute_a_term_are_not_routed_to():
     assert mosaic_gpu_bwd.supports(cfg, jnp.bfloat16, mask, None, None) == []
     assert not mosaic_gpu_bwd.route(cfg, jnp.bfloat16, mask, None, None)
     learned = dataclasses.replace(cfg, term_grad=position_bias.term_leaves(mask))
-    why = mosaic_gpu_bwd.supports(learned, jnp.bfloat16, mask, None, None)
-    assert len(why) == 1 and "gradient of a position bias's arrays" in why[0], why
+    assert mosaic_gpu_bwd.supports(learned, jnp.bfloat16, mask, None, None) == []
+    twice = position_bias.attach(None, position_bias.from_fn(
+        lambda b, h, q, k, r: r * r * (k - q), SLOPES4), constant=False)
+    why = mosaic_gpu_bwd.supports(dataclasses.replace(
+        cfg, term_grad=position_bias.term_leaves(twice)), jnp.bfloat16, twice, None, None)
+    assert len(why) == 1 and "uses add_any" in why[0], why
     assert mosaic_gpu.supports(cfg, jnp.bfloat16, mask, None, None) == []
     assert mosaic_gpu._explicit_only(cfg)
     plain = Config(dims, 0.1, None, 0.0, jax.tree_util.tree_structure(masks.causal()))

@@ -105,10 +105,9 @@ impl="auto" on a Hopper GPU (:func:`route`) runs this kernel for the specs it
 takes, except those with dropout or a position term: those paths have not
 been timed on an H100 yet (:func:`_explicit_only`), so they run here only when
 the spec's block sizes include :class:`MosaicGpuBlockSizes`, and on the
-Triton kernels otherwise. The Mosaic GPU backward computes the term with its
-slopes held fixed (when asked for by name too: ``MosaicGpuBwdBlockSizes``);
-learned slopes take the Triton backward from this forward's residuals, which
-sums their gradient.
+Triton kernels otherwise. The Mosaic GPU backward computes the term too, its
+arrays held fixed or learned (when asked for by name too:
+``MosaicGpuBwdBlockSizes``).
 
 >>> import jax.numpy as jnp
 >>> from fnattn import masks
@@ -342,9 +341,9 @@ def term_refusals(mask, term_grad: tuple = ()) -> list:
     predicate or term whose primitives Mosaic GPU lowers
     (:data:`fnattn._functions.MOSAIC_GPU`: no ``log1p``, ``sqrt``, ``pow``,
     ``floor``, ``jax.nn.relu``, ...), and a term's arrays of one value per
-    batch row and head (ALiBi's, a ``from_fn``'s); the Mosaic GPU backward
-    does not differentiate the term's arrays (``term_grad``, the backward's
-    ``Config.term_grad``: the Triton backward does).
+    batch row and head (ALiBi's, a ``from_fn``'s). ``term_grad`` (the
+    backward's ``Config.term_grad``): the Mosaic GPU backward differentiates
+    the term in its learned arrays too, which then must compile as well.
 
     >>> import jax.numpy as jnp
     >>> from fnattn import masks, position_bias
@@ -356,13 +355,9 @@ def term_refusals(mask, term_grad: tuple = ()) -> list:
     ... # doctest: +ELLIPSIS
     ['the mask predicate from_fn(<lambda>) uses floor, which the Pallas Mosaic GPU ...']
     """
-    why = _functions.refusals(mask, _functions.MOSAIC_GPU)
+    why = _functions.refusals(mask, _functions.MOSAIC_GPU, bool(term_grad))
     if not position_bias.present(mask):
         return why
-    if term_grad:
-        why.append("the gradient of a position bias's arrays (the Mosaic GPU backward "
-                   "computes the term with its arrays held fixed; the Triton backward sums "
-                   "their gradient)")
     ops = jax.eval_shape(lambda m: m.operands(), mask)
     if any(ops[n].shape[2] > 1 or ops[n].shape[3] > 1 for n in position_bias.term_operands(mask)):
         why.append(f"a position bias with arrays along the queries or keys ({mask!r}; the "

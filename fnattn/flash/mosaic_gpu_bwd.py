@@ -70,9 +70,16 @@ is added to every tile's ``scale * s``, FULL ones included, before the cap,
 as in the forward, its slopes read as float scalars per (batch row, head).
 Without a cap ``P`` is recomputed in natural units, ``exp2(((z - lse) -
 lse_lo) * log2(e))`` with ``z = scale * s + term`` (lse_lo a third row
-statistic), so that rows whose every logit is huge keep their weights. The
-term's arrays are held fixed: their gradient (learned slopes,
-``Config.term_grad``) is refused here and summed by the Triton backward.
+statistic), so that rows whose every logit is huge keep their weights.
+Learned arrays (ALiBi's slopes, a ``from_fn``'s parameters;
+``Config.term_grad``) get their gradient here too, in forward mode: per
+step, the term's tangent in each array's value (a tile, ``jax.jvp`` of the
+term) times dS, summed along the step's query rows into one float32 per key
+in registers, for each head of the program; each consumer writes its keys'
+sums once at the end (TMA, through shared memory) and XLA sums them over the
+keys. Mosaic GPU lowers no sum over a whole tile, nor ``add_any``: a
+``from_fn`` term that uses an array's value twice (``r * r``) keeps its
+learned arrays on the Triton backward (:func:`fnattn._functions.refusals`).
 
 Keys a row may not see contribute nothing to it whatever their bits: for a
 masked spec each program zeroes the non-finite entries of its K tile in
@@ -99,7 +106,7 @@ dropout (the forward's keep mask drawn again on the transposed tile: ``dV``
 takes the kept weights, ``dP`` is masked and scaled alike), GQA,
 ragged lengths, no mask, an array-free mask (causal, sliding windows, chunks and
 their ``&``, ``|``, ``~``) or a mask holding per-row, per-key or per-sequence
-integer arrays, and a position term with its arrays held fixed: what the
+integer arrays, and a position term with its arrays held fixed or learned: what the
 Mosaic GPU forward takes. :func:`supports` lists what else a spec asks for;
 :func:`backward` refuses it with ``NotImplementedError``.
 
@@ -194,14 +201,16 @@ class MosaicGpuBwdBlockSizes:
         return cls(max_concurrent_steps=3 if head_dim <= 64 else 2)
 
     def smem_bytes(self, head_dim: int, itemsize: int = 2, *, row_arrays: int = 0,
-                   key_arrays: int = 0, row_stats: int = 2) -> int:
+                   key_arrays: int = 0, row_stats: int = 2, term_sums: int = 0) -> int:
         """Shared memory a program allocates, as Mosaic GPU counts it
         (:func:`fnattn.flash.mosaic_gpu.smem_layout_bytes`): K and V, the Q /
         dO / statistics ring, dS^T, the float32 staging of dQ chunks, the int32
         tiles of a mask's per-row arrays (in the ring, ``row_arrays`` of them)
         and per-key arrays (the program's keys, ``key_arrays`` of them), and
         the barriers. ``row_stats``: lse and delta, and lse's low part for a
-        position term in natural units (:attr:`_Plan.natural`).
+        position term in natural units (:attr:`_Plan.natural`). ``term_sums``:
+        the per-key float32 sums of a learned term's gradient a consumer
+        writes (the program's heads times the learned arrays).
 
         >>> MosaicGpuBwdBlockSizes().smem_bytes(128, row_arrays=1, key_arrays=1)
         199744
@@ -226,6 +235,10 @@ class MosaicGpuBwdBlockSizes:
             barriers += ring
         if key_arrays:
             buffers.append(groups * key_arrays * TILE * 4)
+        if term_sums:
+            # the sums, and the scratch Mosaic GPU's lowering allocates for
+            # summing a tile along its rows (2 KiB, measured on 0.10 and 0.11)
+            buffers += [2 * term_sums * TILE * 4, 2048]
         return mosaic_gpu.smem_layout_bytes(buffers, barriers)
 
 
@@ -322,6 +335,8 @@ class _Plan:
     stacks: tuple = ()    # per kind present: (kind, count, along b, along h)
     rate: float = 0.0     # dropout rate (0: none)
     term: bool = False    # a position term (ALiBi), added to every tile's logits
+    term_grad: tuple = () # the term's operands (indices in P.operands) whose gradient
+                          # the kernel sums (learned arrays): one float32 per key
 
     @property
     def natural(self) -> bool:
@@ -406,12 +421,13 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
     ids_ref = {s[0]: r for s, r in zip(P.stacks, refs)}
     refs = refs[len(P.stacks):]
     seed_ref, refs = (refs[0], refs[1:]) if P.rate > 0 else (None, refs)
-    dq_ref, dk_ref, dv_ref = refs
+    dq_ref, dk_ref, dv_ref, *dterm_ref = refs
+    dterm_ref = dterm_ref[0] if dterm_ref else None
     n_rows = (P.stack("rows") or (0,))[0]
     n_cols = (P.stack("cols") or (0,))[0]
 
     def body(q_smem, do_smem, k_smem, v_smem, st_smem, ds_smem, stage, ready, consumed,
-             kv_ready, pair, dq_bar, rows_smem, rows_ready, cols_smem):
+             kv_ready, pair, dq_bar, rows_smem, rows_ready, cols_smem, dterm_smem):
         hp, tile, b = lax.axis_index("heads"), lax.axis_index("tiles"), lax.axis_index("batch")
         wg = lax.axis_index("wg")
         kv0 = tile * P.kv_rows
@@ -502,6 +518,7 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
                 full_steps=full_steps, at_step=at_step, slot_of=slot_of, ids_at=ids_at,
                 refs=(q_smem, do_smem, k_smem, v_smem, st_smem, ds_smem, stage, ready,
                       consumed, kv_ready, pair, dq_bar, dq_ref, dk_ref, dv_ref),
+                dterm=(dterm_ref, dterm_smem),
                 id_refs=(ids_ref, rows_smem, rows_ready, cols_smem), seed_ref=seed_ref))
 
     swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
@@ -525,12 +542,14 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
         plgpu.SMEM((ring, n_rows, TILE), jnp.int32) if n_rows else None,
         plgpu.Barrier(num_barriers=ring) if n_rows else None,
         plgpu.SMEM((RG, n_cols, TILE), jnp.int32) if n_cols else None,
+        # the sums of a learned term's gradient, per key, of each consumer
+        plgpu.SMEM((2, P.Gp * len(P.term_grad), TILE), F32) if P.term_grad else None,
         collective_axes="wg",
     )
 
 
 def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, slot_of, ids_at,
-             refs, id_refs, seed_ref):
+             refs, id_refs, seed_ref, dterm):
     """Consumer warpgroup ``c`` (static): its dK and dV, and its share of dQ."""
     plgpu = _plgpu()
     (q_smem, do_smem, k_smem, v_smem, st_smem, ds_smem, stage, ready, consumed, kv_ready,
@@ -643,7 +662,20 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
             dst = dst * (1.0 - th * th)
         if visible is not None:  # exactly 0 for hidden keys, whatever dP holds there
             dst = jnp.where(visible, dst, 0.0)
-        return pvt.astype(dtype), dst.astype(dtype)
+        return pvt.astype(dtype), dst.astype(dtype), dst
+
+    def term_sums(dst, i, head):
+        """Per key of this consumer, the step's sum over its query rows of dS
+        times the term's derivative in each learned array's value (the tangent
+        of the term in that value: a tile)."""
+        ops = term_operands(head)
+        sums = []
+        for n in P.term_grad:
+            def term_of(x, n=n):
+                return _term_t(i, keys0, b, head, ops[:n] + [x] + ops[n + 1:], P)
+            _, slope = jax.jvp(term_of, (ops[n],), (jnp.ones_like(ops[n]),))
+            sums.append(jnp.sum(dst * slope, axis=1))
+        return sums
 
     def accumulate(dk, dv, pt, dst, slot):
         """dV += P^T dO and dK += dS^T Q over this consumer's columns."""
@@ -683,14 +715,19 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
                      None if dq_bar is None else dq_bar.at[c], P)
 
     def step(t, carry, partial: bool):
-        dk, dv = carry
+        dk, dv, sums = carry
         slot = slot_of(t)
         i, head = at_step(t)
         plgpu.barrier_wait(ready.at[slot])
         if partial and rows_ready is not None:
             plgpu.barrier_wait(rows_ready.at[slot])
         st, dpt = scores(slot)
-        pt, dst = probs_and_ds(st, dpt, slot, i, head, partial)
+        pt, dst, dst32 = probs_and_ds(st, dpt, slot, i, head, partial)
+        if sums:  # a learned term's gradient: this step's sums go to its head's
+            n, here = len(P.term_grad), head - hp * P.Gp
+            new = term_sums(dst32, i, head)
+            sums = tuple(acc + (x if P.Gp == 1 else x * (here == g).astype(F32))
+                         for g in range(P.Gp) for acc, x in zip(sums[g * n:(g + 1) * n], new))
         dk, dv = accumulate(dk, dv, pt, dst, slot)
         plgpu.barrier_arrive(consumed.at[slot])
         if P.row_split:
@@ -713,18 +750,34 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
             plgpu.commit_smem()
             for j in range(n_chunks):
                 dq_chunk(j, 0, i, head)
-        return dk, dv
+        return dk, dv, sums
 
     zeros = _in_layout(jnp.full((TILE, w), 0.0, F32), plgpu.Layout.WGMMA, P)
+    # A learned term's sums, per (head of the program, learned array), one float32
+    # per key: by each consumer for its keys (row split), or by the one that
+    # computes dQ (the column split's consumers share their keys).
+    n_sums = P.Gp * len(P.term_grad) if (P.row_split or c == P.dq_wg) else 0
+    key_zeros = _in_layout(jnp.full((TILE,), 0.0, F32), plgpu.Layout.WGMMA.reduce(1), P)
     carry = lax.fori_loop(jnp.int32(0), full_steps, functools.partial(step, partial=False),
-                          (zeros, zeros))
-    dk, dv = lax.fori_loop(full_steps, n_steps, functools.partial(step, partial=True), carry)
+                          (zeros, zeros, (key_zeros,) * n_sums))
+    dk, dv, sums = lax.fori_loop(full_steps, n_steps, functools.partial(step, partial=True),
+                                 carry)
     # Every dQ product has read K and dS^T (the other consumer's included)
     # before K's and V's tiles become the output buffers.
     plgpu.barrier_arrive(pair)
     plgpu.barrier_wait(pair)
     dk = dk * P.scale
     out_rows = pl.ds(keys0, TILE)
+    if sums:
+        dterm_ref, dterm_smem = dterm
+        n = len(P.term_grad)
+        for x, r in zip(sums, range(len(sums))):
+            dterm_smem.at[c, r][...] = x
+        plgpu.commit_smem()
+        for r in range(len(sums)):
+            g, j = divmod(r, n)
+            plgpu.copy_smem_to_gmem(dterm_smem.at[c, r],
+                                    dterm_ref.at[b, j, hp * P.Gp + g, out_rows])
     if P.direct:
         for x, smem, out in ((dk, k_smem, dk_ref), (dv, v_smem, dv_ref)):
             buf = smem[mine_h].at[mine_r]
@@ -808,7 +861,9 @@ def _visible_t(i, keys0, b, h, ops, P: _Plan):
 def _launch(P: _Plan, interpret, dtype, q, k, v, do, stats, table, extra):
     """``(dq float32 (B, Tqp, Hq, D), dk, dv (B, Tkp, Hp, D))`` of the padded inputs,
     the visiting table and ``extra``: the mask's arrays
-    (:func:`fnattn.flash.mosaic_gpu.id_arrays`), then dropout's seed.
+    (:func:`fnattn.flash.mosaic_gpu.id_arrays`), then dropout's seed; with a
+    learned term (``P.term_grad``) also its gradient's sums per key, float32
+    (B, len(term_grad), Hq, Tkp).
 
     Under ``vmap`` the mapped axis joins the batch (one launch) when nothing but
     the inputs varies along it; otherwise (the schedule or the mask's arrays
@@ -832,7 +887,7 @@ def _launch(P: _Plan, interpret, dtype, q, k, v, do, stats, table, extra):
             outs = tuple(o.reshape((axis_size, P.B) + o.shape[1:]) for o in outs)
         else:
             outs = lax.map(lambda a: _launch(P, interpret, dtype, *a), args)
-        return outs, (True, True, True)
+        return outs, (True,) * len(outs)
 
     return run(q, k, v, do, stats, jnp.asarray(table), list(extra))
 
@@ -851,21 +906,23 @@ def _launch_now(P: _Plan, interpret, dtype, q, k, v, do, stats, table, extra):
     args = (q, k, v, do, stats, table, *extra)
     dq_type = jax.ShapeDtypeStruct((P.B, P.Tqp, P.Hq, P.D), F32)
     kv_type = jax.ShapeDtypeStruct((P.B, P.Tkp, P.Hp, P.D), dtype if P.direct else F32)
+    types = (dq_type, kv_type, kv_type)
+    if P.term_grad:
+        types += (jax.ShapeDtypeStruct((P.B, len(P.term_grad), P.Hq, P.Tkp), F32),)
     if interpret:
         # The interpreter's outputs start at zero when asked to: dQ's sum then
         # starts there. (It takes no aliased buffer without a memory space.)
         params = mosaic_gpu.interpret_params() if interpret is True else interpret
         params = dataclasses.replace(params, uninitialized_memory="zero")
-        return call(out_type=(dq_type, kv_type, kv_type), interpret=params)(*args)
+        return call(out_type=types, interpret=params)(*args)
 
     def stateful(refs):
         # dQ's float32 sum starts at zero: a buffer the kernel adds into, aliased
         # in and out (``run_state`` keeps the mutation inside this function).
         call(out_type=(), interpret=False)(*args, *refs)
 
-    return pl.run_state(stateful)((jnp.zeros(dq_type.shape, F32),
-                                   lax.empty(kv_type.shape, kv_type.dtype),
-                                   lax.empty(kv_type.shape, kv_type.dtype)))
+    return pl.run_state(stateful)((jnp.zeros(dq_type.shape, F32),)
+                                  + tuple(lax.empty(t.shape, t.dtype) for t in types[1:]))
 
 
 def _blocks_for(cfg):
@@ -873,9 +930,10 @@ def _blocks_for(cfg):
                        MosaicGpuBwdBlockSizes.default(mosaic_gpu.kernel_dim(cfg.dims)))
 
 
-def _plan(cfg, mask, interpret, operands=(), stacks=()) -> _Plan:
+def _plan(cfg, mask, interpret, operands=(), stacks=(), term_grad=()) -> _Plan:
     """The kernel's plan; ``operands`` and ``stacks``: those of the mask's arrays
-    (:func:`fnattn.flash.mosaic_gpu.id_arrays`)."""
+    (:func:`fnattn.flash.mosaic_gpu.id_arrays`); ``term_grad``: the term's
+    operands whose gradient it sums."""
     d = cfg.dims
     bs = _blocks_for(cfg)
     row_split = d.head_dim <= _ROW_SPLIT_MAX_D
@@ -891,10 +949,11 @@ def _plan(cfg, mask, interpret, operands=(), stacks=()) -> _Plan:
                  mask_treedef=None if mask is None else jax.tree_util.tree_structure(mask),
                  interpreted=bool(interpret), operands=tuple(operands), stacks=tuple(stacks),
                  rate=float(cfg.dropout_rate),
-                 term=mask is not None and position_bias.present(mask))
+                 term=mask is not None and position_bias.present(mask),
+                 term_grad=tuple(term_grad))
     count = lambda kind: (P.stack(kind) or (0,))[0]  # noqa: E731
     need = bs.smem_bytes(d.head_dim, row_arrays=count("rows"), key_arrays=count("cols"),
-                         row_stats=P.row_stats)
+                         row_stats=P.row_stats, term_sums=P.Gp * len(P.term_grad))
     if need > SMEM_BYTES:
         raise ValueError(
             f"flash: MosaicGpuBwdBlockSizes(max_concurrent_steps={bs.max_concurrent_steps}) "
@@ -924,11 +983,9 @@ def backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_l
         return _backward(cfg, q, k, v, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse,
                          interpret)
     d, Dp, pad = cfg.dims, kcfg.dims.head_dim, mosaic_gpu.pad_dim
-    dq, dk, dv, dbias, dsinks = _backward(kcfg, pad(q, Dp), pad(k, Dp), pad(v, Dp), sinks,
-                                          mask, seed, pad(out, Dp), lse, lse_lo,
-                                          pad(d_out, Dp), d_lse, interpret)
-    return (dq[..., :d.head_dim], dk[..., :d.head_dim], dv[..., :d.v_head_dim], dbias,
-            dsinks)
+    dq, dk, dv, *rest = _backward(kcfg, pad(q, Dp), pad(k, Dp), pad(v, Dp), sinks, mask, seed,
+                                  pad(out, Dp), lse, lse_lo, pad(d_out, Dp), d_lse, interpret)
+    return (dq[..., :d.head_dim], dk[..., :d.head_dim], dv[..., :d.v_head_dim], *rest)
 
 
 def _backward(cfg, q, k, v, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, interpret):
@@ -937,9 +994,11 @@ def _backward(cfg, q, k, v, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, i
     d = cfg.dims
     P = _plan(cfg, mask, interpret)
     ids = []
+    # a learned term: the operands whose gradient the kernel sums beside dK
+    term_ops = position_bias.kernel_grad_operands(cfg.term_grad, mask, "Pallas Mosaic GPU")
     if mask is not None and mask.num_operands:  # its table and arrays from XLA
         operands, stacks, ids = mosaic_gpu.id_arrays(mask, P.Tqp, P.Tkp)
-        P = _plan(cfg, mask, interpret, operands, stacks)
+        P = _plan(cfg, mask, interpret, operands, stacks, term_ops)
         table = mosaic_gpu.dynamic_schedule(mask, d, cfg.q_offset, TILE, P.kv_rows,
                                             transpose=True, heads_per_row=P.Gp)
     else:
@@ -956,10 +1015,10 @@ def _backward(cfg, q, k, v, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, i
     rows = online.backward_rows(lse, lse_lo, delta, natural=P.natural)
     stats = jnp.stack([triton._pad(x, 2, P.Tqp, jnp.inf if n == 0 else 0.0)
                        for n, x in enumerate(rows)], axis=2)
-    dq, dk, dv = _launch(P, interpret, q.dtype, triton._pad(q, 1, P.Tqp),
-                         triton._pad(k, 1, P.Tkp), triton._pad(v, 1, P.Tkp),
-                         triton._pad(d_out.astype(q.dtype), 1, P.Tqp), stats, table,
-                         ids + ([seed] if P.rate > 0 else []))
+    dq, dk, dv, *dterm = _launch(P, interpret, q.dtype, triton._pad(q, 1, P.Tqp),
+                                 triton._pad(k, 1, P.Tkp), triton._pad(v, 1, P.Tkp),
+                                 triton._pad(d_out.astype(q.dtype), 1, P.Tqp), stats, table,
+                                 ids + ([seed] if P.rate > 0 else []))
     dq = (dq[:, :d.q_len] * P.scale).astype(q.dtype)
 
     def finish(x, dtype):
@@ -972,7 +1031,10 @@ def _backward(cfg, q, k, v, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, i
     dsinks = None
     if sinks is not None:  # (the forward's lse holds the sink: dQ, dK, dV need nothing more)
         dsinks = online.sink_grad(sinks, lse, lse_lo, delta).astype(sinks.dtype)
-    return dq, finish(dk, k.dtype), finish(dv, v.dtype), None, dsinks
+    # (B, n, Hq, Tkp) per key -> per (batch row, head), without the padding keys
+    sums = [] if not dterm else list(jnp.moveaxis(dterm[0][..., :d.kv_len].sum(-1), 1, 0))
+    return (dq, finish(dk, k.dtype), finish(dv, v.dtype), None, dsinks,
+            *position_bias.kernel_leaf_grads(mask, cfg.term_grad, term_ops, sums))
 
 
 # The Mosaic GPU forward with this backward: what impl="auto" runs on Hopper where

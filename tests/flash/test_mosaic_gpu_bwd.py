@@ -214,19 +214,21 @@ def test_interpreted_huge_terms_keep_rows_exact(interpreted):
     assert_grads_close(grads, r_grads)
 
 
-def test_interpreted_learned_slopes_are_refused_with_the_triton_backward_named(interpreted):
-    """The kernel holds a term's arrays fixed: differentiating the slopes asks
-    for their gradient, which it refuses, naming the backward that sums it."""
+def test_interpreted_learned_arrays_it_cannot_differentiate_are_refused(interpreted):
+    """A ``from_fn`` term using its learned array's value twice (``r * r``):
+    its tangent needs an ``add_any``, which Mosaic GPU does not lower, so the
+    kernel refuses the gradient, naming the operation and the Triton backward
+    (impl="auto" takes that one)."""
     q, k, v, _, _ = qkv(Tq=64, Tk=64, Hq=2, Hkv=2)
 
-    def loss(slopes):
-        spec = AttentionSpec(mask=masks.causal(), block_sizes=SMALL,
-                             position_bias=position_bias.alibi(slopes))
+    def loss(rates):
+        term = position_bias.from_fn(lambda b, h, q, k, r: r * r * (k - q), rates)
+        spec = AttentionSpec(mask=masks.causal(), block_sizes=SMALL, position_bias=term)
         return core.run(spec, q, k, v, fn="flash", table=interpreted).out.astype(
             jnp.float32).sum()
 
-    with pytest.raises(NotImplementedError, match=r"gradient of a position bias's arrays .*"
-                                                  r"Triton backward"):
+    with pytest.raises(NotImplementedError, match=r"uses add_any, which the Pallas Mosaic GPU "
+                                                  r"kernels do not compile.*Triton backward"):
         jax.jit(jax.grad(loss))(jnp.array([0.5, 0.25]))
 
 
@@ -262,6 +264,59 @@ def test_interpreted_padding_rows_never_meet_the_keys_only_they_would_see(interp
     _, _, r_grads = reference(spec, q, k, v, d_out, d_lse)
     assert_grads_close(grads, r_grads)
     assert (f32(grads[1])[:, 139:] == 0).all() and (f32(grads[2])[:, 139:] == 0).all()
+
+
+LEARNED_TERM_CASES = {
+    # ALiBi's slopes and a from_fn term's per-(row, head) rates, learned, with a
+    # soft-cap, GQA 2:1 split over programs (each program one head: the sums
+    # of each go to their head), two batch rows, ragged keys ...
+    "alibi_and_from_fn_gqa_split": (masks.causal(), 4.0, dict(B=2, Tq=100, Tk=150, Hq=2,
+                                                             Hkv=1), False),
+    # ... the whole group in one program (its heads' sums apart), in natural
+    # units (no cap), packed documents ...
+    "alibi_and_from_fn_documents": ("documents", None, dict(Tq=128, Tk=192, Hq=2, Hkv=1),
+                                    True),
+    # ... and the column split (D = 256), whose consumers share their keys.
+    "alibi_and_from_fn_d256": (masks.sliding_window(40), None, dict(Tq=64, Tk=100, D=256),
+                               False),
+}
+
+
+@pytest.mark.parametrize("name", LEARNED_TERM_CASES)
+def test_interpreted_learned_term_arrays_match_reference(name, interpreted, monkeypatch):
+    """The gradient of a term's learned arrays, summed by this kernel per key
+    beside dK (the term's tangent tile times dS, along the query rows): ALiBi's
+    slopes and a ``from_fn`` term's rates against the float32 reference, with
+    dq, dk and dv."""
+    mask, cap, sizes, whole_group = LEARNED_TERM_CASES[name]
+    if whole_group:
+        monkeypatch.setattr(triton, "MIN_DKDV_PROGRAMS", 0)
+    q, k, v, d_out, _ = qkv(**sizes)
+    B, Hq = q.shape[0], q.shape[2]
+    if mask == "documents":
+        ids = jnp.asarray(documents(100, 92))[None]
+        mask = masks.causal() & masks.segments(ids[:, 64:], ids)
+    slopes = jnp.linspace(0.5, 0.05, Hq)
+    rates = jnp.linspace(0.2, 1.5, B * Hq).reshape(B, Hq)
+
+    def decay(b, h, q, k, r):
+        return -r * jnp.log(1.0 + jnp.abs(q - k).astype(jnp.float32))
+
+    def grads(run, q, k, v):
+        def loss(q, k, v, slopes, rates):
+            term = position_bias.alibi(slopes) + position_bias.from_fn(decay, rates)
+            spec = AttentionSpec(mask=mask, softcap=cap, position_bias=term, block_sizes=SMALL)
+            return jnp.sum(run(spec, q, k, v).out.astype(jnp.float32) * d_out)
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(q, k, v, slopes, rates)
+
+    try:
+        got = grads(lambda s, *a: core.run(s, *a, fn="flash", table=interpreted), q, k, v)
+    except Exception:
+        reset_after_failure()
+        raise
+    want = grads(fnattn.reference, *(x.astype(jnp.float32) for x in (q, k, v)))
+    assert float(jnp.abs(want[3]).min()) > 1e-3 and float(jnp.abs(want[4]).min()) > 1e-3
+    assert_grads_close(got, want, names=("dq", "dk", "dv", "dslopes", "drates"))
 
 
 @pytest.mark.parametrize("alibi", [False, True])
@@ -452,11 +507,14 @@ def test_supports_array_free_masks():
 
 
 @pytest.mark.parametrize("D, ring, documents, alibi", [
-    (128, 2, False, False), (64, 3, True, False), (192, 2, True, False), (128, 2, True, True)])
+    (128, 2, False, False), (64, 3, True, False), (192, 2, True, False), (128, 2, True, True),
+    (128, 2, False, "learned"), (256, 2, True, "learned")])
 def test_smem_estimate_is_what_the_lowering_counts(D, ring, documents, alibi):
     """``smem_bytes`` equals the count of Mosaic GPU's lowering, for the row
     split (D <= 128) and the column split, with and without mask arrays, and
-    with ALiBi (a third row statistic in natural units)."""
+    with ALiBi (a third row statistic in natural units; with learned slopes,
+    each consumer's per-key sums of their gradient, for each head of the
+    program)."""
     pytest.importorskip("absl")
     T = 1024
     ids = jnp.asarray(np.repeat(np.arange(4), T // 4)[None], jnp.int32)
@@ -471,16 +529,23 @@ def test_smem_estimate_is_what_the_lowering_counts(D, ring, documents, alibi):
         jnp.asarray(position_bias.alibi_slopes(4))) if alibi else None)
 
     def lower():
-        def loss(q, k, v):
-            return jnp.sum(core.run(spec, q, k, v, fn="flash", table=table).out.astype(
+        def loss(q, k, v, slopes):
+            s = spec if alibi != "learned" else spec.replace(
+                position_bias=position_bias.alibi(slopes))
+            return jnp.sum(core.run(s, q, k, v, fn="flash", table=table).out.astype(
                 jnp.float32))
         with gpu_target():
-            jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
+            jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3) if alibi == "learned" else (0, 1, 2))
+                    ).trace(q, k, k, jax.ShapeDtypeStruct((4,), jnp.float32)).lower(
                 lowering_platforms=("cuda",))
 
     rows, cols = mosaic_gpu.array_counts(mask)
+    # (learned slopes: at D = 128, T = 1024 gives 8 kv tiles of 2 kv heads, too
+    # few programs: the GQA group of 2 is split, one head a program; the column
+    # split keeps the group whole)
+    sums = 0 if alibi != "learned" else (1 if D <= 128 else 2)
     assert mosaic_gpu_smem(lower) == bs.smem_bytes(D, row_arrays=rows, key_arrays=cols,
-                                                   row_stats=3 if alibi else 2)
+                                                   row_stats=3 if alibi else 2, term_sums=sums)
 
 
 def test_block_sizes_fit_shared_memory():
@@ -741,8 +806,9 @@ def test_cuda_kernel_choice_of_the_backward(monkeypatch):
                                                  fnattn.TritonBlockSizes()))
     assert cuda_kernel(both, q, None, None, None) is triton.LOWERING
     # ALiBi (untimed, so asked for by name): the Mosaic GPU backward with
-    # MosaicGpuBwdBlockSizes too while its slopes are held fixed; learned slopes
-    # (Config.term_grad) take the Triton backward, which sums their gradient.
+    # MosaicGpuBwdBlockSizes too, its slopes held fixed or learned
+    # (Config.term_grad: it sums their gradient); a from_fn term whose learned
+    # array's tangent Mosaic GPU does not lower (add_any) takes the Triton one.
     alibi = position_bias.attach(masks.causal(), position_bias.alibi(jnp.ones(4)),
                                  constant=False)
     term = dataclasses.replace(cfg, mask_treedef=jax.tree_util.tree_structure(alibi))
@@ -752,7 +818,12 @@ def test_cuda_kernel_choice_of_the_backward(monkeypatch):
     term = dataclasses.replace(term, block_sizes=(SMALL, MosaicGpuBwdBlockSizes()))
     assert cuda_kernel(term, q, None, None, alibi) is mosaic_gpu_bwd.LOWERING
     learned = dataclasses.replace(term, term_grad=position_bias.term_leaves(alibi))
-    assert cuda_kernel(learned, q, None, None, alibi) is mosaic_gpu.LOWERING
+    assert cuda_kernel(learned, q, None, None, alibi) is mosaic_gpu_bwd.LOWERING
+    square = position_bias.attach(masks.causal(), position_bias.from_fn(
+        lambda b, h, q, k, r: r * r * (k - q), jnp.ones(4)), constant=False)
+    learned = dataclasses.replace(learned, mask_treedef=jax.tree_util.tree_structure(square),
+                                  term_grad=position_bias.term_leaves(square))
+    assert cuda_kernel(learned, q, None, None, square) is mosaic_gpu.LOWERING
 
 
 def test_auto_gradient_with_dropout_lowers_to_the_triton_backward(monkeypatch):
