@@ -34,7 +34,8 @@ import jax.numpy as jnp
 
 from fnattn import masks, position_bias
 
-__all__ = ["Backend", "MOSAIC_GPU", "MOSAIC_TPU", "TRITON", "primitives", "refusals"]
+__all__ = ["Backend", "MOSAIC_GPU", "MOSAIC_TPU", "TRITON", "config_refusals", "primitives",
+           "refusals", "refuse"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,12 +72,12 @@ TRITON = Backend("Pallas Triton kernels", _COMMON | _GRADIENT | {
     "sqrt", "tan"})
 MOSAIC_TPU = Backend("Pallas Mosaic TPU kernels", _COMMON | _GRADIENT | {
     "ceil", "custom_jvp_call", "erf", "floor", "log1p", "pow", "round", "sqrt", "tan"})
-# (sqrt lowers under jax 0.11 only; the Mosaic GPU forward's blocks with
-# non-finite keys are recomputed by the Triton forward, whose set holds this one)
-# Its backward differentiates a learned term in forward mode (no sum over the
-# tile); it lowers no add_any, the sum of the tangents of an array's value used
-# more than once in the function: such a term's learned arrays take the Triton
-# backward.
+# The common set (whose every member the Triton forward, which recomputes the
+# Mosaic GPU forward's flagged blocks, also lowers; sqrt is left out: it lowers
+# under jax 0.11 only). Its backward differentiates a learned term in forward
+# mode (no sum over the tile), and lowers no add_any, the sum of the tangents
+# of an array's value used more than once in the function: such a term's
+# learned arrays take the Triton backward.
 MOSAIC_GPU = Backend("Pallas Mosaic GPU kernels", _COMMON | {"one_minus_square"},
                      bool_not=False, gradient="jvp")
 
@@ -128,22 +129,21 @@ def _walk(jaxpr, out: set):
                     _walk(inner, out)
 
 
-def primitives(node, gradient=False) -> frozenset:
+def primitives(node, gradient=None) -> frozenset:
     """The primitives a ``from_fn`` predicate or term computes on a kernel's tile
-    (with ``gradient``, "vjp" or "jvp" (True: "vjp"), a term's derivative in
-    its arrays too, which the backward kernels sum when they are learned), traced once per
-    function on scalar batch and head indices and (8, 1) query and (1, 128)
-    key indices. A function that fails to trace there gives
-    ``{"<untraceable>"}``.
+    (with ``gradient``, "vjp" or "jvp" (:attr:`Backend.gradient`), a term's
+    derivative in its arrays too, which the backward kernels sum when they are
+    learned), traced once per function on scalar batch and head indices and
+    (8, 1) query and (1, 128) key indices. A function that fails to trace
+    there gives ``{"<untraceable>"}``.
 
     >>> import jax.numpy as jnp
     >>> sorted(primitives(masks.from_fn(lambda b, h, q, k: k <= q + h)))
     ['add', 'broadcast_in_dim', 'le']
     """
     if isinstance(node, masks.FromFn):
-        return _primitives(masks.FromFn, node.fn, 0, False)
-    gradient = "vjp" if gradient is True else gradient
-    return _primitives(position_bias.FromFn, node.fn, len(node.arrays), gradient)
+        return _primitives(masks.FromFn, node.fn, 0, None)
+    return _primitives(position_bias.FromFn, node.fn, len(node.arrays), gradient or None)
 
 
 @functools.lru_cache(maxsize=256)
@@ -156,9 +156,9 @@ def _primitives(kind, fn, n, gradient) -> frozenset:
                           k=jax.ShapeDtypeStruct((1, 128), i32))
     scalar = jax.ShapeDtypeStruct((), jnp.float32)
     if isinstance(node, masks.FromFn):
-        fn, args = (lambda p: node.predicate(p, ())), (pos,)
+        traced, args = (lambda p: node.predicate(p, ())), (pos,)
     else:
-        def fn(p, *values):
+        def traced(p, *values):
             value = node.value(p, values)
             if not (values and gradient):
                 return value
@@ -173,7 +173,7 @@ def _primitives(kind, fn, n, gradient) -> frozenset:
 
         args = (pos,) + (scalar,) * n
     try:
-        jaxpr = jax.make_jaxpr(fn)(*args)
+        jaxpr = jax.make_jaxpr(traced)(*args)
     except Exception:  # noqa: BLE001 - then no kernel is trusted with it
         return frozenset({"<untraceable>"})
     out = set()
@@ -201,10 +201,16 @@ def refusals(mask, backend: Backend, gradient: bool = False) -> list:
     return why
 
 
-def refuse(mask, backend: Backend, where: str, gradient: bool = False) -> None:
-    """Raises ``NotImplementedError`` from :func:`refusals` (``where`` names the
-    call and kernel), for a kernel asked for by name."""
-    why = refusals(mask, backend, gradient)
+def config_refusals(cfg, backend: Backend) -> list:
+    """:func:`refusals` of a flash call's static configuration: its mask and
+    term rebuilt from ``cfg.mask_treedef``, their gradient where
+    ``cfg.term_grad`` asks for it."""
+    return refusals(masks.from_treedef(cfg.mask_treedef), backend, bool(cfg.term_grad))
+
+
+def refuse(where: str, why: list) -> None:
+    """Raises ``NotImplementedError`` for the :func:`refusals` ``why`` (``where``
+    names the call), for a kernel asked for by name; nothing when empty."""
     if why:
         raise NotImplementedError(f"{where}: {'; '.join(why)}; impl='xla' computes it, and "
                                   "impl='auto' chooses a lowering that does")

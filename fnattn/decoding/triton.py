@@ -239,7 +239,7 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
         "blocks", "impl='auto' (the XLA lowering for such calls) and impl='xla'",
         B=B, S=S, Tq=Tq)
     if not interpret:
-        _functions.refuse((cfg.mask, cfg.term), _functions.TRITON, "decode")
+        _functions.refuse("decode", _functions.refusals((cfg.mask, cfg.term), _functions.TRITON))
     G = Hq // Hkv
     R = Tq * G
     M = max(MIN_ROWS, common.pow2(R))

@@ -803,8 +803,7 @@ def needs_xla(cfg) -> bool:
     """Whether impl="auto" gives the call to the XLA lowering instead of these
     kernels: symbolic sizes (:func:`symbolic`) or a ``from_fn`` function Mosaic
     TPU does not compile (:func:`fnattn._functions.refusals`)."""
-    return bool(symbolic(cfg)) or bool(_functions.refusals(
-        masks.from_treedef(cfg.mask_treedef), _functions.MOSAIC_TPU, bool(cfg.term_grad)))
+    return bool(symbolic(cfg)) or bool(_functions.config_refusals(cfg, _functions.MOSAIC_TPU))
 
 
 def _refuse(cfg, interpret):
@@ -812,8 +811,7 @@ def _refuse(cfg, interpret):
         "flash: the Pallas Mosaic kernels", "their block-sparse schedule", "impl='auto' (the "
         "XLA lowering for such calls) and impl='xla'", Tq=cfg.dims.q_len, Tk=cfg.dims.kv_len)
     if not interpret:
-        _functions.refuse(masks.from_treedef(cfg.mask_treedef), _functions.MOSAIC_TPU,
-                          "flash", bool(cfg.term_grad))
+        _functions.refuse("flash", _functions.config_refusals(cfg, _functions.MOSAIC_TPU))
 
 
 def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):

@@ -421,8 +421,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, st_ref, sched_ref, *refs, P: _Plan, sch
     ids_ref = {s[0]: r for s, r in zip(P.stacks, refs)}
     refs = refs[len(P.stacks):]
     seed_ref, refs = (refs[0], refs[1:]) if P.rate > 0 else (None, refs)
-    dq_ref, dk_ref, dv_ref, *dterm_ref = refs
-    dterm_ref = dterm_ref[0] if dterm_ref else None
+    dq_ref, dk_ref, dv_ref = refs[:3]
+    dterm_ref = refs[3] if P.term_grad else None
     n_rows = (P.stack("rows") or (0,))[0]
     n_cols = (P.stack("cols") or (0,))[0]
 
@@ -771,7 +771,7 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
     if sums:
         dterm_ref, dterm_smem = dterm
         n = len(P.term_grad)
-        for x, r in zip(sums, range(len(sums))):
+        for r, x in enumerate(sums):
             dterm_smem.at[c, r][...] = x
         plgpu.commit_smem()
         for r in range(len(sums)):

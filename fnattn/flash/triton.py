@@ -947,8 +947,7 @@ def needs_xla(cfg) -> bool:
     """Whether impl="auto" gives the call to the XLA lowering instead of the
     compiled kernels: symbolic sizes (:func:`symbolic`) or a ``from_fn``
     function Triton does not compile (:func:`fnattn._functions.refusals`)."""
-    return bool(symbolic(cfg)) or bool(_functions.refusals(
-        masks.from_treedef(cfg.mask_treedef), _functions.TRITON, bool(cfg.term_grad)))
+    return bool(symbolic(cfg)) or bool(_functions.config_refusals(cfg, _functions.TRITON))
 
 
 def _refuse(cfg, interpret):
@@ -958,8 +957,7 @@ def _refuse(cfg, interpret):
                             "impl='auto' (the XLA lowering for such calls) and impl='xla'",
                             **_sizes(cfg, interpret))
     if not interpret:
-        _functions.refuse(masks.from_treedef(cfg.mask_treedef), _functions.TRITON, "flash",
-                          bool(cfg.term_grad))
+        _functions.refuse("flash", _functions.config_refusals(cfg, _functions.TRITON))
 
 
 def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):

@@ -276,7 +276,8 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
         "its operand blocks", "impl='auto' (the XLA lowering for such calls) and "
         "impl='xla'", **dict(zip(_SIZES, _sizes(cfg))))
     if not interpret:
-        _functions.refuse((cfg.mask(), cfg.term()), _functions.TRITON, "paged attention")
+        _functions.refuse("paged attention",
+                          _functions.refusals((cfg.mask(), cfg.term()), _functions.TRITON))
     bq, bk, splits, params = launch_plan(cfg)
     Gp = common.pow2(G)
     M = max(MIN_ROWS, bq * Gp)
