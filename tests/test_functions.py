@@ -275,5 +275,6 @@ def test_scalars_reach_the_function_as_tiles():
     term = position_bias.from_fn(fn, jnp.ones(2))
     pos = masks.Positions(b=jnp.int32(0), h=jnp.int32(1), q=jnp.zeros((4, 1), jnp.int32),
                           q_pos=jnp.zeros((4, 1), jnp.int32), k=jnp.zeros((1, 8), jnp.int32))
-    term.value(pos, [jnp.float32(2.0)])
+    out = jax.jit(lambda a: term.value(pos, [a]))(jnp.float32(2.0))
     assert got == [((4, 8), (4, 8), (4, 1), (1, 8), (4, 8))]
+    assert out.shape == (4, 8)
