@@ -668,6 +668,71 @@ def test_gpu_mosaic_gpu_backward_computes_alibi_when_asked(cap):
     _check(got, want, 3e-2)
 
 
+def _decay(b, h, q, k, r):
+    return -r * jnp.log(1.0 + jnp.abs(q - k).astype(jnp.float32))
+
+
+def _learned_terms(cap, D):
+    """``(grads, args)``: ``grads(impl, *args)`` gives (out, lse, dq, dk, dv,
+    dslopes, drates) of learned ALiBi slopes plus a learned ``from_fn`` decay
+    under a negated window, both Mosaic GPU kernels asked for (bf16, B = 2,
+    T = 1000, GQA 8:2)."""
+    B, T, Hq, Hkv = 2, 1000, 8, 2
+    q, k, v, d_out = _qkv(B, T, T, Hq, Hkv, D, jnp.bfloat16)
+    slopes = jnp.asarray(position_bias.alibi_slopes(Hq))
+    rates = jnp.linspace(0.1, 0.8, B * Hq).reshape(B, Hq)
+    sizes = (mosaic_gpu.MosaicGpuBlockSizes.default(D),
+             mosaic_gpu_bwd.MosaicGpuBwdBlockSizes.default(D))
+
+    def grads(impl, q, k, v, slopes, rates):
+        def f(q, k, v, slopes, rates):
+            term = position_bias.alibi(slopes) + position_bias.from_fn(_decay, rates)
+            spec = AttentionSpec(mask=masks.causal() & ~masks.sliding_window(4), softcap=cap,
+                                 position_bias=term, block_sizes=sizes, return_lse=True)
+            return _call(None, spec, q, k, v, impl)
+        return _pulled(f, (q, k, v, slopes, rates), d_out)
+    return grads, (q, k, v, slopes, rates)
+
+
+def _assert_both_mosaic_gpu_kernels(text):
+    assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
+    assert "fnattn_flash_dkdv" not in text
+
+
+LEARNED_ON_MOSAIC_GPU = [(None, 128), (30.0, 256)]
+
+
+@pytest.mark.parametrize("cap, D", LEARNED_ON_MOSAIC_GPU)
+def test_learned_terms_lower_to_both_mosaic_gpu_kernels(cap, D, monkeypatch):
+    """On Hopper (stood in for), impl="auto" with both Mosaic GPU block sizes
+    in the spec runs learned term arrays on both Mosaic GPU kernels, the row
+    split in natural units and the column split under a soft-cap: what
+    ``test_gpu_mosaic_gpu_backward_sums_learned_term_gradients`` runs."""
+    pytest.importorskip("absl")
+    monkeypatch.setattr(mosaic_gpu, "available", lambda: None)
+    grads, args = _learned_terms(cap, D)
+    with gpu_target():
+        _assert_both_mosaic_gpu_kernels(jax.jit(functools.partial(grads, "auto")).trace(
+            *args).lower(lowering_platforms=("cuda",)).as_text())
+
+
+@pytest.mark.skipif(jax.default_backend() != "gpu" or mosaic_gpu.available() is not None,
+                    reason="needs a Hopper GPU (the Mosaic GPU kernels)")
+@pytest.mark.parametrize("cap, D", LEARNED_ON_MOSAIC_GPU)
+def test_gpu_mosaic_gpu_backward_sums_learned_term_gradients(cap, D):
+    """The same on the GPU: the backward sums the arrays' gradients per key,
+    against the XLA lowering."""
+    grads, args = _learned_terms(cap, D)
+    f = jax.jit(functools.partial(grads, "auto"))
+    _assert_both_mosaic_gpu_kernels(f.lower(*args).as_text())
+    got = f(*args)
+    want = jax.jit(functools.partial(grads, "xla"))(*args)
+    _check(got[:5], want[:5], 3e-2)
+    for name, a, b in zip(("dslopes", "drates"), got[5:], want[5:]):
+        np.testing.assert_allclose(a, b, rtol=0.1, atol=0.1 * float(jnp.abs(b).max()),
+                                   err_msg=name)
+
+
 def test_decoding_with_alibi_through_attention_over_a_padded_cache():
     """What the docs say to do while decode does not take a term: attention of
     the new token over the padded cache with the lengths as a mask gives each

@@ -274,7 +274,46 @@ def supports(cfg, dtype, mask, bias, sinks) -> list:
         elif masks.block_classes_static(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len,
                                         TILE, TILE, q_offset=cfg.q_offset) is None:
             why.append(f"a mask whose tile classes are not static ({mask!r})")
+        if not why:
+            why += _term_sums_refusals(cfg, mask)
     return why
+
+
+def _term_sums_refusals(cfg, mask) -> list:
+    """A learned term's per-key gradient sums (one float32 tile row per head of a
+    program and learned array) that leave no ring in shared memory: the column
+    split (D > 128) keeps the whole GQA group in one program, so a wide head
+    with a large group can ask for more than a Hopper block holds even at the
+    smallest ring.
+
+    >>> from fnattn import position_bias
+    >>> from fnattn._checks import Dims
+    >>> from fnattn._dispatch import Config
+    >>> alibi = position_bias.attach(None, position_bias.alibi(jnp.ones(16)))
+    >>> cfg = Config(Dims(1, 1024, 1024, 16, 1, 256, 256), 0.1, None, 0.0, None,
+    ...              term_grad=(0,))
+    >>> print(*_term_sums_refusals(cfg, alibi))  # doctest: +NORMALIZE_WHITESPACE
+    the gradient of 1 learned position-term array for 16 query heads per program at
+    head dim 256 (233520 bytes of shared memory at the smallest ring, more than
+    232448 of a Hopper block)
+    """
+    if not cfg.term_grad or not position_bias.present(mask):
+        return []
+    d = mosaic_gpu.at_kernel_dim(cfg).dims
+    row_split = d.head_dim <= _ROW_SPLIT_MAX_D
+    n_kv = -(-d.kv_len // (2 * TILE if row_split else TILE))
+    Gp = triton._heads_per_dkdv_program(d, n_kv) if row_split else d.group
+    n_arrays = len(position_bias.term_operands(mask))
+    rows, cols = mosaic_gpu.array_counts(mask)
+    need = MosaicGpuBwdBlockSizes(max_concurrent_steps=2).smem_bytes(
+        d.head_dim, row_arrays=rows, key_arrays=cols, row_stats=3 if cfg.softcap is None else 2,
+        term_sums=Gp * n_arrays)
+    if need <= SMEM_BYTES:
+        return []
+    return [f"the gradient of {n_arrays} learned position-term array"
+            f"{'s' if n_arrays > 1 else ''} for {Gp} query heads per program at head dim "
+            f"{d.head_dim} ({need} bytes of shared memory at the smallest ring, more than "
+            f"{SMEM_BYTES} of a Hopper block)"]
 
 
 def route(cfg, dtype, mask, bias, sinks) -> bool:

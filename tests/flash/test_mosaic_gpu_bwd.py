@@ -319,6 +319,63 @@ def test_interpreted_learned_term_arrays_match_reference(name, interpreted, monk
     assert_grads_close(got, want, names=("dq", "dk", "dv", "dslopes", "drates"))
 
 
+def _learned_slope_grads(run, spec, q, k, v, d_out, slopes):
+    """``(dq, dk, dv, dslopes)`` of ``sum(out * d_out)`` with ALiBi's slopes
+    learned, under ``jit``."""
+    def loss(q, k, v, slopes):
+        s = spec.replace(position_bias=position_bias.alibi(slopes))
+        return jnp.sum(run(s, q, k, v).out.astype(jnp.float32) * d_out.astype(jnp.float32))
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, slopes)
+
+
+@pytest.mark.parametrize("case", ["infinite_sinks", "infinite_sinks_softcap",
+                                  "poisoned_hidden_keys", "float16_large_cotangents"])
+def test_interpreted_learned_slopes_under_extreme_inputs(case, interpreted, monkeypatch):
+    """The per-key sums of a learned term's gradient meet what the other
+    gradients meet: sinks of -inf (no effect) and +inf (a head whose every
+    weight is 0: its slope's gradient exactly 0) with causal rows that see no
+    key, in natural units and under a soft-cap; NaN and inf in K and V of keys
+    past the keys' length (the gradient equal to the clean reference's, all
+    finite); and float16 under loss scaling (|dO| ~ 1e3, dO.V^T past float16's
+    range in many entries). GQA 2:1, the group in one program."""
+    monkeypatch.setattr(triton, "MIN_DKDV_PROGRAMS", 0)
+    Hq, mask, settings = 4, masks.causal(), {}
+    q, k, v, d_out, _ = qkv(Tq=192, Tk=128, Hq=Hq, Hkv=2)
+    slopes = jnp.array([0.5, 0.25, 0.125, 0.0625])
+    k_run, v_run = k, v
+    if case.startswith("infinite_sinks"):
+        settings = dict(sinks=jnp.array([-jnp.inf, jnp.inf, 0.3, -2.0]),
+                        softcap=5.0 if case.endswith("softcap") else None)
+    elif case == "poisoned_hidden_keys":
+        mask = mask & masks.lengths(kv_lengths=jnp.array([100]))
+        k_run = k.at[0, 100:, 0, 3].set(jnp.nan).at[0, 110, 1, 0].set(jnp.inf)
+        v_run = v.at[0, 105:, 1, 5].set(-jnp.inf).at[0, 120, 0, 2].set(jnp.nan)
+    else:
+        rs = np.random.default_rng(3)
+        v = v_run = jnp.asarray(6 * rs.standard_normal(v.shape), jnp.float16)
+        d_out = jnp.asarray(1e3 * rs.standard_normal(d_out.shape), jnp.float16)
+        dov = np.einsum("bqhd,bkd->bqhk", f32(d_out)[:, :, :2], f32(v)[:, :, 0])
+        assert (np.abs(dov) > np.finfo(np.float16).max).mean() > 0.1
+    spec = AttentionSpec(mask=mask, block_sizes=SMALL, **settings)
+    try:
+        got = _learned_slope_grads(lambda s, *a: core.run(s, *a, fn="flash", table=interpreted),
+                                   spec, q, k_run, v_run, d_out, slopes)
+    except Exception:
+        reset_after_failure()
+        raise
+    want = _learned_slope_grads(fnattn.reference, spec,
+                                *(x.astype(jnp.float32) for x in (q, k, v)), d_out, slopes)
+    names = ("dq", "dk", "dv", "dslopes")
+    if case == "poisoned_hidden_keys":  # (the hidden keys' own dk and dv: 0 here)
+        assert (f32(got[1])[:, 100:] == 0).all() and (f32(got[2])[:, 100:] == 0).all()
+    assert_grads_close(got, want, names=names)
+    if case.startswith("infinite_sinks"):
+        assert float(got[3][1]) == 0.0 and float(got[3][0]) != 0.0
+        assert (f32(got[0])[:, :, 1] == 0).all()
+    if case == "float16_large_cotangents":
+        assert max(float(np.abs(f32(g)).max()) for g in want[:3]) < 3e4
+
+
 @pytest.mark.parametrize("alibi", [False, True])
 def test_interpreted_float16_with_large_cotangents(interpreted, alibi):
     """float16 under loss scaling: |dO| ~ 1e3 and |V| ~ 6, so that dO.V^T
@@ -548,6 +605,55 @@ def test_smem_estimate_is_what_the_lowering_counts(D, ring, documents, alibi):
                                                    row_stats=3 if alibi else 2, term_sums=sums)
 
 
+def test_learned_term_sums_lower_while_a_ring_fits_else_go_to_the_triton_backward():
+    """At D = 256 (the column split: the whole GQA group in one program) a
+    learned term's per-key sums grow with the group: 12 heads still fit the
+    smallest ring (the lowering counts what ``smem_bytes`` says), 16 do not, and
+    then the kernel refuses the call, naming the Triton backward, rather than
+    asking for a smaller ring that does not exist; ``route`` sends it there even
+    with ``MosaicGpuBwdBlockSizes`` in the spec."""
+    pytest.importorskip("absl")
+    T, D = 256, 256
+    bs = MosaicGpuBwdBlockSizes()
+
+    def cfg_and_mask(Hq):
+        mask = position_bias.attach(None, position_bias.alibi(jnp.ones(Hq)))
+        cfg = Config(Dims(1, T, T, Hq, 1, D, D), D ** -0.5, None, 0.0, None, term_grad=(0,),
+                     block_sizes=bs)
+        return cfg, mask
+
+    def lower(Hq):
+        q = jax.ShapeDtypeStruct((1, T, Hq, D), jnp.bfloat16)
+        k = jax.ShapeDtypeStruct((1, T, 1, D), jnp.bfloat16)
+        table = (("default", Lowering("triton-fwd-mosaic-bwd", triton.LOWERING.fwd,
+                                      mosaic_gpu_bwd.LOWERING.bwd)),)
+
+        def loss(q, k, v, slopes):
+            spec = AttentionSpec(block_sizes=bs, position_bias=position_bias.alibi(slopes))
+            return jnp.sum(core.run(spec, q, k, v, fn="flash", table=table).out.astype(
+                jnp.float32))
+        with gpu_target():
+            jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(
+                q, k, k, jax.ShapeDtypeStruct((Hq,), jnp.float32)).lower(
+                lowering_platforms=("cuda",))
+
+    cfg, mask = cfg_and_mask(12)
+    assert mosaic_gpu_bwd.supports(cfg, jnp.bfloat16, mask, None, None) == []
+    need = bs.smem_bytes(D, row_stats=3, term_sums=12)
+    assert need <= mosaic_gpu.SMEM_BYTES
+    assert mosaic_gpu_smem(lambda: lower(12)) == need
+    cfg, mask = cfg_and_mask(16)
+    why = mosaic_gpu_bwd.supports(cfg, jnp.bfloat16, mask, None, None)
+    assert why == [f"the gradient of 1 learned position-term array for 16 query heads per "
+                   f"program at head dim 256 ({bs.smem_bytes(D, row_stats=3, term_sums=16)} "
+                   f"bytes of shared memory at the smallest ring, more than "
+                   f"{mosaic_gpu.SMEM_BYTES} of a Hopper block)"]
+    assert not mosaic_gpu_bwd.route(cfg, jnp.bfloat16, mask, None, None)
+    with pytest.raises(NotImplementedError, match=r"16 query heads per program.*Triton "
+                                                  r"backward \(fnattn/flash/triton.py"):
+        lower(16)
+
+
 def test_block_sizes_fit_shared_memory():
     for D in (64, 128, 192, 256):
         assert MosaicGpuBwdBlockSizes.default(D).smem_bytes(
@@ -687,6 +793,10 @@ GPU_CASES = {
             jnp.asarray(np.stack([documents(300, 200, 500), documents(500, 100, 90, 310)])),
             jnp.asarray(np.stack([documents(800, 200, 500), documents(1000, 100, 90, 310)]))),
         None, dict(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=128)),
+    # A negated mask (its predicate a logical xor: jax 0.11's Mosaic GPU takes no
+    # bitwise not of booleans), rows past the window's reach on PARTIAL tiles.
+    "causal_not_window_gqa2_d64": (masks.causal() & ~masks.sliding_window(64), None,
+                                   dict(B=1, Tq=1024, Tk=1024, Hq=4, Hkv=2, D=64)),
     # Head dims computed at 128 with zero columns (mosaic_gpu.kernel_dim).
     "causal_window_gqa4_ragged_d96_dv64": (masks.causal() & masks.sliding_window(700), None,
                                            dict(B=2, Tq=1000, Tk=1500, Hq=8, Hkv=2, D=96,
