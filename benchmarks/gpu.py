@@ -747,7 +747,8 @@ def _visited_rates(rows):
     return out
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
+    """The command line of this script."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sections", default="flash,decode")
     ap.add_argument("--flash-grid", default="8192x128",
@@ -789,7 +790,15 @@ def main():
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--kernel-times", action="store_true",
                     help="profile each fnattn row: device time per kernel per call")
+    return ap
+
+
+def main():
+    ap = parser()
     args = ap.parse_args()
+    unknown = sorted(set(args.impls.split(",")) - set(FLASH_IMPLS)) if args.impls else []
+    if unknown:
+        ap.error(f"unknown --impls {unknown}; choose from {list(FLASH_IMPLS)}")
     budgets = {k: float(v) for k, v in (x.split("=") for x in args.budget.split(","))}
     dev = jax.devices()[0]
     print(f"{dev.device_kind} jax {jax.__version__}", flush=True)

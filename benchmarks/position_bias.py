@@ -158,7 +158,8 @@ def run_one(cfg, timeout):
     return json.loads(lines[-1])
 
 
-def main():
+def parser() -> argparse.ArgumentParser:
+    """The command line of this script."""
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--T", default="1024,2048,4096")
     ap.add_argument("--modes", default="fwd,fwd+bwd")
@@ -172,6 +173,11 @@ def main():
                     help="jax.nn.dot_product_attention's implementation")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--out", default=None, help="file stem (default: position_bias_<device>)")
+    return ap
+
+
+def main():
+    ap = parser()
     args = ap.parse_args()
     impls = args.impls.split(",")
     unknown = sorted(set(impls) - set(IMPLS))
