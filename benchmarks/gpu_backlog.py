@@ -50,7 +50,7 @@ _FLASH = ("benchmarks/gpu.py", "--out-dir", "{out}", "--sections", "flash", "--p
 STEPS = (
     Step("gpu_tests", "the kernels changed since the last GPU: negated masks, from_fn terms "
          "and learned term arrays on Mosaic GPU, against XLA",
-         ("-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "test_gpu_",
+         ("-m", "pytest", "-v", "-p", "no:cacheprovider", "-k", "test_gpu_",
           "tests/flash/test_mosaic_gpu.py", "tests/flash/test_mosaic_gpu_bwd.py",
           "tests/test_position_bias.py"), 110, 60),
     Step("documents", "segment ids per visited tile against dense (target 80 %), forward "
@@ -58,15 +58,16 @@ STEPS = (
          _FLASH + ("--impls", "jax.nn:cudnn,fnattn:mosaic_gpu_bwd,fnattn:mosaic_gpu_persistent",
                    "--flash-grid", "8192x128", "--modes", "fwd,bwd", "--doc-T", "8192",
                    "--doc-align", "128", "--kernel-times", "--budget", "flash=130"), 150, 90),
+    # (one process per row: the baseline first, each kernel pair side by side)
     Step("terms", "ALiBi and a from_fn term on the Triton and the Mosaic GPU kernels, fixed "
          "and learned: whether to drop terms from mosaic_gpu._explicit_only and "
          "mosaic_gpu_bwd.route",
          ("benchmarks/position_bias.py", "--T", "8192", "--H", "16", "--D", "128", "--dtype",
           "bfloat16", "--jaxnn", "cudnn", "--reps", "5", "--timeout", "60", "--out",
           "{out}/position_bias_gpu", "--impls",
-          "fnattn+alibi,fnattn+alibi:mosaic_gpu,fnattn+alibi:mosaic_gpu_bwd,"
+          "jax.nn:xla,fnattn+alibi,fnattn+alibi:mosaic_gpu,fnattn+alibi:mosaic_gpu_bwd,"
           "fnattn+alibi:learned,fnattn+alibi:mosaic_gpu_bwd:learned,fnattn+decay,"
-          "fnattn+decay:mosaic_gpu,fnattn+decay:mosaic_gpu_bwd,fnattn,jax.nn:xla"), 140, 80),
+          "fnattn+decay:mosaic_gpu,fnattn+decay:mosaic_gpu_bwd"), 180, 80),
     Step("shapes", "head dims 64 and 256, T = 2k and 32k, beside cuDNN",
          _FLASH + ("--impls", "jax.nn:cudnn,fnattn,fnattn:mosaic_gpu_bwd", "--flash-grid",
                    "8192x64,8192x256,2048x128,32768x128", "--modes", "fwd,bwd",
