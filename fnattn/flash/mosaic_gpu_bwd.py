@@ -300,9 +300,7 @@ def _term_sums_refusals(cfg, mask) -> list:
     if not cfg.term_grad or not position_bias.present(mask):
         return []
     d = mosaic_gpu.at_kernel_dim(cfg).dims
-    row_split = d.head_dim <= _ROW_SPLIT_MAX_D
-    n_kv = -(-d.kv_len // (2 * TILE if row_split else TILE))
-    Gp = triton._heads_per_dkdv_program(d, n_kv) if row_split else d.group
+    Gp = _heads_per_program(d)
     n_arrays = len(position_bias.term_operands(mask))
     rows, cols = mosaic_gpu.array_counts(mask)
     need = MosaicGpuBwdBlockSizes(max_concurrent_steps=2).smem_bytes(
@@ -969,17 +967,22 @@ def _blocks_for(cfg):
                        MosaicGpuBwdBlockSizes.default(mosaic_gpu.kernel_dim(cfg.dims)))
 
 
+def _heads_per_program(d) -> int:
+    """Query heads of one program: the whole GQA group, split when that leaves
+    too few programs for the GPU (the row split only, which has a float32
+    staging tile per consumer for the partials)."""
+    row_split = d.head_dim <= _ROW_SPLIT_MAX_D
+    n_kv = -(-d.kv_len // (2 * TILE if row_split else TILE))
+    return triton._heads_per_dkdv_program(d, n_kv) if row_split else d.group
+
+
 def _plan(cfg, mask, interpret, operands=(), stacks=(), term_grad=()) -> _Plan:
     """The kernel's plan; ``operands`` and ``stacks``: those of the mask's arrays
     (:func:`fnattn.flash.mosaic_gpu.id_arrays`); ``term_grad``: the term's
     operands whose gradient it sums."""
     d = cfg.dims
     bs = _blocks_for(cfg)
-    row_split = d.head_dim <= _ROW_SPLIT_MAX_D
-    n_kv = -(-d.kv_len // (2 * TILE if row_split else TILE))
-    # Too few programs for the GPU: split the GQA group (row split only, which
-    # has a float32 staging tile per consumer for the partials).
-    Gp = triton._heads_per_dkdv_program(d, n_kv) if row_split else d.group
+    Gp = _heads_per_program(d)
     P = _Plan(B=d.batch, Hq=d.num_q_heads, G=d.group, Gp=Gp, Tq=d.q_len, Tk=d.kv_len,
                  q_offset=cfg.q_offset,
                  offset=d.kv_len - d.q_len if cfg.q_offset is None else cfg.q_offset,
