@@ -83,7 +83,7 @@ def lse_parts(m, l, *, log=jnp.log, scale=1.0):
     return lse, jnp.where(l == 0, 0.0, lo)
 
 
-def finite_keys(k, v, *, k_axis: int = -1, v_axis: int = -1):
+def finite_keys(k, v, *, k_axis: int = -1, v_axis: int = -1, triton: bool = False):
     """``(k, v, bad)`` for keys whose features lie along ``k_axis`` of ``k`` and
     ``v_axis`` of ``v``: non-finite entries replaced by 0 (``where``, never a
     product) and ``bad`` true for the keys whose K or V held one (the two axes
@@ -94,12 +94,21 @@ def finite_keys(k, v, *, k_axis: int = -1, v_axis: int = -1):
     so a key a row may not see contributes exactly nothing to it, whatever its
     bits (unused cache slots, pages a sequence does not own, padding), and a row
     that does see a non-finite key gets NaN. The zeroed values keep ``p @ v``
-    (p = 0) and, in a backward, ``dS @ k`` (dS = 0) finite. Written with the
-    operations Triton lowers (a float max, no boolean reduction), so kernels and
-    XLA code share it.
+    (p = 0) and, in a backward, ``dS @ k`` (dS = 0) finite.
+
+    ``triton=True`` (inside a Pallas Triton kernel) finds ``bad`` with the
+    operations Triton lowers: a float max of 0/1 flags, no boolean reduction
+    (and no max of the values themselves, which Triton's ``maxnumf`` takes
+    without their NaN). Elsewhere a boolean reduction, which XLA fuses into its
+    pass over the keys, where on a CPU it wrote the float flags of the whole
+    cache out first (decode, B=8, S=4096, Hkv=2, D=64, f32: 64 MB of
+    temporaries against 40).
     """
     fk, fv = jnp.isfinite(k), jnp.isfinite(v)
-    bad = jnp.maximum(any_false(fk, k_axis), any_false(fv, v_axis)) > 0
+    if triton:
+        bad = jnp.maximum(any_false(fk, k_axis), any_false(fv, v_axis)) > 0
+    else:
+        bad = jnp.any(~fk, axis=k_axis) | jnp.any(~fv, axis=v_axis)
     return jnp.where(fk, k, jnp.zeros_like(k)), jnp.where(fv, v, jnp.zeros_like(v)), bad
 
 

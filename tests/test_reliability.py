@@ -235,3 +235,29 @@ def test_float64_inputs_are_computed_in_float64():
             got = _run(LOWERINGS["flash-xla" if impl == "auto" else "xla"], spec, q, k, v, do, dl)
             assert got[0].dtype == jnp.float64, impl
             _compare(got, want, 1e-10)
+
+
+@pytest.mark.parametrize("k_axis, v_axis", [(-1, -1), (1, 2)])
+def test_finite_keys_both_forms_flag_the_same_keys(k_axis, v_axis):
+    """``_online.finite_keys`` flags a key whose K or V holds NaN, +inf or -inf
+    anywhere along its features, zeroing just those entries, the same in the
+    boolean reduction XLA code uses and the float one of the Triton kernels
+    (``triton=True``), under ``jit``: keys (2, 8), 16 features along
+    ``k_axis`` of K and ``v_axis`` of V."""
+    from fnattn import _online
+    rs = np.random.default_rng(0)
+    k = np.moveaxis(rs.standard_normal((2, 8, 16)).astype(np.float32), -1, k_axis)
+    v = np.moveaxis(rs.standard_normal((2, 8, 16)).astype(np.float32), -1, v_axis)
+    want = np.zeros((2, 8), bool)
+    for (x, axis), key, feature, value in (((k, k_axis), (0, 1), 3, np.nan),
+                                           ((v, v_axis), (1, 4), 15, np.inf),
+                                           ((k, k_axis), (1, 6), 0, -np.inf),
+                                           ((v, v_axis), (1, 6), 7, np.nan)):
+        np.moveaxis(x, axis, -1)[key + (feature,)] = value
+        want[key] = True
+    for triton in (False, True):
+        kc, vc, got = jax.jit(functools.partial(_online.finite_keys, k_axis=k_axis,
+                                                v_axis=v_axis, triton=triton))(k, v)
+        np.testing.assert_array_equal(np.asarray(got), want)
+        np.testing.assert_array_equal(np.asarray(kc), np.where(np.isfinite(k), k, 0))
+        np.testing.assert_array_equal(np.asarray(vc), np.where(np.isfinite(v), v, 0))

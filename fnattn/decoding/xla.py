@@ -1,7 +1,10 @@
 """The XLA lowering of :func:`fnattn.decode` (every platform without a kernel).
 
-The cache is cut into ``num_splits`` contiguous ranges by a free reshape (no
-copy of K or V, never a repeat over the GQA group); each range's partial
+The cache is cut into ``num_splits`` contiguous ranges by a free reshape
+(never a repeat over the GQA group; XLA on a CPU still lays K out anew for the
+batched logits product when there are several kv heads: a copy of K per call,
+which a multiply-reduce would avoid at a cost in time for bfloat16 and a
+single kv head, measured on a 2-core CPU); each range's partial
 result is computed in one pass and the parts are combined by the merge of
 :mod:`fnattn.merging`, where the sinks join the denominator once. Two forms of
 the products (see :func:`choose`) suit different numbers of query rows per kv
@@ -98,7 +101,7 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits
         k_clean, v, bad = online.finite_keys(k, v)
         k = k_clean if clean_keys else k
         bad = bad.reshape(B, ns, C, Hkv, 1)      # (b, n, c, h, r)
-    kr = k.reshape(B, ns, C, Hkv, D)             # free reshapes: no copy of the cache
+    kr = k.reshape(B, ns, C, Hkv, D)             # free reshapes (see the module docstring)
     vr = v.reshape(B, ns, C, Hkv, Dv)
     if form == "mixed":   # s[b, n, c, h, r]: keys in the cache's own order
         s = jnp.einsum("bhrd,bnchd->bnchr", qr.astype(k.dtype), kr, preferred_element_type=F32)

@@ -433,7 +433,7 @@ def _fwd_block(R: _Refs, K: _K, i, b, h, rows, *, every_tile=False):
         ks = _k_rows(j, K)
         k, v, bad = R.k[ks, :], None, None
         if (partial or every_tile) and K.has_mask:  # keys a row may not see: their
-            k, v, bad = online.finite_keys(k, R.v[ks, :])  # K/V bits never matter
+            k, v, bad = online.finite_keys(k, R.v[ks, :], triton=True)  # K/V bits never matter
         bias_t = _bias_tile(R, K, None, b, h, i, j, False)
         s, c, _ = _scores(q, k, bias_t, K)
         pos = _positions(b, h, i, j, K, False) if partial or R.seed is not None else None
@@ -534,7 +534,7 @@ def _dq_kernel(*refs, K: _K, sched: bool):
         ks = _k_rows(j, K)
         k, v, bad = R.k[ks, :], None, None
         if partial and K.has_mask:  # masked keys with NaN/inf K/V give exactly 0
-            k, v, bad = online.finite_keys(k, R.v[ks, :])
+            k, v, bad = online.finite_keys(k, R.v[ks, :], triton=True)
         bias_t = _bias_tile(R, K, None, b, h, i, j, False)
         s, c, th = _scores(q, k, bias_t, K)
         pos = _positions(b, h, i, j, K, False) if partial or R.seed is not None else None
@@ -613,7 +613,7 @@ def _dkdv_kernel(*refs, K: _K, sched: bool):
 
     def between():
         if K.has_mask:
-            clean["kvb"] = online.finite_keys(R.k[ks, :], R.v[ks, :])
+            clean["kvb"] = online.finite_keys(R.k[ks, :], R.v[ks, :], triton=True)
 
     def body(i, g, carry, partial):
         dk, dv = carry

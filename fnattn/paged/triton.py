@@ -206,7 +206,7 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         if mask is not None and not full:
             # Slots past the length and invalid pages are never loaded; keys of the
             # sequence that the mask hides from some rows may still hold NaN.
-            k, v, bad = online.finite_keys(k, load_v())
+            k, v, bad = online.finite_keys(k, load_v(), triton=True)
             load_v = lambda: v  # noqa: E731
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         if bad is not None:
