@@ -88,6 +88,11 @@ def command(step: Step, out: str) -> list:
     return [sys.executable] + [a.replace("{out}", out) for a in step.argv]
 
 
+def shown(step: Step) -> str:
+    """The step's command as a shell line ("{out}" left as it is)."""
+    return " ".join(shlex.quote(a) for a in ("python3",) + step.argv)
+
+
 def install_wheels(target="/tmp/site") -> str:
     """Install the wheels under .whl/ into ``target``; what happened, in words."""
     wheels = sorted(glob.glob(os.path.join(ROOT, ".whl", "*.whl")))
@@ -123,10 +128,11 @@ def run(steps, out_dir: str, budget: float, env=None, clock=time.monotonic) -> l
                                         stderr=subprocess.STDOUT, timeout=limit).returncode
             except subprocess.TimeoutExpired:
                 status = f"cut at {limit:.0f} s"
+        seconds = clock() - start
         with open(log) as fh:
             tail = "".join(fh.readlines()[-8:])
-        results.append((step, status, clock() - start, tail))
-        print(f"{step.name}: {status} in {clock() - start:.0f} s", flush=True)
+        results.append((step, status, seconds, tail))
+        print(f"{step.name}: {status} in {seconds:.0f} s", flush=True)
     return results
 
 
@@ -134,9 +140,8 @@ def report(results, out_dir: str, header: str) -> str:
     """``OUT/backlog.md``: each step's command, status, time and last lines."""
     lines = ["# The GPU backlog, one call", "", header, ""]
     for step, status, seconds, tail in results:
-        argv = " ".join(shlex.quote(a) for a in ("python3",) + step.argv)
         lines += [f"## {step.name}: {status}, {seconds:.0f} s", "", step.why, "",
-                  f"    {argv}", ""]
+                  f"    {shown(step)}", ""]
         if tail:
             lines += ["```", tail.rstrip("\n"), "```", ""]
     text = "\n".join(lines)
@@ -165,8 +170,7 @@ def main():
     steps = [s for s in STEPS if not only or s.name in only]
     if args.list:
         for s in steps:
-            print(f"{s.name} ({s.least}-{s.limit} s): {s.why}\n    "
-                  + " ".join(shlex.quote(a) for a in ("python3",) + s.argv))
+            print(f"{s.name} ({s.least}-{s.limit} s): {s.why}\n    {shown(s)}")
         return
     os.makedirs(args.out_dir, exist_ok=True)
     header = install_wheels()
