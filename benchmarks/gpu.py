@@ -51,7 +51,10 @@ Sections:
   Each fnattn row's output is compared with ``jax.nn:cudnn``'s (or the XLA
   one's) on the same inputs.
 * ``decode``: one new token per sequence against a contiguous cache
-  (``fnattn.decode``) and a paged cache (``fnattn.paged_attention``, page 16,
+  (``fnattn.decode``, and ``fnattn.decode:mosaic_gpu``: its Mosaic GPU kernel,
+  ``MosaicGpuDecodeBlockSizes``, skipped without a Hopper GPU; ``--decode-sweep``
+  times its block sizes and ring depths too) and a paged cache
+  (``fnattn.paged_attention``, page 16,
   pages a random permutation of the pool), bf16, Hq=32, Hkv=8, D=128, B 1..64,
   context 4k..32k, next to plain ``jnp`` and ``jax.nn``; bandwidth counts the
   visible K and V once plus q and the output, against the device's peak HBM
@@ -535,7 +538,11 @@ def copy_bandwidth(reps):
 def decode_section(args, rows, deadline):
     from fnattn.paged import bench
     from fnattn.paged.common import PagedBlockSizes
+    from fnattn.decoding import mosaic_gpu as mgpu_decode
     from fnattn.decoding.api import DecodeBlockSizes
+    from fnattn.decoding.mosaic_gpu import MosaicGpuDecodeBlockSizes
+    from fnattn.flash import mosaic_gpu
+    from fnattn.flash.mosaic_gpu import SMEM_BYTES
 
     dev = jax.devices()[0]
     peak = next((bw for name, bw in PEAK_BW.items() if name in dev.device_kind), None)
@@ -563,12 +570,23 @@ def decode_section(args, rows, deadline):
 
         from decode import jnp_decode  # (benchmarks/decode.py's plain baseline)
         entries = [("contiguous", "fnattn.decode", dec(), cont),
+                   ("contiguous", "fnattn.decode:mosaic_gpu", dec(MosaicGpuDecodeBlockSizes()),
+                    cont),
                    ("contiguous", "jnp einsum+softmax", jnp_decode, cont),
                    ("contiguous", "jax.nn:cudnn", _jaxnn_decode("cudnn"), cont),
                    ("contiguous", "jax.nn:xla", _jaxnn_decode("xla"), cont),
                    ("paged", "fnattn.paged_attention", bench.decode_fn("auto"), prob.args),
                    ("paged", "jnp gather+softmax", bench.gather_decode, prob.args)]
         if f"{B}x{S}" in args.decode_sweep.split(","):
+            for ns in (None, 8):
+                for bk in (64, 128):
+                    for st in (2, 3, 4):
+                        if mgpu_decode.smem_bytes(D, D, bk, st) <= SMEM_BYTES:
+                            entries.append((
+                                "contiguous", f"fnattn.decode:mosaic_gpu splits={ns} bk={bk} "
+                                f"stages={st}", dec((MosaicGpuDecodeBlockSizes(
+                                    block_k=bk, max_concurrent_steps=st),
+                                    DecodeBlockSizes(num_splits=ns))), cont))
             for ns in (None, 8):
                 for bk in (64, 128):
                     for st in (2, 3, 4):
@@ -597,6 +615,13 @@ def decode_section(args, rows, deadline):
                 break
             row = dict(section="decode", cache=cache, impl=name, B=B, S=S, Hq=Hq, Hkv=Hkv, D=D,
                        page_size=ps if cache == "paged" else "")
+            if "mosaic_gpu" in name and mosaic_gpu.available() is not None:
+                # (elsewhere the spec runs the Triton kernel: a row named for a
+                # kernel it did not time would mislead)
+                row.update(status="skipped: " + mosaic_gpu.available())
+                rows.append(row)
+                print(_decode_line(row), flush=True)
+                continue
             try:
                 t, lo, hi, mem, out = timed(fn, fargs, args.reps)
                 if not name.startswith("fnattn"):
@@ -606,7 +631,8 @@ def decode_section(args, rows, deadline):
                            frac_copy=nbytes / t / copy_bw, xla_mb=mem)
                 if cache in refs and name.startswith("fnattn"):
                     row["diff"] = _diff(out, refs[cache])
-                if args.kernel_times and name in ("fnattn.decode", "fnattn.paged_attention"):
+                if args.kernel_times and name in ("fnattn.decode", "fnattn.decode:mosaic_gpu",
+                                                  "fnattn.paged_attention"):
                     row["kernels"] = _kernels_line(kernel_times(fn, fargs))
             except Exception as e:  # noqa: BLE001
                 row.update(status="error: " + f"{type(e).__name__}: {e}".splitlines()[0][:160])

@@ -9,6 +9,7 @@
 from fnattn import context, cost, dropout, masks, position_bias, sharding
 from fnattn.core import attention
 from fnattn.decoding import DecodeBlockSizes, decode, decode_with_update
+from fnattn.decoding.mosaic_gpu import MosaicGpuDecodeBlockSizes
 from fnattn.flash.api import flash
 from fnattn.flash.mosaic import MosaicBlockSizes
 from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
@@ -32,6 +33,7 @@ __all__ = [
     "MosaicBlockSizes",
     "MosaicGpuBlockSizes",
     "MosaicGpuBwdBlockSizes",
+    "MosaicGpuDecodeBlockSizes",
     "PagedBlockSizes",
     "PagedKVCache",
     "TritonBlockSizes",

@@ -41,10 +41,14 @@ def test_every_step_is_a_command_its_script_takes(backlog):
         script, args = argv[0], argv[1:]
         if script == "benchmarks/gpu.py":
             parsed = gpu.parser().parse_args(args)
+            assert parsed.sections in ("flash", "decode"), step.name
+            if parsed.sections == "decode":
+                for item in parsed.decode_grid.split(","):
+                    assert len([int(x) for x in item.split("x")]) == 2
+                continue
             assert set(parsed.impls.split(",")) <= set(gpu.FLASH_IMPLS), step.name
             for item in parsed.flash_grid.split(","):
                 assert 2 <= len([int(x) for x in item.split("x")]) <= 3
-            assert parsed.sections == "flash"
         else:
             assert script == "benchmarks/position_bias.py", step.name
             parsed = position_bias.parser().parse_args(args)

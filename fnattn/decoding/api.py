@@ -34,6 +34,12 @@ tpu       Pallas Mosaic (fnattn/decoding/mosaic.py)  the same
 other     XLA (fnattn/decoding/xla.py)               Triton kernel, interpreted
 ========  =========================================  ==========================
 
+On a Hopper GPU, a spec whose block sizes include
+:class:`fnattn.decoding.mosaic_gpu.MosaicGpuDecodeBlockSizes` runs the Pallas
+Mosaic GPU kernel (fnattn/decoding/mosaic_gpu.py) under either impl instead
+(:func:`fnattn.decoding.mosaic_gpu.gpu_forward`); it has not been timed on a
+GPU yet, so it is not the default.
+
 ``impl="xla"`` is the XLA lowering everywhere. On TPU, ``impl="auto"`` reads
 float16 caches with the XLA lowering (the kernel would first copy them to
 float32). float64 inputs are refused at trace time (``TypeError``): every
@@ -309,11 +315,15 @@ def lowering_table(impl: str):
     (:func:`fnattn.position_bias.per_head_arrays`) or None.
     """
     if impl in ("auto", "pallas"):
-        from fnattn.decoding import mosaic, triton  # Pallas is imported only when needed
+        # (Pallas is imported only when needed)
+        from fnattn.decoding import mosaic, mosaic_gpu, triton
     if impl == "auto":
-        return (("default", xla.forward), ("cuda", triton.auto_forward), ("tpu", mosaic.auto_forward))
+        return (("default", xla.forward),
+                ("cuda", functools.partial(mosaic_gpu.gpu_forward, triton.auto_forward)),
+                ("tpu", mosaic.auto_forward))
     if impl == "pallas":
-        return (("default", triton.forward_interpret), ("cuda", triton.forward),
+        return (("default", triton.forward_interpret),
+                ("cuda", functools.partial(mosaic_gpu.gpu_forward, triton.forward)),
                 ("tpu", mosaic.forward))
     if impl == "xla":
         return (("default", xla.forward),)

@@ -1,0 +1,474 @@
+"""The Pallas Mosaic GPU lowering of :func:`fnattn.decode` (Hopper, sm90a).
+
+JAX 0.11 deprecates the Pallas Triton backend that :mod:`fnattn.decoding.triton`
+is written for; this kernel is decode on Mosaic GPU, the backend that replaces
+it. Ask for it with ``AttentionSpec(block_sizes=MosaicGpuDecodeBlockSizes())``
+(beside a ``DecodeBlockSizes`` for the split count, if wanted): on a Hopper GPU
+``fnattn.decode`` then runs here, elsewhere as before. Without it
+``impl="auto"`` keeps the Triton kernel, which was timed at 76.5 % of an H100's
+HBM bandwidth; this one has not been timed on a GPU yet.
+
+One kernel, grid ``(Hkv, splits, B)``. A program owns one kv head of one
+sequence and one split of its key blocks, and runs two warpgroups:
+
+* the *consumer* holds the ``Tq * G`` query rows of the kv head's GQA group
+  (row ``r`` is token ``r // G`` of query head ``h * G + r % G``) as one 64-row
+  tile, padded with zero rows, the smallest tile of ``wgmma``: every key is
+  read from HBM once per (sequence, kv head) whatever the group. Per block of
+  ``block_k`` keys it computes ``S = Q K^T`` and ``P V`` with ``plgpu.wgmma``
+  into float32 accumulators, the online softmax between them in base 2
+  (``log2(e)`` folded into the scale);
+* the *producer* streams K and V blocks with TMA straight from the
+  ``(B, S, Hkv, D)`` caches (a strided box, no copy of the cache) into a ring
+  of ``max_concurrent_steps`` shared-memory slots, each with a *loaded* and a
+  *consumed* barrier.
+
+Key blocks are aligned to cache slots (block ``j`` holds slots ``j * block_k ..``),
+so a block never reaches past the cache: ``block_k`` divides ``S``. Each
+program visits only the blocks that hold its sequence's slots and that the
+mask's ``tile_bounds`` says may be visible
+(:func:`fnattn.decoding.common.block_ranges`), and runs the run of them that
+every row sees whole without mask code; on the others (the sequence's first
+and last block, blocks a window or chunk cuts) hidden logits become -inf.
+
+**Keys that are not the sequence's** (slots before its start or past its
+length in a boundary block, keys a mask hides) may hold anything: their logits
+are replaced, so a non-finite K changes nothing, but ``0 * V`` is NaN where V
+is not finite. The kernel reads V as it is and the wrapper checks its float32
+partial outputs: when any is not finite, the whole call is computed again by
+the XLA lowering (:func:`fnattn.decoding.xla.forward`, which makes such keys
+inert), under ``lax.cond`` so that the pass costs nothing otherwise. A row
+that sees a non-finite key is NaN in both, as in every lowering.
+
+**Split-K.** The programs write float32 partial outputs with their base-2 row
+state ``(m, l)``; :func:`fnattn.merging.merge_stacked` combines them, the
+sinks joining the denominator once. :func:`auto_splits` fills the GPU with one
+program per multiprocessor when ``DecodeBlockSizes(num_splits=...)`` does not
+say.
+
+Supported: float16 / bfloat16 caches, head dims ``D`` and ``Dv`` that are
+multiples of 64 up to 256, ``Tq * G <= 64`` rows per kv head, any scale,
+soft-cap, sinks, an array-free mask (``from_fn`` ones whose functions Mosaic
+GPU lowers, :data:`fnattn._functions.MOSAIC_GPU`), and a cache length ``S``
+that is a multiple of 64. :func:`supports` lists what else a call asks for;
+asked for by name, such a call raises ``NotImplementedError``.
+"""
+
+import dataclasses
+import functools
+import types
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from fnattn import _checks, _functions, masks
+from fnattn import _online as online
+from fnattn.decoding import common, xla
+from fnattn.decoding.common import F32, I32
+from fnattn.flash import blocks
+from fnattn.flash import mosaic_gpu as flash_mgpu
+from fnattn.merging import merge_stacked
+
+__all__ = ["MosaicGpuDecodeBlockSizes", "auto_splits", "forward",
+           "gpu_forward", "plan", "smem_bytes", "supports", "Tiles"]
+
+LOG2E, LN2 = online.LOG2E, online.LN2
+ROWS = 64                    # the query tile: one wgmma slab
+MAX_STAGES = 4
+_CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 232, 40
+_ELSEWHERE = ("the Pallas Triton kernel (fnattn/decoding/triton.py, the default on NVIDIA "
+              "GPUs) supports it")
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicGpuDecodeBlockSizes:
+    """Asks :func:`fnattn.decode` to run the Mosaic GPU kernel on Hopper GPUs.
+
+    Attributes:
+      block_k: keys per step, 64 or 128 (None: see :func:`plan`); must divide
+        the cache length.
+      max_concurrent_steps: depth of the ring of K and V blocks in shared
+        memory (None: as deep as fits, at most 4).
+
+    The split count is ``DecodeBlockSizes(num_splits=...)``'s, given beside
+    this in a tuple, else :func:`auto_splits`'.
+
+    >>> MosaicGpuDecodeBlockSizes(block_k=64).block_k
+    64
+    >>> MosaicGpuDecodeBlockSizes(block_k=32)
+    Traceback (most recent call last):
+    ...
+    ValueError: MosaicGpuDecodeBlockSizes: block_k must be 64, 128 or None; got 32
+    """
+
+    block_k: Optional[int] = None
+    max_concurrent_steps: Optional[int] = None
+
+    def __post_init__(self):
+        if self.block_k not in (None, 64, 128) or isinstance(self.block_k, bool):
+            raise ValueError(f"MosaicGpuDecodeBlockSizes: block_k must be 64, 128 or None; "
+                             f"got {self.block_k!r}")
+        n = self.max_concurrent_steps
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
+            raise ValueError("MosaicGpuDecodeBlockSizes: max_concurrent_steps must be a "
+                             f"positive int or None; got {n!r}")
+
+
+def smem_bytes(D: int, Dv: int, block_k: int, stages: int, itemsize: int = 2,
+               out_itemsize: int = 4) -> int:
+    """Shared memory of one program as Mosaic GPU counts it: the query tile,
+    the ring of K and V blocks, the output tile (float32, or the caches' dtype:
+    ``out_itemsize``) and row state, the barriers
+    (:func:`fnattn.flash.mosaic_gpu.smem_layout_bytes`), and what the lowering
+    keeps besides (reduction scratch; tests check the sum against the
+    lowering's count).
+
+    >>> smem_bytes(128, 128, 64, 4)
+    184456
+    """
+    buffers = [ROWS * D * itemsize, stages * block_k * D * itemsize,
+               stages * block_k * Dv * itemsize, ROWS * Dv * out_itemsize, ROWS * 4, ROWS * 4]
+    return flash_mgpu.smem_layout_bytes(buffers, 1 + 4 * stages) + _RESERVED
+
+
+# What the program holds in shared memory besides its buffers and barriers
+# (jax 0.10.2 and 0.11.2), as in the flash forward.
+_RESERVED = 2048
+
+
+class Tiles(NamedTuple):
+    """A call's tiling: keys per step, the ring's depth, and whether the
+    partial outputs leave in float32 (else in the caches' dtype)."""
+
+    block_k: int
+    stages: int
+    out_f32: bool
+
+
+def plan(D: int, Dv: int, S: int, given: Optional[MosaicGpuDecodeBlockSizes] = None,
+         itemsize: int = 2) -> Tiles:
+    """The block (the given one, else the largest of 128 and 64 dividing ``S``
+    whose ring holds two steps), the deepest ring that fits (at most
+    :data:`MAX_STAGES`, or the given depth), and float32 partial outputs
+    where they leave room for a ring of two, else outputs in the caches'
+    dtype (at D or Dv past 128: a float32 output tile would leave one step).
+    Raises ``ValueError`` for given sizes that do not fit.
+
+    >>> plan(128, 128, 4096), plan(128, 128, 4160)
+    (Tiles(block_k=128, stages=2, out_f32=True), Tiles(block_k=64, stages=4, out_f32=True))
+    >>> plan(256, 256, 4096)
+    Tiles(block_k=64, stages=2, out_f32=False)
+    """
+    given = given or MosaicGpuDecodeBlockSizes()
+    budget = flash_mgpu.SMEM_BYTES
+
+    def deepest(bk, out):
+        n = MAX_STAGES
+        while n > 1 and smem_bytes(D, Dv, bk, n, itemsize, out) > budget:
+            n -= 1
+        return n
+
+    sizes = ((given.block_k,) if given.block_k
+             else tuple(b for b in (128, 64) if S % b == 0) or (64,))
+    least = 1 if given.max_concurrent_steps else 2
+
+    def fits(bk, out):
+        n = given.max_concurrent_steps or deepest(bk, out)
+        return n >= least and smem_bytes(D, Dv, bk, n, itemsize, out) <= budget
+
+    bk, out = next(((bk, out) for out in (4, itemsize) for bk in sizes if fits(bk, out)),
+                   (sizes[-1], itemsize))
+    stages = given.max_concurrent_steps or deepest(bk, out)
+    need = smem_bytes(D, Dv, bk, stages, itemsize, out)
+    if need > budget:
+        raise ValueError(
+            f"decode: MosaicGpuDecodeBlockSizes(block_k={bk}, max_concurrent_steps={stages}) "
+            f"needs {need} bytes of shared memory at D={D}, Dv={Dv}, more than the {budget} "
+            "of a Hopper block; use block_k=64 or a shallower ring")
+    if S % bk:
+        raise ValueError(f"decode: MosaicGpuDecodeBlockSizes(block_k={bk}) must divide the "
+                         f"cache length S={S}")
+    return Tiles(bk, stages, out == 4)
+
+
+def auto_splits(pairs: int, n_blocks: int, sms: int) -> int:
+    """Split-K count for ``pairs`` (sequence, kv head) programs per split over
+    ``n_blocks`` key blocks on ``sms`` multiprocessors: a program's ring takes
+    most of a multiprocessor's shared memory, so one wave of at most ``sms``
+    programs, with at least two blocks per split.
+
+    >>> auto_splits(128, 64, 132), auto_splits(8, 512, 132), auto_splits(8, 6, 132)
+    (1, 16, 3)
+    """
+    return max(1, min(sms // max(pairs, 1), n_blocks // 2))
+
+
+def supports(cfg, q, k, v) -> list:
+    """Why a call cannot run on this kernel (empty: it can), from static facts.
+    ``q`` (B, Tq, Hq, D), ``k`` / ``v`` (B, S, Hkv, D | Dv) arrays or shapes."""
+    why = []
+    B, Tq, Hq, D = q.shape
+    _, S, Hkv, Dv = v.shape
+    if jnp.dtype(k.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        why.append(f"{jnp.dtype(k.dtype).name} caches (float16 and bfloat16 run here)")
+    for name, n in (("D", D), ("Dv", Dv)):
+        if n % 64 or n > 256:
+            why.append(f"head dim {name}={n} (multiples of 64 up to 256 run here)")
+    if Tq * (Hq // Hkv) > ROWS:
+        why.append(f"{Tq * (Hq // Hkv)} query rows per kv head (Tq={Tq} x group "
+                   f"{Hq // Hkv}; at most {ROWS} run here)")
+    if not isinstance(S, int) or S % 64:
+        why.append(f"a cache of S={S} slots (multiples of 64 run here)")
+    if _checks.symbolic_sizes(B=B, Tq=Tq, S=S):
+        why.append("symbolic sizes (jax.export)")
+    if cfg.term_treedef is not None:
+        why.append("a position term (ALiBi, from_fn)")
+    why += _functions.refusals(cfg.mask, _functions.MOSAIC_GPU)
+    return why
+
+
+def _asked(cfg) -> Optional[MosaicGpuDecodeBlockSizes]:
+    return blocks.pick(cfg.block_sizes, MosaicGpuDecodeBlockSizes, None)
+
+
+def gpu_forward(fallback, cfg, q, k, v, starts, lengths, sinks, terms=None):
+    """The cuda entry of :func:`fnattn.decoding.api.lowering_table`: this kernel
+    when the spec asks for it (``MosaicGpuDecodeBlockSizes``) and the process
+    has a Hopper GPU (:func:`fnattn.flash.mosaic_gpu.available`), else
+    ``fallback`` (the Triton kernel's entry). Asked for a call it does not
+    support, it raises ``NotImplementedError`` with the reasons."""
+    if _asked(cfg) is None or flash_mgpu.available() is not None:
+        return fallback(cfg, q, k, v, starts, lengths, sinks, terms)
+    return forward(cfg, q, k, v, starts, lengths, sinks, terms)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Everything the kernel needs at trace time (hashable)."""
+
+    Tq: int
+    G: int
+    D: int
+    Dv: int
+    bk: int
+    stages: int
+    out_f32: bool
+    splits: int
+    scale: float
+    softcap: Optional[float]
+    mask_treedef: Any
+    interpreted: bool
+
+
+def _plgpu():
+    return flash_mgpu._plgpu()
+
+
+def _iota(shape, axis, P: _Plan):
+    if P.interpreted:
+        return lax.broadcasted_iota(I32, shape, axis)
+    plgpu = _plgpu()
+    return plgpu.broadcasted_iota(I32, shape, axis, layout=plgpu.Layout.WGMMA)
+
+
+def _in_layout(x, layout, P: _Plan):
+    return x if P.interpreted else _plgpu().layout_cast(x, layout)
+
+
+def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, P: _Plan, dtype):
+    plgpu = _plgpu()
+    ring = P.stages
+
+    def body(S):
+        wg = lax.axis_index("wg")
+        # (int32 under jax_enable_x64 too, where the interpreter's indices are int64)
+        h, sp, b = (lax.axis_index(n).astype(I32) for n in ("heads", "splits", "batch"))
+        start, length = meta_ref[b, 0], meta_ref[b, 1]
+        lo, hi = common.split_range(meta_ref[b, 2], meta_ref[b, 3], sp, P.splits)
+        # [fa, fb): this split's blocks inside the sequence that every row sees whole
+        fa = jnp.minimum(jnp.maximum(meta_ref[b, 4], lo), hi)
+        fb = jnp.minimum(jnp.maximum(meta_ref[b, 5], fa), hi)
+
+        def slot_of(j):
+            return lax.rem(j - lo, jnp.int32(ring))
+
+        @pl.when(wg == 0)
+        def _consume():
+            plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
+            plgpu.copy_gmem_to_smem(q_ref.at[b, h], S.q_smem, S.q_ready)
+            rows_layout = plgpu.Layout.WGMMA.reduce(1)
+            m = _in_layout(jnp.full((ROWS,), -jnp.inf, F32), rows_layout, P)
+            l = _in_layout(jnp.full((ROWS,), 0.0, F32), rows_layout, P)
+            acc = _in_layout(jnp.full((ROWS, P.Dv), 0.0, F32), plgpu.Layout.WGMMA, P)
+            plgpu.barrier_wait(S.q_ready)
+
+            def visible(j):
+                """Which (row, key) pairs of block ``j`` are the sequence's and
+                visible under the mask (WGMMA layout)."""
+                kpos = j * P.bk + _iota((ROWS, P.bk), 1, P) - start
+                ok = (kpos >= 0) & (kpos < length)
+                if P.mask_treedef is not None:
+                    r = _iota((ROWS, P.bk), 0, P)
+                    t = lax.div(r, jnp.int32(P.G))
+                    pos = masks.Positions(b=b, h=h * P.G + lax.rem(r, jnp.int32(P.G)), q=t,
+                                          q_pos=length - P.Tq + t, k=kpos)
+                    ok = ok & masks.from_treedef(P.mask_treedef).predicate(pos, [])
+                return ok
+
+            def step(j, carry, partial: bool):
+                acc, m, l = carry
+                slot = slot_of(j)
+                plgpu.barrier_wait(S.k_ready.at[slot])
+                if P.interpreted:
+                    # The interpreter's wgmma takes no transposed ref.
+                    s = lax.dot_general(S.q_smem[...], S.k_smem.at[slot][...],
+                                        (((1,), (1,)), ((), ())), preferred_element_type=F32)
+                else:
+                    def scores(s_ref):
+                        plgpu.wgmma(s_ref, S.q_smem,
+                                    flash_mgpu._compat_transpose(S.k_smem.at[slot]))
+                        return s_ref[...]
+                    s = pl.run_scoped(scores, plgpu.ACC((ROWS, P.bk), F32))
+                plgpu.barrier_arrive(S.k_free.at[slot])
+                if P.softcap is None:
+                    c = P.scale * LOG2E
+                else:  # softcap * tanh(scale * s / softcap), its factor folded into c
+                    s = jnp.tanh(s * (P.scale / P.softcap))
+                    c = P.softcap * LOG2E
+                if partial:  # hidden logits: -inf, whatever the key's bits gave
+                    s = jnp.where(visible(j), s, -jnp.inf)
+                m_new = jnp.maximum(m, s.max(axis=1) * c)
+                # A row that has seen no key keeps m = -inf; shifting it by 0
+                # keeps its weights at exp2(-inf) = 0 instead of NaN.
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if partial else m_new
+                alpha = jnp.exp2(m - m_use)
+                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                l = l * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p = p.astype(dtype)
+                plgpu.barrier_wait(S.v_ready.at[slot])
+                if P.interpreted:
+                    acc = acc + jnp.dot(p, S.v_smem.at[slot][...], preferred_element_type=F32)
+                else:
+                    def accumulate(acc_ref):
+                        plgpu.wgmma(acc_ref, p, S.v_smem.at[slot])
+                    acc = pl.run_state(accumulate)(plgpu.ACC.init(acc))
+                plgpu.barrier_arrive(S.v_free.at[slot])
+                return acc, m_new, l
+
+            carry = lax.fori_loop(lo, fa, functools.partial(step, partial=True), (acc, m, l))
+            carry = lax.fori_loop(fa, fb, functools.partial(step, partial=False), carry)
+            acc, m, l = lax.fori_loop(fb, hi, functools.partial(step, partial=True), carry)
+
+            inv = 1.0 / jnp.where(l > 0, l, 1.0)
+            S.o_smem[...] = (acc * lax.broadcast_in_dim(inv, acc.shape, [0])).astype(
+                S.o_smem.dtype)
+            S.m_smem[...] = m
+            S.l_smem[...] = l
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(S.o_smem, o_ref.at[sp, b, h])
+            plgpu.copy_smem_to_gmem(S.m_smem, m_ref.at[sp, b, h])
+            plgpu.copy_smem_to_gmem(S.l_smem, l_ref.at[sp, b, h])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(wg == 1)
+        def _produce():
+            plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+
+            def issue(j, _):
+                slot = slot_of(j)
+                keys = (b, pl.ds(j * P.bk, P.bk), h)
+                lap = j - lo >= ring  # the slot held an earlier block: wait for its hand-back
+                pl.when(lap)(lambda: plgpu.barrier_wait(S.k_free.at[slot]))
+                plgpu.copy_gmem_to_smem(k_ref.at[keys], S.k_smem.at[slot], S.k_ready.at[slot])
+                pl.when(lap)(lambda: plgpu.barrier_wait(S.v_free.at[slot]))
+                plgpu.copy_gmem_to_smem(v_ref.at[keys], S.v_smem.at[slot], S.v_ready.at[slot])
+
+            lax.fori_loop(lo, hi, issue, None)
+
+            def drain(j, _):
+                # The ring's last hand-backs, so that every barrier phase is
+                # observed before the barriers go.
+                plgpu.barrier_wait(S.k_free.at[slot_of(j)])
+                plgpu.barrier_wait(S.v_free.at[slot_of(j)])
+
+            lax.fori_loop(jnp.maximum(hi - ring, lo), hi, drain, None)
+
+    swizzled = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+    scratch = dict(
+        q_smem=plgpu.SMEM((ROWS, P.D), dtype, transforms=swizzled),
+        k_smem=plgpu.SMEM((ring, P.bk, P.D), dtype, transforms=swizzled),
+        v_smem=plgpu.SMEM((ring, P.bk, P.Dv), dtype, transforms=swizzled),
+        o_smem=(plgpu.SMEM((ROWS, P.Dv), F32) if P.out_f32
+                else plgpu.SMEM((ROWS, P.Dv), dtype, transforms=swizzled)),
+        m_smem=plgpu.SMEM((ROWS,), F32),
+        l_smem=plgpu.SMEM((ROWS,), F32),
+        q_ready=plgpu.Barrier(num_barriers=1),
+        k_ready=plgpu.Barrier(num_barriers=ring),
+        v_ready=plgpu.Barrier(num_barriers=ring),
+        k_free=plgpu.Barrier(num_barriers=ring),
+        v_free=plgpu.Barrier(num_barriers=ring),
+    )
+    names = tuple(scratch)
+    pl.run_scoped(lambda *r: body(types.SimpleNamespace(**dict(zip(names, r)))),
+                  *scratch.values(), collective_axes="wg")
+
+
+def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=False):
+    """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv), lse (B, Hq, Tq).
+
+    ``interpret``: False to compile for the GPU, or the Mosaic GPU
+    interpreter's parameters (:func:`fnattn.flash.mosaic_gpu.interpret_params`)
+    to run the same kernel on CPU."""
+    why = supports(cfg, q, k, v)
+    if why:
+        raise NotImplementedError(
+            f"decode: the Mosaic GPU kernel does not support {'; '.join(why)}; {_ELSEWHERE}.")
+    plgpu = _plgpu()
+    B, Tq, Hq, D = q.shape
+    _, S, Hkv, Dv = v.shape
+    G = Hq // Hkv
+    tiles = plan(D, Dv, S, _asked(cfg), jnp.dtype(k.dtype).itemsize)
+    bk = tiles.block_k
+    n_blocks = S // bk
+    splits = cfg.num_splits or auto_splits(B * Hkv, n_blocks,
+                                           flash_mgpu._programs(bool(interpret)))
+    P = _Plan(Tq=Tq, G=G, D=D, Dv=Dv, bk=bk, stages=tiles.stages, out_f32=tiles.out_f32,
+              splits=splits,
+              scale=float(cfg.scale), softcap=None if cfg.softcap is None else float(cfg.softcap),
+              mask_treedef=cfg.mask_treedef, interpreted=bool(interpret))
+    # Blocks aligned to cache slots (offsets = starts): block j holds slots j*bk ..
+    r = common.block_ranges(cfg.mask, Tq, lengths, starts, bk, n_blocks)
+    meta = jnp.stack([starts, lengths, *r], axis=1).astype(I32)
+    qg = common.group_rows(q.astype(k.dtype), Hkv, ROWS)
+    rows = jax.ShapeDtypeStruct((splits, B, Hkv, ROWS), F32)
+    call = plgpu.kernel(
+        functools.partial(_kernel, P=P, dtype=k.dtype),
+        out_type=(jax.ShapeDtypeStruct((splits, B, Hkv, ROWS, Dv),
+                                       F32 if tiles.out_f32 else k.dtype), rows, rows),
+        grid=(Hkv, splits, B),
+        grid_names=("heads", "splits", "batch"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=interpret or None,
+    )
+    out, m, l = call(meta, qg, k, v)
+    R = Tq * G
+    out, m, l = out[..., :R, :], m[..., :R], l[..., :R]
+    lse = jnp.where(l > 0, (m + jnp.log2(jnp.where(l > 0, l, 1.0))) * LN2, -jnp.inf)
+    sink = None if sinks is None else common.row_sinks(sinks, Hkv, Tq, R)
+    merged, merged_lse = merge_stacked(out.astype(F32), lse, sink)
+    res = common.ungroup_rows(merged, merged_lse, Tq, G)
+    res = (res[0].astype(q.dtype), res[1])
+
+    def again():
+        # A key that is not the sequence's held a non-finite V (or a row saw a
+        # non-finite key): the XLA lowering makes hidden keys inert.
+        return xla.forward(cfg, q, k, v, starts, lengths, sinks, terms)
+
+    return lax.cond(jnp.all(jnp.isfinite(out)), lambda: res, again)
+
