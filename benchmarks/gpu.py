@@ -54,7 +54,7 @@ Sections:
   (``fnattn.decode``, and ``fnattn.decode:mosaic_gpu``: its Mosaic GPU kernel,
   ``MosaicGpuDecodeBlockSizes``, skipped without a Hopper GPU; ``--decode-sweep``
   times its block sizes and ring depths too) and a paged cache
-  (``fnattn.paged_attention``, page 16,
+  (``fnattn.paged_attention``, and ``fnattn.paged_attention:mosaic_gpu``, page 16,
   pages a random permutation of the pool), bf16, Hq=32, Hkv=8, D=128, B 1..64,
   context 4k..32k, next to plain ``jnp`` and ``jax.nn``; bandwidth counts the
   visible K and V once plus q and the output, against the device's peak HBM
@@ -576,6 +576,8 @@ def decode_section(args, rows, deadline):
                    ("contiguous", "jax.nn:cudnn", _jaxnn_decode("cudnn"), cont),
                    ("contiguous", "jax.nn:xla", _jaxnn_decode("xla"), cont),
                    ("paged", "fnattn.paged_attention", bench.decode_fn("auto"), prob.args),
+                   ("paged", "fnattn.paged_attention:mosaic_gpu", bench.decode_fn(
+                       "auto", (MosaicGpuDecodeBlockSizes(), PagedBlockSizes())), prob.args),
                    ("paged", "jnp gather+softmax", bench.gather_decode, prob.args)]
         if f"{B}x{S}" in args.decode_sweep.split(","):
             for ns in (None, 8):
@@ -632,7 +634,8 @@ def decode_section(args, rows, deadline):
                 if cache in refs and name.startswith("fnattn"):
                     row["diff"] = _diff(out, refs[cache])
                 if args.kernel_times and name in ("fnattn.decode", "fnattn.decode:mosaic_gpu",
-                                                  "fnattn.paged_attention"):
+                                                  "fnattn.paged_attention",
+                                                  "fnattn.paged_attention:mosaic_gpu"):
                     row["kernels"] = _kernels_line(kernel_times(fn, fargs))
             except Exception as e:  # noqa: BLE001
                 row.update(status="error: " + f"{type(e).__name__}: {e}".splitlines()[0][:160])

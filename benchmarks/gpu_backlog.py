@@ -49,11 +49,12 @@ _FLASH = ("benchmarks/gpu.py", "--out-dir", "{out}", "--sections", "flash", "--p
 
 STEPS = (
     Step("gpu_tests", "the kernels changed since the last GPU: negated masks, from_fn terms "
-         "and learned term arrays on Mosaic GPU, and the Mosaic GPU decode kernel, against "
+         "and learned term arrays on Mosaic GPU, and the Mosaic GPU decode kernels, against "
          "XLA",
          ("-m", "pytest", "-v", "-p", "no:cacheprovider", "-k", "test_gpu_",
           "tests/flash/test_mosaic_gpu.py", "tests/flash/test_mosaic_gpu_bwd.py",
-          "tests/test_position_bias.py", "tests/decoding/test_mosaic_gpu.py"), 130, 60),
+          "tests/test_position_bias.py", "tests/decoding/test_mosaic_gpu.py",
+          "tests/paged/test_mosaic_gpu.py"), 130, 60),
     Step("documents", "segment ids per visited tile against dense (target 80 %), forward "
          "and backward, default and persistent, since the PARTIAL-step and backward changes",
          _FLASH + ("--impls", "jax.nn:cudnn,fnattn:mosaic_gpu_bwd,fnattn:mosaic_gpu_persistent",
@@ -69,8 +70,8 @@ STEPS = (
           "jax.nn:xla,fnattn+alibi,fnattn+alibi:mosaic_gpu,fnattn+alibi:mosaic_gpu_bwd,"
           "fnattn+alibi:learned,fnattn+alibi:mosaic_gpu_bwd:learned,fnattn+decay,"
           "fnattn+decay:mosaic_gpu,fnattn+decay:mosaic_gpu_bwd"), 180, 80),
-    Step("decode", "the Mosaic GPU decode kernel beside the Triton one, jax.nn and a copy "
-         "(% of HBM bandwidth, target 70 %)",
+    Step("decode", "the Mosaic GPU decode and paged decode kernels beside the Triton ones, "
+         "jax.nn and a copy (% of HBM bandwidth, target 70 %)",
          ("benchmarks/gpu.py", "--out-dir", "{out}", "--sections", "decode", "--reps", "3",
           "--decode-grid", "16x4096,64x8192,1x32768,4x16384", "--kernel-times", "--budget",
           "decode=70"), 80, 50),

@@ -23,6 +23,9 @@ sequence and one split of its key blocks, and runs two warpgroups:
   of ``max_concurrent_steps`` shared-memory slots, each with a *loaded* and a
   *consumed* barrier.
 
+:mod:`fnattn.paged.mosaic_gpu` runs the same kernel on a paged cache: its
+producer copies a block's pages (one TMA copy per page) instead of one box.
+
 Key blocks are aligned to cache slots (block ``j`` holds slots ``j * block_k ..``),
 so a block never reaches past the cache: ``block_k`` divides ``S``. Each
 program visits only the blocks that hold its sequence's slots and that the
@@ -73,7 +76,7 @@ from fnattn.flash import mosaic_gpu as flash_mgpu
 from fnattn.merging import merge_stacked
 
 __all__ = ["MosaicGpuDecodeBlockSizes", "auto_splits", "forward",
-           "gpu_forward", "plan", "smem_bytes", "supports", "Tiles"]
+           "attend", "gpu_forward", "plan", "smem_bytes", "supports", "Tiles"]
 
 LOG2E, LN2 = online.LOG2E, online.LN2
 ROWS = 64                    # the query tile: one wgmma slab
@@ -149,9 +152,11 @@ class Tiles(NamedTuple):
 
 
 def plan(D: int, Dv: int, S: int, given: Optional[MosaicGpuDecodeBlockSizes] = None,
-         itemsize: int = 2) -> Tiles:
-    """The block (the given one, else the largest of 128 and 64 dividing ``S``
-    whose ring holds two steps), the deepest ring that fits (at most
+         itemsize: int = 2, page_size: int = 0) -> Tiles:
+    """The block (the given one, else the largest of 128 and 64 dividing ``S``,
+    the keys a sequence can hold, and, with pages of ``page_size`` keys,
+    dividing a page or a multiple of one, whose ring holds two steps), the
+    deepest ring that fits (at most
     :data:`MAX_STAGES`, or the given depth), and float32 partial outputs
     where they leave room for a ring of two, else outputs in the caches'
     dtype (at D or Dv past 128: a float32 output tile would leave one step).
@@ -171,8 +176,10 @@ def plan(D: int, Dv: int, S: int, given: Optional[MosaicGpuDecodeBlockSizes] = N
             n -= 1
         return n
 
-    sizes = ((given.block_k,) if given.block_k
-             else tuple(b for b in (128, 64) if S % b == 0) or (64,))
+    def whole(b):
+        return S % b == 0 and (not page_size or page_size % b == 0 or b % page_size == 0)
+
+    sizes = (given.block_k,) if given.block_k else tuple(filter(whole, (128, 64))) or (64,)
     least = 1 if given.max_concurrent_steps else 2
 
     def fits(bk, out):
@@ -188,9 +195,10 @@ def plan(D: int, Dv: int, S: int, given: Optional[MosaicGpuDecodeBlockSizes] = N
             f"decode: MosaicGpuDecodeBlockSizes(block_k={bk}, max_concurrent_steps={stages}) "
             f"needs {need} bytes of shared memory at D={D}, Dv={Dv}, more than the {budget} "
             "of a Hopper block; use block_k=64 or a shallower ring")
-    if S % bk:
+    if not whole(bk):
         raise ValueError(f"decode: MosaicGpuDecodeBlockSizes(block_k={bk}) must divide the "
-                         f"cache length S={S}")
+                         f"cache length S={S}" + (f" and divide or be a multiple of the page "
+                                                  f"size {page_size}" if page_size else ""))
     return Tiles(bk, stages, out == 4)
 
 
@@ -261,6 +269,13 @@ class _Plan:
     softcap: Optional[float]
     mask_treedef: Any
     interpreted: bool
+    page_size: int = 0       # a paged cache's (0: the contiguous cache)
+    pages_per_seq: int = 0
+
+    @property
+    def copies(self) -> int:
+        """TMA copies per block of K (and of V)."""
+        return self.bk // self.page_size if 0 < self.page_size < self.bk else 1
 
 
 def _plgpu():
@@ -278,9 +293,11 @@ def _in_layout(x, layout, P: _Plan):
     return x if P.interpreted else _plgpu().layout_cast(x, layout)
 
 
-def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, P: _Plan, dtype):
+def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
     plgpu = _plgpu()
     ring = P.stages
+    pt_ref = refs[0] if P.page_size else None
+    o_ref, m_ref, l_ref = refs[-3:]
 
     def body(S):
         wg = lax.axis_index("wg")
@@ -377,17 +394,43 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, P: _Plan, dty
         @pl.when(wg == 1)
         def _produce():
             plgpu.set_max_registers(_PRODUCER_REGISTERS, action="decrease")
+            ps = P.page_size
 
-            def issue(j, _):
+            def page_ids(j):
+                """The pool pages of block ``j`` of a paged cache (an invalid
+                entry, -1, reads page 0: the wrapper recomputes a call whose
+                sequences see such a page)."""
+                first, count = ((lax.div(j * P.bk, jnp.int32(ps)), 1) if ps >= P.bk
+                                else (j * (P.bk // ps), P.bk // ps))
+                last = jnp.int32(P.pages_per_seq - 1)
+                return tuple(jnp.maximum(pt_ref[b, jnp.minimum(first + i, last)], 0)
+                             for i in range(count))
+
+            def copies(j, pages):
+                """``(source index, destination rows or None)`` of block ``j``'s
+                copies into a slot: one box of the contiguous cache, or one per
+                page (its part of one page where pages hold more than a block)."""
+                if not ps:
+                    return [((b, pl.ds(j * P.bk, P.bk), h), None)]
+                if ps >= P.bk:
+                    return [((h, pages[0], pl.ds(lax.rem(j * P.bk, jnp.int32(ps)), P.bk)), None)]
+                return [((h, page), pl.ds(i * ps, ps)) for i, page in enumerate(pages)]
+
+            def issue(j, pages):
+                # A paged block's page indices came a step ahead; the next
+                # block's are read now, to arrive while this one's copies go.
+                nxt = page_ids(j + 1) if ps else ()
                 slot = slot_of(j)
-                keys = (b, pl.ds(j * P.bk, P.bk), h)
                 lap = j - lo >= ring  # the slot held an earlier block: wait for its hand-back
-                pl.when(lap)(lambda: plgpu.barrier_wait(S.k_free.at[slot]))
-                plgpu.copy_gmem_to_smem(k_ref.at[keys], S.k_smem.at[slot], S.k_ready.at[slot])
-                pl.when(lap)(lambda: plgpu.barrier_wait(S.v_free.at[slot]))
-                plgpu.copy_gmem_to_smem(v_ref.at[keys], S.v_smem.at[slot], S.v_ready.at[slot])
+                for src, smem, ready, free in ((k_ref, S.k_smem, S.k_ready, S.k_free),
+                                               (v_ref, S.v_smem, S.v_ready, S.v_free)):
+                    pl.when(lap)(lambda free=free: plgpu.barrier_wait(free.at[slot]))
+                    for at, rows in copies(j, pages):
+                        dst = smem.at[slot] if rows is None else smem.at[slot, rows]
+                        plgpu.copy_gmem_to_smem(src.at[at], dst, ready.at[slot])
+                return nxt
 
-            lax.fori_loop(lo, hi, issue, None)
+            lax.fori_loop(lo, hi, issue, page_ids(lo) if ps else ())
 
             def drain(j, _):
                 # The ring's last hand-backs, so that every barrier phase is
@@ -407,8 +450,9 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *, P: _Plan, dty
         m_smem=plgpu.SMEM((ROWS,), F32),
         l_smem=plgpu.SMEM((ROWS,), F32),
         q_ready=plgpu.Barrier(num_barriers=1),
-        k_ready=plgpu.Barrier(num_barriers=ring),
-        v_ready=plgpu.Barrier(num_barriers=ring),
+        # (a paged block arrives in one copy per page, each an arrival)
+        k_ready=plgpu.Barrier(num_arrivals=P.copies, num_barriers=ring),
+        v_ready=plgpu.Barrier(num_arrivals=P.copies, num_barriers=ring),
         k_free=plgpu.Barrier(num_barriers=ring),
         v_free=plgpu.Barrier(num_barriers=ring),
     )
@@ -427,19 +471,48 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=False
     if why:
         raise NotImplementedError(
             f"decode: the Mosaic GPU kernel does not support {'; '.join(why)}; {_ELSEWHERE}.")
+    out, lse, finite = attend(cfg, q, k, v, starts, lengths, sinks, k.shape[1],
+                              interpret=interpret)
+
+    def again():
+        # A key that is not the sequence's held a non-finite V (or a row saw a
+        # non-finite key): the XLA lowering makes hidden keys inert.
+        return xla.forward(cfg, q, k, v, starts, lengths, sinks, terms)
+
+    return lax.cond(finite, lambda: (out, lse), again)
+
+
+def attend(cfg, q, k, v, starts, lengths, sinks, capacity: int, *, page_table=None,
+           interpret=False):
+    """``(out, lse, finite)`` of the kernel: out (B, Tq, Hq, Dv) in q's dtype, lse
+    (B, Hq, Tq), and whether every partial output is finite (else a key the
+    rows do not see may have held a non-finite V: the caller computes the call
+    again). ``cfg``: scale, soft-cap, mask, ``num_splits`` and
+    ``block_sizes``, as :class:`fnattn.decoding.api.Cfg`'s.
+
+    Contiguous caches: k/v (B, S, Hkv, D|Dv), sequence ``b`` in slots
+    ``starts[b] ..``. Paged ones (``page_table`` (B, pages_per_seq) int32,
+    invalid entries -1): k/v pools (Hkv, pages, page_size, D|Dv), ``starts``
+    zeros. ``capacity``: the keys a sequence can hold (S, or pages_per_seq *
+    page_size)."""
     plgpu = _plgpu()
     B, Tq, Hq, D = q.shape
-    _, S, Hkv, Dv = v.shape
+    Dv = v.shape[-1]
+    paged = page_table is not None
+    Hkv = k.shape[0] if paged else k.shape[2]
     G = Hq // Hkv
-    tiles = plan(D, Dv, S, _asked(cfg), jnp.dtype(k.dtype).itemsize)
+    tiles = plan(D, Dv, capacity, _asked(cfg), jnp.dtype(k.dtype).itemsize,
+                 page_size=k.shape[2] if paged else 0)
     bk = tiles.block_k
-    n_blocks = S // bk
+    n_blocks = capacity // bk
     splits = cfg.num_splits or auto_splits(B * Hkv, n_blocks,
                                            flash_mgpu._programs(bool(interpret)))
     P = _Plan(Tq=Tq, G=G, D=D, Dv=Dv, bk=bk, stages=tiles.stages, out_f32=tiles.out_f32,
-              splits=splits,
-              scale=float(cfg.scale), softcap=None if cfg.softcap is None else float(cfg.softcap),
-              mask_treedef=cfg.mask_treedef, interpreted=bool(interpret))
+              splits=splits, scale=float(cfg.scale),
+              softcap=None if cfg.softcap is None else float(cfg.softcap),
+              mask_treedef=cfg.mask_treedef, interpreted=bool(interpret),
+              page_size=k.shape[2] if paged else 0,
+              pages_per_seq=page_table.shape[1] if paged else 0)
     # Blocks aligned to cache slots (offsets = starts): block j holds slots j*bk ..
     r = common.block_ranges(cfg.mask, Tq, lengths, starts, bk, n_blocks)
     meta = jnp.stack([starts, lengths, *r], axis=1).astype(I32)
@@ -456,19 +529,11 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=False
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret or None,
     )
-    out, m, l = call(meta, qg, k, v)
+    out, m, l = call(meta, qg, k, v, *((page_table.astype(I32),) if paged else ()))
     R = Tq * G
     out, m, l = out[..., :R, :], m[..., :R], l[..., :R]
     lse = jnp.where(l > 0, (m + jnp.log2(jnp.where(l > 0, l, 1.0))) * LN2, -jnp.inf)
     sink = None if sinks is None else common.row_sinks(sinks, Hkv, Tq, R)
     merged, merged_lse = merge_stacked(out.astype(F32), lse, sink)
-    res = common.ungroup_rows(merged, merged_lse, Tq, G)
-    res = (res[0].astype(q.dtype), res[1])
-
-    def again():
-        # A key that is not the sequence's held a non-finite V (or a row saw a
-        # non-finite key): the XLA lowering makes hidden keys inert.
-        return xla.forward(cfg, q, k, v, starts, lengths, sinks, terms)
-
-    return lax.cond(jnp.all(jnp.isfinite(out)), lambda: res, again)
-
+    res_out, res_lse = common.ungroup_rows(merged, merged_lse, Tq, G)
+    return res_out.astype(q.dtype), res_lse, jnp.all(jnp.isfinite(out))

@@ -35,6 +35,12 @@ tpu       Pallas Mosaic (fnattn/paged/mosaic)    the same
 other     XLA (fnattn/paged/xla)                 Triton kernels, interpreted
 ========  =====================================  ==============================
 
+On a Hopper GPU, ``paged_attention`` with
+:class:`fnattn.decoding.mosaic_gpu.MosaicGpuDecodeBlockSizes` among the spec's
+block sizes runs the Pallas Mosaic GPU kernel (fnattn/paged/mosaic_gpu.py)
+under either impl instead; it has not been timed on a GPU yet, so it is not
+the default.
+
 The Mosaic kernel needs a page size that is a multiple of 8; on TPU,
 ``impl="auto"`` runs other page sizes with the XLA lowering and
 ``impl="pallas"`` raises ``NotImplementedError`` (at trace time, on every
@@ -67,6 +73,7 @@ from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import _checks, _dispatch, _linear, _partition, position_bias
 from fnattn._varying import varying_like
+from fnattn.flash import blocks
 from fnattn.paged import common, reference, xla
 from fnattn.paged.common import I32, Cfg
 from fnattn.spec import AttentionOutput, AttentionSpec
@@ -84,13 +91,17 @@ __all__ = ["paged_attention", "ragged_paged_attention", "ragged_paged_attention_
 def lowering_table(impl: str):
     """The (platform, forward) pairs for ``impl``; forward(cfg, q, kp, vp, sinks, meta, nk, nv)."""
     if impl in ("auto", "pallas"):
-        from fnattn.paged import mosaic, triton  # Pallas is imported only when needed
+        # (Pallas is imported only when needed)
+        from fnattn.paged import mosaic, mosaic_gpu, triton
     if impl == "auto":
-        return (("default", xla.forward), ("cuda", triton.auto_forward), ("tpu", _tpu_auto))
+        return (("default", xla.forward),
+                ("cuda", functools.partial(mosaic_gpu.gpu_forward, triton.auto_forward)),
+                ("tpu", _tpu_auto))
     if impl == "xla":
         return (("default", xla.forward),)
     if impl == "pallas":
-        return (("default", triton.forward_interpret), ("cuda", triton.forward),
+        return (("default", triton.forward_interpret),
+                ("cuda", functools.partial(mosaic_gpu.gpu_forward, triton.forward)),
                 ("tpu", mosaic.forward))
     if impl == "reference":
         return (("default", _reference_forward),)
@@ -294,6 +305,8 @@ def _check_spec(fn, spec: AttentionSpec, num_q_heads):
 
 def _make_cfg(spec, *, num_q_heads, num_kv_heads, head_dim, v_head_dim, num_pages, page_size,
               pages_per_seq, max_seqs, total_tokens, uniform_q, update):
+    # (imported here: fnattn.decoding imports fnattn.paged as it loads)
+    from fnattn.decoding.mosaic_gpu import MosaicGpuDecodeBlockSizes
     treedef = None if spec.mask is None else jax.tree_util.tree_structure(spec.mask)
     term = spec.position_bias
     return Cfg(term_treedef=None if term is None else jax.tree_util.tree_structure(term),
@@ -302,7 +315,8 @@ def _make_cfg(spec, *, num_q_heads, num_kv_heads, head_dim, v_head_dim, num_page
                pages_per_seq=pages_per_seq, max_seqs=max_seqs, total_tokens=total_tokens,
                scale=_checks.resolve_scale(spec, head_dim), softcap=spec.softcap,
                mask_treedef=treedef, has_sinks=spec.sinks is not None, uniform_q=uniform_q,
-               update=update, block_sizes=common.pick_block_sizes(spec.block_sizes))
+               update=update, block_sizes=common.pick_block_sizes(spec.block_sizes),
+               mosaic_gpu=blocks.pick(spec.block_sizes, MosaicGpuDecodeBlockSizes, None))
 
 
 # ----------------------------------------------------------------------------------

@@ -115,6 +115,7 @@ class Cfg:
     update: bool               # new tokens' k/v are written into the pool first
     block_sizes: PagedBlockSizes
     term_treedef: Any = None   # a position term (its arrays: Meta.terms), or None
+    mosaic_gpu: Any = None     # the spec's MosaicGpuDecodeBlockSizes (fnattn.paged.mosaic_gpu)
 
     @property
     def group(self) -> int:
