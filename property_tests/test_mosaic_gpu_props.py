@@ -10,10 +10,18 @@ term (its arrays fixed), one program per q-tile or
 persistent programs, and NaN / inf in the K and V of keys no row may see. Out, lse
 and every gradient must be those of the float32 reference on the same (rounded)
 inputs, with no NaN; rows that see nothing give 0 and lse -inf.
+
+The decode kernels (fnattn/decoding/mosaic_gpu.py and its paged producer,
+fnattn/paged/mosaic_gpu.py): ragged lengths and starts, 1 to 3 query tokens,
+GQA, positional masks that cut key blocks, splits, soft-cap, sinks of every
+kind, shuffled pages of 8 to 64 keys, and large, NaN or inf values in every
+slot no sequence owns, against the float64 dense problems.
 """
 
 import dataclasses
 import functools
+import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +32,12 @@ import fnattn
 from fnattn import AttentionSpec, core, masks, position_bias
 from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
 from mosaic_gpu_interpreter import compile_once, flash_table, reset_after_failure
-from strategies import MASK_KINDS, extreme_sinks, gqa_heads, mask_trees, poison_hidden_keys
+from strategies import (MASK_KINDS, extreme_sinks, gqa_heads, mask_trees, poison_hidden_keys,
+                        ragged_lengths)
 from test_reliability import _assert_same, _run
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "paged"))
+import problems as paged  # noqa: E402  (tests/paged/problems.py)
 
 F32 = jnp.float32
 # The smallest tiles: 128 query rows a forward program, 64 a backward step, 128
@@ -103,3 +115,111 @@ def test_mosaic_gpu_kernels_match_the_reference(problem):
         assert (a is None) == (b is None), name
         if a is not None:  # (no bias: its gradient is None)
             _assert_same(name, a, b, 3e-2)
+
+
+# ----------------------------------------------------------------------------------
+# decode and paged decode (fnattn/decoding/mosaic_gpu.py, fnattn/paged/mosaic_gpu.py)
+# ----------------------------------------------------------------------------------
+
+DECODE_S = 128   # cache slots: two key blocks of 64
+
+
+@st.composite
+def decode_problems(draw):
+    """``(spec, q, k, v, lengths, starts)``: ragged lengths (0 and the whole cache
+    likely) and starts, 1 to 3 query tokens, GQA, a positional mask whose
+    window or chunk may cut a block, splits, soft-cap, sinks of every kind,
+    and large, NaN or inf values in every slot outside a sequence's range."""
+    hq, hkv = draw(gqa_heads(max_kv=2, max_group=4))
+    B, Tq = draw(st.integers(1, 2)), draw(st.integers(1, 3))
+    dtype = draw(st.sampled_from([jnp.bfloat16, jnp.float16]))
+    rs = np.random.default_rng(draw(st.integers(0, 2**16)))
+    lengths = np.asarray(draw(ragged_lengths(B, DECODE_S)))
+    starts = np.array([rs.integers(0, DECODE_S - L + 1) for L in lengths], np.int32)
+    garbage = {"large": 3e4, "nan": np.nan, "inf": np.inf}[
+        draw(st.sampled_from(["large", "nan", "inf"]))]
+    slot = np.arange(DECODE_S)[None, :, None, None]
+    live = (slot >= starts[:, None, None, None]) & (slot < (starts + lengths)[:, None, None, None])
+    k = np.where(live, rs.standard_normal((B, DECODE_S, hkv, 64)), garbage)
+    v = np.where(live, rs.standard_normal((B, DECODE_S, hkv, 64)), garbage)
+    q = rs.standard_normal((B, Tq, hq, 64))
+    mask = draw(st.sampled_from([
+        None, masks.causal(), masks.causal() & masks.sliding_window(int(rs.integers(0, 80))),
+        masks.chunked(int(rs.integers(1, 70))) & masks.causal()]))
+    spec = AttentionSpec(mask=mask, softcap=draw(st.sampled_from([None, 5.0])),
+                         sinks=draw(extreme_sinks(hq)) if draw(st.booleans()) else None,
+                         block_sizes=fnattn.DecodeBlockSizes(
+                             num_splits=draw(st.sampled_from([None, 1, 2, 3]))))
+    cast = lambda x: jnp.asarray(x, F32).astype(dtype)  # noqa: E731
+    return (spec, cast(q), cast(k), cast(v), jnp.asarray(lengths, jnp.int32),
+            jnp.asarray(starts))
+
+
+def _interpreted_decode(spec, q, k, v, lengths, starts):
+    from fnattn.decoding import api
+    from fnattn.decoding import mosaic_gpu as dm
+    from fnattn.flash import mosaic_gpu as flash_mgpu
+    cfg = api.Cfg(scale=q.shape[-1] ** -0.5, softcap=spec.softcap,
+                  mask_treedef=None if spec.mask is None
+                  else jax.tree_util.tree_structure(spec.mask),
+                  num_splits=spec.block_sizes.num_splits, block_sizes=spec.block_sizes)
+    f = jax.jit(functools.partial(dm.forward, cfg, interpret=flash_mgpu.interpret_params()))
+    try:
+        with compile_once():
+            return f(q, k, v, starts, lengths, spec.sinks)
+    except Exception:
+        reset_after_failure()
+        raise
+
+
+@settings(max_examples=4)
+@given(decode_problems())
+def test_mosaic_gpu_decode_matches_the_reference(problem):
+    """The decode kernel (or, where a slot it reads holds NaN or inf, the XLA
+    pass it falls back to) against the float64 dense problem of every sequence
+    on the same rounded inputs; no NaN, 0 and -inf where nothing is seen."""
+    from test_decoding import expected
+    spec, q, k, v, lengths, starts = problem
+    out, lse = _interpreted_decode(spec, q, k, v, lengths, starts)
+    want_out, want_lse = expected(spec, q, k, v, np.asarray(lengths), np.asarray(starts))
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    assert np.isfinite(out).all() and not np.isnan(lse).any()
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    np.testing.assert_array_equal(np.isposinf(lse), np.isposinf(want_lse))
+    np.testing.assert_allclose(out, want_out, atol=3e-2, rtol=3e-2)
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[fin], want_lse[fin], atol=3e-2, rtol=3e-2)
+
+
+@settings(max_examples=3)
+@given(st.integers(0, 2**16), st.sampled_from([8, 16, 64]), st.integers(1, 2),
+       st.sampled_from([None, masks.causal(), masks.causal() & masks.sliding_window(40)]),
+       st.sampled_from([None, 2]), st.booleans())
+def test_mosaic_gpu_paged_decode_matches_the_reference(seed, page_size, Tq, mask, splits,
+                                                       poison):
+    """paged_attention on the Mosaic GPU kernel: shuffled pages of 8 to 64 keys,
+    junk page-table entries past each sequence, huge garbage (or NaN) in the
+    pool slots no live token holds."""
+    from fnattn.flash import mosaic_gpu as flash_mgpu
+    from fnattn.paged import api
+    from fnattn.paged import mosaic_gpu as pm
+    rs = np.random.default_rng(seed)
+    lengths = [int(x) for x in rs.integers(0, 129, 3)]
+    p = paged.make([(L, Tq) for L in lengths], Hq=4, Hkv=2, D=64, page_size=page_size,
+                   pages_per_seq=128 // page_size, dtype=jnp.bfloat16, seed=seed)
+    if poison:
+        p = paged.poisoned(p)
+    spec = AttentionSpec(mask=mask, block_sizes=fnattn.PagedBlockSizes(num_splits=splits))
+    table = (("default", functools.partial(pm.forward,
+                                            interpret=flash_mgpu.interpret_params())),)
+    try:
+        with compile_once():
+            res = jax.jit(lambda q, kp, vp: api.paged_attention_with(
+                table, spec, q, kp, vp, page_table=p.page_table,
+                kv_lengths=p.context_lengths))(p.q.reshape(3, Tq, 4, 64), p.k_pages, p.v_pages)
+    except Exception:
+        reset_after_failure()
+        raise
+    T = 3 * Tq
+    paged.assert_close(res.out.reshape(T, 4, 64), res.lse.transpose(1, 0, 2).reshape(4, T),
+                       *paged.expected(spec, p), 3e-2)
