@@ -54,7 +54,7 @@ STEPS = (
          ("-m", "pytest", "-v", "-p", "no:cacheprovider", "-k", "test_gpu_",
           "tests/flash/test_mosaic_gpu.py", "tests/flash/test_mosaic_gpu_bwd.py",
           "tests/test_position_bias.py", "tests/decoding/test_mosaic_gpu.py",
-          "tests/paged/test_mosaic_gpu.py"), 130, 60),
+          "tests/paged/test_mosaic_gpu.py"), 150, 60),
     Step("documents", "segment ids per visited tile against dense (target 80 %), forward "
          "and backward, default and persistent, since the PARTIAL-step and backward changes",
          _FLASH + ("--impls", "jax.nn:cudnn,fnattn:mosaic_gpu_bwd,fnattn:mosaic_gpu_persistent",
@@ -74,7 +74,7 @@ STEPS = (
          "jax.nn and a copy (% of HBM bandwidth, target 70 %)",
          ("benchmarks/gpu.py", "--out-dir", "{out}", "--sections", "decode", "--reps", "3",
           "--decode-grid", "16x4096,64x8192,1x32768,4x16384", "--kernel-times", "--budget",
-          "decode=70"), 80, 50),
+          "decode=50"), 60, 45),
     Step("shapes", "head dims 64 and 256, T = 2k and 32k, beside cuDNN",
          _FLASH + ("--impls", "jax.nn:cudnn,fnattn,fnattn:mosaic_gpu_bwd", "--flash-grid",
                    "8192x64,8192x256,2048x128,32768x128", "--modes", "fwd,bwd",

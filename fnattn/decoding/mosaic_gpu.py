@@ -23,8 +23,10 @@ sequence and one split of its key blocks, and runs two warpgroups:
   of ``max_concurrent_steps`` shared-memory slots, each with a *loaded* and a
   *consumed* barrier.
 
-:mod:`fnattn.paged.mosaic_gpu` runs the same kernel on a paged cache: its
-producer copies a block's pages (one TMA copy per page) instead of one box.
+:mod:`fnattn.paged.mosaic_gpu` runs the same kernel on a paged cache (its
+producer copies a block's pages, one TMA copy per page, instead of one box),
+a program per work item of a ragged batch: :func:`launch` takes any table of
+programs (:func:`program_meta`), :func:`attend` the contiguous cache's.
 
 Key blocks are aligned to cache slots (block ``j`` holds slots ``j * block_k ..``),
 so a block never reaches past the cache: ``block_k`` divides ``S``. Each
@@ -43,8 +45,10 @@ the XLA lowering (:func:`fnattn.decoding.xla.forward`, which makes such keys
 inert), under ``lax.cond`` so that the pass costs nothing otherwise. A row
 that sees a non-finite key is NaN in both, as in every lowering.
 
-**Split-K.** The programs write float32 partial outputs with their base-2 row
-state ``(m, l)``; :func:`fnattn.merging.merge_stacked` combines them, the
+**Split-K.** The programs write partial outputs (float32; in the caches'
+dtype past D = 128, where a float32 tile would leave a ring of one step,
+:func:`plan`) with their base-2 row state ``(m, l)``;
+:func:`fnattn.merging.merge_stacked` combines them, the
 sinks joining the denominator once. :func:`auto_splits` fills the GPU with one
 program per multiprocessor when ``DecodeBlockSizes(num_splits=...)`` does not
 say.
@@ -76,7 +80,8 @@ from fnattn.flash import mosaic_gpu as flash_mgpu
 from fnattn.merging import merge_stacked
 
 __all__ = ["MosaicGpuDecodeBlockSizes", "auto_splits", "forward",
-           "attend", "gpu_forward", "plan", "smem_bytes", "supports", "Tiles"]
+           "attend", "finish", "gpu_forward", "launch", "plan", "program_meta", "smem_bytes",
+           "supports", "Tiles", "tiles_for"]
 
 LOG2E, LN2 = online.LOG2E, online.LN2
 ROWS = 64                    # the query tile: one wgmma slab
@@ -303,7 +308,11 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
         wg = lax.axis_index("wg")
         # (int32 under jax_enable_x64 too, where the interpreter's indices are int64)
         h, sp, b = (lax.axis_index(n).astype(I32) for n in ("heads", "splits", "batch"))
+        # (b: the program's sequence, or work item of a ragged batch)
         start, length = meta_ref[b, 0], meta_ref[b, 1]
+        # the first row's position and raw index among its sequence's queries,
+        # and the sequence (its page-table row and the mask's batch index)
+        q_pos0, seq, row0 = meta_ref[b, 6], meta_ref[b, 7], meta_ref[b, 8]
         lo, hi = common.split_range(meta_ref[b, 2], meta_ref[b, 3], sp, P.splits)
         # [fa, fb): this split's blocks inside the sequence that every row sees whole
         fa = jnp.minimum(jnp.maximum(meta_ref[b, 4], lo), hi)
@@ -330,8 +339,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
                 if P.mask_treedef is not None:
                     r = _iota((ROWS, P.bk), 0, P)
                     t = lax.div(r, jnp.int32(P.G))
-                    pos = masks.Positions(b=b, h=h * P.G + lax.rem(r, jnp.int32(P.G)), q=t,
-                                          q_pos=length - P.Tq + t, k=kpos)
+                    pos = masks.Positions(b=seq, h=h * P.G + lax.rem(r, jnp.int32(P.G)),
+                                          q=row0 + t, q_pos=q_pos0 + t, k=kpos)
                     ok = ok & masks.from_treedef(P.mask_treedef).predicate(pos, [])
                 return ok
 
@@ -403,7 +412,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
                 first, count = ((lax.div(j * P.bk, jnp.int32(ps)), 1) if ps >= P.bk
                                 else (j * (P.bk // ps), P.bk // ps))
                 last = jnp.int32(P.pages_per_seq - 1)
-                return tuple(jnp.maximum(pt_ref[b, jnp.minimum(first + i, last)], 0)
+                return tuple(jnp.maximum(pt_ref[seq, jnp.minimum(first + i, last)], 0)
                              for i in range(count))
 
             def copies(j, pages):
@@ -471,8 +480,7 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=False
     if why:
         raise NotImplementedError(
             f"decode: the Mosaic GPU kernel does not support {'; '.join(why)}; {_ELSEWHERE}.")
-    out, lse, finite = attend(cfg, q, k, v, starts, lengths, sinks, k.shape[1],
-                              interpret=interpret)
+    out, lse, finite = attend(cfg, q, k, v, starts, lengths, sinks, interpret=interpret)
 
     def again():
         # A key that is not the sequence's held a non-finite V (or a row saw a
@@ -482,30 +490,57 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=False
     return lax.cond(finite, lambda: (out, lse), again)
 
 
-def attend(cfg, q, k, v, starts, lengths, sinks, capacity: int, *, page_table=None,
-           interpret=False):
-    """``(out, lse, finite)`` of the kernel: out (B, Tq, Hq, Dv) in q's dtype, lse
-    (B, Hq, Tq), and whether every partial output is finite (else a key the
-    rows do not see may have held a non-finite V: the caller computes the call
-    again). ``cfg``: scale, soft-cap, mask, ``num_splits`` and
-    ``block_sizes``, as :class:`fnattn.decoding.api.Cfg`'s.
-
-    Contiguous caches: k/v (B, S, Hkv, D|Dv), sequence ``b`` in slots
-    ``starts[b] ..``. Paged ones (``page_table`` (B, pages_per_seq) int32,
-    invalid entries -1): k/v pools (Hkv, pages, page_size, D|Dv), ``starts``
-    zeros. ``capacity``: the keys a sequence can hold (S, or pages_per_seq *
-    page_size)."""
-    plgpu = _plgpu()
+def attend(cfg, q, k, v, starts, lengths, sinks, *, interpret=False):
+    """``(out, lse, finite)`` of the kernel on a contiguous cache: out (B, Tq,
+    Hq, Dv) in q's dtype, lse (B, Hq, Tq), and whether every partial output is
+    finite (else a key the rows do not see may have held a non-finite V: the
+    caller computes the call again)."""
     B, Tq, Hq, D = q.shape
+    _, S, Hkv, Dv = v.shape
+    tiles = tiles_for(cfg, D, Dv, S, k.dtype)
+    # Blocks aligned to cache slots (offsets = starts): block j holds slots j*bk ..
+    r = common.block_ranges(cfg.mask, Tq, lengths, starts, tiles.block_k, S // tiles.block_k)
+    meta = program_meta(starts, lengths, r, lengths - Tq, jnp.arange(B, dtype=I32),
+                        jnp.zeros((B,), I32))
+    out, lse = launch(cfg, tiles, meta, common.group_rows(q.astype(k.dtype), Hkv, ROWS), k, v,
+                      Tq=Tq, G=Hq // Hkv, capacity=S, interpret=interpret)
+    return finish(out, lse, sinks, Tq, q.dtype)
+
+
+def tiles_for(cfg, D: int, Dv: int, capacity: int, dtype, page_size: int = 0) -> Tiles:
+    """:func:`plan` for a call: the spec's ``MosaicGpuDecodeBlockSizes``
+    (``cfg.block_sizes``), its dtype, ``capacity`` keys per sequence."""
+    return plan(D, Dv, capacity, _asked(cfg), jnp.dtype(dtype).itemsize, page_size=page_size)
+
+
+def program_meta(starts, lengths, ranges, q_pos0, seq, row0):
+    """The kernel's int32 table, a row per program's sequence (or work item):
+    ``[start, length, lo, hi, full_lo, full_hi, q_pos0, seq, row0]``, each
+    column (W,): the first slot and the length of its keys; the key blocks it
+    visits and the run of them it sees whole (``ranges``,
+    :class:`fnattn.decoding.common.BlockRanges` or four such columns); its
+    first row's position and raw index among its sequence's queries; the
+    sequence (the mask's batch index and the page-table row)."""
+    return jnp.stack([starts, lengths, *ranges, q_pos0, seq, row0], axis=1).astype(I32)
+
+
+def launch(cfg, tiles: Tiles, meta, qg, k, v, *, Tq: int, G: int, capacity: int,
+           page_table=None, interpret=False):
+    """Runs the kernel: ``(out, lse)`` per split, float32 (splits, W, Hkv, Tq *
+    G, Dv) and (splits, W, Hkv, Tq * G), normalised outputs and natural-log
+    lse (-inf where a split saw no key).
+
+    ``meta``: :func:`program_meta`'s (W, 9) table. ``qg`` (W, Hkv, ROWS, D):
+    each program's query rows (:func:`fnattn.decoding.common.group_rows`).
+    Contiguous caches: k/v (W, S, Hkv, D|Dv). Paged ones (``page_table``
+    (sequences, pages_per_seq) int32, invalid entries -1): k/v pools (Hkv,
+    pages, page_size, D|Dv). ``capacity``: the keys a sequence can hold."""
+    plgpu = _plgpu()
+    W, Hkv, _, D = qg.shape
     Dv = v.shape[-1]
     paged = page_table is not None
-    Hkv = k.shape[0] if paged else k.shape[2]
-    G = Hq // Hkv
-    tiles = plan(D, Dv, capacity, _asked(cfg), jnp.dtype(k.dtype).itemsize,
-                 page_size=k.shape[2] if paged else 0)
     bk = tiles.block_k
-    n_blocks = capacity // bk
-    splits = cfg.num_splits or auto_splits(B * Hkv, n_blocks,
+    splits = cfg.num_splits or auto_splits(W * Hkv, capacity // bk,
                                            flash_mgpu._programs(bool(interpret)))
     P = _Plan(Tq=Tq, G=G, D=D, Dv=Dv, bk=bk, stages=tiles.stages, out_f32=tiles.out_f32,
               splits=splits, scale=float(cfg.scale),
@@ -513,16 +548,12 @@ def attend(cfg, q, k, v, starts, lengths, sinks, capacity: int, *, page_table=No
               mask_treedef=cfg.mask_treedef, interpreted=bool(interpret),
               page_size=k.shape[2] if paged else 0,
               pages_per_seq=page_table.shape[1] if paged else 0)
-    # Blocks aligned to cache slots (offsets = starts): block j holds slots j*bk ..
-    r = common.block_ranges(cfg.mask, Tq, lengths, starts, bk, n_blocks)
-    meta = jnp.stack([starts, lengths, *r], axis=1).astype(I32)
-    qg = common.group_rows(q.astype(k.dtype), Hkv, ROWS)
-    rows = jax.ShapeDtypeStruct((splits, B, Hkv, ROWS), F32)
+    rows = jax.ShapeDtypeStruct((splits, W, Hkv, ROWS), F32)
     call = plgpu.kernel(
         functools.partial(_kernel, P=P, dtype=k.dtype),
-        out_type=(jax.ShapeDtypeStruct((splits, B, Hkv, ROWS, Dv),
+        out_type=(jax.ShapeDtypeStruct((splits, W, Hkv, ROWS, Dv),
                                        F32 if tiles.out_f32 else k.dtype), rows, rows),
-        grid=(Hkv, splits, B),
+        grid=(Hkv, splits, W),
         grid_names=("heads", "splits", "batch"),
         num_threads=2,
         thread_name="wg",
@@ -533,7 +564,15 @@ def attend(cfg, q, k, v, starts, lengths, sinks, capacity: int, *, page_table=No
     R = Tq * G
     out, m, l = out[..., :R, :], m[..., :R], l[..., :R]
     lse = jnp.where(l > 0, (m + jnp.log2(jnp.where(l > 0, l, 1.0))) * LN2, -jnp.inf)
+    return out.astype(F32), lse
+
+
+def finish(out, lse, sinks, Tq: int, dtype):
+    """:func:`launch`'s splits merged, the sinks joining the denominator once,
+    and its rows back in query order: ``(out (W, Tq, Hq, Dv) in dtype, lse
+    (W, Hq, Tq), finite)`` (``finite``: every partial output was)."""
+    _, _, Hkv, R, _ = out.shape
     sink = None if sinks is None else common.row_sinks(sinks, Hkv, Tq, R)
-    merged, merged_lse = merge_stacked(out.astype(F32), lse, sink)
-    res_out, res_lse = common.ungroup_rows(merged, merged_lse, Tq, G)
-    return res_out.astype(q.dtype), res_lse, jnp.all(jnp.isfinite(out))
+    merged, merged_lse = merge_stacked(out, lse, sink)
+    res_out, res_lse = common.ungroup_rows(merged, merged_lse, Tq, R // Tq)
+    return res_out.astype(dtype), res_lse, jnp.all(jnp.isfinite(out))

@@ -35,9 +35,9 @@ tpu       Pallas Mosaic (fnattn/paged/mosaic)    the same
 other     XLA (fnattn/paged/xla)                 Triton kernels, interpreted
 ========  =====================================  ==============================
 
-On a Hopper GPU, ``paged_attention`` with
+On a Hopper GPU, ``paged_attention`` and ``ragged_paged_attention`` with
 :class:`fnattn.decoding.mosaic_gpu.MosaicGpuDecodeBlockSizes` among the spec's
-block sizes runs the Pallas Mosaic GPU kernel (fnattn/paged/mosaic_gpu.py)
+block sizes run the Pallas Mosaic GPU kernel (fnattn/paged/mosaic_gpu.py)
 under either impl instead; it has not been timed on a GPU yet, so it is not
 the default.
 

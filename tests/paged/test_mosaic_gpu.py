@@ -4,8 +4,9 @@
   problems in float64 NumPy (tests/paged/problems.py: pools full of huge
   garbage, junk page-table entries past each sequence): pages smaller than a
   block (several copies per block), equal to it and larger, masks, one and
-  two query tokens, splits, sinks, soft-cap, empty sequences; with the XLA
-  pass replaced by NaN, so that these results are the kernel's own;
+  two query tokens, ragged batches, the form that writes the new tokens,
+  splits, sinks, soft-cap, empty sequences; with the XLA pass replaced by
+  NaN, so that these results are the kernel's own;
 * NaN in every unowned slot, and invalid page-table entries: the XLA
   lowering's result;
 * lowering for "cuda" on CPU (a Hopper GPU stood in for): one Mosaic GPU
@@ -33,7 +34,8 @@ from fnattn.paged import api, xla  # noqa: E402
 from fnattn.paged import mosaic_gpu as pm  # noqa: E402
 from lowering import gpu_target  # noqa: E402
 from mosaic_gpu_interpreter import compile_once, reset_after_failure  # noqa: E402
-from problems import assert_close, expected, make, poisoned  # noqa: E402
+from problems import (assert_close, check_ragged, check_update, expected, make,  # noqa: E402
+                      poisoned)
 
 pytest.importorskip("absl")   # (Mosaic GPU imports it)
 
@@ -64,7 +66,8 @@ def no_xla_pass(monkeypatch):
     def nan_forward(*args):
         out, lse = xla.forward(*args)
         return jnp.full_like(out, jnp.nan), jnp.full_like(lse, jnp.nan)
-    monkeypatch.setattr(pm, "xla", types.SimpleNamespace(forward=nan_forward))
+    monkeypatch.setattr(pm, "xla", types.SimpleNamespace(forward=nan_forward,
+                                                         write_tokens=xla.write_tokens))
 
 
 def problem(lengths, Tq, *, page_size, pages_per_seq, Dv=D, seed=0):
@@ -120,6 +123,31 @@ def test_interpreted_block_sizes_asked_for(no_xla_pass):
     check(spec, p, 1)
 
 
+@pytest.mark.parametrize("block_q,splits", [(None, 1), (3, 2)])
+def test_interpreted_ragged_batches(no_xla_pass, block_q, splits):
+    """ragged_paged_attention: prefill, chunked prefill, decode and idle
+    sequences, padding tokens and padding sequences, on pages of 16; items of
+    the default 32 tokens (64 rows / group 2) or of 3."""
+    p = make([(70, 20), (128, 1), (5, 5), (0, 0), (100, 37)], Hq=Hq, Hkv=Hkv, D=D,
+             page_size=16, pages_per_seq=8, max_seqs=7, pad_tokens=3, dtype=jnp.bfloat16,
+             seed=7)
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(50), softcap=5.0,
+                         sinks=jnp.linspace(-1.0, 1.0, Hq),
+                         block_sizes=PagedBlockSizes(block_q=block_q, num_splits=splits))
+    check_ragged(INTERPRET, spec, p, tol=2e-2)
+
+
+def test_interpreted_update_writes_then_attends(no_xla_pass):
+    """ragged_paged_attention_with_update: the pools come back with every new
+    token written (those of the Triton kernel's and the XLA lowering's), and
+    the result is that of attention over the written pools."""
+    p = make([(70, 20), (128, 1), (5, 5), (100, 37)], Hq=Hq, Hkv=Hkv, D=D, page_size=16,
+             pages_per_seq=8, max_seqs=5, pad_tokens=2, dtype=jnp.bfloat16, seed=8)
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.linspace(-1.0, 1.0, Hq),
+                         block_sizes=PagedBlockSizes(num_splits=2))
+    check_update(INTERPRET, spec, p, tol=2e-2)
+
+
 def test_poisoned_slots_and_invalid_pages_give_the_xla_result():
     """NaN in every pool slot no live token holds (the last block reads some),
     then an invalid entry among a sequence's pages: the XLA lowering's result,
@@ -149,28 +177,35 @@ def cfg_of(**kw):
 
 
 @pytest.mark.parametrize("kw,words", [
-    (dict(update=True), "writing the new tokens"),
-    (dict(uniform_q=None), "ragged batches"),
     (dict(head_dim=80), "head dim D=80"),
     (dict(uniform_q=9, total_tokens=36, num_q_heads=16), "72 query rows per kv head"),
+    (dict(uniform_q=None, block_sizes=PagedBlockSizes(block_q=40)), "block_q=40"),
     (dict(page_size=24, pages_per_seq=8), "pages of 24 keys"),
     (dict(page_size=16, pages_per_seq=5), "a capacity of 80 keys"),
 ])
 def test_supports_refuses_with_reasons(kw, words):
     assert pm.supports(cfg_of(), jnp.bfloat16) == []
+    assert pm.supports(cfg_of(uniform_q=None), jnp.bfloat16) == []   # (ragged batches)
     why = pm.supports(cfg_of(**kw), jnp.bfloat16)
     assert len(why) == 1 and words in why[0], why
     assert "float32 pools" in pm.supports(cfg_of(), jnp.float32)[0]
 
 
-def lowered(spec, *, B=4, Tq=1, ps=16, P=8, N=64, ragged=False):
+def lowered(spec, *, B=4, Tq=1, ps=16, P=8, N=64, form="decode"):
     q = jax.ShapeDtypeStruct((B, Tq, 8, 128), jnp.bfloat16)
     kp = jax.ShapeDtypeStruct((2, N, ps, 128), jnp.bfloat16)
     pt, L = jax.ShapeDtypeStruct((B, P), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32)
-    if ragged:
+    ragged = dict(page_table=pt, context_lengths=L, num_seqs=jnp.int32(B),
+                  query_start_loc=jnp.arange(B + 1, dtype=jnp.int32) * Tq)
+    if form == "ragged":
         f = jax.jit(lambda q, kp, vp, pt, L: fnattn.ragged_paged_attention(
-            spec, q.reshape(B * Tq, 8, 128), kp, vp, page_table=pt, context_lengths=L,
-            query_start_loc=jnp.arange(B + 1, dtype=jnp.int32), num_seqs=jnp.int32(B)).out)
+            spec, q.reshape(B * Tq, 8, 128), kp, vp, **{**ragged, "page_table": pt,
+                                                        "context_lengths": L}).out)
+    elif form == "update":
+        f = jax.jit(lambda q, kp, vp, pt, L: fnattn.ragged_paged_attention_with_update(
+            spec, q.reshape(B * Tq, 8, 128), q.reshape(B * Tq, 8, 128)[:, :2],
+            q.reshape(B * Tq, 8, 128)[:, :2], kp, vp,
+            **{**ragged, "page_table": pt, "context_lengths": L})[0].out)
     else:
         f = jax.jit(lambda q, kp, vp, pt, L: fnattn.paged_attention(
             spec, q, kp, vp, page_table=pt, kv_lengths=L).out)
@@ -187,13 +222,15 @@ def kernels(text):
                                      (256, 2, MosaicGpuDecodeBlockSizes(block_k=128))])
 def test_lowers_for_cuda(monkeypatch, ps, P, bs):
     """Pages of 16 (8 copies per block of 128), 8 (8 per block of 64) and 256
-    (half a page per block), with a window, soft-cap, sinks and two splits."""
+    (half a page per block), with a window, soft-cap, sinks and two splits;
+    paged_attention and a ragged batch."""
     monkeypatch.setattr(flash_mgpu, "available", lambda: None)
     for impl in ("auto", "pallas"):
         spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(100), softcap=30.0,
                              sinks=jnp.zeros(8), impl=impl,
                              block_sizes=(bs, PagedBlockSizes(num_splits=2)))
         assert kernels(lowered(spec, ps=ps, P=P, N=4 * P)) == (1, False)
+        assert kernels(lowered(spec, Tq=3, ps=ps, P=P, N=4 * P, form="ragged")) == (1, False)
 
 
 def test_lowering_picks_the_kernel(monkeypatch):
@@ -202,8 +239,10 @@ def test_lowering_picks_the_kernel(monkeypatch):
     monkeypatch.setattr(flash_mgpu, "available", lambda: None)
     assert kernels(lowered(AttentionSpec(mask=masks.causal()))) == (0, True)
     assert kernels(lowered(asked)) == (1, False)
-    with pytest.raises(NotImplementedError, match=r"ragged batches.*Pallas Triton kernel"):
-        lowered(asked, ragged=True)
+    assert kernels(lowered(asked, Tq=5, form="ragged")) == (1, False)
+    assert kernels(lowered(asked, Tq=2, form="update")) == (1, False)
+    with pytest.raises(NotImplementedError, match=r"pages of 24 keys.*Pallas Triton kernel"):
+        lowered(asked, ps=24, P=8)
 
 
 def test_lowers_for_cuda_under_x64(monkeypatch):
@@ -240,3 +279,21 @@ def test_gpu_mosaic_gpu_paged_matches_xla(page_size):
                                    np.asarray(want.out, np.float32), atol=3e-2, rtol=3e-2)
         np.testing.assert_allclose(got.lse, want.lse, atol=3e-2, rtol=3e-2)
 
+
+
+@pytest.mark.skipif(not ON_GPU or flash_mgpu.available() is not None,
+                    reason="needs a Hopper GPU")
+def test_gpu_mosaic_gpu_ragged_matches_xla():
+    """A ragged batch on the compiled kernel against the XLA lowering: a long
+    prefill chunk, decodes, a short prefill and an idle sequence, with NaN in
+    every unowned pool slot (the XLA pass then), a window and sinks."""
+    p = make([(3000, 200), (4096, 1), (17, 17), (0, 0), (1000, 1)], Hq=32, Hkv=8, D=128,
+             page_size=16, pages_per_seq=256, max_seqs=6, pad_tokens=5, dtype=jnp.bfloat16)
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(700),
+                         sinks=jnp.linspace(-1.0, 1.0, 32),
+                         block_sizes=(MosaicGpuDecodeBlockSizes(), PagedBlockSizes()))
+    for pp in (p, poisoned(p)):
+        got = check_ragged(None, spec, pp, tol=3e-2, use_reference=True)
+        want = check_ragged(None, spec.replace(impl="xla"), pp, tol=3e-2, use_reference=True)
+        np.testing.assert_allclose(np.asarray(got.out, np.float32),
+                                   np.asarray(want.out, np.float32), atol=3e-2, rtol=3e-2)
