@@ -11,8 +11,10 @@ change speed, never results: every candidate computes the same function.
 **The search** goes by stages, each varying a few parameters of the best
 candidate so far (for flash on an NVIDIA GPU: the forward kernel's tile and
 launch, choosing between the Triton and, on Hopper, the Mosaic GPU kernels;
-then the dq kernel's; then the dk/dv kernel's), so that a tuning compiles tens
-of programs, not the product of every grid. The first candidate is the spec as
+then the dq kernel's; then the dk/dv kernel's; for decode and paged attention
+the split count, the Triton kernel's launch and, on Hopper, the Mosaic GPU
+decode kernel's block and ring, the faster kernel winning), so that a tuning
+compiles tens of programs, not the product of every grid. The first candidate is the spec as
 given, and the search's winner replaces it only after beating it again head to
 head (``2 * reps`` calls each, alternating), so that one lucky timing does not
 replace what you passed.
@@ -277,7 +279,7 @@ def plan(fn, spec, *args, kwargs: Optional[Mapping] = None, target: Optional[Tar
         return _flash_plan(variant, spec, args, target, backward)
     if variant in ("decode", "decode_with_update"):
         return _decode_plan(variant, spec, args, target)
-    return _paged_plan(variant, spec, target)
+    return _paged_plan(variant, spec, args, target)
 
 
 def _explicit(variant, spec, candidates) -> Plan:
@@ -452,12 +454,67 @@ def _decode_plan(variant, spec, args, target) -> Plan:
                 for bk in (32, 64, 128, 256) for w in (4, 8) for s in (2, 3)]
 
     stages = (Stage("splits", splits),)
+    family, kernels = (DecodeBlockSizes,), "split-K decode"
     if target.platform == "cuda":
         stages += (Stage("launch", launch),)
-    return Plan(f"{variant}: split-K decode", (DecodeBlockSizes,), stages)
+        q = args[0]
+        k, v = args[cache], args[cache + 1] if len(args) > cache + 1 else args[cache]
+        if target.hopper and _decode_on_mosaic_gpu(spec, q, k, v):
+            family += (_mosaic_gpu_decode_sizes(),)
+            stages += (Stage("mosaic gpu", _mosaic_gpu_decode_stage(DecodeBlockSizes, q, k, v)),)
+            kernels += " (Triton or Mosaic GPU kernel)"
+    return Plan(f"{variant}: {kernels}", family, stages)
 
 
-def _paged_plan(variant, spec, target) -> Plan:
+def _mosaic_gpu_decode_sizes():
+    from fnattn.decoding.mosaic_gpu import MosaicGpuDecodeBlockSizes
+    return MosaicGpuDecodeBlockSizes
+
+
+def _decode_on_mosaic_gpu(spec, q, k, v) -> bool:
+    """Whether the Mosaic GPU decode kernel takes ``fnattn.decode``'s call
+    (:func:`fnattn.decoding.mosaic_gpu.supports`, from shapes)."""
+    from fnattn.decoding import api
+    from fnattn.decoding import mosaic_gpu as dm
+
+    def bthd(x):
+        shape = tuple(x.shape)
+        if spec.layout == "bhtd":
+            shape = (shape[0], shape[2], shape[1], shape[3])
+        return jax.ShapeDtypeStruct(shape, x.dtype)
+
+    tree = jax.tree_util.tree_structure
+    cfg = api.Cfg(scale=1.0, softcap=spec.softcap, num_splits=None,
+                  mask_treedef=None if spec.mask is None else tree(spec.mask),
+                  term_treedef=None if spec.position_bias is None else tree(spec.position_bias))
+    return not dm.supports(cfg, bthd(q), bthd(k), bthd(v))
+
+
+def _mosaic_gpu_decode_stage(splits_type, q, k, v):
+    """Proposes the Mosaic GPU decode kernel (:mod:`fnattn.decoding.mosaic_gpu`,
+    and its paged producer) at every block and ring depth that fits shared
+    memory, beside the best split count so far (``splits_type``:
+    ``DecodeBlockSizes`` or ``PagedBlockSizes``)."""
+    from fnattn.decoding import mosaic_gpu as dm
+    M = dm.MosaicGpuDecodeBlockSizes
+    D, Dv, item = q.shape[-1], v.shape[-1], jnp.dtype(k.dtype).itemsize
+
+    def fits(m):
+        try:
+            dm.plan(D, Dv, 1024, m, item)
+        except ValueError:
+            return False
+        return True
+
+    def propose(best):
+        b = blocks.pick(best, splits_type, splits_type())
+        keep = splits_type(num_splits=b.num_splits)
+        return [(keep, m) for bk in (64, 128) for steps in (2, 3, 4)
+                for m in [M(block_k=bk, max_concurrent_steps=steps)] if fits(m)]
+    return propose
+
+
+def _paged_plan(variant, spec, args, target) -> Plan:
     from fnattn.paged import PagedBlockSizes
 
     def field(name, values):
@@ -477,7 +534,20 @@ def _paged_plan(variant, spec, target) -> Plan:
             return [(dataclasses.replace(b, num_warps=w, num_stages=s),)
                     for w in (2, 4, 8) for s in (1, 2, 3)]
         stages += (Stage("launch", launch),)
-    return Plan(f"{variant}: paged kernels", (PagedBlockSizes,), stages)
+    family, kernels = (PagedBlockSizes,), "paged kernels"
+    # (spec, q, k_pages, v_pages, ...) or, with the update, (spec, q, k, v, k_pages, ...)
+    pools = 3 if variant.endswith("_with_update") else 1
+    if target.hopper and len(args) > pools + 1 and all(
+            hasattr(x, "shape") and len(x.shape) == 4 for x in args[pools:pools + 2]):
+        kp, vp = args[pools], args[pools + 1]
+        if (jnp.dtype(kp.dtype) in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+                and kp.shape[-1] % 64 == 0 and vp.shape[-1] % 64 == 0):
+            # (the kernel's other limits, page size and rows, show as failed trials)
+            family += (_mosaic_gpu_decode_sizes(),)
+            stages += (Stage("mosaic gpu", _mosaic_gpu_decode_stage(
+                PagedBlockSizes, args[0], kp, vp)),)
+            kernels += " (Triton or Mosaic GPU)"
+    return Plan(f"{variant}: {kernels}", family, stages)
 
 
 # ----------------------------------------------------------------------------------

@@ -392,6 +392,34 @@ def test_decode_and_paged_plans():
         assert p.family == (fnattn.PagedBlockSizes,)
 
 
+def test_hopper_times_the_mosaic_gpu_decode_kernels_too():
+    """On a Hopper GPU the decode and paged plans end with the Mosaic GPU
+    kernel at every block and ring that fits, beside the best split count;
+    not for calls it refuses (float32 caches, D = 80)."""
+    M = fnattn.MosaicGpuDecodeBlockSizes
+    q = jnp.zeros((2, 1, 8, 128), jnp.bfloat16)
+    kc = jnp.zeros((2, 1024, 2, 128), jnp.bfloat16)
+    p = tune.plan(fnattn.decode, AttentionSpec(), q, kc, kc, target=H100)
+    assert [s.name for s in p.stages] == ["splits", "launch", "mosaic gpu"]
+    assert p.family == (fnattn.DecodeBlockSizes, M)
+    best = (fnattn.DecodeBlockSizes(num_splits=4, block_k=64),)
+    cands = p.stages[-1].propose(best)
+    assert {c[0] for c in cands} == {fnattn.DecodeBlockSizes(num_splits=4)}
+    assert {(c[1].block_k, c[1].max_concurrent_steps) for c in cands} == {
+        (64, 2), (64, 3), (64, 4), (128, 2)}   # (128 x 3 steps is past shared memory)
+    for bad in (kc.astype(jnp.float32), kc[..., :80]):
+        assert "mosaic gpu" not in [s.name for s in tune.plan(
+            fnattn.decode, AttentionSpec(), q.astype(bad.dtype)[..., :bad.shape[-1]], bad, bad,
+            target=H100).stages]
+    pages = jnp.zeros((2, 64, 16, 128), jnp.bfloat16)
+    for fn in (fnattn.paged_attention, fnattn.ragged_paged_attention):
+        p = tune.plan(fn, AttentionSpec(), q, pages, pages, target=H100)
+        assert p.stages[-1].name == "mosaic gpu" and p.family == (fnattn.PagedBlockSizes, M)
+        assert p.stages[-1].propose(())[0][0] == fnattn.PagedBlockSizes()
+    assert "mosaic gpu" not in [s.name for s in tune.plan(
+        fnattn.paged_attention, AttentionSpec(), q, pages, pages, target=A100).stages]
+
+
 # ----------------------------------------------------------------------------------
 # Errors
 # ----------------------------------------------------------------------------------
