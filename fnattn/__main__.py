@@ -15,6 +15,7 @@ seconds, whose times say little.
 """
 
 import argparse
+import functools
 import sys
 import time
 
@@ -24,6 +25,7 @@ import numpy as np
 
 import fnattn
 from fnattn import AttentionSpec, masks, position_bias
+from fnattn.flash import mosaic_gpu
 
 
 def _jaxnn(spec, q, k, v):
@@ -122,15 +124,17 @@ def serving(gpu, dtype, tol, quick=False):
     B, S, Hq, Hkv, D = (16, 8192, 32, 8, 128) if gpu else (8, 4096, 8, 2, 64)
     if quick:
         B, S = 2, 256
+    hopper = gpu and mosaic_gpu.available() is None
     print(f"\ndecode: one query token, B={B} S={S} Hq={Hq} Hkv={Hkv} D={D} "
-          f"{jnp.dtype(dtype).name}, causal; check on B=3 S=96 against the reference")
+          f"{jnp.dtype(dtype).name}, causal; check on B=3 S=96 against the reference"
+          + (" (S=128 D=64 for the Mosaic GPU kernels)" if hopper else ""))
     spec = AttentionSpec(mask=masks.causal())
-    qs, ks, vs = _decode_inputs(3, 96, 4, 2, 32, dtype)
     lengths = jnp.array([96, 33, 1], jnp.int32)
-    def run_decode(q, k, v, L):
+
+    def run_decode(q, k, v, L, spec=spec):
         return fnattn.decode(spec, q, k, v, kv_lengths=L).out
 
-    def run_paged(q, kp, vp, table, L):
+    def run_paged(q, kp, vp, table, L, spec=spec):
         return fnattn.paged_attention(spec, q, kp, vp, page_table=table, kv_lengths=L).out
 
     failed = False
@@ -141,10 +145,21 @@ def serving(gpu, dtype, tol, quick=False):
     print(f"{'variant':32s} {'check':18s} {'time':>10s} {'temp mem':>10s} {'vs jax.nn':>9s}")
     print(f"{'jax.nn.dot_product_attention':32s} {'(baseline)':18s} {base_t * 1e3:8.2f}ms "
           f"{base_m / 2**20:8.1f}MB {1.0:8.2f}x")
-    small, big = _to_pages(ks, vs, 16), _to_pages(k, v, 16)
-    rows = (("decode (contiguous cache)", run_decode, (ks, vs), (k, v)),
-            ("paged_attention (page 16)", run_paged, small, big))
-    for name, fn, small_cache, big_cache in rows:
+    # The check: B=3 S=96 D=32; S=128 D=64 for the Mosaic GPU kernels (their
+    # caches' lengths and head dims are multiples of 64).
+    small = _decode_inputs(3, 96, 4, 2, 32, dtype)
+    rows = [("decode (contiguous cache)", run_decode, small, False),
+            ("paged_attention (page 16)", run_paged, small, True)]
+    if hopper:
+        mspec = spec.replace(block_sizes=fnattn.MosaicGpuDecodeBlockSizes())
+        small = _decode_inputs(3, 128, 4, 2, 64, dtype)
+        rows += [("decode (Mosaic GPU kernel)", functools.partial(run_decode, spec=mspec),
+                  small, False),
+                 ("paged (page 16, Mosaic GPU)", functools.partial(run_paged, spec=mspec),
+                  small, True)]
+    for name, fn, (qs, ks, vs), paged in rows:
+        small_cache = _to_pages(ks, vs, 16) if paged else (ks, vs)
+        big_cache = _to_pages(k, v, 16) if paged else (k, v)
         out = jax.jit(fn)(qs, *small_cache, lengths).astype(jnp.float32)
         err = 0.0
         for b in range(3):
