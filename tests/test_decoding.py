@@ -191,6 +191,41 @@ def test_xla_lowering_picks_its_form_and_splits():
     assert xla.choose(cfg, 4, 128) == ("mixed", 1)     # too short to split
     given = api.Cfg(scale=1.0, softcap=None, mask_treedef=None, num_splits=3)
     assert xla.choose(given, 4, 24) == ("mixed", 3) and xla.choose(given, 1, 24) == ("dot", 3)
+    # On a CPU, float32 caches of several sequences and kv heads: the multiply-reduce
+    many = dict(batch=4, kv_heads=2, cpu=True)
+    assert xla.choose(cfg, 4, 8192, **many) == ("reduce", 2)
+    assert xla.choose(cfg, 4, 8192, **{**many, "cpu": False}) == ("mixed", 2)
+    assert xla.choose(cfg, 4, 8192, **{**many, "dtype": jnp.bfloat16}) == ("mixed", 2)
+    assert xla.choose(cfg, 4, 8192, **{**many, "kv_heads": 1}) == ("mixed", 2)
+    assert xla.choose(cfg, 4, 8192, **{**many, "batch": 1}) == ("mixed", 2)
+    one = {**many, "batch": 1, "kv_heads": 8}        # one sequence: with 2 rows only
+    assert xla.choose(cfg, 2, 8192, **one) == ("reduce", 2)
+    assert xla.choose(cfg, 3, 8192, **one) == ("mixed", 2)
+    assert xla.choose(cfg, 4, 4096, **{**many, "batch": 2}) == ("mixed", 2)   # < 65536 keys
+    assert xla.choose(cfg, 1, 8192, **many) == ("dot", 1)
+
+
+@pytest.mark.parametrize("garbage", [3e4, np.nan])
+def test_reduce_form_on_a_cpu_equals_dense_per_sequence(garbage):
+    """impl="auto" on a CPU with float32 caches of several sequences and kv heads
+    (B * S * Hkv >= 65536) takes the "reduce" form: each sequence's dense
+    answer, with large values or NaN in the slots outside its range."""
+    B, S_, Hq, Hkv = 2, 16384, 6, 2
+    ks = jax.random.split(jax.random.key(3), 3)
+    q = jax.random.normal(ks[0], (B, 2, Hq, 4))
+    k = jax.random.normal(ks[1], (B, S_, Hkv, 4))
+    v = jax.random.normal(ks[2], (B, S_, Hkv, 3))
+    L, a = jnp.array([16000, 301]), jnp.array([5, 9000])
+    slot = jnp.arange(S_)[None, :, None, None]
+    live = (slot >= a[:, None, None, None]) & (slot < (a + L)[:, None, None, None])
+    k, v = jnp.where(live, k, garbage), jnp.where(live, v, garbage)
+    cfg = api.Cfg(scale=0.5, softcap=None, mask_treedef=None, num_splits=None)
+    assert xla.choose(cfg, 6, S_, batch=B, kv_heads=Hkv, cpu=True)[0] == "reduce"
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(5000),
+                         sinks=jnp.linspace(-1.0, 1.0, Hq))
+    check(spec, q, jnp.where(live, k, 0.0), jnp.where(live, v, 0.0), L, a, tol=1e-4)
+    res = check(spec, q, k, v, L, a, tol=1e-4)
+    assert np.isfinite(np.asarray(res.out)).all()
 
 
 def test_bad_input_messages():

@@ -318,7 +318,7 @@ def lowering_table(impl: str):
         # (Pallas is imported only when needed)
         from fnattn.decoding import mosaic, mosaic_gpu, triton
     if impl == "auto":
-        return (("default", xla.forward),
+        return (("default", xla.forward), ("cpu", xla.cpu_forward),
                 ("cuda", functools.partial(mosaic_gpu.gpu_forward, triton.auto_forward)),
                 ("tpu", mosaic.auto_forward))
     if impl == "pallas":

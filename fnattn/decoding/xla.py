@@ -1,14 +1,14 @@
 """The XLA lowering of :func:`fnattn.decode` (every platform without a kernel).
 
 The cache is cut into ``num_splits`` contiguous ranges by a free reshape
-(never a repeat over the GQA group; XLA on a CPU still lays K out anew for the
-batched logits product when there are several kv heads: a copy of K per call,
-which a multiply-reduce would avoid at a cost in time for bfloat16 and a
-single kv head, measured on a 2-core CPU); each range's partial
-result is computed in one pass and the parts are combined by the merge of
-:mod:`fnattn.merging`, where the sinks join the denominator once. Two forms of
-the products (see :func:`choose`) suit different numbers of query rows per kv
-head. Plain ``jnp``: differentiable.
+(never a repeat over the GQA group); each range's partial result is computed
+in one pass and the parts are combined by the merge of
+:mod:`fnattn.merging`, where the sinks join the denominator once. Three forms
+of the products (see :func:`choose`) suit different numbers of query rows per
+kv head, batch sizes and platforms: XLA on a CPU lays K out anew for the
+batched logits product of the "mixed" form when there are several kv heads,
+which the "reduce" form avoids, chosen on a CPU where it was measured faster.
+Plain ``jnp``: differentiable.
 """
 
 import functools
@@ -21,7 +21,7 @@ from fnattn import _online as online
 from fnattn import masks
 from fnattn.merging import merge_stacked
 
-__all__ = ["forward", "reference_forward"]
+__all__ = ["choose", "cpu_forward", "forward", "reference_forward"]
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -33,31 +33,51 @@ I32 = jnp.int32
 #            head has a few query rows (GQA decode), up to 5x jax.nn, with 2 splits;
 #   "dot":   both products as batched matrix products with the keys last: fastest
 #            for MHA (one row per kv head) and for 8 or more rows per kv head.
+#   "reduce": "mixed" with the logits as a multiply-reduce over the head dim: on
+#            a CPU, XLA then reads K in place where the batched product lays K
+#            out anew. With float32 caches, several kv heads, B * S * Hkv >= 64k
+#            and several sequences (or one, with 2 rows per kv head) it ran
+#            0.93-2.4x as fast as "mixed" (median 1.7x); with one kv head, small
+#            caches, one sequence of more rows, or bfloat16, mostly slower
+#            (0.25-1.0x), so "mixed" stays there
+#            (benchmarks/results/decode_forms_cpu.md, python benchmarks/decode_forms.py).
 MIXED_MAX_ROWS = 7
 MIXED_SPLITS = 2
+REDUCE_MIN_KEYS = 65536   # B * S * Hkv at least
 
 
-def choose(cfg, rows: int, cache_len: int):
-    """(form, num_splits) of the XLA lowering for ``rows = Tq * Hq / Hkv`` rows."""
+def choose(cfg, rows: int, cache_len: int, *, batch: int = 1, kv_heads: int = 1,
+           dtype=F32, cpu: bool = False):
+    """(form, num_splits) of the XLA lowering for ``rows = Tq * Hq / Hkv`` rows;
+    ``cpu``: lowering for a CPU, where "reduce" may replace "mixed"."""
     form = "mixed" if 2 <= rows <= MIXED_MAX_ROWS else "dot"
+    if (cpu and form == "mixed" and jnp.dtype(dtype) == jnp.dtype(F32) and kv_heads >= 2
+            and _checks.is_static(batch) and (batch >= 2 or rows == 2)
+            and _checks.is_static(cache_len)
+            and batch * cache_len * kv_heads >= REDUCE_MIN_KEYS):
+        form = "reduce"
     if cfg.num_splits is not None:
         return form, cfg.num_splits
     if not _checks.is_static(cache_len):  # symbolic (jax.export): one range
         return form, 1
-    if form == "mixed" and cache_len % MIXED_SPLITS == 0 and cache_len >= 256:
+    if form in ("mixed", "reduce") and cache_len % MIXED_SPLITS == 0 and cache_len >= 256:
         return form, MIXED_SPLITS
     return form, 1
 
 
-def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None):
+def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, cpu=False):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) q.dtype, lse (B, Hq, Tq).
 
     ``sanitize=None`` passes over the cache for non-finite keys only when it holds
     some (``_online.clean_unless_garbage``); ``True`` always does, which is what
     the backward differentiates (through a ``cond``, the untaken branch would
     get zero cotangents, and 0 times the NaN of a poisoned slot is NaN).
+    ``cpu``: the program is lowered for a CPU (:func:`cpu_forward`), whose
+    forms were measured (:func:`choose`).
     """
-    form, ns = choose(cfg, q.shape[1] * q.shape[2] // k.shape[2], k.shape[1])
+    B, _, Hkv, _ = k.shape
+    form, ns = choose(cfg, q.shape[1] * q.shape[2] // Hkv, k.shape[1], batch=B, kv_heads=Hkv,
+                      dtype=k.dtype, cpu=cpu)
     f = functools.partial(_attend, cfg, q, k, v, starts, lengths, sinks, terms, num_splits=ns)
     if sanitize is None:
         # The rare garbage branch uses the "mixed" form, whose products with the
@@ -69,6 +89,11 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None):
     else:
         out, lse = f(sanitize, form=form)[:2]
     return out.astype(q.dtype), lse
+
+
+def cpu_forward(cfg, q, k, v, starts, lengths, sinks, terms=None):
+    """:func:`forward` on a CPU (the "cpu" entry of impl="auto"'s table)."""
+    return forward(cfg, q, k, v, starts, lengths, sinks, terms, cpu=True)
 
 
 def reference_forward(cfg, q, k, v, starts, lengths, sinks, terms=None):
@@ -103,7 +128,10 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits
         bad = bad.reshape(B, ns, C, Hkv, 1)      # (b, n, c, h, r)
     kr = k.reshape(B, ns, C, Hkv, D)             # free reshapes (see the module docstring)
     vr = v.reshape(B, ns, C, Hkv, Dv)
-    if form == "mixed":   # s[b, n, c, h, r]: keys in the cache's own order
+    if form == "reduce":  # s[b, n, c, h, r] as a multiply-reduce: no copy of K
+        s = jnp.sum(qr.astype(k.dtype)[:, None, None, :, :, :] * kr[:, :, :, :, None, :],
+                    axis=-1, dtype=F32)
+    elif form == "mixed":  # s[b, n, c, h, r]: keys in the cache's own order
         s = jnp.einsum("bhrd,bnchd->bnchr", qr.astype(k.dtype), kr, preferred_element_type=F32)
     else:                 # s[b, n, h, r, c]: keys last
         s = jnp.einsum("bhrd,bnchd->bnhrc", qr.astype(k.dtype), kr, preferred_element_type=F32)
@@ -143,7 +171,7 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits
     m_safe = jax.lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
     p = jnp.exp(s - jnp.expand_dims(m_safe, kax))
     l = jnp.sum(p, axis=kax)
-    if form == "mixed":
+    if form in ("mixed", "reduce"):
         o = jnp.sum(p[..., None] * vr[:, :, :, :, None, :].astype(F32), axis=2)
     else:
         o = jnp.einsum("bnhrc,bnchd->bnhrd", p.astype(v.dtype), vr, preferred_element_type=F32)
