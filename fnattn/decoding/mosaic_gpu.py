@@ -80,8 +80,8 @@ from fnattn.flash import mosaic_gpu as flash_mgpu
 from fnattn.merging import merge_stacked
 
 __all__ = ["MosaicGpuDecodeBlockSizes", "auto_splits", "forward",
-           "attend", "finish", "gpu_forward", "launch", "plan", "program_meta", "smem_bytes",
-           "supports", "Tiles", "tiles_for"]
+           "attend", "finish", "gpu_forward", "kernel_refusals", "launch", "plan",
+           "program_meta", "smem_bytes", "supports", "Tiles", "tiles_for"]
 
 LOG2E, LN2 = online.LOG2E, online.LN2
 ROWS = 64                    # the query tile: one wgmma slab
@@ -222,25 +222,36 @@ def auto_splits(pairs: int, n_blocks: int, sms: int) -> int:
 def supports(cfg, q, k, v) -> list:
     """Why a call cannot run on this kernel (empty: it can), from static facts.
     ``q`` (B, Tq, Hq, D), ``k`` / ``v`` (B, S, Hkv, D | Dv) arrays or shapes."""
-    why = []
     B, Tq, Hq, D = q.shape
     _, S, Hkv, Dv = v.shape
-    if jnp.dtype(k.dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        why.append(f"{jnp.dtype(k.dtype).name} caches (float16 and bfloat16 run here)")
-    for name, n in (("D", D), ("Dv", Dv)):
-        if n % 64 or n > 256:
-            why.append(f"head dim {name}={n} (multiples of 64 up to 256 run here)")
-    if Tq * (Hq // Hkv) > ROWS:
-        why.append(f"{Tq * (Hq // Hkv)} query rows per kv head (Tq={Tq} x group "
-                   f"{Hq // Hkv}; at most {ROWS} run here)")
+    why = kernel_refusals("caches", k.dtype, D, Dv, Tq * (Hq // Hkv),
+                          f"Tq={Tq} x group {Hq // Hkv}", cfg.mask, cfg.term_treedef)
     if not isinstance(S, int) or S % 64:
         why.append(f"a cache of S={S} slots (multiples of 64 run here)")
     if _checks.symbolic_sizes(B=B, Tq=Tq, S=S):
         why.append("symbolic sizes (jax.export)")
-    if cfg.term_treedef is not None:
-        why.append("a position term (ALiBi, from_fn)")
-    why += _functions.refusals(cfg.mask, _functions.MOSAIC_GPU)
     return why
+
+
+def kernel_refusals(cache: str, dtype, D: int, Dv: int, rows: int, rows_are: str, mask,
+                    term_treedef) -> list:
+    """What the kernel refuses whatever the cache's layout, for
+    :func:`supports` and :func:`fnattn.paged.mosaic_gpu.supports`: the dtype of
+    the ``cache`` (its name in the message), the head dims, ``rows`` query rows
+    a program (``rows_are``: how they come about), a position term
+    (``term_treedef`` not None), and ``from_fn`` functions of ``mask`` that
+    Mosaic GPU does not lower."""
+    why = []
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
+        why.append(f"{jnp.dtype(dtype).name} {cache} (float16 and bfloat16 run here)")
+    for name, n in (("D", D), ("Dv", Dv)):
+        if n % 64 or n > 256:
+            why.append(f"head dim {name}={n} (multiples of 64 up to 256 run here)")
+    if rows > ROWS:
+        why.append(f"{rows} query rows per kv head ({rows_are}; at most {ROWS} run here)")
+    if term_treedef is not None:
+        why.append("a position term (ALiBi, from_fn)")
+    return why + _functions.refusals(mask, _functions.MOSAIC_GPU)
 
 
 def _asked(cfg) -> Optional[MosaicGpuDecodeBlockSizes]:
@@ -283,19 +294,8 @@ class _Plan:
         return self.bk // self.page_size if 0 < self.page_size < self.bk else 1
 
 
-def _plgpu():
-    return flash_mgpu._plgpu()
-
-
-def _iota(shape, axis, P: _Plan):
-    if P.interpreted:
-        return lax.broadcasted_iota(I32, shape, axis)
-    plgpu = _plgpu()
-    return plgpu.broadcasted_iota(I32, shape, axis, layout=plgpu.Layout.WGMMA)
-
-
-def _in_layout(x, layout, P: _Plan):
-    return x if P.interpreted else _plgpu().layout_cast(x, layout)
+# Interpreter-aware helpers shared with the flash forward (they read only P.interpreted).
+_plgpu, _iota, _in_layout = flash_mgpu._plgpu, flash_mgpu._iota, flash_mgpu._in_layout
 
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):

@@ -37,9 +37,10 @@ I32 = jnp.int32
 #            a CPU, XLA then reads K in place where the batched product lays K
 #            out anew. With float32 caches, several kv heads, B * S * Hkv >= 64k
 #            and several sequences (or one, with 2 rows per kv head) it ran
-#            0.93-2.4x as fast as "mixed" (median 1.7x); with one kv head, small
-#            caches, one sequence of more rows, or bfloat16, mostly slower
-#            (0.25-1.0x), so "mixed" stays there
+#            0.97-2.41x as fast as "mixed" (51 rows, median 1.68x); elsewhere
+#            (one kv head, small caches, one sequence of more rows) 0.29-1.65x
+#            (60 rows, median 0.58x), and with bfloat16 mostly slower, so
+#            "mixed" stays there
 #            (benchmarks/results/decode_forms_cpu.md, python benchmarks/decode_forms.py).
 MIXED_MAX_ROWS = 7
 MIXED_SPLITS = 2

@@ -53,7 +53,7 @@ import dataclasses
 import jax.numpy as jnp
 from jax import lax
 
-from fnattn import _checks, _functions
+from fnattn import _checks
 from fnattn.decoding import mosaic_gpu as kernel
 from fnattn.flash import mosaic_gpu as flash_mgpu
 from fnattn.paged import common, xla
@@ -67,18 +67,11 @@ _ELSEWHERE = ("the Pallas Triton kernel (fnattn/paged/triton.py, the default on 
 
 def supports(cfg: Cfg, dtype) -> list:
     """Why a call cannot run on this kernel (empty: it can), from static facts."""
-    why = []
-    if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
-        why.append(f"{jnp.dtype(dtype).name} pools (float16 and bfloat16 run here)")
-    for name, n in (("D", cfg.head_dim), ("Dv", cfg.v_head_dim)):
-        if n % 64 or n > 256:
-            why.append(f"head dim {name}={n} (multiples of 64 up to 256 run here)")
-    rows = tokens_per_item(cfg) * cfg.group
-    if rows > kernel.ROWS:
-        tokens = (f"Tq={cfg.uniform_q}" if cfg.uniform_q is not None
-                  else f"PagedBlockSizes(block_q={cfg.block_sizes.block_q})")
-        why.append(f"{rows} query rows per kv head ({tokens} x group {cfg.group}; at most "
-                   f"{kernel.ROWS} run here)")
+    tokens = (f"Tq={cfg.uniform_q}" if cfg.uniform_q is not None
+              else f"PagedBlockSizes(block_q={cfg.block_sizes.block_q})")
+    why = kernel.kernel_refusals("pools", dtype, cfg.head_dim, cfg.v_head_dim,
+                                 tokens_per_item(cfg) * cfg.group,
+                                 f"{tokens} x group {cfg.group}", cfg.mask(), cfg.term_treedef)
     ps = cfg.page_size
     if not isinstance(ps, int) or not (ps in (8, 16, 32) or ps % 64 == 0):
         why.append(f"pages of {ps} keys (8, 16, 32 or a multiple of 64 run here)")
@@ -89,9 +82,6 @@ def supports(cfg: Cfg, dtype) -> list:
     elif cfg.capacity % 64:
         why.append(f"a capacity of {cfg.capacity} keys per sequence (pages_per_seq x "
                    "page_size; multiples of 64 run here)")
-    if cfg.term_treedef is not None:
-        why.append("a position term (ALiBi, from_fn)")
-    why += _functions.refusals(cfg.mask(), _functions.MOSAIC_GPU)
     return why
 
 
