@@ -75,6 +75,7 @@ P('data', 'model', 'context')
 P('data', 'context', None, None)
 """
 
+import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
@@ -605,7 +606,10 @@ def sharded_attention(spec: AttentionSpec, q, k, v, *, mesh, batch: AxisName = N
     mask bit for bit (:func:`fnattn.dropout.shard_offsets`), and gradients with
     respect to q, k, v, the bias and the sinks are those of the unsharded call.
     The result is the same as ``fnattn.attention(spec, q, k, v)``, as global
-    arrays sharded over the mesh.
+    arrays sharded over the mesh. The call is compiled as a whole (``jax.jit``,
+    once per mesh, axes and shapes), so that outside ``jit`` ``shard_map`` does
+    not run each device's program one operation at a time; inside ``jit`` it is
+    part of the caller's program.
 
     Args:
       spec: the :class:`~fnattn.AttentionSpec`, with global arrays (segment ids
@@ -641,6 +645,22 @@ def sharded_attention(spec: AttentionSpec, q, k, v, *, mesh, batch: AxisName = N
         raise ValueError(f"sharded_attention: layout (the token order of context "
                          f"parallelism) must be one of {SEQUENCE_LAYOUTS}; got {layout!r}. "
                          "The tensor layout is spec.layout.")
+    # Compiled as a whole: outside jit, shard_map would run the per-device
+    # program one operation at a time (the ring's steps eagerly, tens of seconds).
+    return _sharded_attention(spec, q, k, v, mesh=mesh, batch=_static(batch),
+                              heads=_static(heads), kv_heads=_static(kv_heads),
+                              sequence=_static(sequence), strategy=strategy, layout=layout)
+
+
+def _static(axis):
+    """An axis argument as a hashable value (a list of mesh axes as a tuple)."""
+    return tuple(axis) if isinstance(axis, list) else axis
+
+
+@functools.partial(jax.jit, static_argnames=("mesh", "batch", "heads", "kv_heads", "sequence",
+                                             "strategy", "layout"))
+def _sharded_attention(spec, q, k, v, *, mesh, batch, heads, kv_heads, sequence, strategy,
+                       layout):
     r = rules(spec, mode="train", batch=batch, heads=heads, kv_heads=kv_heads,
               sequence=sequence, mesh=mesh, shapes=dict(q=q, k=k, v=v))
     batch, heads, sequence = _axis("batch", batch), _axis("heads", heads), \
