@@ -10,6 +10,17 @@ from fnattn import AttentionSpec, masks
 from fnattn.decoding import xla
 
 
+def test_main_writes_a_table_of_the_named_forms(tmp_path):
+    forms = benchmark_module("decode_forms")
+    forms.main(["--grid", "2x128x2x2x8", "--forms", "mixed,dot", "--out",
+                str(tmp_path / "forms")])
+    lines = (tmp_path / "forms.md").read_text().splitlines()
+    head, rule, body = lines[-3:]
+    assert "| mixed | dot | fastest |" in head
+    assert head.count("|") == rule.count("|") == body.count("|") == 14
+    assert body.startswith("| float32 | 2 | 128 | 2 | 2 | 8 |")
+
+
 def test_forms_are_the_same_function_and_the_choice_is_restored():
     forms = benchmark_module("decode_forms")
     choose = xla.choose
@@ -25,3 +36,10 @@ def test_forms_are_the_same_function_and_the_choice_is_restored():
     r = forms.row(jnp.float32, 2, 128, 2, 2, 8, rounds=1)
     assert set(r["t"]) == {"mixed", "reduce", "jax.nn"} and r["chosen"] == "mixed"
     assert forms.line(r).count("|") == 14
+    # other forms and split counts, and the picked form timed even when not named
+    r = forms.row(jnp.float32, 2, 128, 2, 2, 8, rounds=1, forms=("dot", "mixed/1"))
+    assert set(r["t"]) == {"dot", "mixed/1", "mixed", "jax.nn"}
+    assert forms.line(r).count("|") == 14 and "| mixed |" in forms.line(r)
+    outs = {f: forms.compiled(f, spec, args)(*args) for f in ("dot", "mixed/1", "reduce/4")}
+    for out in outs.values():
+        np.testing.assert_allclose(out, outs["dot"], atol=1e-6)

@@ -196,7 +196,13 @@ def test_xla_lowering_picks_its_form_and_splits():
     assert xla.choose(cfg, 4, 8192, **many) == ("reduce", 2)
     assert xla.choose(cfg, 4, 8192, **{**many, "cpu": False}) == ("mixed", 2)
     assert xla.choose(cfg, 4, 8192, **{**many, "dtype": jnp.bfloat16}) == ("mixed", 2)
-    assert xla.choose(cfg, 4, 8192, **{**many, "kv_heads": 1}) == ("mixed", 2)
+    # one kv head: the keys-last product, in one range
+    assert xla.choose(cfg, 4, 8192, **{**many, "kv_heads": 1}) == ("dot", 1)
+    assert xla.choose(cfg, 7, 8192, **{**many, "kv_heads": 1, "dtype": jnp.bfloat16}) == \
+        ("dot", 1)
+    assert xla.choose(cfg, 4, 8192, **{**many, "kv_heads": 1, "cpu": False}) == ("mixed", 2)
+    assert xla.choose(cfg, 1, 8192, **{**many, "kv_heads": 1}) == ("dot", 1)
+    assert xla.choose(cfg, 8, 8192, **{**many, "kv_heads": 1}) == ("dot", 1)
     assert xla.choose(cfg, 4, 8192, **{**many, "batch": 1}) == ("mixed", 2)
     one = {**many, "batch": 1, "kv_heads": 8}        # one sequence: with 2 rows only
     assert xla.choose(cfg, 2, 8192, **one) == ("reduce", 2)

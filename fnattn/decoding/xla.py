@@ -7,7 +7,8 @@ in one pass and the parts are combined by the merge of
 of the products (see :func:`choose`) suit different numbers of query rows per
 kv head, batch sizes and platforms: XLA on a CPU lays K out anew for the
 batched logits product of the "mixed" form when there are several kv heads,
-which the "reduce" form avoids, chosen on a CPU where it was measured faster.
+which the "reduce" form avoids, chosen on a CPU where it was measured faster;
+with one kv head the keys-last "dot" form reads K in place there.
 Plain ``jnp``: differentiable.
 """
 
@@ -42,6 +43,12 @@ I32 = jnp.int32
 #            (60 rows, median 0.58x), and with bfloat16 mostly slower, so
 #            "mixed" stays there
 #            (benchmarks/results/decode_forms_cpu.md, python benchmarks/decode_forms.py).
+#   On a CPU with one kv head (MQA), "dot" in one range instead of "mixed": K is
+#   then a plain (keys, head dim) matrix for the batched product, which needs no
+#   copy. In one run of 36 float32 rows (B 1-8, S 4k-32k, 2-7 rows, D 64/128) it
+#   ran 1.52x as fast as "mixed" (geometric mean; 0.91-2.70x, 34 rows faster),
+#   and 1.98x over 8 bfloat16 rows (1.56-2.64x); 2 splits did not pay (0.95x)
+#   (benchmarks/results/decode_forms_cpu_mqa.md and decode_forms_cpu_mqa_bf16.md).
 MIXED_MAX_ROWS = 7
 MIXED_SPLITS = 2
 REDUCE_MIN_KEYS = 65536   # B * S * Hkv at least
@@ -50,8 +57,11 @@ REDUCE_MIN_KEYS = 65536   # B * S * Hkv at least
 def choose(cfg, rows: int, cache_len: int, *, batch: int = 1, kv_heads: int = 1,
            dtype=F32, cpu: bool = False):
     """(form, num_splits) of the XLA lowering for ``rows = Tq * Hq / Hkv`` rows;
-    ``cpu``: lowering for a CPU, where "reduce" may replace "mixed"."""
+    ``cpu``: lowering for a CPU, where "reduce" or, with one kv head, "dot" may
+    replace "mixed"."""
     form = "mixed" if 2 <= rows <= MIXED_MAX_ROWS else "dot"
+    if cpu and form == "mixed" and kv_heads == 1:
+        form = "dot"
     if (cpu and form == "mixed" and jnp.dtype(dtype) == jnp.dtype(F32) and kv_heads >= 2
             and _checks.is_static(batch) and (batch >= 2 or rows == 2)
             and _checks.is_static(cache_len)
