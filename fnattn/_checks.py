@@ -312,7 +312,7 @@ def _as_float_array(fn: str, name: str, x):
     return x
 
 
-def entry_point(public: str, *, ints=()):
+def entry_point(public: str, *, ints=(), concrete=None):
     """Decorates a public function whose first parameter is the spec (outside its
     jaxtyping/beartype check), so that the commonest mistakes get fnattn's
     messages instead of a type checker's: a first argument that is not an
@@ -321,15 +321,20 @@ def entry_point(public: str, *, ints=()):
     lists, Python ints and NumPy arrays (converted with ``jnp.asarray``); the
     other array parameters take NumPy arrays.
 
+    Called outside any transformation (no traced argument), the function runs
+    compiled (:func:`compiled_when_eager`); ``concrete(arguments)``, given,
+    first checks what only concrete values can tell (the bound arguments by
+    name).
+
     >>> @entry_point("fnattn.example", ints=("lengths",))
     ... def example(spec, q, *, lengths):
-    ...     return lengths.dtype
+    ...     return lengths
     >>> example(jnp.zeros(3), jnp.zeros(3), lengths=[1, 2])  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
     TypeError: example: the first argument must be an AttentionSpec; got a float32 array ...
     >>> from fnattn import AttentionSpec
-    >>> example(AttentionSpec(), jnp.zeros(3), lengths=[1, 2])
+    >>> example(AttentionSpec(), jnp.zeros(3), lengths=[1, 2]).dtype
     dtype('int32')
     """
     fn = public.removeprefix("fnattn.")
@@ -361,8 +366,97 @@ def entry_point(public: str, *, ints=()):
                     continue
                 bound.arguments[name] = (_as_int_array(fn, name, x) if name in ints
                                          else _as_float_array(fn, name, x))
-            return f(*bound.args, **bound.kwargs)
+            return compiled(bound, bound.args, bound.kwargs)
 
+        def compiled(bound, args, kwargs):
+            if bound.arguments.get("checked"):  # checkify's checks: raised eagerly
+                return f(*args, **kwargs)
+            return eager(*args, **kwargs)
+
+        eager = compiled_when_eager(
+            f, before=None if concrete is None else (
+                lambda args, kwargs: concrete(sig.bind(*args, **kwargs).arguments)))
         return wrapper
 
     return wrap
+
+
+_ARRAY = object()   # where an array leaf goes in a call's static description
+
+
+class _Static:
+    """The hashable part of a call: its tree and its leaves that are not arrays."""
+
+    __slots__ = ("treedef", "leaves", "_hash")
+
+    def __init__(self, treedef, leaves):
+        self.treedef, self.leaves = treedef, leaves
+        self._hash = hash((treedef, leaves))   # (TypeError where a leaf is unhashable)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return (isinstance(other, _Static) and self.treedef == other.treedef
+                and len(self.leaves) == len(other.leaves)
+                and all(a is b or (a is not _ARRAY and b is not _ARRAY and type(a) is type(b)
+                                   and a == b)
+                        for a, b in zip(self.leaves, other.leaves)))
+
+
+def compiled_when_eager(f, before=None):
+    """``f(*args, **kwargs)``, through ``jax.jit`` when no argument is traced.
+
+    Outside ``jit`` the variants' loops, conds and kernels would each be
+    compiled anew at every call (most of a second even for small inputs);
+    through one ``jax.jit`` per function, keyed on the arguments' tree, their
+    non-array leaves (static) and the arrays' shapes and dtypes, a call
+    compiles once, as ``jax.numpy`` functions do. Inside a transformation
+    (traced arguments) ``f`` is called as it is. ``before(args, kwargs)``
+    runs first on the concrete arguments. Arguments with leaves that cannot be
+    hashed are not compiled.
+
+    >>> calls = []
+    >>> def f(x, *, n):
+    ...     calls.append(n)       # runs when traced
+    ...     return x * n
+    >>> g = compiled_when_eager(f)
+    >>> [int(g(jnp.ones(()), n=3)) for _ in range(2)], calls   # traced once
+    ([3, 3], [3])
+    >>> int(jax.jit(lambda x: g(x, n=2))(jnp.ones(()))), calls
+    (2, [3, 2])
+    """
+    def run(static, arrays):
+        it = iter(arrays)
+        leaves = [next(it) if leaf is _ARRAY else leaf for leaf in static.leaves]
+        args, kwargs = jax.tree_util.tree_unflatten(static.treedef, leaves)
+        return f(*args, **kwargs)
+
+    jitted = jax.jit(run, static_argnums=0)
+
+    @functools.wraps(f)
+    def call(args, kwargs):
+        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+        if any(isinstance(x, jax.core.Tracer) for x in leaves):
+            return f(*args, **kwargs)
+        if before is not None:
+            before(args, kwargs)
+        arrays = [x for x in leaves if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+        try:
+            static = _Static(treedef, tuple(
+                _ARRAY if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
+                for x in leaves))
+        except TypeError:
+            return f(*args, **kwargs)
+        try:
+            return jitted(static, arrays)
+        except Exception as e:
+            # The call's own errors (shapes, dtypes, refusals) read as they would
+            # eagerly: without the note jax.jit adds about its frames removed
+            # from the traceback (JAX_TRACEBACK_FILTERING=off shows them).
+            notes = getattr(e, "__notes__", None)
+            if notes:
+                e.__notes__ = [n for n in notes if "JAX has removed its internal frames" not in n]
+            raise
+
+    return lambda *args, **kwargs: call(args, kwargs)

@@ -139,8 +139,10 @@ def _abstract_eval(*avals, branches):
 
 
 def _impl(*args, branches):
-    # Eagerly: lowered for the platform of the default device, as under jit.
-    return jax.jit(lambda *a: branches.prim.bind(*a, branches=branches))(*args)
+    # Eagerly: lowered for the platform of the default device, as under jit
+    # (under jax.disable_jit() too, where a jit would bind the primitive again).
+    with jax.disable_jit(False):
+        return jax.jit(lambda *a: branches.prim.bind(*a, branches=branches))(*args)
 
 
 def _rule(platform):

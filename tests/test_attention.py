@@ -165,3 +165,61 @@ def test_masks_built_from_traced_arrays_do_not_retrace():
     b = f(jnp.asarray(rs.integers(0, 2, (2, 7))), jnp.array([3, 5]), q)
     assert len(traces) == 1
     assert not np.allclose(np.asarray(a), np.asarray(b))
+
+
+def test_calls_outside_jit_compile_once_per_shapes_and_configuration(monkeypatch):
+    """Outside jit an entry point runs compiled, traced once per tree, static
+    configuration and shapes: a second call with new arrays (segment ids, sinks,
+    q) reuses the program, and gives what jax.jit gives."""
+    from fnattn import core
+    traces = []
+    run = core.run
+    monkeypatch.setattr(core, "run", lambda *a, **kw: traces.append(1) or run(*a, **kw))
+    rs = np.random.default_rng(6)
+    q, k = _rand(rs, 2, 9, 4, 8), _rand(rs, 2, 9, 2, 8)
+
+    def spec(seed, **kw):
+        r = np.random.default_rng(seed)
+        return AttentionSpec(mask=masks.causal() & masks.segments(
+            jnp.asarray(np.sort(r.integers(0, 3, (2, 9)), 1), jnp.int32)),
+            sinks=jnp.asarray(r.standard_normal(4), jnp.float32), **kw)
+
+    first = fnattn.attention(spec(0), q, k, k)
+    second = fnattn.attention(spec(1), q * 2, k, k)
+    assert len(traces) == 1
+    for s, x, res in ((spec(0), q, first), (spec(1), q * 2, second)):
+        want = jax.jit(fnattn.attention)(s, x, k, k)
+        np.testing.assert_allclose(res.out, want.out, atol=1e-6)
+    n = len(traces)                                           # (jit traced it once more)
+    fnattn.attention(spec(0, softcap=5.0), q, k, k)          # a new configuration
+    fnattn.attention(spec(0), q[..., :4], k[..., :4], k)      # new shapes
+    fnattn.attention(spec(2), q, k, k)                        # neither
+    assert len(traces) == n + 2
+    with jax.disable_jit():                                   # op by op, as asked
+        np.testing.assert_allclose(fnattn.attention(spec(0), q, k, k).out, first.out,
+                                   atol=1e-5)
+    assert len(traces) == n + 3
+
+
+def test_disable_jit_runs_every_entry_point():
+    """Under jax.disable_jit() (debugging op by op) the entry points give what
+    they give under jit; the platform choice used to bind itself again there
+    until Python's recursion limit."""
+    rs = np.random.default_rng(7)
+    q, k = _rand(rs, 2, 8, 4, 8), _rand(rs, 2, 8, 2, 8)
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.asarray(rs.standard_normal(4),
+                                                                 jnp.float32))
+    L = jnp.array([5, 8])
+    pages = k.transpose(2, 0, 1, 3).reshape(2, 4, 4, 8)        # (Hkv, pages, 4, D)
+    table = jnp.array([[0, 1], [2, 3]], jnp.int32)
+    calls = {
+        "attention": lambda q, k: fnattn.attention(spec, q, k, k).out,
+        "decode": lambda q, k: fnattn.decode(spec, q[:, :1], k, k, kv_lengths=L).out,
+        "paged_attention": lambda q, k: fnattn.paged_attention(
+            spec, q[:, :1], pages, pages, page_table=table, kv_lengths=L).out,
+        "grad": jax.grad(lambda q, k: fnattn.attention(spec, q, k, k).out.sum()),
+    }
+    for name, f in calls.items():
+        with jax.disable_jit():
+            got = f(q, k)
+        np.testing.assert_allclose(got, jax.jit(f)(q, k), atol=1e-5, err_msg=name)

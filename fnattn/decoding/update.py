@@ -98,7 +98,15 @@ def _refuse_static_overflow(kv_lengths, kv_starts, S, Tq):
             f"new tokens; stop the sequence or give it a longer cache.")
 
 
-@_checks.entry_point("fnattn.decode_with_update", ints=("kv_lengths", "kv_starts"))
+def _concrete_checks(a):
+    """What only concrete lengths tell, checked before the call is compiled."""
+    _, Tq, S, *_ = _check(a["spec"], a["q"], a["k_new"], a["v_new"], a["k_cache"],
+                          a["v_cache"], a["kv_lengths"], a.get("kv_starts"))
+    _refuse_static_overflow(a["kv_lengths"], a.get("kv_starts"), S, Tq)
+
+
+@_checks.entry_point("fnattn.decode_with_update", ints=("kv_lengths", "kv_starts"),
+                     concrete=_concrete_checks)
 @jaxtyped(typechecker=beartype)
 def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
                        k_new: Shaped[Array, "..."], v_new: Shaped[Array, "..."],
