@@ -366,12 +366,9 @@ def entry_point(public: str, *, ints=(), concrete=None):
                     continue
                 bound.arguments[name] = (_as_int_array(fn, name, x) if name in ints
                                          else _as_float_array(fn, name, x))
-            return compiled(bound, bound.args, bound.kwargs)
-
-        def compiled(bound, args, kwargs):
             if bound.arguments.get("checked"):  # checkify's checks: raised eagerly
-                return f(*args, **kwargs)
-            return eager(*args, **kwargs)
+                return f(*bound.args, **bound.kwargs)
+            return eager(*bound.args, **bound.kwargs)
 
         eager = compiled_when_eager(
             f, before=None if concrete is None else (
@@ -435,7 +432,7 @@ def compiled_when_eager(f, before=None):
     jitted = jax.jit(run, static_argnums=0)
 
     @functools.wraps(f)
-    def call(args, kwargs):
+    def call(*args, **kwargs):
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return f(*args, **kwargs)
@@ -459,4 +456,4 @@ def compiled_when_eager(f, before=None):
                 e.__notes__ = [n for n in notes if "JAX has removed its internal frames" not in n]
             raise
 
-    return lambda *args, **kwargs: call(args, kwargs)
+    return call
