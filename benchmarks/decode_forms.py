@@ -4,7 +4,6 @@
     python benchmarks/decode_forms.py --quick          # a few rows
     python benchmarks/decode_forms.py --forms mixed,dot,mixed/1 --grid 1x32768x2x7x64
 
-
 ``fnattn.decoding.xla.choose`` picks, for a few query rows per kv head, between
 the "mixed" form (logits by a batched product) and the "reduce" form (logits
 by a multiply-reduce, which reads K in place on a CPU). This script times both
@@ -85,7 +84,7 @@ def row(dtype, B, S, Hkv, R, D, rounds=3, forms=("mixed", "reduce")):
     t = {name: statistics.median(ts) for name, ts in times.items()}
     mem = {name: c.memory_analysis().temp_size_in_bytes / 2**20 for name, c in calls.items()}
     return dict(dtype=jnp.dtype(dtype).name, B=B, S=S, Hkv=Hkv, R=R, D=D, t=t, mem=mem,
-                chosen=chosen, forms=tuple(forms))
+                chosen=chosen, forms=forms)
 
 
 def line(r):

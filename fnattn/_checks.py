@@ -395,7 +395,6 @@ class _Static:
 
     def __eq__(self, other):
         return (isinstance(other, _Static) and self.treedef == other.treedef
-                and len(self.leaves) == len(other.leaves)
                 and all(a is b or (a is not _ARRAY and b is not _ARRAY and type(a) is type(b)
                                    and a == b)
                         for a, b in zip(self.leaves, other.leaves)))
@@ -438,11 +437,10 @@ def compiled_when_eager(f, before=None):
             return f(*args, **kwargs)
         if before is not None:
             before(args, kwargs)
-        arrays = [x for x in leaves if isinstance(x, (jax.Array, np.ndarray, np.generic))]
+        is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
+        arrays = [x for x, a in zip(leaves, is_array) if a]
         try:
-            static = _Static(treedef, tuple(
-                _ARRAY if isinstance(x, (jax.Array, np.ndarray, np.generic)) else x
-                for x in leaves))
+            static = _Static(treedef, tuple(_ARRAY if a else x for x, a in zip(leaves, is_array)))
         except TypeError:
             return f(*args, **kwargs)
         try:

@@ -75,7 +75,6 @@ P('data', 'model', 'context')
 P('data', 'context', None, None)
 """
 
-import functools
 from collections.abc import Mapping
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
@@ -83,7 +82,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from fnattn import dropout
+from fnattn import _checks, dropout
 from fnattn.core import attention
 from fnattn.spec import LAYOUTS, AttentionOutput, AttentionSpec
 
@@ -645,20 +644,13 @@ def sharded_attention(spec: AttentionSpec, q, k, v, *, mesh, batch: AxisName = N
         raise ValueError(f"sharded_attention: layout (the token order of context "
                          f"parallelism) must be one of {SEQUENCE_LAYOUTS}; got {layout!r}. "
                          "The tensor layout is spec.layout.")
-    # Compiled as a whole: outside jit, shard_map would run the per-device
-    # program one operation at a time (the ring's steps eagerly, tens of seconds).
-    return _sharded_attention(spec, q, k, v, mesh=mesh, batch=_static(batch),
-                              heads=_static(heads), kv_heads=_static(kv_heads),
-                              sequence=_static(sequence), strategy=strategy, layout=layout)
+    # Compiled as a whole, as the entry points are: outside jit, shard_map would
+    # run the per-device program one operation at a time (the ring's steps
+    # eagerly, tens of seconds).
+    return _compiled(spec, q, k, v, mesh=mesh, batch=batch, heads=heads, kv_heads=kv_heads,
+                     sequence=sequence, strategy=strategy, layout=layout)
 
 
-def _static(axis):
-    """An axis argument as a hashable value (a list of mesh axes as a tuple)."""
-    return tuple(axis) if isinstance(axis, list) else axis
-
-
-@functools.partial(jax.jit, static_argnames=("mesh", "batch", "heads", "kv_heads", "sequence",
-                                             "strategy", "layout"))
 def _sharded_attention(spec, q, k, v, *, mesh, batch, heads, kv_heads, sequence, strategy,
                        layout):
     r = rules(spec, mode="train", batch=batch, heads=heads, kv_heads=kv_heads,
@@ -694,3 +686,6 @@ def _sharded_attention(spec, q, k, v, *, mesh, batch, heads, kv_heads, sequence,
             context.restore(res.out, n_seq, layout, axis=t_axis),
             None if res.lse is None else context.restore(res.lse, n_seq, layout, axis=2))
     return res
+
+
+_compiled = _checks.compiled_when_eager(_sharded_attention)
