@@ -1,16 +1,21 @@
 """Settings for every test process (tests/, property_tests/, the doctests in fnattn/).
 
 The suite compiles thousands of small XLA programs on the CPU and runs each
-once or twice, so compiling dominates its time. Three flags make XLA:CPU
+once or twice, so compiling dominates its time. Four flags make XLA:CPU
 compile faster, with the same results up to float rounding, which every
-comparison's tolerance covers:
+comparison's tolerance covers (the fourth changes nothing in the results):
 
 * ``--xla_backend_optimization_level=0`` and
   ``--xla_llvm_disable_expensive_passes``: no LLVM optimisation of the
   generated code (about a quarter less wall time);
 * ``--xla_cpu_use_fusion_emitters=false``: fusions emitted straight to LLVM IR
   instead of through XLA's MLIR fusion emitters, which halves compile time
-  (``tests/test_merging.py`` and ``tests/flash/test_xla.py``: 91 s -> 60 s).
+  (``tests/test_merging.py`` and ``tests/flash/test_xla.py``: 91 s -> 60 s);
+* ``--xla_cpu_parallel_codegen_split_count=1``: each program's machine code
+  generated as one LLVM module instead of split for parallel code generation,
+  which on this suite's small programs costs more CPU time than it saves
+  (``tests/flash/test_xla.py`` and ``tests/test_decoding.py`` in one process:
+  42.7 s -> 35.5 s of CPU time).
 
 Each flag is checked first in a short subprocess (an XLA that does not know a
 flag aborts the process that reads it), and one this jaxlib refuses is left out.
@@ -46,7 +51,8 @@ import pytest
 
 _FAST_COMPILE = ("--xla_backend_optimization_level=0",
                  "--xla_llvm_disable_expensive_passes=true",
-                 "--xla_cpu_use_fusion_emitters=false")
+                 "--xla_cpu_use_fusion_emitters=false",
+                 "--xla_cpu_parallel_codegen_split_count=1")
 
 
 def _accepted(flags):

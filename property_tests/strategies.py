@@ -15,6 +15,8 @@ Building blocks (each a strategy):
 * ``problems(...)``: a whole :class:`Problem` (spec, q, k, v in the drawn layout, and
   the matching keyword arguments of ``tests/np_attention.py``), with optional bias
   (several broadcast shapes), sinks, soft-cap, scale and dropout.
+* ``examples(n)``: a test's bound on its examples under the "ci" profile (where
+  they are slow), lifted under "dev" to that profile's count.
 * Hostile inputs: ``extreme_bias(B, Hq, Tq, Tk)`` (whole rows of -1e30, ``finfo.min``,
   -1e9, -1e8 or -inf, single logits of 1e10), ``extreme_sinks(Hq)`` (-inf, +inf or
   ordinary), and ``poison_hidden_keys(k, v, visible)``, which writes NaN and inf
@@ -31,19 +33,30 @@ are reproducible under the derandomized "ci" profile and shrink sensibly.
 """
 
 import dataclasses
+import os
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import strategies as st
+from hypothesis import settings, strategies as st
 
 from fnattn import AttentionSpec, masks
 from fnattn import dropout as fn_dropout
 
 __all__ = ["Problem", "dtypes", "layouts", "gqa_heads", "sizes", "ragged_lengths",
            "segment_ids", "mask_trees", "problems", "MASK_KINDS", "extreme_bias",
-           "extreme_sinks", "poison_hidden_keys", "EXTREME_ROW_VALUES"]
+           "extreme_sinks", "poison_hidden_keys", "EXTREME_ROW_VALUES", "examples"]
+
+def examples(n: int) -> settings:
+    """``@settings(max_examples=n)`` under the derandomized "ci" profile (the
+    default: a slow test's bound there); under any other profile that profile's
+    own ``max_examples``, so that ``HYPOTHESIS_PROFILE=dev`` searches every test
+    as long as the others (an explicit ``max_examples`` would override it)."""
+    if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci":
+        return settings(max_examples=n)
+    return settings()
+
 
 MASK_KINDS = ("causal", "window", "chunked", "segments", "lengths", "prefix", "array", "fn",
               "full")

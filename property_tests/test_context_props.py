@@ -17,11 +17,11 @@
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import fnattn
 from fnattn import AttentionSpec, masks
-from strategies import gqa_heads, mask_trees
+from strategies import examples, gqa_heads, mask_trees
 
 MASKS = ("causal", "full", "window", "chunked", "segments", "lengths", "prefix", "array", "fn")
 
@@ -54,7 +54,7 @@ def test_tile_classes_at_positions_are_sound(problem):
             assert tile[c == masks.FULL].all()
 
 
-@settings(max_examples=6)
+@examples(6)
 @given(positioned_masks(), st.integers(0, 100))
 def test_flash_at_positions_equals_the_reference(problem, seed):
     m, B, Tq, Tk, bq, bk = problem
@@ -91,7 +91,7 @@ def context_problems(draw):
                 block=draw(st.integers(1, 8)))
 
 
-@settings(max_examples=8)
+@examples(8)
 @given(context_problems())
 def test_context_parallel_forward_equals_one_device(p):
     N, layout, B, T = p["N"], p["layout"], p["B"], p["T"]

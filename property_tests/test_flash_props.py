@@ -8,12 +8,12 @@ mask) EMPTY, PARTIAL and FULL tiles in the same call.
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import fnattn
 from fnattn import XlaBlockSizes, position_bias
 from np_attention import np_attention, np_attention_grads, reduce_to
-from strategies import problems
+from strategies import examples, problems
 
 block_sizes = st.builds(XlaBlockSizes, block_q=st.integers(1, 8), block_k=st.integers(1, 8),
                         block_q_bwd=st.one_of(st.none(), st.integers(1, 8)),
@@ -25,7 +25,7 @@ def bthd(x, layout):
     return np.asarray(x if layout == "bthd" else jnp.swapaxes(x, 1, 2), np.float64)
 
 
-@settings(max_examples=8)
+@examples(8)
 @given(problems(dtypes=("float32", "bfloat16", "float16"), impl="xla"), block_sizes)
 def test_forward_matches_float64_numpy(p, bs):
     spec = p.spec.replace(block_sizes=bs)
@@ -38,7 +38,7 @@ def test_forward_matches_float64_numpy(p, bs):
     np.testing.assert_allclose(np.asarray(res.lse), lse, atol=tol, rtol=tol)
 
 
-@settings(max_examples=6)
+@examples(6)
 @given(problems(impl="xla"), block_sizes, st.integers(0, 1000))
 def test_gradients_match_float64_numpy(p, bs, seed):
     spec = p.spec.replace(block_sizes=bs)
@@ -68,7 +68,7 @@ def test_gradients_match_float64_numpy(p, bs, seed):
                                    err_msg="dsinks")
 
 
-@settings(max_examples=5)
+@examples(5)
 @given(problems(impl="xla", layouts=("bthd",)), block_sizes, block_sizes)
 def test_block_sizes_do_not_change_the_result(p, bs1, bs2):
     f = jax.jit(fnattn.flash)
@@ -110,7 +110,7 @@ def _term_parts(kind, arrays, B, Hq, Tq, Tk):
     return -r1 * np.log1p(r2 * dist), [-np.log1p(r2 * dist), -r1 * dist / (1 + r2 * dist)]
 
 
-@settings(max_examples=5)
+@examples(5)
 @given(problems(impl="xla", layouts=("bthd",), dropout=False), block_sizes, st.data())
 def test_position_terms_and_their_gradients_match_float64_numpy(p, bs, data):
     """In-kernel position terms (ALiBi, KERPLE) against the same logits as a

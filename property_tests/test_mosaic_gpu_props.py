@@ -26,14 +26,14 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import fnattn
 from fnattn import AttentionSpec, core, masks, position_bias
 from fnattn.flash.mosaic_gpu import MosaicGpuBlockSizes
 from mosaic_gpu_interpreter import compile_once, flash_table, reset_after_failure
-from strategies import (MASK_KINDS, extreme_sinks, gqa_heads, mask_trees, poison_hidden_keys,
-                        ragged_lengths)
+from strategies import (MASK_KINDS, examples, extreme_sinks, gqa_heads, mask_trees,
+                        poison_hidden_keys, ragged_lengths)
 from test_reliability import _assert_same, _run
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "paged"))
@@ -99,7 +99,7 @@ def problems(draw, head_dims=((64, 64), (40, 64), (64, 24))):
     return spec, q, k, v, do, dl
 
 
-@settings(max_examples=4)
+@examples(4)
 @given(problems())
 def test_mosaic_gpu_kernels_match_the_reference(problem):
     spec, q, k, v, do, dl = problem
@@ -173,7 +173,7 @@ def _interpreted_decode(spec, q, k, v, lengths, starts):
         raise
 
 
-@settings(max_examples=4)
+@examples(4)
 @given(decode_problems())
 def test_mosaic_gpu_decode_matches_the_reference(problem):
     """The decode kernel (or, where a slot it reads holds NaN or inf, the XLA
@@ -192,7 +192,7 @@ def test_mosaic_gpu_decode_matches_the_reference(problem):
     np.testing.assert_allclose(lse[fin], want_lse[fin], atol=3e-2, rtol=3e-2)
 
 
-@settings(max_examples=4)
+@examples(4)
 @given(st.integers(0, 2**16), st.sampled_from([8, 16, 64]),
        st.sampled_from([1, 2, "ragged", "update"]),
        st.sampled_from([None, masks.causal(), masks.causal() & masks.sliding_window(40)]),

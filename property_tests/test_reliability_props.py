@@ -6,12 +6,13 @@ reference, not float64 NumPy, is the yardstick here)."""
 
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import fnattn
 from fnattn import AttentionSpec, XlaBlockSizes, masks
 from lowering import cheap_compiles
-from strategies import (extreme_bias, extreme_sinks, mask_trees, poison_hidden_keys, sizes)
+from strategies import (examples, extreme_bias, extreme_sinks, mask_trees, poison_hidden_keys,
+                        sizes)
 from test_reliability import LOWERINGS, _compare, _run
 
 
@@ -46,19 +47,19 @@ def _check(lowering, problem):
     _compare(got, want, 3e-4)
 
 
-@settings(max_examples=10)
+@examples(10)
 @given(st.sampled_from(["xla", "flash-xla"]), hostile())
 def test_xla_lowerings_on_hostile_inputs(lowering, problem):
     _check(lowering, problem)
 
 
-@settings(max_examples=4)
+@examples(4)
 @given(st.sampled_from(["triton-interpret", "mosaic-interpret"]), hostile(max_t=9))
 def test_kernels_on_hostile_inputs(lowering, problem):
     _check(lowering, problem)
 
 
-@settings(max_examples=4)
+@examples(4)
 @given(hostile(sinks=False, equal_head_dims=True))
 def test_cudnn_delegate_on_hostile_inputs(problem):
     spec, *rest = problem

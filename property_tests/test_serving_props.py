@@ -26,13 +26,13 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, strategies as st
 
 import fnattn
 from fnattn import AttentionSpec, DecodeBlockSizes, PagedBlockSizes, masks
 from cases import np_mask
 from np_attention import np_attention
-from strategies import ragged_lengths
+from strategies import examples, ragged_lengths
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "paged"))
 import problems as paged  # noqa: E402  (tests/paged/problems.py)
@@ -310,7 +310,7 @@ def test_ragged_paged_xla_equals_dense_per_sequence(prob):
     _check_ragged(*prob)
 
 
-@settings(max_examples=10)
+@examples(10)
 @given(ragged_problems())
 def test_ragged_paged_update_xla_writes_then_equals_dense(prob):
     _check_update(*prob)
@@ -320,13 +320,13 @@ def test_ragged_paged_update_xla_writes_then_equals_dense(prob):
 _pallas_problems = ragged_problems(page_sizes=(8,), impl="pallas")
 
 
-@settings(max_examples=4)
+@examples(4)
 @given(_pallas_problems)
 def test_ragged_paged_pallas_interpret_equals_dense_per_sequence(prob):
     _check_ragged(*prob)
 
 
-@settings(max_examples=3)
+@examples(3)
 @given(_pallas_problems)
 def test_ragged_paged_update_pallas_interpret_equals_dense(prob):
     _check_update(*prob)
