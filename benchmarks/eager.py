@@ -11,8 +11,9 @@ five): ``eager / jit`` is the price of calling outside ``jit``.
 
 Rows: ``fnattn.attention`` (causal; packed documents with sinks),
 ``fnattn.decode`` (GQA, ragged lengths), ``fnattn.paged_attention`` (pages of
-16) and ``jax.nn.dot_product_attention`` (causal), all float32 on the default
-device. ``--fnattn PATH`` imports fnattn from another checkout (to time a
+16), an eager ``jax.grad`` and ``jax.vmap`` (over the batch) of the causal
+attention, and ``jax.nn.dot_product_attention`` (causal) and its ``jax.grad``,
+all float32 on the default device. ``--fnattn PATH`` imports fnattn from another checkout (to time a
 version before a change in the same run of this script).
 """
 
@@ -71,8 +72,16 @@ def cases(jax, jnp, np, fnattn, small=False):
         ("fnattn.paged_attention", paged,
          lambda q, k, v, t, L: fnattn.paged_attention(causal, q, k, v, page_table=t,
                                                       kv_lengths=L).out),
+        ("jax.grad of fnattn.attention, causal", dense,
+         lambda q, k, v: jax.grad(lambda q: fnattn.attention(causal, q, k, v).out.sum())(q)),
+        ("jax.vmap of fnattn.attention, causal", dense,
+         lambda q, k, v: jax.vmap(lambda q, k, v: fnattn.attention(
+             causal, q[None], k[None], v[None]).out)(q, k, v)),
         ("jax.nn.dot_product_attention, causal", dense,
          lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True)),
+        ("jax.grad of jax.nn.dot_product_attention, causal", dense,
+         lambda q, k, v: jax.grad(lambda q: jax.nn.dot_product_attention(
+             q, k, v, is_causal=True).sum())(q)),
     ]
 
 

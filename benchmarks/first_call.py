@@ -9,6 +9,7 @@ first call.
     python benchmarks/first_call.py              # T = 1k and 8k, causal and not, fwd and grad
     python benchmarks/first_call.py --quick      # T = 1k only, 2 repetitions
     python benchmarks/first_call.py --no-exec    # stages up to compilation only
+    python benchmarks/first_call.py --layers 12  # 12 calls in one program, as a model makes
 
 Per configuration, through the staged API of ``jax.jit``: ``trace``
 (``jax.jit(f).trace(q, k, v)``), ``lower`` (``.lower()``), ``compile``
@@ -63,10 +64,27 @@ def child(cfg):
     rng = np.random.default_rng(0)
     q, k, v = (jax.device_put(rng.standard_normal((B, T, H, D), np.float32)) for _ in range(3))
 
+    layers = cfg.get("layers", 1)
     if impl == "fnattn":
         import fnattn
         from fnattn import AttentionSpec, masks
         spec = AttentionSpec(mask=masks.causal() if causal else None)
+
+        def attn(q, k, v):
+            return fnattn.attention(spec, q, k, v).out
+    elif impl == "floor":
+        attn = _floor(B, T, H, D, bool(causal))
+    else:
+        def attn(q, k, v):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=bool(causal))
+    if layers > 1:  # a model's worth of calls, each on the last one's output
+        one = attn
+
+        def attn(q, k, v):
+            for _ in range(layers):
+                q = q + one(q, k, v)
+            return q
+    if impl == "fnattn" and layers == 1:
         if mode == "fwd":
             fn, args = jax.jit(fnattn.attention), (spec, q, k, v)
         else:
@@ -74,11 +92,6 @@ def child(cfg):
                 lambda q, k, v: fnattn.attention(spec, q, k, v).out.sum(),
                 argnums=(0, 1, 2))), (q, k, v)
     else:
-        if impl == "floor":
-            attn = _floor(B, T, H, D, bool(causal))
-        else:
-            def attn(q, k, v):
-                return jax.nn.dot_product_attention(q, k, v, is_causal=bool(causal))
         if mode == "fwd":
             fn = jax.jit(attn)
         else:
@@ -217,7 +230,9 @@ def write(rows, summary, args, seconds):
         f"- command: `{cmd.strip()}` ({seconds / 60:.1f} min)\n"
         f"- B={args.B}, H={args.H}, D={args.D}, float32; fwd = "
         "`jax.jit(fnattn.attention)(spec, q, k, v)` / `jax.jit(jax.nn.dot_product_attention)`; "
-        "grad = `jax.jit(jax.grad(out.sum(), argnums=(0, 1, 2)))`\n"
+        "grad = `jax.jit(jax.grad(out.sum(), argnums=(0, 1, 2)))`"
+        + (f"; {args.layers} layers: `x = x + attention(x, k, v)` {args.layers} times in "
+           "the one program (q = x)" if args.layers > 1 else "") + "\n"
         f"- every row is a fresh process (persistent compilation cache off), backend "
         f"initialised by an unrelated `x + 1` first; {args.reps} repetitions per row: the "
         "stages of the one with the smallest first call, the largest first call in "
@@ -234,8 +249,8 @@ def write(rows, summary, args, seconds):
         + "\n")
     stem = args.out
     os.makedirs(RESULTS, exist_ok=True)
-    fields = ["impl", "B", "T", "H", "D", "causal", "mode", "rep", "status", "trace", "lower",
-              "compile", "exec", "load"]
+    fields = ["impl", "B", "T", "H", "D", "layers", "causal", "mode", "rep", "status", "trace",
+              "lower", "compile", "exec", "load"]
     with open(os.path.join(RESULTS, stem + ".csv"), "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
@@ -259,6 +274,8 @@ def main():
     ap.add_argument("--B", type=int, default=1)
     ap.add_argument("--H", type=int, default=8)
     ap.add_argument("--D", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=1,
+                    help="attention calls in one program, each on the last one's output")
     ap.add_argument("--timeout", type=int, default=600)
     ap.add_argument("--out", default="first_call_cpu", help="results file stem")
     args = ap.parse_args()
@@ -277,7 +294,7 @@ def main():
                 for causal in (int(x) for x in args.causal.split(",")):
                     for impl in args.impls.split(","):
                         cfg = dict(impl=impl, B=args.B, T=T, H=args.H, D=args.D,
-                                   causal=causal, mode=mode, rep=rep,
+                                   causal=causal, mode=mode, rep=rep, layers=args.layers,
                                    exec=rep == 0 and not args.no_exec)
                         r = run_child(cfg, args.timeout)
                         rows.append(r)

@@ -321,10 +321,11 @@ def entry_point(public: str, *, ints=(), concrete=None):
     lists, Python ints and NumPy arrays (converted with ``jnp.asarray``); the
     other array parameters take NumPy arrays.
 
-    Called outside any transformation (no traced argument), the function runs
-    compiled (:func:`compiled_when_eager`); ``concrete(arguments)``, given,
+    The function runs through one ``jax.jit`` (:func:`through_jit`), so that
+    a call outside ``jit`` compiles once; ``concrete(arguments)``, given,
     first checks what only concrete values can tell (the bound arguments by
-    name).
+    name) when no argument is traced. With ``checked=True`` it runs as it is
+    (checkify's checks raise eagerly).
 
     >>> @entry_point("fnattn.example", ints=("lengths",))
     ... def example(spec, q, *, lengths):
@@ -368,9 +369,9 @@ def entry_point(public: str, *, ints=(), concrete=None):
                                          else _as_float_array(fn, name, x))
             if bound.arguments.get("checked"):  # checkify's checks: raised eagerly
                 return f(*bound.args, **bound.kwargs)
-            return eager(*bound.args, **bound.kwargs)
+            return jitted(*bound.args, **bound.kwargs)
 
-        eager = compiled_when_eager(
+        jitted = through_jit(
             f, before=None if concrete is None else (
                 lambda args, kwargs: concrete(sig.bind(*args, **kwargs).arguments)))
         return wrapper
@@ -382,45 +383,79 @@ _ARRAY = object()   # where an array leaf goes in a call's static description
 
 
 class _Static:
-    """The hashable part of a call: its tree and its leaves that are not arrays."""
+    """The hashable part of a call: its tree and its leaves that are not arrays.
 
-    __slots__ = ("treedef", "leaves", "_hash")
+    Trees are compared through :func:`_tree_key`, not ``PyTreeDef.__eq__``,
+    which (jax 0.10) holds two dataclass nodes of different types with the
+    same fields equal: ``masks.full()`` and ``masks.causal()`` would share a
+    compiled program (``jax.jit`` matches static arguments by ``==``).
+    """
+
+    __slots__ = ("treedef", "leaves", "_key", "_hash")
 
     def __init__(self, treedef, leaves):
         self.treedef, self.leaves = treedef, leaves
-        self._hash = hash((treedef, leaves))   # (TypeError where a leaf is unhashable)
+        self._key = _tree_key(treedef)
+        self._hash = hash((self._key, leaves))   # (TypeError where a leaf is unhashable)
 
     def __hash__(self):
         return self._hash
 
     def __eq__(self, other):
-        return (isinstance(other, _Static) and self.treedef == other.treedef
+        return (isinstance(other, _Static) and self._hash == other._hash
+                and self._key == other._key
                 and all(a is b or (a is not _ARRAY and b is not _ARRAY and type(a) is type(b)
                                    and a == b)
                         for a, b in zip(self.leaves, other.leaves)))
 
 
-def compiled_when_eager(f, before=None):
-    """``f(*args, **kwargs)``, through ``jax.jit`` when no argument is traced.
+def _tree_key(treedef):
+    """``treedef`` as nested tuples of each node's type, its static data (with
+    their types) and its children: equal exactly when the trees are.
 
-    Outside ``jit`` the variants' loops, conds and kernels would each be
-    compiled anew at every call (most of a second even for small inputs);
-    through one ``jax.jit`` per function, keyed on the arguments' tree, their
-    non-array leaves (static) and the arrays' shapes and dtypes, a call
-    compiles once, as ``jax.numpy`` functions do. Inside a transformation
-    (traced arguments) ``f`` is called as it is. ``before(args, kwargs)``
-    runs first on the concrete arguments. Arguments with leaves that cannot be
-    hashed are not compiled.
+    >>> from fnattn import masks
+    >>> key = lambda m: _tree_key(jax.tree_util.tree_structure(m))
+    >>> key(masks.full()) == key(masks.causal()), key(masks.causal()) == key(masks.causal())
+    (False, True)
+    """
+    data = treedef.node_data()
+    if data is None:   # a leaf
+        return None
+    kind, aux = data
+    return (kind, _aux_key(aux), tuple(_tree_key(c) for c in treedef.children()))
+
+
+def _aux_key(x):
+    if isinstance(x, jax.tree_util.PyTreeDef):   # (a mask holding a treedef)
+        return (jax.tree_util.PyTreeDef, _tree_key(x))
+    if isinstance(x, (tuple, list)):
+        return (type(x), tuple(_aux_key(a) for a in x))
+    return (type(x), x)
+
+
+def through_jit(f, before=None):
+    """``f(*args, **kwargs)`` through one ``jax.jit`` of ``f``, keyed on the
+    arguments' tree, their non-array leaves (static) and the arrays' shapes and
+    dtypes, as ``jax.numpy`` functions are.
+
+    Otherwise a call outside ``jit`` would compile the variants' loops, conds
+    and kernels anew each time (most of a second even for small inputs), and
+    so would one under an eager ``jax.grad`` or ``jax.vmap``; inside ``jit``
+    each key is traced once and shows in the jaxpr as a ``pjit`` named after
+    ``f``. ``before(args, kwargs)`` runs first when no argument is traced.
+    Arguments with leaves that cannot be hashed call ``f`` directly.
 
     >>> calls = []
     >>> def f(x, *, n):
     ...     calls.append(n)       # runs when traced
     ...     return x * n
-    >>> g = compiled_when_eager(f)
+    >>> g = through_jit(f)
     >>> [int(g(jnp.ones(()), n=3)) for _ in range(2)], calls   # traced once
     ([3, 3], [3])
     >>> int(jax.jit(lambda x: g(x, n=2))(jnp.ones(()))), calls
     (2, [3, 2])
+    >>> float(jax.grad(lambda x: g(x, n=3))(jnp.ones(()))), calls   # (its first trace)
+    (3.0, [3, 2])
     """
     def run(static, arrays):
         it = iter(arrays)
@@ -428,14 +463,13 @@ def compiled_when_eager(f, before=None):
         args, kwargs = jax.tree_util.tree_unflatten(static.treedef, leaves)
         return f(*args, **kwargs)
 
+    run.__name__ = run.__qualname__ = getattr(f, "__name__", "run")
     jitted = jax.jit(run, static_argnums=0)
 
     @functools.wraps(f)
     def call(*args, **kwargs):
         leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        if any(isinstance(x, jax.core.Tracer) for x in leaves):
-            return f(*args, **kwargs)
-        if before is not None:
+        if before is not None and not any(isinstance(x, jax.core.Tracer) for x in leaves):
             before(args, kwargs)
         is_array = [isinstance(x, (jax.Array, np.ndarray, np.generic)) for x in leaves]
         arrays = [x for x, a in zip(leaves, is_array) if a]

@@ -688,4 +688,4 @@ def _sharded_attention(spec, q, k, v, *, mesh, batch, heads, kv_heads, sequence,
     return res
 
 
-_compiled = _checks.compiled_when_eager(_sharded_attention)
+_compiled = _checks.through_jit(_sharded_attention)

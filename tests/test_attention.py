@@ -13,6 +13,7 @@ import pytest
 import fnattn
 from fnattn import AttentionSpec, masks
 from cases import CASES, make
+from np_attention import np_attention
 
 IMPLS = ["auto", "xla", "reference"]
 
@@ -199,6 +200,46 @@ def test_calls_outside_jit_compile_once_per_shapes_and_configuration(monkeypatch
         np.testing.assert_allclose(fnattn.attention(spec(0), q, k, k).out, first.out,
                                    atol=1e-5)
     assert len(traces) == n + 3
+
+
+def test_eager_grad_and_vmap_compile_once(monkeypatch):
+    """An eager jax.grad or jax.vmap of an entry point runs its jax.jit too:
+    traced once per shapes (it used to run operation by operation, compiling
+    each loop at every call), with the results of the jitted transformation."""
+    from fnattn import core
+    traces = []
+    run = core.run
+    monkeypatch.setattr(core, "run", lambda *a, **kw: traces.append(1) or run(*a, **kw))
+    spec = AttentionSpec(mask=masks.causal())
+    grad = jax.grad(lambda q, k: fnattn.attention(spec, q, k, k).out.sum())
+    vmap = jax.vmap(lambda q, k: fnattn.attention(spec, q[None], k[None], k[None]).out)
+    for f in (grad, vmap):
+        rs = np.random.default_rng(9)
+        args = [(_rand(rs, 2, 8, 4, 8), _rand(rs, 2, 8, 2, 8)) for _ in range(3)]
+        got = [f(*a) for a in args]
+        assert len(traces) == 1, f
+        for a, g in zip(args, got):
+            np.testing.assert_allclose(g, jax.jit(f)(*a), atol=1e-5)
+        traces.clear()
+
+
+def test_masks_of_the_same_fields_never_share_a_program():
+    """``masks.full()`` and ``masks.causal()`` (dataclass nodes without fields,
+    whose treedefs jax 0.10 holds equal) each get their own program, outside
+    jit and inside one: the second call of an entry point once returned the
+    first one's result."""
+    rs = np.random.default_rng(8)
+    q, k = _rand(rs, 1, 6, 2, 4), _rand(rs, 1, 6, 2, 4)
+    tril = np.tril(np.ones((6, 6), bool))
+    cases = [(masks.full(), None), (masks.causal(), tril),
+             (masks.full() & masks.causal(), tril), (masks.causal() & masks.full(), tril),
+             (masks.full() | masks.causal(), None)]
+    want = [np_attention(q, k, k, mask=m)[0] for _, m in cases]
+    for fn in (fnattn.attention, fnattn.reference, fnattn.flash):
+        calls = lambda q, k: [fn(AttentionSpec(mask=m), q, k, k).out for m, _ in cases]  # noqa: E731
+        for got in (calls(q, k), jax.jit(calls)(q, k)):
+            for (m, _), g, w in zip(cases, got, want):
+                np.testing.assert_allclose(g, w, atol=1e-5, err_msg=f"{fn.__name__} {m}")
 
 
 def test_disable_jit_runs_every_entry_point():

@@ -10,5 +10,7 @@ def test_small_run_writes_every_row(tmp_path):
     rows = [line for line in lines if line.startswith("| fnattn") or line.startswith("| jax")]
     assert [r.split(" | ")[0] for r in rows] == [
         "| fnattn.attention, causal", "| fnattn.attention, documents + sinks",
-        "| fnattn.decode", "| fnattn.paged_attention", "| jax.nn.dot_product_attention, causal"]
+        "| fnattn.decode", "| fnattn.paged_attention", "| jax.grad of fnattn.attention, causal",
+        "| jax.vmap of fnattn.attention, causal", "| jax.nn.dot_product_attention, causal",
+        "| jax.grad of jax.nn.dot_product_attention, causal"]
     assert all(r.count("|") == 6 for r in rows)
