@@ -386,7 +386,7 @@ class _Static:
     """The hashable part of a call: its tree and its leaves that are not arrays.
 
     Trees are compared through :func:`_tree_key`, not ``PyTreeDef.__eq__``,
-    which (jax 0.10) holds two dataclass nodes of different types with the
+    which (jax 0.10 and 0.11) holds two dataclass nodes of different types with the
     same fields equal: ``masks.full()`` and ``masks.causal()`` would share a
     compiled program (``jax.jit`` matches static arguments by ``==``).
     """
