@@ -33,7 +33,6 @@ are reproducible under the derandomized "ci" profile and shrink sensibly.
 """
 
 import dataclasses
-import os
 from typing import Any
 
 import jax
@@ -48,12 +47,13 @@ __all__ = ["Problem", "dtypes", "layouts", "gqa_heads", "sizes", "ragged_lengths
            "segment_ids", "mask_trees", "problems", "MASK_KINDS", "extreme_bias",
            "extreme_sinks", "poison_hidden_keys", "EXTREME_ROW_VALUES", "examples"]
 
+
 def examples(n: int) -> settings:
     """``@settings(max_examples=n)`` under the derandomized "ci" profile (the
     default: a slow test's bound there); under any other profile that profile's
     own ``max_examples``, so that ``HYPOTHESIS_PROFILE=dev`` searches every test
     as long as the others (an explicit ``max_examples`` would override it)."""
-    if os.environ.get("HYPOTHESIS_PROFILE", "ci") == "ci":
+    if settings.get_current_profile_name() == "ci":
         return settings(max_examples=n)
     return settings()
 
