@@ -62,6 +62,48 @@ def _check_forward_and_gradients(p, seed, tol=2e-4):
                                    err_msg="dsinks")
 
 
+def check_forward_mode(p, fn, seed, tol=2e-4):
+    """``jax.jvp`` of ``fn`` (``fnattn.attention`` or a variant taking the same
+    arguments) along random tangents of q, k, v, bias and sinks, against the
+    float64 NumPy gradients by duality: for a random cotangent (d_out, d_lse),
+    ``<d_out, t_out> + <d_lse, t_lse>`` equals ``<dq, t_q> + ... + <dsinks,
+    t_sinks>``. The tangents are finite, zero on rows that see no key, and the
+    primal is the forward's. Returns ``(t_out, t_lse)``."""
+    lay = p.spec.layout
+    rs = np.random.default_rng(seed)
+    B, Tq, Tk, Hq, Hkv, D, Dv = p.dims
+    d_out = rs.standard_normal((B, Tq, Hq, Dv))
+    d_lse = rs.standard_normal((B, Hq, Tq))
+    primals = (p.q, p.k, p.v, p.spec.bias, p.spec.sinks)
+    tangents = tuple(None if x is None else jnp.asarray(rs.standard_normal(x.shape), x.dtype)
+                     for x in primals)
+
+    def f(q, k, v, bias, sinks):
+        r = fn(p.spec.replace(bias=bias, sinks=sinks), q, k, v)
+        return r.out, r.lse
+
+    (out, lse), (t_out, t_lse) = jax.jit(lambda a, t: jax.jvp(f, a, t))(primals, tangents)
+    _check_forward(p, fnattn.AttentionOutput(out, lse), 1e-4)
+    t_out, t_lse = bthd(t_out, lay), np.asarray(t_lse, np.float64)
+    assert np.isfinite(t_out).all() and np.isfinite(t_lse).all()
+    empty = np.isneginf(np.asarray(lse))                       # (B, Hq, Tq)
+    assert not t_lse[empty].any()
+    assert not t_out[np.swapaxes(empty, 1, 2)].any()
+    got = (t_out * d_out).sum() + (t_lse * d_lse).sum()
+    ref = np_attention_grads(bthd(p.q, lay), bthd(p.k, lay), bthd(p.v, lay), d_out, d_lse,
+                             **p.np_kwargs)
+    terms = [(ref[n] * bthd(t, lay)).sum() for n, t in zip(("dq", "dk", "dv"), tangents)]
+    if p.spec.bias is not None:
+        terms.append((reduce_to(ref["dbias"], p.spec.bias.shape)
+                      * np.asarray(tangents[3], np.float64)).sum())
+    if p.spec.sinks is not None:
+        terms.append((ref["dsinks"] * np.asarray(tangents[4], np.float64)).sum())
+    want = sum(terms)
+    scale = 1.0 + sum(abs(t) for t in terms)
+    assert abs(got - want) <= tol * scale, (got, want, terms)
+    return t_out, t_lse
+
+
 LOW = {"bfloat16": 6e-2, "float16": 1e-2}
 
 
@@ -82,6 +124,12 @@ def test_forward_and_gradients_match_float64_numpy(p, seed):
        st.integers(0, 1000))
 def test_cudnn_delegate_matches_float64_numpy(p, seed):
     _check_forward_and_gradients(p, seed)
+
+
+@given(st.sampled_from(["xla", "reference"]).flatmap(lambda impl: problems(impl=impl)),
+       st.integers(0, 1000))
+def test_forward_mode_matches_float64_numpy(p, seed):
+    check_forward_mode(p, fnattn.attention, seed)
 
 
 @given(st.sampled_from(["xla", "reference"]).flatmap(

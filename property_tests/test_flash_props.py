@@ -5,6 +5,8 @@ every problem has several tiles per axis, ragged last tiles, and (through the
 mask) EMPTY, PARTIAL and FULL tiles in the same call.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ import fnattn
 from fnattn import XlaBlockSizes, position_bias
 from np_attention import np_attention, np_attention_grads, reduce_to
 from strategies import examples, problems
+from test_attention_props import check_forward_mode
 
 block_sizes = st.builds(XlaBlockSizes, block_q=st.integers(1, 8), block_k=st.integers(1, 8),
                         block_q_bwd=st.one_of(st.none(), st.integers(1, 8)),
@@ -66,6 +69,52 @@ def test_gradients_match_float64_numpy(p, bs, seed):
     if spec.sinks is not None:
         np.testing.assert_allclose(np.asarray(g[4]), ref["dsinks"], atol=2e-4, rtol=2e-4,
                                    err_msg="dsinks")
+
+
+@examples(6)
+@given(problems(impl="xla"), block_sizes, st.integers(0, 1000))
+def test_forward_mode_matches_float64_numpy(p, bs, seed):
+    # The tangent pass of the blockwise lowering, on tiles of every kind.
+    check_forward_mode(dataclasses.replace(p, spec=p.spec.replace(block_sizes=bs)),
+                       fnattn.flash, seed)
+
+
+@examples(4)
+@given(problems(impl="xla"), block_sizes, st.integers(0, 1000))
+def test_second_order_matches_the_reference(p, bs, seed):
+    # Hessian-vector products (forward over reverse, and reverse over reverse)
+    # of a loss of out and lse in q, k, v, bias and sinks, against the same
+    # transformations of fnattn.reference (plain JAX autodiff in float32).
+    spec = p.spec.replace(block_sizes=bs)
+    rs = np.random.default_rng(seed)
+    primals = (p.q, p.k, p.v, spec.bias, spec.sinks)
+    w_out = jnp.asarray(rs.standard_normal(p.q.shape[:-1] + (p.v.shape[-1],)), jnp.float32)
+    w_lse = jnp.asarray(rs.standard_normal((p.dims[0], p.dims[3], p.dims[1])), jnp.float32)
+    direction = tuple(None if x is None else jnp.asarray(rs.standard_normal(x.shape), x.dtype)
+                      for x in primals)
+
+    def hvps(fn):
+        def loss(*args):
+            q, k, v, bias, sinks = args
+            r = fn(spec.replace(bias=bias, sinks=sinks), q, k, v)
+            lse = jnp.where(jnp.isfinite(r.lse), r.lse, 0.0)
+            return jnp.sum(jnp.sin(r.out) * w_out) + jnp.sum(jnp.tanh(lse) * w_lse)
+
+        grad = jax.grad(loss, argnums=(0, 1, 2, 3, 4))
+        fwd_rev = jax.jvp(lambda *a: grad(*a), primals, direction)[1]
+        inner = lambda *a: sum(jnp.vdot(g, d) for g, d in zip(grad(*a), direction)  # noqa: E731
+                               if d is not None)
+        rev_rev = jax.grad(inner, argnums=(0, 1, 2, 3, 4))(*primals)
+        return fwd_rev, rev_rev
+
+    got, want = jax.jit(lambda: (hvps(fnattn.flash), hvps(fnattn.reference)))()
+    for g_tree, w_tree in zip(got, want):
+        for name, g, w in zip(("q", "k", "v", "bias", "sinks"), g_tree, w_tree):
+            if g is None:
+                continue
+            assert np.isfinite(np.asarray(g)).all(), name
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=5e-4, rtol=5e-4,
+                                       err_msg=name)
 
 
 @examples(5)

@@ -8,11 +8,15 @@
   ``kv_starts``, 1 to 3 queries, MHA/GQA/MQA, every split-K factor, positional
   masks, soft-cap and sinks (some of -inf or +inf), with large numbers, NaN or inf
   in every slot outside a sequence's range: equals each sequence's dense problem.
+  Its gradients (impl "auto", "xla" and "pallas") are each sequence's dense ones,
+  exactly zero on the other slots, and its forward-mode tangents agree with them.
 * ``fnattn.ragged_paged_attention`` (impl="xla", and impl="pallas", i.e. the
   Triton kernels interpreted on CPU) and its cache-writing form: random mixes of
   prefill, chunked-prefill, decode and idle sequences on permuted pages with
   padding tokens and padding sequences, page sizes, GQA ratios, windows, split
-  and block sizes: equals each sequence's dense problem.
+  and block sizes: equals each sequence's dense problem. With NaN or inf in every
+  slot that holds no live token, its gradients and tangents are the dense ones,
+  and the poisoned slots' gradients exactly zero.
 
 The expected results are float64 NumPy (``tests/np_attention.py``). Sizes are drawn
 from small sets so that few distinct shapes are compiled; the jitted functions are
@@ -31,7 +35,7 @@ from hypothesis import given, strategies as st
 import fnattn
 from fnattn import AttentionSpec, DecodeBlockSizes, PagedBlockSizes, masks
 from cases import np_mask
-from np_attention import np_attention
+from np_attention import np_attention, np_attention_grads
 from strategies import examples, ragged_lengths
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "paged"))
@@ -177,19 +181,13 @@ def _decode(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
     return fnattn.decode(spec, q, k_cache, v_cache, kv_lengths=kv_lengths, kv_starts=kv_starts)
 
 
-@given(st.sampled_from([1, 2, 3]), st.integers(1, 3), HEADS, st.data(),
-       positional_masks(), st.sampled_from([1, 2, 3, 4, 6, 12]), st.sampled_from([None, 2.0]),
-       st.sampled_from(["no", "finite", "-inf", "+inf"]), st.sampled_from([None, 0.4]),
-       st.sampled_from(["bthd", "bhtd"]), st.sampled_from(["large", "nan", "inf"]))
-def test_decode_equals_dense_per_sequence(B, Tq, heads, data, mask, num_splits, softcap,
-                                          sink_kind, scale, layout, garbage):
-    Hq, Hkv = heads
+def _decode_cache(rs, B, Tq, Hq, Hkv, lengths, garbage):
+    """``q, k, v, starts, k_seq, v_seq`` (NumPy float32, bthd, D = 4, Dv = 3):
+    each sequence's keys ``k_seq[b]`` at slots ``starts[b]`` onwards of a cache
+    of ``DECODE_S`` slots. The other slots hold garbage that must never be seen:
+    large numbers, NaN or inf (a released request's leftovers)."""
     S = DECODE_S
-    rs = np.random.default_rng(data.draw(st.integers(0, 2**16)))
-    lengths = np.asarray(data.draw(ragged_lengths(B, S)))      # 0 and S included
     starts = np.array([rs.integers(0, S - L + 1) for L in lengths], np.int32)
-    # Slots outside a sequence's range hold garbage that must never be seen:
-    # large numbers, NaN or inf (a released request's leftovers).
     k = rs.uniform(-1e4, 1e4, (B, S, Hkv, 4)).astype(np.float32)
     v = rs.uniform(-1e4, 1e4, (B, S, Hkv, 3)).astype(np.float32)
     if garbage != "large":
@@ -200,6 +198,20 @@ def test_decode_equals_dense_per_sequence(B, Tq, heads, data, mask, num_splits, 
     v_seq = [rs.standard_normal((L, Hkv, 3)).astype(np.float32) for L in lengths]
     for b, (a, L) in enumerate(zip(starts, lengths)):
         k[b, a:a + L], v[b, a:a + L] = k_seq[b], v_seq[b]
+    return q, k, v, starts, k_seq, v_seq
+
+
+@given(st.sampled_from([1, 2, 3]), st.integers(1, 3), HEADS, st.data(),
+       positional_masks(), st.sampled_from([1, 2, 3, 4, 6, 12]), st.sampled_from([None, 2.0]),
+       st.sampled_from(["no", "finite", "-inf", "+inf"]), st.sampled_from([None, 0.4]),
+       st.sampled_from(["bthd", "bhtd"]), st.sampled_from(["large", "nan", "inf"]))
+def test_decode_equals_dense_per_sequence(B, Tq, heads, data, mask, num_splits, softcap,
+                                          sink_kind, scale, layout, garbage):
+    Hq, Hkv = heads
+    S = DECODE_S
+    rs = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    lengths = np.asarray(data.draw(ragged_lengths(B, S)))      # 0 and S included
+    q, k, v, starts, k_seq, v_seq = _decode_cache(rs, B, Tq, Hq, Hkv, lengths, garbage)
     use_sinks = sink_kind != "no"
     sinks = None
     if use_sinks:
@@ -225,6 +237,83 @@ def test_decode_equals_dense_per_sequence(B, Tq, heads, data, mask, num_splits, 
                                mask=np_mask(mask, b, Hq, Tq, int(L)))
         want_out[b], want_lse[b] = o[0], l[0]
     assert_out_lse(t(np.asarray(res.out)), res.lse, want_out, want_lse)
+
+
+@functools.partial(jax.jit, static_argnames="impl")
+def _decode_derivatives(spec, q, k, v, lengths, starts, d_out, d_lse, tangents, *, impl):
+    """The pullback of (d_out, d_lse) and the jvp along ``tangents`` (of q, k, v,
+    sinks) of ``fnattn.decode``."""
+    def f(q, k, v, sinks):
+        r = fnattn.decode(spec.replace(sinks=sinks, impl=impl), q, k, v, kv_lengths=lengths,
+                          kv_starts=starts)
+        return r.out, r.lse
+
+    primals = (q, k, v, spec.sinks)
+    _, pullback = jax.vjp(f, *primals)
+    _, (t_out, t_lse) = jax.jvp(f, primals, tangents)
+    return pullback((d_out, d_lse)), t_out, t_lse
+
+
+@examples(10)
+@given(st.sampled_from([1, 2, 3]), st.integers(1, 3), HEADS, st.data(),
+       positional_masks(), st.sampled_from([1, 2, 3, 4, 6, 12]), st.sampled_from([None, 2.0]),
+       st.sampled_from(["no", "finite", "-inf"]), st.sampled_from([None, 0.4]),
+       st.sampled_from(["large", "nan", "inf"]), st.sampled_from(["auto", "xla", "pallas"]))
+def test_decode_derivatives_equal_dense_per_sequence(B, Tq, heads, data, mask, num_splits,
+                                                     softcap, sink_kind, scale, garbage, impl):
+    """Gradients and forward-mode tangents of decode over a cache whose slots
+    outside each sequence hold large numbers, NaN or inf: the gradients of the
+    sequences' slots are each sequence's dense ones (float64 NumPy), those of the
+    other slots exactly zero, and a jvp along random tangents (garbage slots
+    included) is finite and agrees with them by duality."""
+    Hq, Hkv = heads
+    rs = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+    lengths = np.asarray(data.draw(ragged_lengths(B, DECODE_S)))
+    q, k, v, starts, k_seq, v_seq = _decode_cache(rs, B, Tq, Hq, Hkv, lengths, garbage)
+    sinks = None
+    if sink_kind != "no":
+        sinks = rs.standard_normal(Hq)
+        if sink_kind == "-inf":
+            sinks[rs.integers(Hq)] = -np.inf
+    spec = AttentionSpec(mask=mask, softcap=softcap, scale=scale,
+                         sinks=None if sinks is None else jnp.asarray(sinks, jnp.float32),
+                         block_sizes=DecodeBlockSizes(num_splits=num_splits))
+    d_out = rs.standard_normal((B, Tq, Hq, 3)).astype(np.float32)
+    d_lse = rs.standard_normal((B, Hq, Tq)).astype(np.float32)
+    primals = (q, k, v) + (() if sinks is None else (np.float32(sinks),))
+    tangents = [rs.standard_normal(np.shape(x)).astype(np.float32) for x in primals]
+    (dq, dk, dv, dsinks), t_out, t_lse = _decode_derivatives(
+        spec, *(jnp.asarray(x) for x in (q, k, v, lengths, starts, d_out, d_lse)),
+        tuple(jnp.asarray(t) for t in tangents) + ((None,) if sinks is None else ()),
+        impl=impl)
+    want = dict(dq=np.zeros(q.shape), dk=np.zeros(k.shape), dv=np.zeros(v.shape),
+                dsinks=np.zeros(Hq))
+    for b, (a, L) in enumerate(zip(starts, lengths)):
+        if L == 0:   # lse is the sink: its cotangent goes there, nothing else moves
+            if sinks is not None:
+                want["dsinks"] += np.where(np.isfinite(sinks), d_lse[b].sum(-1), 0.0)
+            continue
+        g = np_attention_grads(q[b:b + 1], k_seq[b][None], v_seq[b][None], d_out[b:b + 1],
+                               d_lse[b:b + 1], scale=scale, softcap=softcap, sinks=sinks,
+                               mask=np_mask(mask, b, Hq, Tq, int(L)))
+        want["dq"][b] = g["dq"][0]
+        want["dk"][b, a:a + L], want["dv"][b, a:a + L] = g["dk"][0], g["dv"][0]
+        if sinks is not None:
+            want["dsinks"] += g["dsinks"]
+    got = dict(dq=dq, dk=dk, dv=dv, dsinks=dsinks)
+    for name in ("dq", "dk", "dv") + (("dsinks",) if sinks is not None else ()):
+        x = np.asarray(got[name], np.float64)
+        assert np.isfinite(x).all(), name
+        np.testing.assert_allclose(x, want[name], atol=1e-4, rtol=1e-4, err_msg=name)
+    for b, (a, L) in enumerate(zip(starts, lengths)):   # the garbage slots: exactly zero
+        outside = np.ones(DECODE_S, bool)
+        outside[a:a + L] = False
+        assert not np.asarray(dk)[b, outside].any() and not np.asarray(dv)[b, outside].any()
+    t_out, t_lse = np.asarray(t_out, np.float64), np.asarray(t_lse, np.float64)
+    assert np.isfinite(t_out).all() and np.isfinite(t_lse).all()
+    lhs = (t_out * d_out).sum() + (t_lse * d_lse).sum()
+    terms = [(want[n] * t).sum() for n, t in zip(("dq", "dk", "dv", "dsinks"), tangents)]
+    assert abs(lhs - sum(terms)) <= 1e-4 * (1 + sum(abs(t) for t in terms)), (lhs, terms)
 
 
 # ----------------------------------------------------------------------------------
@@ -314,6 +403,80 @@ def test_ragged_paged_xla_equals_dense_per_sequence(prob):
 @given(ragged_problems())
 def test_ragged_paged_update_xla_writes_then_equals_dense(prob):
     _check_update(*prob)
+
+
+@functools.partial(jax.jit, static_argnames="impl")
+def _ragged_derivatives(spec, q, k_pages, v_pages, meta, d_out, d_lse, tangents, *, impl):
+    """The pullback of (d_out, d_lse) and the jvp along ``tangents`` (of q, the
+    pools and the sinks) of ``fnattn.ragged_paged_attention``."""
+    def f(q, kp, vp, sinks):
+        r = fnattn.ragged_paged_attention(spec.replace(sinks=sinks, impl=impl), q, kp, vp,
+                                          **meta)
+        return r.out, r.lse
+
+    primals = (q, k_pages, v_pages, spec.sinks)
+    _, pullback = jax.vjp(f, *primals)
+    _, (t_out, t_lse) = jax.jvp(f, primals, tangents)
+    return pullback((d_out, d_lse)), t_out, t_lse
+
+
+@examples(8)
+@given(ragged_problems(), st.sampled_from([None, np.nan, np.inf]),
+       st.sampled_from(["auto", "xla"]), st.integers(0, 2**16))
+def test_ragged_paged_derivatives_equal_dense_per_sequence(prob, poison, impl, seed):
+    """Gradients and forward-mode tangents of ragged paged attention over pools
+    whose slots that hold no live token are large numbers, NaN or inf: dq and
+    the pools' gradients at the live slots are each sequence's dense ones
+    (float64 NumPy), the other slots' gradients exactly zero, and a jvp along
+    random tangents (every slot included) is finite and agrees by duality."""
+    spec, p = prob
+    pp = p if poison is None else paged.poisoned(p, poison)
+    rs = np.random.default_rng(seed)
+    T, Hq, D = p.q.shape
+    Dv = p.v_pages.shape[-1]
+    d_out = rs.standard_normal((T, Hq, Dv)).astype(np.float32)
+    d_lse = rs.standard_normal((Hq, T)).astype(np.float32)
+    primals = (pp.q, pp.k_pages, pp.v_pages) + (() if spec.sinks is None else (spec.sinks,))
+    tangents = [rs.standard_normal(x.shape).astype(np.float32) for x in primals]
+    (dq, dkp, dvp, dsinks), t_out, t_lse = _ragged_derivatives(
+        spec, pp.q, pp.k_pages, pp.v_pages, paged.meta(p), jnp.asarray(d_out),
+        jnp.asarray(d_lse), tuple(map(jnp.asarray, tangents))
+        + ((None,) if spec.sinks is None else ()), impl=impl)
+    sinks = None if spec.sinks is None else _f64(spec.sinks)
+    want = dict(dq=np.zeros((T, Hq, D)), dsinks=np.zeros(Hq))
+    dks, dvs, start = [], [], 0
+    for s, (L, n) in enumerate(p.seqs):
+        rows = slice(start, start + n)
+        if n == 0:
+            dks.append(np.zeros((L,) + p.k_tok[s].shape[1:]))
+            dvs.append(np.zeros((L,) + p.v_tok[s].shape[1:]))
+            continue
+        g = np_attention_grads(_f64(p.q[rows])[None], _f64(p.k_tok[s])[None],
+                               _f64(p.v_tok[s])[None], d_out[None, rows],
+                               d_lse[:, rows][None], scale=spec.scale, softcap=spec.softcap,
+                               sinks=sinks, mask=np_mask(spec.mask, s, Hq, n, L))
+        want["dq"][rows] = g["dq"][0]
+        dks.append(g["dk"][0])
+        dvs.append(g["dv"][0])
+        if sinks is not None:
+            want["dsinks"] += g["dsinks"]
+        start += n
+    want["dk"] = paged.to_pool(p, dks, p.k_pages)
+    want["dv"] = paged.to_pool(p, dvs, p.v_pages)
+    got = dict(dq=dq, dk=dkp, dv=dvp, dsinks=dsinks)
+    for name in ("dq", "dk", "dv") + (("dsinks",) if sinks is not None else ()):
+        x = np.asarray(got[name], np.float64)
+        assert np.isfinite(x).all(), name
+        np.testing.assert_allclose(x, want[name], atol=1e-4, rtol=1e-4, err_msg=name)
+    if poison is not None:   # the poisoned slots: exactly zero
+        bad = ~np.isfinite(np.asarray(pp.k_pages))
+        assert not np.asarray(dkp)[bad].any() and not np.asarray(dvp)[bad[..., :1].repeat(
+            Dv, -1)].any()
+    t_out, t_lse = np.asarray(t_out, np.float64), np.asarray(t_lse, np.float64)
+    assert np.isfinite(t_out).all() and np.isfinite(t_lse).all()
+    lhs = (t_out * d_out).sum() + (t_lse * d_lse).sum()
+    terms = [(want[n] * t).sum() for n, t in zip(("dq", "dk", "dv", "dsinks"), tangents)]
+    assert abs(lhs - sum(terms)) <= 1e-4 * (1 + sum(abs(t) for t in terms)), (lhs, terms)
 
 
 # The Mosaic branch (traced on every platform) needs pages of a multiple of 8 rows.

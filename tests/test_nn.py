@@ -172,6 +172,12 @@ def run_both(c, q, k, v, bias, mask, q_lengths, kv_lengths):
 
 @pytest.mark.parametrize("c", GRID)
 def test_grid_against_jax_nn(c):
+    check_against_jax_nn(c)
+
+
+def check_against_jax_nn(c):
+    """Compare fnattn with jax.nn on one point ``c`` of :func:`case` (also the
+    check of ``property_tests/test_nn_props.py``)."""
     dtype = c["dtype"]
     inputs = make_inputs(c, jnp.dtype(dtype).type)
     alive, (out, res, grads), (out_j, res_j, grads_j) = run_both(c, *inputs)
