@@ -75,6 +75,10 @@ STEPS = (
          ("benchmarks/gpu.py", "--out-dir", "{out}", "--sections", "decode", "--reps", "3",
           "--decode-grid", "16x4096,64x8192,1x32768,4x16384", "--kernel-times", "--budget",
           "decode=50"), 60, 45),
+    Step("schedule", "the visiting tables of a document mask (ordered by a scatter, "
+         "against the sort they replaced) at T = 32k to 1M, beside jax.nn at 8k",
+         ("benchmarks/schedule.py", "--ts", "32768,131072,262144,1048576", "--reps", "5",
+          "--out", "{out}/schedule_gpu"), 60, 30),
     Step("shapes", "head dims 64 and 256, T = 2k and 32k, beside cuDNN",
          _FLASH + ("--impls", "jax.nn:cudnn,fnattn,fnattn:mosaic_gpu_bwd", "--flash-grid",
                    "8192x64,8192x256,2048x128,32768x128", "--modes", "fwd,bwd",

@@ -1184,8 +1184,8 @@ def visit_list(xp, cls):
     """The visiting table of tile classes (…, rows, cols), as
     :func:`fnattn.flash.triton.row_classes` gives them: per row ``[n_full,
     n_visited, FULL tiles..., PARTIAL tiles..., repeats of the last]``, each
-    kind in increasing order, in one sort (FULL tiles rank first, then
-    PARTIAL, then EMPTY), int32.
+    kind in increasing order (:func:`fnattn.flash.blocks.ranked_order`: FULL
+    tiles rank first, then PARTIAL), int32.
 
     >>> visit_list(np, np.array([[masks.PARTIAL, masks.FULL, masks.EMPTY, masks.FULL],
     ...                          [masks.EMPTY] * 4])).tolist()
@@ -1194,7 +1194,7 @@ def visit_list(xp, cls):
     n = cls.shape[-1]
     cols = xp.arange(n, dtype=np.int32)
     rank = xp.where(cls == masks.FULL, 0, xp.where(cls == masks.PARTIAL, 1, 2))
-    order = xp.argsort(rank * n + cols, axis=-1).astype(np.int32)
+    order = blocks.ranked_order(xp, rank, 2)
     n_full = (cls == masks.FULL).sum(-1, keepdims=True).astype(np.int32)
     n_seen = (cls != masks.EMPTY).sum(-1, keepdims=True).astype(np.int32)
     last = xp.take_along_axis(order, xp.maximum(n_seen - 1, 0), axis=-1)

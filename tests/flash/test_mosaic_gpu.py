@@ -568,7 +568,7 @@ def test_block_sizes_fit_shared_memory():
 
 @pytest.mark.parametrize("transpose, heads_per_row", [(False, 1), (True, 1), (True, 3)])
 def test_visit_list_matches_a_plain_walk(transpose, heads_per_row):
-    """The visiting table (one sort, NumPy at trace time or XLA) against walking
+    """The visiting table (NumPy at trace time, or XLA) against walking
     each row: FULL tiles in order, then PARTIAL ones, then the last repeated
     (0 for a row that visits nothing); merged heads FULL only if FULL for all."""
     from fnattn.flash import triton

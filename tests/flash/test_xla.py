@@ -111,6 +111,43 @@ def test_full_tiles_skip_the_mask():
     np.testing.assert_array_equal(np.asarray(s.count[0, 0]), [1, 2, 3, 4])
 
 
+@pytest.mark.parametrize("transpose", [False, True])
+def test_schedule_in_xla_equals_a_plain_walk(transpose):
+    """blocks.schedule (XLA: a scatter, no sort) and schedule_static (NumPy)
+    against walking each row: the non-empty tiles in order, their classes, the
+    last repeated past the count (0 for a row that visits nothing)."""
+    cls = np.random.default_rng(1).choice(
+        np.array([masks.EMPTY, masks.PARTIAL, masks.FULL], np.int8), (2, 3, 6, 9),
+        p=[0.5, 0.25, 0.25])
+    cls[1, 2, :, 4] = masks.EMPTY
+    cls[0, 1, 3] = masks.EMPTY
+    rows = cls.swapaxes(-1, -2) if transpose else cls
+    n = rows.shape[-1]
+    index = np.zeros(rows.shape, np.int32)
+    kind = np.full(rows.shape, masks.EMPTY, np.int8)
+    for idx in np.ndindex(rows.shape[:-1]):
+        seen = np.flatnonzero(rows[idx] != masks.EMPTY)
+        index[idx] = list(seen) + [seen[-1] if len(seen) else 0] * (n - len(seen))
+        kind[idx][:len(seen)] = rows[idx][seen]
+    traced = jax.jit(lambda c: blocks.schedule(c, transpose=transpose))(cls)
+    for s in (traced, blocks.schedule_static(cls, transpose=transpose)):
+        np.testing.assert_array_equal(np.asarray(s.index), index)
+        np.testing.assert_array_equal(np.asarray(s.kind), kind)
+        np.testing.assert_array_equal(np.asarray(s.count), (rows != masks.EMPTY).sum(-1))
+
+
+def test_ranked_order_is_a_stable_sort_by_rank():
+    rank = np.random.default_rng(2).integers(0, 4, (3, 2, 17))
+    want = np.argsort(rank, axis=-1, kind="stable")
+    for ranks in (1, 2, 3, 4):
+        traced = jax.jit(lambda r: blocks.ranked_order(jnp, r, ranks))(rank)
+        got = [blocks.ranked_order(np, rank, ranks), np.asarray(traced)]
+        for idx in np.ndindex(rank.shape[:-1]):
+            listed = (rank[idx] < ranks).sum()
+            for g in got:
+                np.testing.assert_array_equal(g[idx][:listed], want[idx][:listed])
+
+
 def _cfg(tq, tk, hq=8, hkv=8, d=64):
     from fnattn import _checks, _dispatch
     dims = _checks.Dims(1, tq, tk, hq, hkv, d, d)

@@ -1,0 +1,169 @@
+"""What building the block-sparse schedule of a document mask costs, by sequence length.
+
+A mask holding arrays (segment ids of packed documents, here) has its tile
+classes and the kernels' visiting tables computed in XLA at every call, so that
+a new packing does not recompile. This times, under ``jax.jit`` on this
+machine, for causal attention within packed documents (mean length
+``--doc``) at tiles of 128 x 128:
+
+* ``classes``: :func:`fnattn.masks.block_classes` alone;
+* ``xla flash``: the classes and the XLA flash lowering's FULL and PARTIAL
+  schedules (:func:`fnattn.flash.blocks.schedule`, forward);
+* ``triton``: the classes and the Triton kernels' table, forward;
+* ``mosaic gpu fwd`` / ``bwd``: the Mosaic GPU kernels' visiting tables
+  (:func:`fnattn.flash.mosaic_gpu.dynamic_schedule`, the backward's transposed);
+* ``... (sort)``: the same tables with each row ordered by a sort, as fnattn
+  built them before :func:`fnattn.flash.blocks.ranked_order`: the baseline of
+  the same run;
+* ``jax.nn fwd``: ``jax.nn.dot_product_attention`` (causal, B=1, H=8, D=64,
+  float32) at the same T, up to ``--jaxnn-max`` (its (T, T) logits), for scale.
+
+    python benchmarks/schedule.py                         # T = 8k ... 256k
+    python benchmarks/schedule.py --ts 8192,131072 --reps 5
+
+Writes ``results/schedule_<device>.md`` (``--out``).
+"""
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+from fnattn import masks  # noqa: E402
+from fnattn._checks import Dims  # noqa: E402
+from fnattn.flash import blocks, mosaic_gpu, triton  # noqa: E402
+
+TILE = 128
+
+
+def sorted_order(xp, rank, ranks):
+    """The baseline: each row's columns by rank, then column, with a sort."""
+    n = rank.shape[-1]
+    return xp.argsort(rank * n + xp.arange(n, dtype=np.int32), axis=-1).astype(np.int32)
+
+
+def documents(T, mean, seed=0):
+    """(1, T) int32 ids of packed documents, about ``mean`` tokens each."""
+    rs = np.random.default_rng(seed)
+    cuts = np.sort(rs.choice(np.arange(1, T), max(T // mean - 1, 0), replace=False))
+    return jnp.asarray(np.searchsorted(cuts, np.arange(T), side="right")[None], jnp.int32)
+
+
+def passes(T, H):
+    """``{name: f(mask)}``: each schedule pass, jitted."""
+    d = Dims(1, T, T, H, H, 64, 64)
+
+    def classes(m):
+        return masks.block_classes(m, 1, H, T, T, TILE, TILE)
+
+    return {
+        "classes": classes,
+        "xla flash": lambda m: blocks.schedule(classes(m)),
+        "triton": lambda m: triton._table(jnp, blocks.schedule, classes(m), False, 1),
+        "mosaic gpu fwd": lambda m: mosaic_gpu.dynamic_schedule(m, d, None, TILE, TILE),
+        "mosaic gpu bwd": lambda m: mosaic_gpu.dynamic_schedule(m, d, None, TILE, TILE,
+                                                                transpose=True),
+    }
+
+
+def timed(f, args, reps):
+    """Median and minimum seconds of ``reps`` calls after a first (compiling) one."""
+    jax.block_until_ready(f(*args))
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        jax.block_until_ready(f(*args))
+        ts.append(time.perf_counter() - t)
+    return statistics.median(ts), min(ts)
+
+
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ts", default="8192,32768,65536,131072,262144")
+    ap.add_argument("--doc", type=int, default=1024, help="mean document length")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--jaxnn-max", type=int, default=8192)
+    ap.add_argument("--out", default=None)
+    return ap
+
+
+def main(argv=None):
+    args = parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else argv
+    dev = jax.devices()[0]
+    start = time.time()
+    rows = []
+    for T in (int(t) for t in args.ts.split(",")):
+        ids = documents(T, args.doc)
+        mask = masks.causal() & masks.segments(ids, ids)
+        timings = {}
+        for name, f in passes(T, args.heads).items():
+            timings[name] = timed(jax.jit(f), (mask,), args.reps)
+        # The baseline: fresh functions (JAX caches a traced function by its
+        # identity), traced with the sort in place of blocks.ranked_order,
+        # which the modules call through their reference to blocks.
+        real, blocks.ranked_order = blocks.ranked_order, sorted_order
+        try:
+            jax.clear_caches()
+            for name, f in passes(T, args.heads).items():
+                if name != "classes":
+                    timings[name + " (sort)"] = timed(jax.jit(f), (mask,), args.reps)
+        finally:
+            blocks.ranked_order = real
+            jax.clear_caches()
+        if T <= args.jaxnn_max:
+            q = jax.random.normal(jax.random.key(0), (1, T, 8, 64), jnp.float32)
+            f = jax.jit(lambda q: jax.nn.dot_product_attention(q, q, q, is_causal=True))
+            timings["jax.nn fwd"] = timed(f, (q,), args.reps)
+        table = jax.eval_shape(passes(T, args.heads)["mosaic gpu fwd"], mask)
+        names = [n for p in passes(T, args.heads) for n in (p, p + " (sort)")] + ["jax.nn fwd"]
+        for name in (n for n in names if n in timings):
+            med, low = timings[name]
+            base = timings.get(name + " (sort)")
+            rows.append((T, T // TILE, name, med * 1e3, low * 1e3,
+                         f"{base[0] / med:.2f}x" if base else "",
+                         table.size * 4 / 2**20 if name == "mosaic gpu fwd" else None))
+            print(rows[-1], flush=True)
+    write(rows, args, dev, time.time() - start)
+
+
+def write(rows, args, dev, elapsed):
+    name = dev.device_kind.replace(" ", "_") if dev.platform != "cpu" else "cpu"
+    out = args.out or os.path.join(HERE, "results", f"schedule_{name}")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    lines = [
+        "# The block-sparse schedule of a document mask, by sequence length", "",
+        f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+        f"- device: {dev.platform} ({dev.device_kind}, {os.cpu_count()} CPUs visible, load "
+        f"average {load:.1f} at the end)",
+        f"- jax: {jax.__version__}",
+        f"- command: `python benchmarks/schedule.py {' '.join(args.argv)}` "
+        f"({elapsed / 60:.1f} min)",
+        f"- causal within packed documents of about {args.doc} tokens, B = 1, H = "
+        f"{args.heads} (the classes do not depend on the head), tiles {TILE} x {TILE}; "
+        "time: median (and minimum) of the calls after compilation; sort ÷ this: the "
+        "same pass with each table row ordered by a sort (the previous implementation), "
+        "over this row's time; table MB: the Mosaic GPU forward's visiting table",
+        "",
+        "| T | tiles per axis | pass | ms | min ms | sort ÷ this | table MB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for T, n, pname, med, low, ratio, mb in rows:
+        lines.append(f"| {T} | {n} | {pname} | {med:.2f} | {low:.2f} | {ratio} | "
+                     f"{'' if mb is None else f'{mb:.1f}'} |")
+    with open(out + ".md", "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print(f"wrote {out}.md")
+
+
+if __name__ == "__main__":
+    main()
