@@ -20,6 +20,14 @@ machine, for causal attention within packed documents (mean length
 
     python benchmarks/schedule.py                         # T = 8k ... 256k
     python benchmarks/schedule.py --ts 8192,131072 --reps 5
+    python benchmarks/schedule.py --lowered               # programs for cuda, causal
+
+``--lowered`` instead lowers causal ``fnattn.attention`` (B=1, H=8, D=128,
+bfloat16) and its gradient for "cuda" (on any machine: an abstract H100) at each
+T, and reports the StableHLO text's size and the trace + lower time, with the
+tables of an array-free mask embedded up to :data:`fnattn.flash.blocks.EMBEDDED_TILES`
+tiles (fnattn's rule) and embedded whatever their size (the rule before it), in
+the same run.
 
 Writes ``results/schedule_<device>.md`` (``--out``).
 """
@@ -85,6 +93,73 @@ def timed(f, args, reps):
     return statistics.median(ts), min(ts)
 
 
+def cuda_target():
+    """A context in which a program lowers for "cuda" without a GPU: an abstract
+    mesh of one abstract H100 (a nullcontext on a JAX without them)."""
+    import contextlib
+    try:
+        dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                          platform="gpu")
+        mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                         abstract_device=dev)
+    except (AttributeError, TypeError):
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh)
+
+
+def lowered_sizes(T, embedded):
+    """``[(program, MB of StableHLO text, seconds to trace and lower)]`` of causal
+    attention and its gradient lowered for cuda at ``T``; ``embedded`` (tiles):
+    the limit of :data:`fnattn.flash.blocks.EMBEDDED_TILES` to lower with."""
+    import fnattn
+    from fnattn import AttentionSpec
+    spec = AttentionSpec(mask=masks.causal())
+    q = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16)
+    programs = {"forward": lambda q: fnattn.attention(spec, q, q, q).out,
+                "gradient": jax.grad(lambda q: fnattn.attention(spec, q, q, q).out.astype(
+                    jnp.float32).sum())}
+    real, blocks.EMBEDDED_TILES = blocks.EMBEDDED_TILES, embedded
+    out = []
+    try:
+        for name, f in programs.items():
+            jax.clear_caches()
+            with cuda_target():
+                start = time.perf_counter()
+                text = jax.jit(f).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+                out.append((name, len(text) / 2**20, time.perf_counter() - start))
+    finally:
+        blocks.EMBEDDED_TILES = real
+        jax.clear_caches()
+    return out
+
+
+def main_lowered(args):
+    lowered_sizes(2048, blocks.EMBEDDED_TILES)   # (warm: the first lowering imports more)
+    start = time.time()
+    lines = ["# Causal attention lowered for cuda: the program's size and time", "",
+             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"- jax: {jax.__version__}; lowered on {jax.devices()[0].platform} for an abstract "
+             "H100",
+             f"- command: `python benchmarks/schedule.py {' '.join(args.argv)}`",
+             "- fnattn.attention, causal, B = 1, H = 8, D = 128, bfloat16 (the Triton kernels); "
+             "MB: the StableHLO text; s: trace and lower, after jax.clear_caches(); embedded: "
+             f"array-free masks' tables embedded up to {blocks.EMBEDDED_TILES} tiles (now); "
+             "always: embedded whatever their size (before)", "",
+             "| T | program | embedded MB | embedded s | always MB | always s |",
+             "|---|---|---|---|---|---|"]
+    for T in (int(t) for t in args.ts.split(",")):
+        now = lowered_sizes(T, blocks.EMBEDDED_TILES)
+        before = lowered_sizes(T, float("inf"))
+        for (name, mb, s), (_, mb0, s0) in zip(now, before):
+            lines.append(f"| {T} | {name} | {mb:.2f} | {s:.2f} | {mb0:.2f} | {s0:.2f} |")
+            print(lines[-1], flush=True)
+    lines.insert(4, f"- took {(time.time() - start) / 60:.1f} min")
+    out = args.out or os.path.join(HERE, "results", "schedule_lowered_cuda")
+    with open(out + ".md", "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print(f"wrote {out}.md")
+
+
 def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--ts", default="8192,32768,65536,131072,262144")
@@ -93,12 +168,16 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--jaxnn-max", type=int, default=8192)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--lowered", action="store_true",
+                    help="program sizes lowered for cuda instead of the tables' times")
     return ap
 
 
 def main(argv=None):
     args = parser().parse_args(argv)
     args.argv = sys.argv[1:] if argv is None else argv
+    if args.lowered:
+        return main_lowered(args)
     dev = jax.devices()[0]
     start = time.time()
     rows = []

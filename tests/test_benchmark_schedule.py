@@ -1,6 +1,6 @@
 """benchmarks/schedule.py on small sequences: its baseline (each table row
-ordered by a sort) builds the same tables as fnattn's scatter, and a run writes
-every row."""
+ordered by a sort) builds the same tables as fnattn's scatter, a run writes
+every row, and ``--lowered`` lowers both programs for cuda."""
 
 import jax
 import numpy as np
@@ -42,3 +42,13 @@ def test_small_run_writes_every_row(tmp_path):
     assert [r[2] for r in rows] == passes + ["jax.nn fwd"] + passes
     for r in rows:
         assert float(r[3]) > 0 and (r[5].endswith("x") == (r[2] in passes[1::2]))
+
+
+def test_lowered_run_compares_the_programs_for_cuda(tmp_path):
+    schedule = benchmark_module("schedule")
+    schedule.main(["--lowered", "--ts", "4096", "--out", str(tmp_path / "lowered")])
+    rows = [line.split(" | ") for line in (tmp_path / "lowered.md").read_text().splitlines()
+            if line.startswith("| 4096 ")]
+    assert [r[1] for r in rows] == ["forward", "gradient"]
+    for r in rows:   # (small enough to embed: the same programs)
+        assert float(r[2]) == float(r[4]) > 0

@@ -1112,9 +1112,10 @@ def _schedule(cfg, mask, rows, bk):
     """The kernel's visiting table, int32 (B|1, H|1, q-tiles, 2 + kv-tiles):
     ``[n_full, n_visited, FULL tiles..., PARTIAL tiles..., repeats of the
     last]``. A read-only NumPy constant when the mask's tile classes are static
-    (no arrays, :func:`_static_table_of`); otherwise computed in XLA from the
-    mask's arrays (:func:`fnattn.masks.block_classes`), as the Triton kernels'
-    table is. ``rows`` and ``bk``: the tiles of ``cfg``'s block sizes."""
+    (no arrays) and the table is not too large to embed (:func:`_static_table_of`);
+    otherwise computed in XLA (from the mask's arrays:
+    :func:`fnattn.masks.block_classes`), as the Triton kernels' table is.
+    ``rows`` and ``bk``: the tiles of ``cfg``'s block sizes."""
     table = _static_table_of(cfg, mask)
     if table is not None:
         return table
@@ -1171,10 +1172,13 @@ def static_schedule(treedef, batch, num_heads, q_len, kv_len, block_rows, block_
 
 
 def _static_table_of(cfg, mask):
-    """The visiting table of ``cfg`` at its block sizes when it is static, else None."""
+    """The visiting table of ``cfg`` at its block sizes when it is static and
+    embedded (:func:`fnattn.flash.blocks.embeds`), else None."""
     if mask is not None and mask.num_operands:
         return None
     d, bs = cfg.dims, _blocks_for(cfg)
+    if not blocks.embeds(-(-d.q_len // (2 * bs.block_q)), -(-d.kv_len // bs.block_k)):
+        return None
     treedef = None if mask is None else jax.tree_util.tree_structure(mask)
     return static_schedule(treedef, d.batch, d.num_q_heads, d.q_len, d.kv_len,
                            2 * bs.block_q, bs.block_k, cfg.q_offset)

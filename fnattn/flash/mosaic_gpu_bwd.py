@@ -1038,13 +1038,15 @@ def _backward(cfg, q, k, v, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, i
     ids = []
     # a learned term: the operands whose gradient the kernel sums beside dK
     term_ops = position_bias.kernel_grad_operands(cfg.term_grad, mask, "Pallas Mosaic GPU")
-    if mask is not None and mask.num_operands:  # its table and arrays from XLA
+    if mask is not None and mask.num_operands:  # its arrays from XLA
         operands, stacks, ids = mosaic_gpu.id_arrays(mask, P.Tqp, P.Tkp)
         P = _plan(cfg, mask, interpret, operands, stacks, term_ops)
+    if (mask is None or not mask.num_operands) and blocks.embeds(P.Tkp // P.kv_rows,
+                                                                  P.Tqp // TILE):
+        table = P.table()
+    else:   # the table from XLA (a mask's arrays, or one too large to embed)
         table = mosaic_gpu.dynamic_schedule(mask, d, cfg.q_offset, TILE, P.kv_rows,
                                             transpose=True, heads_per_row=P.Gp)
-    else:
-        table = P.table()
     # delta folds in the lse cotangent: dS = P * (dP - (rowsum(dO * O) - d_lse)).
     # The barrier keeps its reduction out of the stack below: fused into it, XLA
     # took 295 us on an H100 (B=2, T=8k, H=16, D=128) for what it reduces in

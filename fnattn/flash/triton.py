@@ -782,12 +782,13 @@ def _schedule(mask, cfg, K: _K, *, transpose=False, heads_per_row=1):
     A mask holding no arrays has static classes: the table is then computed
     with NumPy at trace time (cached per configuration) and reaches the kernel
     as a constant, so tracing this branch compiles nothing and the program
-    sorts nothing; otherwise it is traced.
+    sorts nothing, unless it has more tiles than
+    :data:`fnattn.flash.blocks.EMBEDDED_TILES`; otherwise it is traced.
     """
     if mask is None:
         return None
     d = cfg.dims
-    if mask.num_operands == 0:
+    if mask.num_operands == 0 and blocks.embeds(-(-d.q_len // K.bq), -(-d.kv_len // K.bk)):
         table = _static_table(jax.tree_util.tree_structure(mask), d.batch, d.num_q_heads,
                               d.q_len, d.kv_len, K.bq, K.bk, cfg.q_offset, transpose,
                               heads_per_row)

@@ -175,7 +175,7 @@ def _plan(cfg, backward=False, dtype=None) -> _Plan:
 def _classes(mask, P: _Plan):
     """Tile classes (B|1, nq, nk), shared by the heads (conservative union)."""
     st = masks.block_classes_static(mask, P.B, P.Hq, P.Tq, P.Tk, P.bq, P.bk, q_offset=P.offset)
-    if st is not None:
+    if st is not None and blocks.embeds(*st.shape):
         nonempty = np.any(st != masks.EMPTY, axis=1)
         full = np.all(st == masks.FULL, axis=1)
         return (nonempty | full).astype(np.int8) + full.astype(np.int8)

@@ -201,6 +201,32 @@ def test_interpreted_gradients_match_reference(name, interpreted, monkeypatch):
         assert (f32(grads[0])[:, :64] == 0).all()  # (d_lse reaches them: still 0)
 
 
+def test_interpreted_tables_too_large_to_embed_are_built_in_xla(interpreted, monkeypatch):
+    """Past blocks.EMBEDDED_TILES the forward's and the backward's visiting
+    tables of an array-free mask come from XLA (dynamic_schedule), with the
+    same results as the embedded ones."""
+    from fnattn.flash import blocks
+    monkeypatch.setattr(triton, "MIN_DKDV_PROGRAMS", 0)
+    q, k, v, d_out, d_lse = qkv(Tq=128, Tk=192, Hq=2, Hkv=1)
+    sinks = jnp.array([0.5, -1.0], jnp.float32)
+    spec = AttentionSpec(mask=masks.causal(), return_lse=True, block_sizes=SMALL)
+    embedded = outputs_and_grads(spec, q, k, v, d_out, d_lse, interpreted, sinks)
+    built_with = []
+    real = mosaic_gpu.dynamic_schedule
+
+    def spy(*args, transpose=False, **kw):
+        built_with.append(transpose)
+        return real(*args, transpose=transpose, **kw)
+
+    monkeypatch.setattr(mosaic_gpu, "dynamic_schedule", spy)
+    monkeypatch.setattr(blocks, "EMBEDDED_TILES", 0)
+    jax.clear_caches()
+    built = outputs_and_grads(spec, q, k, v, d_out, d_lse, interpreted, sinks)
+    assert sorted(set(built_with)) == [False, True]
+    for a, b in zip(jax.tree_util.tree_leaves(embedded), jax.tree_util.tree_leaves(built)):
+        np.testing.assert_array_equal(f32(a), f32(b))
+
+
 def test_interpreted_huge_terms_keep_rows_exact(interpreted):
     """ALiBi slopes of 1e30 with no key within distance 4 of a row: every logit
     about -4e30, which the natural-unit recomputation (z - lse - lse_lo) still

@@ -11,6 +11,7 @@ Three groups:
 """
 
 import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -558,6 +559,37 @@ def test_lowers_for_cuda_with_whole_gqa_groups_and_long_sequences(monkeypatch):
         with gpu_target():
             text = g.trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
         assert "fnattn_flash_dkdv" in text
+
+
+def test_tables_too_large_to_embed_are_built_in_xla(monkeypatch):
+    """Past blocks.EMBEDDED_TILES, an array-free mask's tables are computed in
+    XLA at every call instead of embedded as constants: the same results in
+    interpret mode (forward and gradients), and no table constant in the program
+    lowered for cuda."""
+    from fnattn.flash import blocks
+    case = dataclasses.replace(next(c for c in CASES if c.name == "window"), Tq=52, Tk=71)
+    spec, q, k, v, _ = make(case, impl="xla")
+    spec = spec.replace(block_sizes=SMALL)
+    f = jax.jit(lambda *a: fwd_and_grads(run(INTERPRET), *a))
+    ql = jax.ShapeDtypeStruct((1, 1024, 2, 64), jnp.bfloat16)
+
+    def lowered():
+        g = jax.jit(jax.grad(lambda q: run(CUDA)(AttentionSpec(mask=masks.causal()), q, q, q)
+                             .out.astype(jnp.float32).sum()))
+        with gpu_target():
+            return g.trace(ql).lower(lowering_platforms=("cuda",)).as_text()
+
+    embedded, text_embedded = f(spec, q, k, v), lowered()
+    monkeypatch.setattr(blocks, "EMBEDDED_TILES", 0)
+    jax.clear_caches()
+    built, text_built = f(spec, q, k, v), lowered()
+    for a, b in zip(jax.tree_util.tree_leaves(embedded), jax.tree_util.tree_leaves(built)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    # The tables ((B|1, H|1, row-blocks, 2 + 2 * column-blocks) int32 constants)
+    # leave the program, replaced by the ops that build them.
+    table = re.compile(r"stablehlo\.constant dense<[^>]*> : tensor<1x1x\d+x\d+xi32>")
+    assert table.search(text_embedded) and not table.search(text_built)
+    assert "fnattn_flash_dq" in text_built and "fnattn_flash_dkdv" in text_built
 
 
 # ----------------------------------------------------------------------------------

@@ -148,6 +148,35 @@ def test_ranked_order_is_a_stable_sort_by_rank():
                 np.testing.assert_array_equal(g[idx][:listed], want[idx][:listed])
 
 
+def test_classes_too_large_to_embed_are_built_in_xla(monkeypatch):
+    """Past blocks.EMBEDDED_TILES an array-free mask's tile classes are computed
+    in XLA at every call, not embedded as a constant: the same results, forward
+    and gradients."""
+    import re
+    rs = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rs.standard_normal((2, T, 2, 8)), jnp.float32)
+               for T in (37, 45, 45))
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(11),
+                         block_sizes=XlaBlockSizes(8, 8))
+
+    def both(q, k, v):
+        return fnattn.flash(spec, q, k, v), jax.grad(
+            lambda q, k, v: jnp.sum(jnp.sin(fnattn.flash(spec, q, k, v).out)),
+            argnums=(0, 1, 2))(q, k, v)
+
+    # (the FULL and PARTIAL lists of the 5 q-blocks over 6 kv-blocks, as constants)
+    lists = re.compile(r"stablehlo\.constant dense<[^>]*> : tensor<5x6xi32>")
+    text = jax.jit(both).lower(q, k, v).as_text()
+    embedded = jax.jit(both)(q, k, v)
+    monkeypatch.setattr(blocks, "EMBEDDED_TILES", 0)
+    jax.clear_caches()
+    text_built = jax.jit(both).lower(q, k, v).as_text()
+    built = jax.jit(both)(q, k, v)
+    assert lists.search(text) and not lists.search(text_built)
+    for a, b in zip(jax.tree_util.tree_leaves(embedded), jax.tree_util.tree_leaves(built)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def _cfg(tq, tk, hq=8, hkv=8, d=64):
     from fnattn import _checks, _dispatch
     dims = _checks.Dims(1, tq, tk, hq, hkv, d, d)
