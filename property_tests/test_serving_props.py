@@ -239,19 +239,47 @@ def test_decode_equals_dense_per_sequence(B, Tq, heads, data, mask, num_splits, 
     assert_out_lse(t(np.asarray(res.out)), res.lse, want_out, want_lse)
 
 
-@functools.partial(jax.jit, static_argnames="impl")
-def _decode_derivatives(spec, q, k, v, lengths, starts, d_out, d_lse, tangents, *, impl):
-    """The pullback of (d_out, d_lse) and the jvp along ``tangents`` (of q, k, v,
-    sinks) of ``fnattn.decode``."""
+def _pullback_and_tangents(variant, spec, q, k, v, d_out, d_lse, tangents, **kw):
+    """The pullback of (d_out, d_lse) and the jvp along ``tangents`` (of q, k, v
+    and the sinks) of ``variant(spec, q, k, v, **kw)``'s (out, lse)."""
     def f(q, k, v, sinks):
-        r = fnattn.decode(spec.replace(sinks=sinks, impl=impl), q, k, v, kv_lengths=lengths,
-                          kv_starts=starts)
+        r = variant(spec.replace(sinks=sinks), q, k, v, **kw)
         return r.out, r.lse
 
     primals = (q, k, v, spec.sinks)
     _, pullback = jax.vjp(f, *primals)
     _, (t_out, t_lse) = jax.jvp(f, primals, tangents)
     return pullback((d_out, d_lse)), t_out, t_lse
+
+
+def _tangents_for(rs, primals):
+    """Random float32 tangents of the arrays ``primals`` (None for absent sinks)."""
+    return [None if x is None else rs.standard_normal(np.shape(x)).astype(np.float32)
+            for x in primals]
+
+
+def _check_derivatives(got, want, t_out, t_lse, d_out, d_lse, tangents):
+    """Gradients ``got`` (dq, dk, dv, dsinks) against the float64 ``want`` (dict),
+    finite; the tangents finite and equal to them by duality:
+    <d_out, t_out> + <d_lse, t_lse> = sum of <gradient, tangent>."""
+    names = ("dq", "dk", "dv", "dsinks")
+    for name, x, t in zip(names, got, tangents):
+        if t is None:
+            continue
+        x = np.asarray(x, np.float64)
+        assert np.isfinite(x).all(), name
+        np.testing.assert_allclose(x, want[name], atol=1e-4, rtol=1e-4, err_msg=name)
+    t_out, t_lse = np.asarray(t_out, np.float64), np.asarray(t_lse, np.float64)
+    assert np.isfinite(t_out).all() and np.isfinite(t_lse).all()
+    lhs = (t_out * d_out).sum() + (t_lse * d_lse).sum()
+    terms = [(want[n] * t).sum() for n, t in zip(names, tangents) if t is not None]
+    assert abs(lhs - sum(terms)) <= 1e-4 * (1 + sum(abs(t) for t in terms)), (lhs, terms)
+
+
+@functools.partial(jax.jit, static_argnames="impl")
+def _decode_derivatives(spec, q, k, v, lengths, starts, d_out, d_lse, tangents, *, impl):
+    return _pullback_and_tangents(fnattn.decode, spec.replace(impl=impl), q, k, v, d_out,
+                                  d_lse, tangents, kv_lengths=lengths, kv_starts=starts)
 
 
 @examples(10)
@@ -280,12 +308,10 @@ def test_decode_derivatives_equal_dense_per_sequence(B, Tq, heads, data, mask, n
                          block_sizes=DecodeBlockSizes(num_splits=num_splits))
     d_out = rs.standard_normal((B, Tq, Hq, 3)).astype(np.float32)
     d_lse = rs.standard_normal((B, Hq, Tq)).astype(np.float32)
-    primals = (q, k, v) + (() if sinks is None else (np.float32(sinks),))
-    tangents = [rs.standard_normal(np.shape(x)).astype(np.float32) for x in primals]
-    (dq, dk, dv, dsinks), t_out, t_lse = _decode_derivatives(
+    tangents = _tangents_for(rs, (q, k, v, sinks))
+    grads, t_out, t_lse = _decode_derivatives(
         spec, *(jnp.asarray(x) for x in (q, k, v, lengths, starts, d_out, d_lse)),
-        tuple(jnp.asarray(t) for t in tangents) + ((None,) if sinks is None else ()),
-        impl=impl)
+        tuple(None if t is None else jnp.asarray(t) for t in tangents), impl=impl)
     want = dict(dq=np.zeros(q.shape), dk=np.zeros(k.shape), dv=np.zeros(v.shape),
                 dsinks=np.zeros(Hq))
     for b, (a, L) in enumerate(zip(starts, lengths)):
@@ -300,20 +326,12 @@ def test_decode_derivatives_equal_dense_per_sequence(B, Tq, heads, data, mask, n
         want["dk"][b, a:a + L], want["dv"][b, a:a + L] = g["dk"][0], g["dv"][0]
         if sinks is not None:
             want["dsinks"] += g["dsinks"]
-    got = dict(dq=dq, dk=dk, dv=dv, dsinks=dsinks)
-    for name in ("dq", "dk", "dv") + (("dsinks",) if sinks is not None else ()):
-        x = np.asarray(got[name], np.float64)
-        assert np.isfinite(x).all(), name
-        np.testing.assert_allclose(x, want[name], atol=1e-4, rtol=1e-4, err_msg=name)
+    _check_derivatives(grads, want, t_out, t_lse, d_out, d_lse, tangents)
     for b, (a, L) in enumerate(zip(starts, lengths)):   # the garbage slots: exactly zero
         outside = np.ones(DECODE_S, bool)
         outside[a:a + L] = False
-        assert not np.asarray(dk)[b, outside].any() and not np.asarray(dv)[b, outside].any()
-    t_out, t_lse = np.asarray(t_out, np.float64), np.asarray(t_lse, np.float64)
-    assert np.isfinite(t_out).all() and np.isfinite(t_lse).all()
-    lhs = (t_out * d_out).sum() + (t_lse * d_lse).sum()
-    terms = [(want[n] * t).sum() for n, t in zip(("dq", "dk", "dv", "dsinks"), tangents)]
-    assert abs(lhs - sum(terms)) <= 1e-4 * (1 + sum(abs(t) for t in terms)), (lhs, terms)
+        assert not np.asarray(grads[1])[b, outside].any()
+        assert not np.asarray(grads[2])[b, outside].any()
 
 
 # ----------------------------------------------------------------------------------
@@ -407,17 +425,8 @@ def test_ragged_paged_update_xla_writes_then_equals_dense(prob):
 
 @functools.partial(jax.jit, static_argnames="impl")
 def _ragged_derivatives(spec, q, k_pages, v_pages, meta, d_out, d_lse, tangents, *, impl):
-    """The pullback of (d_out, d_lse) and the jvp along ``tangents`` (of q, the
-    pools and the sinks) of ``fnattn.ragged_paged_attention``."""
-    def f(q, kp, vp, sinks):
-        r = fnattn.ragged_paged_attention(spec.replace(sinks=sinks, impl=impl), q, kp, vp,
-                                          **meta)
-        return r.out, r.lse
-
-    primals = (q, k_pages, v_pages, spec.sinks)
-    _, pullback = jax.vjp(f, *primals)
-    _, (t_out, t_lse) = jax.jvp(f, primals, tangents)
-    return pullback((d_out, d_lse)), t_out, t_lse
+    return _pullback_and_tangents(fnattn.ragged_paged_attention, spec.replace(impl=impl), q,
+                                  k_pages, v_pages, d_out, d_lse, tangents, **meta)
 
 
 @examples(8)
@@ -436,12 +445,11 @@ def test_ragged_paged_derivatives_equal_dense_per_sequence(prob, poison, impl, s
     Dv = p.v_pages.shape[-1]
     d_out = rs.standard_normal((T, Hq, Dv)).astype(np.float32)
     d_lse = rs.standard_normal((Hq, T)).astype(np.float32)
-    primals = (pp.q, pp.k_pages, pp.v_pages) + (() if spec.sinks is None else (spec.sinks,))
-    tangents = [rs.standard_normal(x.shape).astype(np.float32) for x in primals]
-    (dq, dkp, dvp, dsinks), t_out, t_lse = _ragged_derivatives(
+    tangents = _tangents_for(rs, (pp.q, pp.k_pages, pp.v_pages, spec.sinks))
+    grads, t_out, t_lse = _ragged_derivatives(
         spec, pp.q, pp.k_pages, pp.v_pages, paged.meta(p), jnp.asarray(d_out),
-        jnp.asarray(d_lse), tuple(map(jnp.asarray, tangents))
-        + ((None,) if spec.sinks is None else ()), impl=impl)
+        jnp.asarray(d_lse), tuple(None if t is None else jnp.asarray(t) for t in tangents),
+        impl=impl)
     sinks = None if spec.sinks is None else _f64(spec.sinks)
     want = dict(dq=np.zeros((T, Hq, D)), dsinks=np.zeros(Hq))
     dks, dvs, start = [], [], 0
@@ -463,20 +471,10 @@ def test_ragged_paged_derivatives_equal_dense_per_sequence(prob, poison, impl, s
         start += n
     want["dk"] = paged.to_pool(p, dks, p.k_pages)
     want["dv"] = paged.to_pool(p, dvs, p.v_pages)
-    got = dict(dq=dq, dk=dkp, dv=dvp, dsinks=dsinks)
-    for name in ("dq", "dk", "dv") + (("dsinks",) if sinks is not None else ()):
-        x = np.asarray(got[name], np.float64)
-        assert np.isfinite(x).all(), name
-        np.testing.assert_allclose(x, want[name], atol=1e-4, rtol=1e-4, err_msg=name)
+    _check_derivatives(grads, want, t_out, t_lse, d_out, d_lse, tangents)
     if poison is not None:   # the poisoned slots: exactly zero
-        bad = ~np.isfinite(np.asarray(pp.k_pages))
-        assert not np.asarray(dkp)[bad].any() and not np.asarray(dvp)[bad[..., :1].repeat(
-            Dv, -1)].any()
-    t_out, t_lse = np.asarray(t_out, np.float64), np.asarray(t_lse, np.float64)
-    assert np.isfinite(t_out).all() and np.isfinite(t_lse).all()
-    lhs = (t_out * d_out).sum() + (t_lse * d_lse).sum()
-    terms = [(want[n] * t).sum() for n, t in zip(("dq", "dk", "dv", "dsinks"), tangents)]
-    assert abs(lhs - sum(terms)) <= 1e-4 * (1 + sum(abs(t) for t in terms)), (lhs, terms)
+        bad = ~np.isfinite(np.asarray(pp.k_pages))[..., 0]
+        assert not np.asarray(grads[1])[bad].any() and not np.asarray(grads[2])[bad].any()
 
 
 # The Mosaic branch (traced on every platform) needs pages of a multiple of 8 rows.
