@@ -39,11 +39,11 @@ class Schedule(NamedTuple):
     count: Any
 
 
-# The most tiles (row-blocks x column-blocks, batch rows and heads included) of
-# a schedule embedded in a program as a constant: the lowerings compute the
-# tables of an array-free mask (causal, windows, no mask) with NumPy at trace
-# time up to this, and in XLA at every call past it, as for a mask holding
-# arrays. A table holds a slot per tile: embedded at T = 256k and tiles of 128
+# The most tiles (row-blocks x column-blocks) of a schedule embedded in a
+# program as a constant: the lowerings compute the tables of an array-free mask
+# (causal, windows, no mask) with NumPy at trace time up to this, and in XLA at
+# every call past it, as for a mask holding arrays (T = 64k at tiles of 128 is
+# 512 x 512). A table holds a slot per tile: embedded at T = 256k and tiles of 128
 # (2048 x 2048), the Triton kernels' would put 64 MB of constants into the
 # forward's program and 320 MB into the gradient's (as StableHLO text); built
 # in XLA, it costs milliseconds a call (``benchmarks/results/schedule_cpu.md``).
@@ -51,8 +51,9 @@ EMBEDDED_TILES = 1 << 18
 
 
 def embeds(*counts) -> bool:
-    """Whether a static schedule over ``counts`` (its row-blocks, column-blocks,
-    batch rows and heads) is embedded as a constant (:data:`EMBEDDED_TILES`).
+    """Whether a static schedule of ``prod(counts)`` tiles (its row-blocks,
+    column-blocks, and batch rows and heads where it varies along them) is
+    embedded as a constant (:data:`EMBEDDED_TILES`).
     False for a symbolic count (``jax.export``), whose tables are traced anyway.
 
     >>> embeds(512, 512), embeds(512, 513), embeds(2, 64, 64)

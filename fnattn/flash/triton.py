@@ -781,9 +781,9 @@ def _schedule(mask, cfg, K: _K, *, transpose=False, heads_per_row=1):
     (a tile is FULL only if FULL for every head, visited if any head sees it).
     A mask holding no arrays has static classes: the table is then computed
     with NumPy at trace time (cached per configuration) and reaches the kernel
-    as a constant, so tracing this branch compiles nothing and the program
-    sorts nothing, unless it has more tiles than
-    :data:`fnattn.flash.blocks.EMBEDDED_TILES`; otherwise it is traced.
+    as a constant, so tracing this branch compiles nothing, unless it has more
+    tiles than :data:`fnattn.flash.blocks.EMBEDDED_TILES`; otherwise it is
+    built in XLA at every call.
     """
     if mask is None:
         return None
