@@ -21,15 +21,17 @@ machine, for causal attention within packed documents (mean length
     python benchmarks/schedule.py                         # T = 8k ... 256k
     python benchmarks/schedule.py --ts 8192,131072 --reps 5
     python benchmarks/schedule.py --lowered               # programs for cuda, causal
+    python benchmarks/schedule.py --lowered --platform tpu --ts 1048576
 
 ``--lowered`` instead lowers causal ``fnattn.attention`` (B=1, H=8, D=128,
-bfloat16) and its gradient for "cuda" (on any machine: an abstract H100) at each
-T, and reports the StableHLO text's size and the trace + lower time, with the
-tables of an array-free mask embedded up to :data:`fnattn.flash.blocks.EMBEDDED_TILES`
-tiles (fnattn's rule) and embedded whatever their size (the rule before it), in
-the same run.
+bfloat16) and its gradient for "cuda" or "tpu" (``--platform``; on any machine:
+an abstract H100 or TPU v5e) at each T, and reports the StableHLO text's size
+and the trace + lower time, with the tables of an array-free mask embedded up to
+:data:`fnattn.flash.blocks.EMBEDDED_TILES` tiles (fnattn's rule) and embedded
+whatever their size (the rule before it), in the same run.
 
-Writes ``results/schedule_<device>.md`` (``--out``).
+Writes ``results/schedule_<device>.md``, or with ``--lowered``
+``results/schedule_lowered_<platform>.md`` (``--out``).
 """
 
 import argparse
@@ -93,13 +95,17 @@ def timed(f, args, reps):
     return statistics.median(ts), min(ts)
 
 
-def cuda_target():
-    """A context in which a program lowers for "cuda" without a GPU: an abstract
-    mesh of one abstract H100 (a nullcontext on a JAX without them)."""
+DEVICES = {"cuda": ("NVIDIA H100 80GB HBM3", 132, "gpu"), "tpu": ("TPU v5 lite", 1, "tpu")}
+
+
+def target(platform):
+    """A context in which a program lowers for ``platform`` ("cuda" or "tpu")
+    without such a device: an abstract mesh of one abstract H100 or TPU v5e (a
+    nullcontext on a JAX without them)."""
     import contextlib
+    kind, cores, name = DEVICES[platform]
     try:
-        dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                          platform="gpu")
+        dev = jax.sharding.AbstractDevice(device_kind=kind, num_cores=cores, platform=name)
         mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
                                          abstract_device=dev)
     except (AttributeError, TypeError):
@@ -107,10 +113,10 @@ def cuda_target():
     return jax.sharding.use_abstract_mesh(mesh)
 
 
-def lowered_sizes(T, embedded):
+def lowered_sizes(T, embedded, platform="cuda"):
     """``[(program, MB of StableHLO text, seconds to trace and lower)]`` of causal
-    attention and its gradient lowered for cuda at ``T``; ``embedded`` (tiles):
-    the limit of :data:`fnattn.flash.blocks.EMBEDDED_TILES` to lower with."""
+    attention and its gradient lowered for ``platform`` at ``T``; ``embedded``
+    (tiles): the limit of :data:`fnattn.flash.blocks.EMBEDDED_TILES` to lower with."""
     import fnattn
     from fnattn import AttentionSpec
     spec = AttentionSpec(mask=masks.causal())
@@ -123,9 +129,9 @@ def lowered_sizes(T, embedded):
     try:
         for name, f in programs.items():
             jax.clear_caches()
-            with cuda_target():
+            with target(platform):
                 start = time.perf_counter()
-                text = jax.jit(f).trace(q).lower(lowering_platforms=("cuda",)).as_text()
+                text = jax.jit(f).trace(q).lower(lowering_platforms=(platform,)).as_text()
                 out.append((name, len(text) / 2**20, time.perf_counter() - start))
     finally:
         blocks.EMBEDDED_TILES = real
@@ -134,27 +140,29 @@ def lowered_sizes(T, embedded):
 
 
 def main_lowered(args):
-    lowered_sizes(2048, blocks.EMBEDDED_TILES)   # (warm: the first lowering imports more)
+    platform = args.platform
+    lowered_sizes(2048, blocks.EMBEDDED_TILES, platform)   # (warm: the first lowering imports)
     start = time.time()
-    lines = ["# Causal attention lowered for cuda: the program's size and time", "",
+    lines = [f"# Causal attention lowered for {platform}: the program's size and time", "",
              f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              f"- jax: {jax.__version__}; lowered on {jax.devices()[0].platform} for an abstract "
-             "H100",
+             f"{DEVICES[platform][0]}",
              f"- command: `python benchmarks/schedule.py {' '.join(args.argv)}`",
-             "- fnattn.attention, causal, B = 1, H = 8, D = 128, bfloat16 (the Triton kernels); "
+             "- fnattn.attention, causal, B = 1, H = 8, D = 128, bfloat16 (the "
+             f"{'Triton' if platform == 'cuda' else 'Mosaic TPU'} kernels); "
              "MB: the StableHLO text; s: trace and lower, after jax.clear_caches(); embedded: "
              f"array-free masks' tables embedded up to {blocks.EMBEDDED_TILES} tiles (now); "
              "always: embedded whatever their size (before)", "",
              "| T | program | embedded MB | embedded s | always MB | always s |",
              "|---|---|---|---|---|---|"]
     for T in (int(t) for t in args.ts.split(",")):
-        now = lowered_sizes(T, blocks.EMBEDDED_TILES)
-        before = lowered_sizes(T, float("inf"))
+        now = lowered_sizes(T, blocks.EMBEDDED_TILES, platform)
+        before = lowered_sizes(T, float("inf"), platform)
         for (name, mb, s), (_, mb0, s0) in zip(now, before):
             lines.append(f"| {T} | {name} | {mb:.2f} | {s:.2f} | {mb0:.2f} | {s0:.2f} |")
             print(lines[-1], flush=True)
     lines.insert(4, f"- took {(time.time() - start) / 60:.1f} min")
-    out = args.out or os.path.join(HERE, "results", "schedule_lowered_cuda")
+    out = args.out or os.path.join(HERE, "results", f"schedule_lowered_{platform}")
     with open(out + ".md", "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print(f"wrote {out}.md")
@@ -169,7 +177,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--jaxnn-max", type=int, default=8192)
     ap.add_argument("--out", default=None)
     ap.add_argument("--lowered", action="store_true",
-                    help="program sizes lowered for cuda instead of the tables' times")
+                    help="program sizes lowered for --platform instead of the tables' times")
+    ap.add_argument("--platform", choices=("cuda", "tpu"), default="cuda")
     return ap
 
 

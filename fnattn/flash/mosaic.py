@@ -597,17 +597,30 @@ def _schedule(cfg, mask, bq, bk, *, transpose):
     The classes of a mask holding no arrays are known at trace time: they and
     the schedule are then computed with NumPy (:func:`_static_schedule`, cached
     per configuration; no JAX operation, so nothing to compile) and the grid is
-    only as wide as the longest row of the schedule. Otherwise they are traced.
+    only as wide as the longest row of the schedule. Past
+    :data:`fnattn.flash.blocks.EMBEDDED_TILES` tiles the width still comes from
+    the static classes (:func:`_static_width`) but the codes are built in XLA,
+    not embedded. Otherwise they are traced.
     """
     d = cfg.dims
+    known = None   # (merged, width) of an array-free mask whose schedule is built in XLA
     if mask is None or mask.num_operands == 0:
-        treedef = None if mask is None else jax.tree_util.tree_structure(mask)
-        static = _static_schedule(treedef, d.batch, d.num_q_heads, d.q_len, d.kv_len, bq, bk,
-                                  cfg.q_offset, transpose)
-        if static is not None:
-            return static
+        key = (None if mask is None else jax.tree_util.tree_structure(mask), d.batch,
+               d.num_q_heads, d.q_len, d.kv_len, bq, bk, cfg.q_offset, transpose)
+        if blocks.embeds(-(-d.q_len // bq), -(-d.kv_len // bk)):
+            static = _static_schedule(*key)
+            if static is not None:
+                return static
+        else:
+            known = _static_width(*key)
     classes = masks.block_classes(mask, d.batch, d.num_q_heads, d.q_len, d.kv_len, bq, bk,
                                   q_offset=cfg.q_offset)
+    if known is not None:   # as narrow as the static schedule, its codes from XLA
+        merged, width = known
+        if merged:
+            classes = _union(classes)
+        return _pack(classes, blocks.schedule(classes, transpose=transpose), width, bq, bk,
+                     jnp)
     sched = blocks.schedule(classes, transpose=transpose)
     width = sched.index.shape[-1]
     if not _one_row_fits(classes, width):
@@ -632,6 +645,25 @@ def _static_schedule(treedef, batch, num_heads, q_len, kv_len, bq, bk, q_offset,
         sched = blocks.schedule_static(classes, transpose=transpose)
         width = max(1, int(sched.count.max()))
     return _pack(classes, sched, width, bq, bk, np)
+
+
+@functools.lru_cache(maxsize=256)
+def _static_width(treedef, batch, num_heads, q_len, kv_len, bq, bk, q_offset, transpose):
+    """``(merged, width)`` of :func:`_static_schedule` without its tables: whether
+    the variants are merged (:func:`_union`) and the longest row, from the
+    static classes' counts alone; None when the classes are not static."""
+    classes = masks.block_classes_static(masks.from_treedef(treedef), batch, num_heads, q_len,
+                                         kv_len, bq, bk, q_offset=q_offset)
+    if classes is None:
+        return None
+
+    def longest(c):
+        return max(1, int((c != masks.EMPTY).sum(-2 if transpose else -1).max()))
+
+    width = longest(classes)
+    if _one_row_fits(classes, width):
+        return False, width
+    return True, longest(_union(classes, np))
 
 
 def _one_row_fits(classes, width):

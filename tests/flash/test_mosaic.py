@@ -273,6 +273,43 @@ def test_array_free_masks_get_a_narrow_grid():
                                   [1, 1 * 4 + 2, 2 * 4 + 2])
 
 
+def test_schedules_too_large_to_embed_are_built_in_xla(monkeypatch):
+    """Past blocks.EMBEDDED_TILES an array-free mask's packed schedule is built
+    in XLA, as narrow as the static one (its width from the static classes) and
+    with the same codes; the kernels give the same bits, forward and backward."""
+    cases = [(masks.sliding_window(left=100), False), (masks.causal(), True),
+             (masks.causal() & masks.chunked(300), False)]
+    static = [mosaic._schedule(_cfg(1024, m), m, 128, 128, transpose=t) for m, t in cases]
+    spec, q, k, v, d_out, d_lse = make(CASES[0], seed=3)   # causal, GQA, ragged
+    run = jax.jit(outputs_and_grads, static_argnums=0)
+    embedded = run(lambda *a: flash(*a), spec, q, k, v, d_out, d_lse)
+    monkeypatch.setattr(blocks, "EMBEDDED_TILES", 0)
+    jax.clear_caches()
+    for (m, t), (classes, chunks, width, sb, sh) in zip(cases, static):
+        facts = {}
+
+        def built(m=m, t=t, facts=facts):
+            c, ch, facts["width"], facts["sb"], facts["sh"] = mosaic._schedule(
+                _cfg(1024, m), m, 128, 128, transpose=t)
+            facts["rows"] = [(x.r0, x.n) for x in ch]
+            return c, [(x.code, x.count) for x in ch]
+
+        got_classes, got = jax.jit(built)()
+        assert (facts["width"], facts["sb"], facts["sh"]) == (width, sb, sh)
+        assert facts["rows"] == [(x.r0, x.n) for x in chunks]
+        np.testing.assert_array_equal(np.asarray(got_classes), classes)
+        for (code, count), x in zip(got, chunks):
+            np.testing.assert_array_equal(np.asarray(code), x.code)
+            np.testing.assert_array_equal(np.asarray(count), x.count)
+    widths = []
+    real = mosaic._static_width
+    monkeypatch.setattr(mosaic, "_static_width", lambda *a: widths.append(a) or real(*a))
+    built = run(lambda *a: flash(*a), spec, q, k, v, d_out, d_lse)
+    assert len(widths) == 3   # the forward's, dq's and dk/dv's schedules
+    for a, b in zip(jax.tree_util.tree_leaves(embedded), jax.tree_util.tree_leaves(built)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_block_sizes_validation_and_defaults():
     with pytest.raises(ValueError, match="MosaicBlockSizes: block_k_dq must be a positive "
                                          "multiple of 128; got 64"):
