@@ -617,16 +617,12 @@ def _schedule(cfg, mask, bq, bk, *, transpose):
                                   q_offset=cfg.q_offset)
     if known is not None:   # as narrow as the static schedule, its codes from XLA
         merged, width = known
-        if merged:
-            classes = _union(classes)
-        return _pack(classes, blocks.schedule(classes, transpose=transpose), width, bq, bk,
-                     jnp)
-    sched = blocks.schedule(classes, transpose=transpose)
-    width = sched.index.shape[-1]
-    if not _one_row_fits(classes, width):
+    else:                   # every column of a row
+        width = classes.shape[-2 if transpose else -1]
+        merged = not _one_row_fits(classes, width)
+    if merged:
         classes = _union(classes)
-        sched = blocks.schedule(classes, transpose=transpose)
-    return _pack(classes, sched, width, bq, bk, jnp)
+    return _pack(classes, blocks.schedule(classes, transpose=transpose), width, bq, bk, jnp)
 
 
 @functools.lru_cache(maxsize=256)

@@ -439,7 +439,10 @@ class _Plan:
         return self.Tk % self.kv_rows != 0
 
     def table(self):
-        """The visiting table of an array-free mask (a NumPy constant)."""
+        """The visiting table of an array-free mask (a NumPy constant), or None
+        when it is too large to embed (:func:`fnattn.flash.blocks.embeds`)."""
+        if not blocks.embeds(self.Tkp // self.kv_rows, self.Tqp // TILE):
+            return None
         return mosaic_gpu.static_schedule(self.mask_treedef, self.B, self.Hq, self.Tq, self.Tk,
                                           TILE, self.kv_rows, self.q_offset, transpose=True,
                                           heads_per_row=self.Gp)
@@ -1041,10 +1044,8 @@ def _backward(cfg, q, k, v, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, i
     if mask is not None and mask.num_operands:  # its arrays from XLA
         operands, stacks, ids = mosaic_gpu.id_arrays(mask, P.Tqp, P.Tkp)
         P = _plan(cfg, mask, interpret, operands, stacks, term_ops)
-    if (mask is None or not mask.num_operands) and blocks.embeds(P.Tkp // P.kv_rows,
-                                                                  P.Tqp // TILE):
-        table = P.table()
-    else:   # the table from XLA (a mask's arrays, or one too large to embed)
+    table = P.table() if mask is None or not mask.num_operands else None
+    if table is None:   # the table from XLA (a mask's arrays, or one too large to embed)
         table = mosaic_gpu.dynamic_schedule(mask, d, cfg.q_offset, TILE, P.kv_rows,
                                             transpose=True, heads_per_row=P.Gp)
     # delta folds in the lse cotangent: dS = P * (dP - (rowsum(dO * O) - d_lse)).
