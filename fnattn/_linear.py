@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
+from jax._src import core as _jax_core
 from jax.interpreters import ad, batching, mlir
 
 __all__ = ["Rule", "tangent", "is_zero", "instantiate"]
@@ -146,9 +147,12 @@ def _fill(arrays, keep):
 def _function(prim, rule, vmaps, keep, smooth=False):
     """The map of ``prim`` as a function of the present arrays (residuals, then
     linear) returning its present outputs, under the recorded ``vmap`` levels
-    (innermost first): ``vmaps[i]`` holds the batch axis (0 or None) of each
-    present residual at level i; linear operands and outputs are batched
-    along axis 0 at every level."""
+    (innermost first): ``vmaps[i]`` is ``(axes, name, spmd_name)``, the batch
+    axis (0 or None) of each present residual at level i and the level's axis
+    names (None where it has none), so that a collective inside the map
+    (ring attention's ``ppermute``) finds the axis of a ``jax.vmap(...,
+    axis_name=...)`` it was traced under; linear operands and outputs are
+    batched along axis 0 at every level."""
     keep_res, keep_lin, keep_out = keep
     if prim is _TANGENT:
         fn = rule.smooth_tangent if smooth else rule.tangent
@@ -161,8 +165,9 @@ def _function(prim, rule, vmaps, keep, smooth=False):
         # the outputs asked for (a tangent whose cotangent was absent is not)
         return tuple(_present(o if k else None for o, k in zip(outs, keep_out)))
 
-    for axes in vmaps:
-        flat = jax.vmap(flat, in_axes=tuple(axes) + (0,) * sum(keep_lin))
+    for axes, name, spmd_name in vmaps:
+        flat = jax.vmap(flat, in_axes=tuple(axes) + (0,) * sum(keep_lin), axis_name=name,
+                        spmd_axis_name=spmd_name)
     return flat
 
 
@@ -228,11 +233,16 @@ def _transpose(prim, cts, *args, rule, vmaps, keep, out_avals, callee):
                              for x, ct in zip(lin, back)]
 
 
-def _batch(prim, args, dims, *, rule, vmaps, keep, out_avals, callee):
-    del callee
+def _batch(prim, axis_data, args, dims, *, rule, vmaps, keep, out_avals, callee):
     keep_res, keep_lin, keep_out = keep
     n_res = sum(keep_res)
-    size = next(x.shape[d] for x, d in zip(args, dims) if d is not None)
+    name = None if axis_data.name is _jax_core.no_axis_name else axis_data.name
+    if name is None and all(d is None for d in dims):
+        # nothing batched and no axis a collective could name: the map as it is
+        outs = prim.bind(*args, rule=rule, vmaps=vmaps, keep=keep, out_avals=out_avals,
+                         callee=callee)
+        return outs, [None] * len(outs)
+    size = axis_data.size
 
     def front(x, d):
         return jnp.moveaxis(x, d, 0) if d != 0 else x
@@ -243,7 +253,8 @@ def _batch(prim, args, dims, *, rule, vmaps, keep, out_avals, callee):
     # batched types the transpose must return (JAX sums them back).
     lin = [jnp.broadcast_to(x, (size,) + x.shape) if d is None else front(x, d)
            for x, d in zip(args[n_res:], dims[n_res:])]
-    outs = _bind(prim, rule, vmaps + (axes,), _fill(res, keep_res), _fill(lin, keep_lin),
+    level = (axes, name, axis_data.spmd_name)
+    outs = _bind(prim, rule, vmaps + (level,), _fill(res, keep_res), _fill(lin, keep_lin),
                  [jex_core.unmapped_aval(size, 0, a) for a in out_avals], keep_out)
     return outs, [0] * len(outs)
 
@@ -292,4 +303,5 @@ for _p in (_TANGENT, _COTANGENT):
                                               multiple_results=True))
     ad.primitive_jvps[_p] = functools.partial(_jvp, _p)
     ad.primitive_transposes[_p] = functools.partial(_transpose, _p)
-    batching.primitive_batchers[_p] = functools.partial(_batch, _p)
+    # the axis data (its name) too: a map may hold collectives over a vmap's axis
+    batching.fancy_primitive_batchers[_p] = functools.partial(_batch, _p)

@@ -34,6 +34,9 @@ def attention(spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..
     * sinks, dropout key: replicated (the sink joins once; its gradient, like a
       replicated bias's, is summed over the axis).
 
+    ``jax.vmap(..., axis_name=...)`` over stacked shards emulates the axis on
+    one device, forward and every derivative (what the tests do).
+
     Args:
       spec: the :class:`fnattn.AttentionSpec`; ``impl`` "auto" (the platform's
         flash kernel per step), "xla" or "pallas".
