@@ -9,9 +9,9 @@
   GQA ratios, sinks, soft-cap and dropout equals ``fnattn.attention`` on the
   whole sequence. The mesh axis is emulated with ``jax.vmap(axis_name=...)``,
   under which ``ppermute``, ``all_gather`` and ``axis_index`` mean what they
-  mean inside ``shard_map``, so hundreds of "devices" cost one process (the
-  gradients, whose ``custom_vjp`` needs a real axis, are checked on 8 devices
-  in ``tests/multi_device/context_checks.py``).
+  mean inside ``shard_map``, so hundreds of "devices" cost one process; and so
+  do its derivatives, reverse and forward mode, against those on the whole
+  sequence (on 8 real devices: ``tests/multi_device/context_checks.py``).
 """
 
 import jax
@@ -91,20 +91,26 @@ def context_problems(draw):
                 block=draw(st.integers(1, 8)))
 
 
-@examples(8)
-@given(context_problems())
-def test_context_parallel_forward_equals_one_device(p):
+def _setup(p):
+    """``(spec, (q, k, v, sinks), whole, emulated, shard, gather)`` of a drawn
+    problem: ``whole(q, k, v, sinks)`` is ``fnattn.attention`` on the whole
+    sequence, ``emulated`` the same on ``N`` devices emulated by a named
+    ``jax.vmap`` (taking ``shard``-ed q, k, v and the replicated sinks), and
+    ``gather`` turns a stacked per-device result back into the whole one
+    (``axis``: its sequence axis)."""
     N, layout, B, T = p["N"], p["layout"], p["B"], p["T"]
     rs = np.random.default_rng(p["seed"])
     q = jnp.asarray(rs.standard_normal((B, T, p["Hq"], 4)), jnp.float32)
     k = jnp.asarray(rs.standard_normal((B, T, p["Hkv"], 4)), jnp.float32)
     v = jnp.asarray(rs.standard_normal((B, T, p["Hkv"], 4)), jnp.float32)
     sinks = jnp.asarray(rs.standard_normal((p["Hq"],)), jnp.float32) if p["sinks"] else None
-    spec = AttentionSpec(mask=p["mask"], sinks=sinks, softcap=p["softcap"],
+    spec = AttentionSpec(mask=p["mask"], softcap=p["softcap"],
                          dropout_rate=p["dropout"],
                          dropout_key=jax.random.key(3) if p["dropout"] else None,
                          block_sizes=fnattn.XlaBlockSizes(p["block"], p["block"]))
-    whole = jax.jit(fnattn.attention)(spec, q, k, v)
+
+    def whole(q, k, v, sinks):
+        return fnattn.attention(spec.replace(sinks=sinks), q, k, v)
 
     # Per-device mask leaves: (B, T) ids and (B, H, T, T) arrays are cut along
     # the sequence (an array mask keeps every key column); (B,) lengths are global.
@@ -119,15 +125,67 @@ def test_context_parallel_forward_equals_one_device(p):
             local.append(x)
         axes.append(0 if x.ndim in (2, 4) else None)
 
-    def device(q, k, v, leaves):
-        s = spec.replace(mask=jax.tree_util.tree_unflatten(treedef, leaves))
+    def device(q, k, v, sinks, leaves):
+        s = spec.replace(mask=jax.tree_util.tree_unflatten(treedef, leaves), sinks=sinks)
         return fnattn.context.attention(s, q, k, v, axis_name="seq", strategy=p["strategy"],
                                         layout=layout)
 
-    shard = lambda x: _split(x, N, layout, (1,), 1)  # noqa: E731
-    res = jax.jit(jax.vmap(device, in_axes=(0, 0, 0, axes), axis_name="seq"))(
-        shard(q), shard(k), shard(v), local)
-    out = fnattn.context.restore(jnp.concatenate(list(res.out), axis=1), N, layout)
-    lse = fnattn.context.restore(jnp.concatenate(list(res.lse), axis=2), N, layout, axis=2)
-    np.testing.assert_allclose(out, whole.out, atol=3e-5, rtol=3e-5)
-    np.testing.assert_allclose(lse, whole.lse, atol=3e-5, rtol=3e-5)
+    def emulated(q, k, v, sinks):
+        return jax.vmap(device, in_axes=(0, 0, 0, None, axes), axis_name="seq")(
+            q, k, v, sinks, local)
+
+    def shard(x, axis=1):
+        return _split(x, N, layout, (axis,), axis)
+
+    def gather(x, axis=1):
+        return fnattn.context.restore(jnp.concatenate(list(x), axis=axis), N, layout, axis=axis)
+
+    return spec, (q, k, v, sinks), whole, emulated, shard, gather
+
+
+@examples(8)
+@given(context_problems())
+def test_context_parallel_forward_equals_one_device(p):
+    _, (q, k, v, sinks), whole, emulated, shard, gather = _setup(p)
+    want = jax.jit(whole)(q, k, v, sinks)
+    res = jax.jit(emulated)(shard(q), shard(k), shard(v), sinks)
+    np.testing.assert_allclose(gather(res.out), want.out, atol=3e-5, rtol=3e-5)
+    np.testing.assert_allclose(gather(res.lse, 2), want.lse, atol=3e-5, rtol=3e-5)
+
+
+@examples(5)
+@given(context_problems())
+def test_context_parallel_derivatives_equal_one_device(p):
+    """Reverse mode (cotangents on out and lse) and forward mode, in q, k, v and
+    the replicated sinks (whose gradient JAX sums over the axis), against the
+    same derivatives of attention on the whole sequence."""
+    _, x, whole, emulated, shard, gather = _setup(p)
+    rs = np.random.default_rng(p["seed"] + 1)
+    draw = lambda a: None if a is None else jnp.asarray(  # noqa: E731
+        rs.standard_normal(a.shape), jnp.float32)
+    want = jax.jit(whole)(*x)
+    d_out, d_lse, tangents = draw(want.out), draw(want.lse), [draw(a) for a in x]
+
+    def pullback(f, x, cts):
+        def outputs(*x):
+            res = f(*x)
+            return res.out, res.lse
+
+        return jax.vjp(outputs, *x)[1](cts)
+
+    def sharded(a, axis=1):
+        return None if a is None else shard(a, axis)
+
+    xs = (shard(x[0]), shard(x[1]), shard(x[2]), x[3])
+    got = jax.jit(pullback, static_argnums=0)(emulated, xs, (shard(d_out), shard(d_lse, 2)))
+    ref = jax.jit(pullback, static_argnums=0)(whole, x, (d_out, d_lse))
+    for n, (g, r) in enumerate(zip(got, ref)):
+        if r is not None:
+            np.testing.assert_allclose(g if n == 3 else gather(g), r, atol=1e-4, rtol=1e-4,
+                                       err_msg=f"gradient of {'qkvs'[n]}")
+
+    ts = (sharded(tangents[0]), sharded(tangents[1]), sharded(tangents[2]), tangents[3])
+    _, t_got = jax.jit(lambda x, t: jax.jvp(emulated, x, t))(xs, ts)
+    _, t_ref = jax.jit(lambda x, t: jax.jvp(whole, x, t))(x, tuple(tangents))
+    np.testing.assert_allclose(gather(t_got.out), t_ref.out, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(gather(t_got.lse, 2), t_ref.lse, atol=1e-4, rtol=1e-4)
