@@ -12,6 +12,9 @@
   mean inside ``shard_map``, so hundreds of "devices" cost one process; and so
   do its derivatives, reverse and forward mode, against those on the whole
   sequence (on 8 real devices: ``tests/multi_device/context_checks.py``).
+* ``fnattn.context.decode`` over a cache split along emulated devices, with
+  every band mask, random lengths and starts and NaN outside the sequences,
+  equals ``fnattn.decode`` on the whole cache, forward and gradients.
 """
 
 import jax
@@ -21,6 +24,7 @@ from hypothesis import given, strategies as st
 
 import fnattn
 from fnattn import AttentionSpec, masks
+from fnattn.context.decode import decode as context_decode
 from strategies import examples, gqa_heads, mask_trees
 
 MASKS = ("causal", "full", "window", "chunked", "segments", "lengths", "prefix", "array", "fn")
@@ -189,3 +193,94 @@ def test_context_parallel_derivatives_equal_one_device(p):
     _, t_ref = jax.jit(lambda x, t: jax.jvp(whole, x, t))(x, tuple(tangents))
     np.testing.assert_allclose(gather(t_got.out), t_ref.out, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(gather(t_got.lse, 2), t_ref.lse, atol=1e-4, rtol=1e-4)
+
+
+@st.composite
+def band_masks(draw):
+    """The masks ``fnattn.context.decode`` splits exactly: none, full, causal,
+    windows (either side open) and their & / | combinations."""
+    side = st.one_of(st.none(), st.integers(0, 6))
+    window = side.flatmap(lambda left: st.builds(
+        masks.sliding_window, st.just(left), st.integers(0, 6) if left is None else side))
+    leaf = st.one_of(st.just(masks.causal()), st.just(masks.full()), window)
+    kind = draw(st.sampled_from(["none", "leaf", "and", "or"]))
+    if kind == "none":
+        return None
+    if kind == "leaf":
+        return draw(leaf)
+    a, b = draw(leaf), draw(leaf)
+    return a & b if kind == "and" else a | b
+
+
+@examples(15)
+@given(st.sampled_from([1, 2, 3, 4]), st.integers(1, 5), st.integers(1, 3), st.integers(1, 4),
+       gqa_heads(max_kv=2, max_group=3), band_masks(), st.booleans(),
+       st.sampled_from([None, 3.0]), st.sampled_from(["bthd", "bhtd"]),
+       st.sampled_from(["auto", "xla"]), st.integers(0, 100))
+def test_context_decode_equals_decode(N, per, B, Tq, heads, mask, with_sinks, softcap, layout,
+                                      impl, seed):
+    """``fnattn.context.decode`` with the cache's slots split over N emulated
+    devices (a named ``jax.vmap``) equals ``fnattn.decode`` on the whole cache:
+    out and lse on every device, and the gradients in q, both caches and the
+    sinks (taken around the vmap, of the devices' mean: inside it a replicated
+    loss would count each device's cotangent N times, as ``shard_map``'s
+    varying-axes types do not). Lengths and starts are drawn anywhere in the
+    cache (empty, shorter than Tq, over device boundaries); slots outside every
+    sequence hold NaN."""
+    (Hq, Hkv), S, D = heads, N * per, 4
+    rs = np.random.default_rng(seed)
+    starts = rs.integers(0, S + 1, B)
+    lengths = rs.integers(0, S - starts + 1)
+    q = rs.standard_normal((B, Tq, Hq, D))
+    k, v = rs.standard_normal((2, B, S, Hkv, D))
+    slot = np.arange(S)[None]
+    outside = (slot < starts[:, None]) | (slot >= (starts + lengths)[:, None])
+    k[outside], v[outside] = np.nan, np.nan
+    q, k, v = (jnp.asarray(x, jnp.float32) for x in (q, k, v))
+    sinks = jnp.asarray(rs.standard_normal(Hq), jnp.float32) if with_sinks else None
+    w = jnp.asarray(rs.standard_normal((B, Tq, Hq, D)), jnp.float32)
+    starts, lengths = jnp.asarray(starts, jnp.int32), jnp.asarray(lengths, jnp.int32)
+    spec = AttentionSpec(mask=mask, softcap=softcap, layout=layout, impl=impl)
+    seq = 1 if layout == "bthd" else 2
+    if layout == "bhtd":
+        q, k, v, w = (jnp.swapaxes(x, 1, 2) for x in (q, k, v, w))
+
+    def whole(q, k, v, sinks):
+        return fnattn.decode(spec.replace(sinks=sinks), q, k, v, kv_lengths=lengths,
+                             kv_starts=starts)
+
+    def devices(q, k, v, sinks):
+        return jax.vmap(
+            lambda k, v: context_decode(spec.replace(sinks=sinks), q, k, v, kv_lengths=lengths,
+                                        kv_starts=starts, axis_name="seq"),
+            axis_name="seq")(k, v)
+
+    def shard(x):
+        return jnp.stack(jnp.split(x, N, axis=seq))
+
+    def loss(f, on_devices):
+        def of(q, k, v, sinks):
+            out = f(q, k, v, sinks).out.astype(jnp.float32)
+            return jnp.sum((out.mean(0) if on_devices else out) * w)
+        return of
+
+    want = jax.jit(whole)(q, k, v, sinks)
+    got = jax.jit(devices)(q, shard(k), shard(v), sinks)
+    for n in range(N):
+        _close_with_inf(got.out[n], want.out, f"out on device {n}")
+        _close_with_inf(got.lse[n], want.lse, f"lse on device {n}")
+    argnums = (0, 1, 2) + ((3,) if with_sinks else ())
+    g_want = jax.jit(jax.grad(loss(whole, False), argnums))(q, k, v, sinks)
+    g_got = jax.jit(jax.grad(loss(devices, True), argnums))(q, shard(k), shard(v), sinks)
+    for name, x, y in zip(("q", "k", "v", "sinks"), g_got, g_want):
+        if name in ("k", "v"):
+            x = jnp.concatenate(list(x), axis=seq)
+            assert bool(jnp.isfinite(x).all()), f"gradient of {name}: not finite"
+        np.testing.assert_allclose(x, y, atol=5e-5, rtol=5e-5, err_msg=f"gradient of {name}")
+
+
+def _close_with_inf(x, y, what):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    np.testing.assert_array_equal(np.isneginf(x), np.isneginf(y), err_msg=what)
+    np.testing.assert_allclose(np.where(np.isfinite(y), x, 0), np.where(np.isfinite(y), y, 0),
+                               atol=3e-5, rtol=3e-5, err_msg=what)
