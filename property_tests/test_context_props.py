@@ -23,7 +23,7 @@ import numpy as np
 from hypothesis import given, strategies as st
 
 import fnattn
-from fnattn import AttentionSpec, masks
+from fnattn import AttentionSpec, masks, position_bias
 from fnattn.context.decode import decode as context_decode
 from strategies import examples, gqa_heads, mask_trees
 
@@ -92,14 +92,15 @@ def context_problems(draw):
     return dict(N=N, layout=layout, strategy=strategy, B=B, T=T, Hq=Hq, Hkv=Hkv, mask=mask,
                 sinks=draw(st.booleans()), softcap=draw(st.sampled_from([None, 5.0])),
                 dropout=draw(st.sampled_from([0.0, 0.3])), seed=draw(st.integers(0, 100)),
-                block=draw(st.integers(1, 8)))
+                block=draw(st.integers(1, 8)), alibi=draw(st.booleans()))
 
 
 def _setup(p):
-    """``(spec, (q, k, v, sinks), whole, emulated, shard, gather)`` of a drawn
-    problem: ``whole(q, k, v, sinks)`` is ``fnattn.attention`` on the whole
-    sequence, ``emulated`` the same on ``N`` devices emulated by a named
-    ``jax.vmap`` (taking ``shard``-ed q, k, v and the replicated sinks), and
+    """``(spec, (q, k, v, sinks, slopes), whole, emulated, shard, gather)`` of a
+    drawn problem: ``whole(q, k, v, sinks, slopes)`` is ``fnattn.attention`` on
+    the whole sequence (ALiBi with ``slopes`` where drawn), ``emulated`` the
+    same on ``N`` devices emulated by a named ``jax.vmap`` (taking
+    ``shard``-ed q, k, v and the replicated sinks and slopes), and
     ``gather`` turns a stacked per-device result back into the whole one
     (``axis``: its sequence axis)."""
     N, layout, B, T = p["N"], p["layout"], p["B"], p["T"]
@@ -108,13 +109,18 @@ def _setup(p):
     k = jnp.asarray(rs.standard_normal((B, T, p["Hkv"], 4)), jnp.float32)
     v = jnp.asarray(rs.standard_normal((B, T, p["Hkv"], 4)), jnp.float32)
     sinks = jnp.asarray(rs.standard_normal((p["Hq"],)), jnp.float32) if p["sinks"] else None
+    slopes = jnp.asarray(rs.uniform(0.1, 1.0, (p["Hq"],)), jnp.float32) if p["alibi"] else None
     spec = AttentionSpec(mask=p["mask"], softcap=p["softcap"],
                          dropout_rate=p["dropout"],
                          dropout_key=jax.random.key(3) if p["dropout"] else None,
                          block_sizes=fnattn.XlaBlockSizes(p["block"], p["block"]))
 
-    def whole(q, k, v, sinks):
-        return fnattn.attention(spec.replace(sinks=sinks), q, k, v)
+    def with_(spec, sinks, slopes):
+        return spec.replace(sinks=sinks, position_bias=None if slopes is None
+                            else position_bias.alibi(slopes))
+
+    def whole(q, k, v, sinks, slopes):
+        return fnattn.attention(with_(spec, sinks, slopes), q, k, v)
 
     # Per-device mask leaves: (B, T) ids and (B, H, T, T) arrays are cut along
     # the sequence (an array mask keeps every key column); (B,) lengths are global.
@@ -129,14 +135,15 @@ def _setup(p):
             local.append(x)
         axes.append(0 if x.ndim in (2, 4) else None)
 
-    def device(q, k, v, sinks, leaves):
-        s = spec.replace(mask=jax.tree_util.tree_unflatten(treedef, leaves), sinks=sinks)
+    def device(q, k, v, sinks, slopes, leaves):
+        s = with_(spec.replace(mask=jax.tree_util.tree_unflatten(treedef, leaves)), sinks,
+                  slopes)
         return fnattn.context.attention(s, q, k, v, axis_name="seq", strategy=p["strategy"],
                                         layout=layout)
 
-    def emulated(q, k, v, sinks):
-        return jax.vmap(device, in_axes=(0, 0, 0, None, axes), axis_name="seq")(
-            q, k, v, sinks, local)
+    def emulated(q, k, v, sinks, slopes):
+        return jax.vmap(device, in_axes=(0, 0, 0, None, None, axes), axis_name="seq")(
+            q, k, v, sinks, slopes, local)
 
     def shard(x, axis=1):
         return _split(x, N, layout, (axis,), axis)
@@ -144,15 +151,15 @@ def _setup(p):
     def gather(x, axis=1):
         return fnattn.context.restore(jnp.concatenate(list(x), axis=axis), N, layout, axis=axis)
 
-    return spec, (q, k, v, sinks), whole, emulated, shard, gather
+    return spec, (q, k, v, sinks, slopes), whole, emulated, shard, gather
 
 
 @examples(8)
 @given(context_problems())
 def test_context_parallel_forward_equals_one_device(p):
-    _, (q, k, v, sinks), whole, emulated, shard, gather = _setup(p)
-    want = jax.jit(whole)(q, k, v, sinks)
-    res = jax.jit(emulated)(shard(q), shard(k), shard(v), sinks)
+    _, (q, k, v, *replicated), whole, emulated, shard, gather = _setup(p)
+    want = jax.jit(whole)(q, k, v, *replicated)
+    res = jax.jit(emulated)(shard(q), shard(k), shard(v), *replicated)
     np.testing.assert_allclose(gather(res.out), want.out, atol=3e-5, rtol=3e-5)
     np.testing.assert_allclose(gather(res.lse, 2), want.lse, atol=3e-5, rtol=3e-5)
 
@@ -161,8 +168,8 @@ def test_context_parallel_forward_equals_one_device(p):
 @given(context_problems())
 def test_context_parallel_derivatives_equal_one_device(p):
     """Reverse mode (cotangents on out and lse) and forward mode, in q, k, v and
-    the replicated sinks (whose gradient JAX sums over the axis), against the
-    same derivatives of attention on the whole sequence."""
+    the replicated sinks and ALiBi slopes (whose gradients JAX sums over the
+    axis), against the same derivatives of attention on the whole sequence."""
     _, x, whole, emulated, shard, gather = _setup(p)
     rs = np.random.default_rng(p["seed"] + 1)
     draw = lambda a: None if a is None else jnp.asarray(  # noqa: E731
@@ -180,15 +187,16 @@ def test_context_parallel_derivatives_equal_one_device(p):
     def sharded(a, axis=1):
         return None if a is None else shard(a, axis)
 
-    xs = (shard(x[0]), shard(x[1]), shard(x[2]), x[3])
+    xs = (shard(x[0]), shard(x[1]), shard(x[2]), *x[3:])
     got = jax.jit(pullback, static_argnums=0)(emulated, xs, (shard(d_out), shard(d_lse, 2)))
     ref = jax.jit(pullback, static_argnums=0)(whole, x, (d_out, d_lse))
+    names = ("q", "k", "v", "sinks", "slopes")
     for n, (g, r) in enumerate(zip(got, ref)):
         if r is not None:
-            np.testing.assert_allclose(g if n == 3 else gather(g), r, atol=1e-4, rtol=1e-4,
-                                       err_msg=f"gradient of {'qkvs'[n]}")
+            np.testing.assert_allclose(g if n >= 3 else gather(g), r, atol=1e-4, rtol=1e-4,
+                                       err_msg=f"gradient of {names[n]}")
 
-    ts = (sharded(tangents[0]), sharded(tangents[1]), sharded(tangents[2]), tangents[3])
+    ts = (sharded(tangents[0]), sharded(tangents[1]), sharded(tangents[2]), *tangents[3:])
     _, t_got = jax.jit(lambda x, t: jax.jvp(emulated, x, t))(xs, ts)
     _, t_ref = jax.jit(lambda x, t: jax.jvp(whole, x, t))(x, tuple(tangents))
     np.testing.assert_allclose(gather(t_got.out), t_ref.out, atol=1e-4, rtol=1e-4)
