@@ -87,20 +87,39 @@ def _fold(state, out, lse, lo):
     return acc * a[..., None] + w[..., None] * o, m_new, l * a + w
 
 
+def _unless_empty(P: Problem, pass_: str, cfg, args: tuple, nonempty, skip):
+    """The flash lowering's ``pass_`` ("fwd" or "bwd") on ``args``, or
+    ``skip(*args)`` where ``nonempty`` is false (a pair whose tiles are all
+    masked).
+
+    The ``lax.cond`` sits inside each platform's branch of the lowering's
+    choice, not around it: a program exported for several platforms then holds
+    under the condition only the kernel of the platform it runs on. (With the
+    choice inside a ``lax.cond`` in ``shard_map``, XLA keeps every platform's
+    kernel, and a CPU refuses the Triton and Mosaic custom calls: "No FFI
+    handler registered".)"""
+    def guard(fn):
+        def guarded(cfg, *a):
+            *a, ok = a
+            return lax.cond(ok, lambda: varying_like(fn(cfg, *a), *a),
+                            lambda: varying_like(skip(*a), *a))
+        return guarded
+
+    table = tuple((plat, dataclasses.replace(low, **{pass_: guard(getattr(low, pass_))}))
+                  for plat, low in _dispatch._wrap(P.table))
+    return _dispatch._select(table, pass_, cfg, *args, nonempty)
+
+
 def _pair_forward(P, qp, kp, src, inputs):
     cfg, qx, kx, vx, bx, leaves, seed, nonempty = pair_call(P, qp, kp, src, **inputs)
 
-    def run():
-        return _dispatch._select(_dispatch._wrap(P.table), "fwd", cfg, qx, kx, vx, bx, None,
-                                 leaves, seed)
-
-    def skip():
-        B, H, S = qx.shape[0], qx.shape[2], qx.shape[1]
-        out = jnp.zeros((B, S, H, vx.shape[-1]), qx.dtype)
+    def skip(q, k, v, *_):
+        B, H, S = q.shape[0], q.shape[2], q.shape[1]
+        out = jnp.zeros((B, S, H, v.shape[-1]), q.dtype)
         lse = jnp.full((B, H, S), -jnp.inf, F32)
-        return varying_like((out, lse, jnp.zeros_like(lse)), qx, kx, vx, bx, leaves, seed)
+        return out, lse, jnp.zeros_like(lse)
 
-    return lax.cond(nonempty, lambda: varying_like(run(), qx, kx, vx, bx, leaves, seed), skip)
+    return _unless_empty(P, "fwd", cfg, (qx, kx, vx, bx, None, leaves, seed), nonempty, skip)
 
 
 def _forward(P: Problem, q, k, v, bias4, sinks, ops, key, base):
@@ -244,20 +263,14 @@ def _ring_bwd(P, res, cts, which=()):
         rows = lambda x, axis: lax.slice_in_dim(x, qp.lo, qp.lo + qp.size, axis=axis)  # noqa
         stats = (rows(out, 1), rows(lse, 2), rows(lse_lo, 2), rows(d_out, 1), rows(d_lse, 2))
 
-        def run():
-            dq, dk, dv, db, _, *d_ops = _dispatch._select(
-                _dispatch._wrap(P.table), "bwd", cfg, qx, kx, vx, bx, None, leaves, seed,
-                *stats)
-            return dq, dk, dv, db, tuple(d_ops)
+        def skip(q, k, v, b, sinks, leaves, *_):
+            return (jnp.zeros_like(q), jnp.zeros_like(k), jnp.zeros_like(v),
+                    None if b is None else jnp.zeros_like(b), None,
+                    *(jnp.zeros(leaves[n].shape, leaves[n].dtype) for n in which))
 
-        def skip():
-            return (jnp.zeros_like(qx), jnp.zeros_like(kx), jnp.zeros_like(vx),
-                    None if bx is None else jnp.zeros_like(bx),
-                    tuple(jnp.zeros(leaves[n].shape, leaves[n].dtype) for n in which))
-
-        refs = (qx, kx, vx, bx, leaves, seed, stats)
-        return lax.cond(nonempty, lambda: varying_like(run(), *refs),
-                        lambda: varying_like(skip(), *refs))
+        dq, dk, dv, db, _, *d_ops = _unless_empty(
+            P, "bwd", cfg, (qx, kx, vx, bx, None, leaves, seed, *stats), nonempty, skip)
+        return dq, dk, dv, db, tuple(d_ops)
 
     def add_ops(d_ops, g_ops, qp, kp, src):
         """Adds a pair's operand gradients where its cut of each operand came from."""

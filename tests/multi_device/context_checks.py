@@ -6,9 +6,10 @@ features, so that together they cover every mask kind and composition, sinks,
 soft-cap, a bias with its gradient, position terms (ALiBi, a from_fn), dropout
 (bit for bit the unsharded mask), GQA and MQA, both tensor layouts, the batch
 sharded on a second axis, and the Pallas kernels (interpreted) as the per-step
-computation. out, lse and every gradient must equal the single-device result. Then: the collectives the ring
-issues (N-1 K/V transfers per pass), the work balance of the layouts, and the
-Triton and Mosaic per-step kernels lowering inside the ring for GPU and TPU.
+computation. out, lse and every gradient must equal the single-device result.
+Then: the collectives the ring issues (N-1 K/V transfers per pass), the work
+balance of the layouts, the Triton and Mosaic per-step kernels lowering inside
+the ring for GPU and TPU, and an export for cpu, cuda and tpu run on the CPUs.
 """
 
 import dataclasses
@@ -353,5 +354,41 @@ def check_ring_forward_mode_and_second_order():
           f"{max(float(jnp.abs(g - w).max()) for g, w in zip(got, want)):.1e}")
 
 
-CHECKS = [check_ring_forward_mode_and_second_order, check_work_balance, check_ring_transfers, check_strategies_layouts_and_masks,
-          check_pallas_per_step_kernels, check_kernels_lower_in_ring]
+def check_ring_exports_for_several_platforms():
+    """Ring and all-gather attention inside shard_map on 4 devices, forward and
+    gradient, exported for cpu, cuda and tpu in one artifact (serialized and
+    read back), run on the CPU devices: the results of the program not
+    exported. (Each pair's skip condition sits inside the platform choice: with
+    the choice inside a lax.cond, XLA kept the Triton and Mosaic kernels in the
+    CPU program, which refused them: "No FFI handler registered".)"""
+    from jax import export
+    N = 4
+    mesh = Mesh(np.array(jax.devices()[:N]), ("seq",))
+    seq = NamedSharding(mesh, P(None, "seq"))
+    rs = np.random.default_rng(4)
+    q, k, v = (jax.device_put(jnp.asarray(rs.standard_normal((1, 32, 2, 8)), F32), seq)
+               for _ in range(3))
+    spec = AttentionSpec(mask=masks.causal() | masks.sliding_window(2, 2),
+                         block_sizes=fnattn.XlaBlockSizes(8, 8))
+    triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
+    for strategy in ("ring", "all_gather"):
+        body = lambda q, k, v: fnattn.context.attention(  # noqa: E731
+            spec, q, k, v, axis_name="seq", strategy=strategy, layout="zigzag").out
+        fwd = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "seq"),) * 3,
+                                    out_specs=P(None, "seq")))
+        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fwd(q, k, v))), (0, 1, 2)))
+        for name, f in (("forward", fwd), ("gradient", grad)):
+            exp = export.export(f, platforms=("cpu", "cuda", "tpu"), disabled_checks=[triton])(
+                q, k, v)
+            exp = export.deserialize(exp.serialize())
+            got, want = jax.jit(exp.call)(q, k, v), f(q, k, v)
+            for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+                np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6, rtol=1e-6,
+                                           err_msg=f"{strategy} {name}")
+    print("context: ring and all-gather, forward and gradient, exported for cpu, cuda and "
+          "tpu, run on 4 CPU devices")
+
+
+CHECKS = [check_ring_forward_mode_and_second_order, check_work_balance, check_ring_transfers,
+          check_strategies_layouts_and_masks, check_pallas_per_step_kernels,
+          check_kernels_lower_in_ring, check_ring_exports_for_several_platforms]
