@@ -360,28 +360,37 @@ def check_ring_exports_for_several_platforms():
     read back), run on the CPU devices: the results of the program not
     exported. (Each pair's skip condition sits inside the platform choice: with
     the choice inside a lax.cond, XLA kept the Triton and Mosaic kernels in the
-    CPU program, which refused them: "No FFI handler registered".)"""
+    CPU program, which refused them: "No FFI handler registered".) Exported
+    over a mesh of abstract H100s where JAX has them (the Triton lowering asks
+    for the GPU since JAX 0.11), called on the CPUs."""
     from jax import export
     N = 4
     mesh = Mesh(np.array(jax.devices()[:N]), ("seq",))
-    seq = NamedSharding(mesh, P(None, "seq"))
+    amesh = abstract_mesh("cuda", (N,), ("seq",))
+    seq = P(None, "seq")
     rs = np.random.default_rng(4)
-    q, k, v = (jax.device_put(jnp.asarray(rs.standard_normal((1, 32, 2, 8)), F32), seq)
-               for _ in range(3))
+    q, k, v = (jax.device_put(jnp.asarray(rs.standard_normal((1, 32, 2, 8)), F32),
+                              NamedSharding(mesh, seq)) for _ in range(3))
+    shape = jax.ShapeDtypeStruct(q.shape, F32, sharding=NamedSharding(amesh or mesh, seq))
     spec = AttentionSpec(mask=masks.causal() | masks.sliding_window(2, 2),
                          block_sizes=fnattn.XlaBlockSizes(8, 8))
     triton = export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")
     for strategy in ("ring", "all_gather"):
         body = lambda q, k, v: fnattn.context.attention(  # noqa: E731
             spec, q, k, v, axis_name="seq", strategy=strategy, layout="zigzag").out
-        fwd = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=(P(None, "seq"),) * 3,
-                                    out_specs=P(None, "seq")))
-        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fwd(q, k, v))), (0, 1, 2)))
-        for name, f in (("forward", fwd), ("gradient", grad)):
-            exp = export.export(f, platforms=("cpu", "cuda", "tpu"), disabled_checks=[triton])(
-                q, k, v)
+
+        def programs(m):
+            fwd = jax.jit(jax.shard_map(body, mesh=m, in_specs=(seq,) * 3, out_specs=seq))
+            grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(jnp.sin(fwd(q, k, v))), (0, 1, 2)))
+            return {"forward": fwd, "gradient": grad}
+
+        here = programs(mesh)
+        for name, f in programs(amesh or mesh).items():
+            with target("cuda", amesh):
+                exp = export.export(f, platforms=("cpu", "cuda", "tpu"),
+                                    disabled_checks=[triton])(shape, shape, shape)
             exp = export.deserialize(exp.serialize())
-            got, want = jax.jit(exp.call)(q, k, v), f(q, k, v)
+            got, want = jax.jit(exp.call)(q, k, v), here[name](q, k, v)
             for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
                 np.testing.assert_allclose(np.asarray(g), np.asarray(w), atol=1e-6, rtol=1e-6,
                                            err_msg=f"{strategy} {name}")
