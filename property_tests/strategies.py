@@ -58,6 +58,21 @@ def examples(n: int) -> settings:
     return settings()
 
 
+def assert_out_lse(out, lse, want_out, want_lse, tol=2e-5):
+    """out and lse equal (-inf exactly where expected), no NaN or inf in out."""
+    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    assert np.isfinite(out).all()
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    # +inf only where a sink of +inf takes the whole row
+    np.testing.assert_array_equal(np.isposinf(lse), np.isposinf(want_lse))
+    assert not np.isnan(lse).any()
+    np.testing.assert_allclose(out, want_out, atol=tol, rtol=tol)
+    fin = np.isfinite(want_lse)
+    np.testing.assert_allclose(np.where(fin, lse, 0), np.where(fin, want_lse, 0),
+                               atol=tol, rtol=tol)
+
+
 MASK_KINDS = ("causal", "window", "chunked", "segments", "lengths", "prefix", "array", "fn",
               "full")
 

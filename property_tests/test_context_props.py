@@ -25,7 +25,7 @@ from hypothesis import given, strategies as st
 import fnattn
 from fnattn import AttentionSpec, masks, position_bias
 from fnattn.context.decode import decode as context_decode
-from strategies import examples, gqa_heads, mask_trees
+from strategies import assert_out_lse, examples, gqa_heads, mask_trees
 
 MASKS = ("causal", "full", "window", "chunked", "segments", "lengths", "prefix", "array", "fn")
 
@@ -96,7 +96,7 @@ def context_problems(draw):
 
 
 def _setup(p):
-    """``(spec, (q, k, v, sinks, slopes), whole, emulated, shard, gather)`` of a
+    """``((q, k, v, sinks, slopes), whole, emulated, shard, gather)`` of a
     drawn problem: ``whole(q, k, v, sinks, slopes)`` is ``fnattn.attention`` on
     the whole sequence (ALiBi with ``slopes`` where drawn), ``emulated`` the
     same on ``N`` devices emulated by a named ``jax.vmap`` (taking
@@ -151,13 +151,13 @@ def _setup(p):
     def gather(x, axis=1):
         return fnattn.context.restore(jnp.concatenate(list(x), axis=axis), N, layout, axis=axis)
 
-    return spec, (q, k, v, sinks, slopes), whole, emulated, shard, gather
+    return (q, k, v, sinks, slopes), whole, emulated, shard, gather
 
 
 @examples(8)
 @given(context_problems())
 def test_context_parallel_forward_equals_one_device(p):
-    _, (q, k, v, *replicated), whole, emulated, shard, gather = _setup(p)
+    (q, k, v, *replicated), whole, emulated, shard, gather = _setup(p)
     want = jax.jit(whole)(q, k, v, *replicated)
     res = jax.jit(emulated)(shard(q), shard(k), shard(v), *replicated)
     np.testing.assert_allclose(gather(res.out), want.out, atol=3e-5, rtol=3e-5)
@@ -170,7 +170,7 @@ def test_context_parallel_derivatives_equal_one_device(p):
     """Reverse mode (cotangents on out and lse) and forward mode, in q, k, v and
     the replicated sinks and ALiBi slopes (whose gradients JAX sums over the
     axis), against the same derivatives of attention on the whole sequence."""
-    _, x, whole, emulated, shard, gather = _setup(p)
+    x, whole, emulated, shard, gather = _setup(p)
     rs = np.random.default_rng(p["seed"] + 1)
     draw = lambda a: None if a is None else jnp.asarray(  # noqa: E731
         rs.standard_normal(a.shape), jnp.float32)
@@ -184,9 +184,6 @@ def test_context_parallel_derivatives_equal_one_device(p):
 
         return jax.vjp(outputs, *x)[1](cts)
 
-    def sharded(a, axis=1):
-        return None if a is None else shard(a, axis)
-
     xs = (shard(x[0]), shard(x[1]), shard(x[2]), *x[3:])
     got = jax.jit(pullback, static_argnums=0)(emulated, xs, (shard(d_out), shard(d_lse, 2)))
     ref = jax.jit(pullback, static_argnums=0)(whole, x, (d_out, d_lse))
@@ -196,7 +193,7 @@ def test_context_parallel_derivatives_equal_one_device(p):
             np.testing.assert_allclose(g if n >= 3 else gather(g), r, atol=1e-4, rtol=1e-4,
                                        err_msg=f"gradient of {names[n]}")
 
-    ts = (sharded(tangents[0]), sharded(tangents[1]), sharded(tangents[2]), *tangents[3:])
+    ts = (shard(tangents[0]), shard(tangents[1]), shard(tangents[2]), *tangents[3:])
     _, t_got = jax.jit(lambda x, t: jax.jvp(emulated, x, t))(xs, ts)
     _, t_ref = jax.jit(lambda x, t: jax.jvp(whole, x, t))(x, tuple(tangents))
     np.testing.assert_allclose(gather(t_got.out), t_ref.out, atol=1e-4, rtol=1e-4)
@@ -275,8 +272,7 @@ def test_context_decode_equals_decode(N, per, B, Tq, heads, mask, with_sinks, so
     want = jax.jit(whole)(q, k, v, sinks)
     got = jax.jit(devices)(q, shard(k), shard(v), sinks)
     for n in range(N):
-        _close_with_inf(got.out[n], want.out, f"out on device {n}")
-        _close_with_inf(got.lse[n], want.lse, f"lse on device {n}")
+        assert_out_lse(got.out[n], got.lse[n], want.out, want.lse, tol=3e-5)
     argnums = (0, 1, 2) + ((3,) if with_sinks else ())
     g_want = jax.jit(jax.grad(loss(whole, False), argnums))(q, k, v, sinks)
     g_got = jax.jit(jax.grad(loss(devices, True), argnums))(q, shard(k), shard(v), sinks)
@@ -285,10 +281,3 @@ def test_context_decode_equals_decode(N, per, B, Tq, heads, mask, with_sinks, so
             x = jnp.concatenate(list(x), axis=seq)
             assert bool(jnp.isfinite(x).all()), f"gradient of {name}: not finite"
         np.testing.assert_allclose(x, y, atol=5e-5, rtol=5e-5, err_msg=f"gradient of {name}")
-
-
-def _close_with_inf(x, y, what):
-    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
-    np.testing.assert_array_equal(np.isneginf(x), np.isneginf(y), err_msg=what)
-    np.testing.assert_allclose(np.where(np.isfinite(y), x, 0), np.where(np.isfinite(y), y, 0),
-                               atol=3e-5, rtol=3e-5, err_msg=what)

@@ -36,7 +36,7 @@ import fnattn
 from fnattn import AttentionSpec, DecodeBlockSizes, PagedBlockSizes, masks
 from cases import np_mask
 from np_attention import np_attention, np_attention_grads
-from strategies import examples, ragged_lengths
+from strategies import assert_out_lse, examples, ragged_lengths
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "paged"))
 import problems as paged  # noqa: E402  (tests/paged/problems.py)
@@ -64,21 +64,6 @@ def positional_masks(draw, max_window=4, max_chunk=5):
     if kind == "window":
         return masks.causal() & masks.sliding_window(draw(st.integers(0, max_window)))
     return masks.chunked(draw(st.integers(1, max_chunk))) & masks.causal()
-
-
-def assert_out_lse(out, lse, want_out, want_lse, tol=TOL):
-    """out and lse equal (-inf exactly where expected), no NaN or inf in out."""
-    out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
-    assert out.shape == want_out.shape and lse.shape == want_lse.shape
-    assert np.isfinite(out).all()
-    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
-    # +inf only where a sink of +inf takes the whole row
-    np.testing.assert_array_equal(np.isposinf(lse), np.isposinf(want_lse))
-    assert not np.isnan(lse).any()
-    np.testing.assert_allclose(out, want_out, atol=tol, rtol=tol)
-    fin = np.isfinite(want_lse)
-    np.testing.assert_allclose(np.where(fin, lse, 0), np.where(fin, want_lse, 0),
-                               atol=tol, rtol=tol)
 
 
 # ----------------------------------------------------------------------------------
