@@ -13,8 +13,8 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["LN2", "LOG2E", "any_false", "clean_unless_garbage", "finish_exp2", "finite_keys",
-           "group_sink_column", "join_sink", "lse_parts", "sink_grad", "sink_rescale", "step_exp",
-           "step_exp2"]
+           "group_sink_column", "join_sink", "lse_parts", "running_max", "sink_grad",
+           "sink_rescale", "step_exp", "step_exp2"]
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -36,6 +36,30 @@ def join_sink(acc, m, l, sink, *, exp=jnp.exp):
     a, m, l = sink_rescale(m, l, sink, exp=exp)
     acc = acc * (a[..., None] if a.ndim < acc.ndim else a)
     return acc, m, l
+
+
+def running_max(m, s, axis: int = -1):
+    """The row maximum after a tile of logits ``s``: ``max(m, s.max(axis))``,
+    under ``lax.stop_gradient``.
+
+    The maximum only shifts the exponentials: ``out`` and ``lse = m + log(l)``
+    do not depend on it, so a constant shift gives them their exact
+    derivatives, and the tangent pass (``jax.jvp`` of the blockwise forward)
+    skips the derivative of the maximum. That derivative is fragile besides:
+    JAX splits it among the logits *equal* to the maximum, and when XLA:CPU's
+    fusion computes the same logits twice with different rounding (a fused
+    multiply-add in one copy only; an ALiBi slope times a distance plus the
+    scores), no logit equals the maximum, and the split is 0 / 0 = NaN. (The
+    binary maximum with a sink, :func:`sink_rescale`, keeps its derivative:
+    it splits ties without a count, and carries the derivative of lse at a
+    sink of +inf.)
+
+    >>> import jax
+    >>> jax.grad(lambda s: running_max(jnp.float32(0.0), s).sum())(jnp.ones((2, 3)))
+    Array([[0., 0., 0.],
+           [0., 0., 0.]], dtype=float32)
+    """
+    return lax.stop_gradient(jnp.maximum(m, s.max(axis)))
 
 
 def sink_rescale(m, l, sink, *, exp=jnp.exp):

@@ -416,7 +416,7 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
             if partial:
                 ok = _flat(_allowed(mask, ops, bidx, i, j, P, False), B, P, False)
                 s = jnp.where(ok, jnp.where(bad, jnp.nan, s), -jnp.inf)
-            m_new = jnp.maximum(m, s.max(-1))
+            m_new = online.running_max(m, s)  # (no derivative: the tangent pass)
             # A row with nothing visible yet keeps m = -inf; 0 avoids inf - inf.
             m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
             p = jnp.exp(s - m_use[..., None])
