@@ -22,7 +22,8 @@ primitive is bound (and lowered from that trace); if the default refuses the
 inputs (``NotImplementedError``), from the first branch that accepts them,
 and the default raises only where it is lowered. Every branch must return
 the same types (as for ``lax.platform_dependent``). ``vmap`` maps every
-branch and ``jvp`` differentiates every branch (forward mode only; a Pallas
+branch (under the vmap's axis name, which a collective in a branch may use)
+and ``jvp`` differentiates every branch (forward mode only; a Pallas
 branch cannot be differentiated anyway: fnattn differentiates around the
 dispatch, never through it).
 
@@ -45,6 +46,7 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util
 from jax.extend import core as jex_core
+from jax._src import core as _jax_core
 from jax._src import dispatch
 from jax.interpreters import ad, batching, mlir
 
@@ -168,11 +170,16 @@ def _checked(fn, avals, platform):
     return f
 
 
-def _batch(args, dims, *, branches):
+def _batch(axis_data, args, dims, *, branches):
+    # Each branch mapped under a vmap of the same axis: its name too, so that a
+    # collective in a branch (a psum, an axis_index) finds the axis of a
+    # ``jax.vmap(..., axis_name=...)`` it is called under.
+    name = None if axis_data.name is _jax_core.no_axis_name else axis_data.name
     axes = tuple(dims)  # (None: not mapped)
 
     def mapped(fn):
-        return jax.vmap(fn, in_axes=axes, out_axes=0)
+        return jax.vmap(fn, in_axes=axes, out_axes=0, axis_name=name,
+                        axis_size=axis_data.size, spmd_axis_name=axis_data.spmd_name)
 
     others = {p: mapped(fn) for p, fn in branches.fns.items()}
     outs = dependent(*args, default=mapped(branches.default_fn()),
@@ -203,7 +210,7 @@ for _prim in (_p, _p_devices):
     for _plat in PLATFORMS:
         mlir.register_lowering(_prim, _rule(_plat), platform=_plat)
     mlir.register_lowering(_prim, _rule(None))
-    batching.primitive_batchers[_prim] = _batch
+    batching.fancy_primitive_batchers[_prim] = _batch
     ad.primitive_jvps[_prim] = _jvp
 # ``jit`` keeps the devices when lowering a program that holds this one.
 getattr(dispatch, "prim_requires_devices_during_lowering", set()).add(_p_devices)

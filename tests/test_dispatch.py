@@ -141,3 +141,23 @@ def test_lowerings_get_static_config():
     assert cfg.dims.group == 2
     assert cfg.scale == 0.5 and cfg.softcap == 2.0 and cfg.dropout_rate == 0.0
     hash(cfg)  # a custom_jvp nondiff argument must be hashable
+
+
+def test_a_branch_may_use_the_axis_of_a_named_vmap():
+    """``_platforms.dependent`` under ``jax.vmap(..., axis_name=)``: its branches
+    are mapped under the same axis name, so a collective in a branch works (it
+    raised "unbound axis name" when the branches were mapped without it), in
+    forward mode too, and with an unnamed vmap around the named one."""
+    from fnattn._platforms import dependent
+
+    def f(x):
+        return dependent(x, default=lambda x: x * jax.lax.axis_index("i") + jax.lax.psum(x, "i"),
+                         cuda=lambda x: x)
+
+    x = jnp.arange(6.0).reshape(3, 2)
+    want = x * jnp.arange(3.0)[:, None] + x.sum(0)
+    np.testing.assert_allclose(jax.jit(jax.vmap(f, axis_name="i"))(x), want)
+    _, t = jax.jit(lambda x: jax.jvp(jax.vmap(f, axis_name="i"), (x,), (x,)))(x)
+    np.testing.assert_allclose(t, want)
+    both = jax.jit(jax.vmap(jax.vmap(f, axis_name="i")))(jnp.stack([x, 2 * x]))
+    np.testing.assert_allclose(both, jnp.stack([want, 2 * want]))
