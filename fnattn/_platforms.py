@@ -176,6 +176,11 @@ def _batch(axis_data, args, dims, *, branches):
     # ``jax.vmap(..., axis_name=...)`` it is called under.
     name = None if axis_data.name is _jax_core.no_axis_name else axis_data.name
     axes = tuple(dims)  # (None: not mapped)
+    if name is None and all(d is None for d in axes):
+        # nothing mapped and no axis a collective could name (JAX 0.11 asks,
+        # for the primal of a jacfwd): unmapped outputs
+        outs = branches.prim.bind(*args, branches=branches)
+        return list(outs), [None] * len(outs)
 
     def mapped(fn):
         return jax.vmap(fn, in_axes=axes, out_axes=0, axis_name=name,

@@ -161,3 +161,6 @@ def test_a_branch_may_use_the_axis_of_a_named_vmap():
     np.testing.assert_allclose(t, want)
     both = jax.jit(jax.vmap(jax.vmap(f, axis_name="i")))(jnp.stack([x, 2 * x]))
     np.testing.assert_allclose(both, jnp.stack([want, 2 * want]))
+    # jacfwd: a vmap whose primal is not mapped (JAX 0.11 still calls the rule)
+    g = lambda x: dependent(x, default=lambda x: jnp.sin(x), cuda=lambda x: x)  # noqa: E731
+    np.testing.assert_allclose(jax.jit(jax.jacfwd(g))(x[0]), jnp.diag(jnp.cos(x[0])))
