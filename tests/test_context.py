@@ -261,16 +261,16 @@ def test_derivatives_under_a_named_vmap(strategy):
 @pytest.mark.parametrize("strategy", ["ring", "all_gather"])
 def test_forward_mode_with_alibi_under_a_named_vmap(strategy):
     """The tangent of ALiBi attention on 4 emulated devices is finite and equals
-    the whole sequence's. (It was NaN on some rows for about half of these
-    draws: the flash XLA forward's running maximum carried a derivative, which
-    JAX splits among the logits equal to it, and XLA:CPU computed the logits
-    once with a fused multiply-add for the maximum and once without for the
-    comparison, so that no logit equalled it: 0 / 0. The maximum is now a
-    constant shift, ``fnattn._online.running_max``. Found by the context
-    property tests.)"""
+    the whole sequence's. (It was NaN on some rows for each of these draws,
+    5 of the 8 such seeds among the first 30: the flash XLA forward's running
+    maximum carried a derivative, which JAX splits among the logits equal to
+    it, and XLA:CPU computed the logits once with a fused multiply-add for the
+    maximum and once without for the comparison, so that no logit equalled
+    it: 0 / 0. The maximum is now a constant shift,
+    ``fnattn._online.running_max``. Found by the context property tests.)"""
     N, T, Hq, D = 4, 8, 3, 4
     rows = lambda x: jnp.stack(jnp.split(x, N, axis=1))  # noqa: E731
-    for seed in (1, 4, 7, 8, 11):
+    for seed in (0, 1, 2, 7, 13):
         rs = np.random.default_rng(seed)
         q = jnp.asarray(rs.standard_normal((1, T, Hq, D)), F32)
         k, v, t = (jnp.asarray(rs.standard_normal((1, T, 1, D)), F32) for _ in range(3))
