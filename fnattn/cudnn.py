@@ -221,7 +221,9 @@ def _lse_vjp(q, k, bias, allowed, scale, d_lse):
     if bias is not None:
         s = s + bias.astype(jnp.float32)
     s = jnp.where(allowed, s, -jnp.inf)
-    m = jnp.max(s, axis=-1, keepdims=True)
+    # a constant shift (as fnattn._online.running_max): second order
+    # differentiates this backward, and the derivative of the maximum cancels
+    m = lax.stop_gradient(jnp.max(s, axis=-1, keepdims=True))
     m = jnp.where(jnp.isfinite(m), m, 0.0)
     e = jnp.exp(s - m)
     denom = jnp.sum(e, axis=-1, keepdims=True)

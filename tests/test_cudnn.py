@@ -103,6 +103,27 @@ def test_only_lse_gradient_and_only_out_gradient():
         np.testing.assert_allclose(np.asarray(g), np.asarray(gr), atol=1e-5)
 
 
+def test_second_order_through_lse_matches_the_reference():
+    """A Hessian-vector product of a loss on out and lse: JAX differentiates the
+    delegate's backward, lse's part included (``cudnn._lse_vjp``, whose row
+    maximum is a constant shift), on jax.nn's XLA path here."""
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(left=3), bias=BIAS,
+                         impl="cudnn")
+    w_out = jnp.asarray(rs.standard_normal(Q.shape), jnp.float32)
+    w_lse = jnp.asarray(rs.standard_normal((B, HQ, T)), jnp.float32)
+    t = jnp.asarray(rs.standard_normal(Q.shape), jnp.float32)
+
+    def hvp(attn):
+        loss = _loss(attn, spec, w_out, w_lse)
+        grad = jax.grad(lambda q, k: loss(q, k, V, BIAS), argnums=(0, 1))
+        return jax.jit(lambda q, k: jax.jvp(grad, (q, k), (t, jnp.zeros_like(k)))[1])(Q, K)
+
+    for n, a, b in zip(("q", "k"), hvp(fnattn.attention), hvp(fnattn.reference)):
+        assert np.isfinite(np.asarray(a)).all(), n
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, rtol=1e-4,
+                                   err_msg=n)
+
+
 def test_causal_with_more_keys_than_queries_uses_bottom_right_alignment():
     # jax.nn's is_causal aligns top-left; fnattn passes such masks as dense arrays
     k = jnp.asarray(rs.standard_normal((B, 11, HKV, D)), jnp.float32)
