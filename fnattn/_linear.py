@@ -42,8 +42,9 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
-from jax._src import core as _jax_core
 from jax.interpreters import ad, batching, mlir
+
+from fnattn import _platforms
 
 __all__ = ["Rule", "tangent", "is_zero", "instantiate"]
 
@@ -236,7 +237,7 @@ def _transpose(prim, cts, *args, rule, vmaps, keep, out_avals, callee):
 def _batch(prim, axis_data, args, dims, *, rule, vmaps, keep, out_avals, callee):
     keep_res, keep_lin, keep_out = keep
     n_res = sum(keep_res)
-    name = None if axis_data.name is _jax_core.no_axis_name else axis_data.name
+    name = _platforms.axis_name_of(axis_data)
     if name is None and all(d is None for d in dims):
         # nothing batched and no axis a collective could name: the map as it is
         outs = prim.bind(*args, rule=rule, vmaps=vmaps, keep=keep, out_avals=out_avals,

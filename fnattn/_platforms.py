@@ -50,7 +50,7 @@ from jax._src import core as _jax_core
 from jax._src import dispatch
 from jax.interpreters import ad, batching, mlir
 
-__all__ = ["dependent", "mixed_einsum"]
+__all__ = ["axis_name_of", "dependent", "mixed_einsum"]
 
 # Platforms with a rule of their own; any other platform lowers the default.
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
@@ -170,11 +170,18 @@ def _checked(fn, avals, platform):
     return f
 
 
+def axis_name_of(axis_data):
+    """The axis name of the ``jax.vmap`` level a batching rule of
+    ``batching.fancy_primitive_batchers`` is called for, or None for an unnamed
+    one (fnattn's rules map their functions again under that name)."""
+    return None if axis_data.name is _jax_core.no_axis_name else axis_data.name
+
+
 def _batch(axis_data, args, dims, *, branches):
     # Each branch mapped under a vmap of the same axis: its name too, so that a
     # collective in a branch (a psum, an axis_index) finds the axis of a
     # ``jax.vmap(..., axis_name=...)`` it is called under.
-    name = None if axis_data.name is _jax_core.no_axis_name else axis_data.name
+    name = axis_name_of(axis_data)
     axes = tuple(dims)  # (None: not mapped)
     if name is None and all(d is None for d in axes):
         # nothing mapped and no axis a collective could name (JAX 0.11 asks,
