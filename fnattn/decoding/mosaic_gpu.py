@@ -45,6 +45,13 @@ the XLA lowering (:func:`fnattn.decoding.xla.forward`, which makes such keys
 inert), under ``lax.cond`` so that the pass costs nothing otherwise. A row
 that sees a non-finite key is NaN in both, as in every lowering.
 
+**Position terms.** A term's arrays (ALiBi's slopes; one value per sequence
+and query head) reach the program as a float32 value per row, copied into
+shared memory with the queries; per block the term is evaluated at each
+row's head and position and added to the scaled logits before the cap.
+Without a cap the row state is then kept in natural units
+(:attr:`_Plan.natural`), as in the flash forward.
+
 **Split-K.** The programs write partial outputs (float32; in the caches'
 dtype past D = 128, where a float32 tile would leave a ring of one step,
 :func:`plan`) with their base-2 row state ``(m, l)``;
@@ -55,10 +62,11 @@ say.
 
 Supported: float16 / bfloat16 caches, head dims ``D`` and ``Dv`` that are
 multiples of 64 up to 256, ``Tq * G <= 64`` rows per kv head, any scale,
-soft-cap, sinks, an array-free mask (``from_fn`` ones whose functions Mosaic
-GPU lowers, :data:`fnattn._functions.MOSAIC_GPU`), and a cache length ``S``
-that is a multiple of 64. :func:`supports` lists what else a call asks for;
-asked for by name, such a call raises ``NotImplementedError``.
+soft-cap, sinks, an array-free mask, a position term (ALiBi, ``from_fn``;
+see below), and a cache length ``S`` that is a multiple of 64; ``from_fn``
+masks and terms whose functions Mosaic GPU lowers
+(:data:`fnattn._functions.MOSAIC_GPU`). :func:`supports` lists what else a
+call asks for; asked for by name, such a call raises ``NotImplementedError``.
 """
 
 import dataclasses
@@ -126,10 +134,11 @@ class MosaicGpuDecodeBlockSizes:
 
 
 def smem_bytes(D: int, Dv: int, block_k: int, stages: int, itemsize: int = 2,
-               out_itemsize: int = 4) -> int:
+               out_itemsize: int = 4, terms: int = 0) -> int:
     """Shared memory of one program as Mosaic GPU counts it: the query tile,
     the ring of K and V blocks, the output tile (float32, or the caches' dtype:
-    ``out_itemsize``) and row state, the barriers
+    ``out_itemsize``) and row state, a position term's ``terms`` arrays (a
+    float32 value per row each), the barriers
     (:func:`fnattn.flash.mosaic_gpu.smem_layout_bytes`), and what the lowering
     keeps besides (reduction scratch; tests check the sum against the
     lowering's count).
@@ -139,6 +148,8 @@ def smem_bytes(D: int, Dv: int, block_k: int, stages: int, itemsize: int = 2,
     """
     buffers = [ROWS * D * itemsize, stages * block_k * D * itemsize,
                stages * block_k * Dv * itemsize, ROWS * Dv * out_itemsize, ROWS * 4, ROWS * 4]
+    if terms:
+        buffers.append(terms * ROWS * 4)
     return flash_mgpu.smem_layout_bytes(buffers, 1 + 4 * stages) + _RESERVED
 
 
@@ -157,7 +168,7 @@ class Tiles(NamedTuple):
 
 
 def plan(D: int, Dv: int, S: int, given: Optional[MosaicGpuDecodeBlockSizes] = None,
-         itemsize: int = 2, page_size: int = 0) -> Tiles:
+         itemsize: int = 2, page_size: int = 0, terms: int = 0) -> Tiles:
     """The block (the given one, else the largest of 128 and 64 dividing ``S``,
     the keys a sequence can hold, and, with pages of ``page_size`` keys,
     dividing a page or a multiple of one, whose ring holds two steps), the
@@ -165,7 +176,8 @@ def plan(D: int, Dv: int, S: int, given: Optional[MosaicGpuDecodeBlockSizes] = N
     :data:`MAX_STAGES`, or the given depth), and float32 partial outputs
     where they leave room for a ring of two, else outputs in the caches'
     dtype (at D or Dv past 128: a float32 output tile would leave one step).
-    Raises ``ValueError`` for given sizes that do not fit.
+    ``terms``: the arrays of a position term (:func:`smem_bytes`). Raises
+    ``ValueError`` for given sizes that do not fit.
 
     >>> plan(128, 128, 4096), plan(128, 128, 4160)
     (Tiles(block_k=128, stages=2, out_f32=True), Tiles(block_k=64, stages=4, out_f32=True))
@@ -177,7 +189,7 @@ def plan(D: int, Dv: int, S: int, given: Optional[MosaicGpuDecodeBlockSizes] = N
 
     def deepest(bk, out):
         n = MAX_STAGES
-        while n > 1 and smem_bytes(D, Dv, bk, n, itemsize, out) > budget:
+        while n > 1 and smem_bytes(D, Dv, bk, n, itemsize, out, terms) > budget:
             n -= 1
         return n
 
@@ -189,12 +201,12 @@ def plan(D: int, Dv: int, S: int, given: Optional[MosaicGpuDecodeBlockSizes] = N
 
     def fits(bk, out):
         n = given.max_concurrent_steps or deepest(bk, out)
-        return n >= least and smem_bytes(D, Dv, bk, n, itemsize, out) <= budget
+        return n >= least and smem_bytes(D, Dv, bk, n, itemsize, out, terms) <= budget
 
     bk, out = next(((bk, out) for out in (4, itemsize) for bk in sizes if fits(bk, out)),
                    (sizes[-1], itemsize))
     stages = given.max_concurrent_steps or deepest(bk, out)
-    need = smem_bytes(D, Dv, bk, stages, itemsize, out)
+    need = smem_bytes(D, Dv, bk, stages, itemsize, out, terms)
     if need > budget:
         raise ValueError(
             f"decode: MosaicGpuDecodeBlockSizes(block_k={bk}, max_concurrent_steps={stages}) "
@@ -238,9 +250,9 @@ def kernel_refusals(cache: str, dtype, D: int, Dv: int, rows: int, rows_are: str
     """What the kernel refuses whatever the cache's layout, for
     :func:`supports` and :func:`fnattn.paged.mosaic_gpu.supports`: the dtype of
     the ``cache`` (its name in the message), the head dims, ``rows`` query rows
-    a program (``rows_are``: how they come about), a position term
-    (``term_treedef`` not None), and ``from_fn`` functions of ``mask`` that
-    Mosaic GPU does not lower."""
+    a program (``rows_are``: how they come about), and ``from_fn`` functions of
+    ``mask`` or of the position term (``term_treedef``, or None) that Mosaic
+    GPU does not lower."""
     why = []
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16)):
         why.append(f"{jnp.dtype(dtype).name} {cache} (float16 and bfloat16 run here)")
@@ -249,9 +261,8 @@ def kernel_refusals(cache: str, dtype, D: int, Dv: int, rows: int, rows_are: str
             why.append(f"head dim {name}={n} (multiples of 64 up to 256 run here)")
     if rows > ROWS:
         why.append(f"{rows} query rows per kv head ({rows_are}; at most {ROWS} run here)")
-    if term_treedef is not None:
-        why.append("a position term (ALiBi, from_fn)")
-    return why + _functions.refusals(mask, _functions.MOSAIC_GPU)
+    term = masks.from_treedef(term_treedef)
+    return why + _functions.refusals((mask, term), _functions.MOSAIC_GPU)
 
 
 def _asked(cfg) -> Optional[MosaicGpuDecodeBlockSizes]:
@@ -287,6 +298,16 @@ class _Plan:
     interpreted: bool
     page_size: int = 0       # a paged cache's (0: the contiguous cache)
     pages_per_seq: int = 0
+    term_treedef: Any = None  # a position term, or None
+    n_terms: int = 0          # its arrays: a float32 value per row each
+    terms_shared: bool = False  # one set of values for every program's sequence (paged)
+
+    @property
+    def natural(self) -> bool:
+        """The row state ``m`` is kept in natural units (a term without
+        soft-cap: logits may be huge, and ``(s - m) * log2(e)`` stays exact
+        where ``s * log2(e) - m`` would not); else in base 2."""
+        return self.term_treedef is not None and self.softcap is None
 
     @property
     def copies(self) -> int:
@@ -295,13 +316,15 @@ class _Plan:
 
 
 # Interpreter-aware helpers shared with the flash forward (they read only P.interpreted).
-_plgpu, _iota, _in_layout = flash_mgpu._plgpu, flash_mgpu._iota, flash_mgpu._in_layout
+_plgpu, _iota, _in_layout, _load = (flash_mgpu._plgpu, flash_mgpu._iota, flash_mgpu._in_layout,
+                                    flash_mgpu._load)
 
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
     plgpu = _plgpu()
     ring = P.stages
     pt_ref = refs[0] if P.page_size else None
+    terms_ref = refs[int(bool(P.page_size))] if P.n_terms else None
     o_ref, m_ref, l_ref = refs[-3:]
 
     def body(S):
@@ -325,22 +348,37 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
         def _consume():
             plgpu.set_max_registers(_CONSUMER_REGISTERS, action="increase")
             plgpu.copy_gmem_to_smem(q_ref.at[b, h], S.q_smem, S.q_ready)
+            if P.n_terms:  # (the term's values at the rows, with the queries)
+                plgpu.copy_gmem_to_smem(terms_ref.at[0 if P.terms_shared else b, h],
+                                        S.t_smem, S.q_ready)
             rows_layout = plgpu.Layout.WGMMA.reduce(1)
             m = _in_layout(jnp.full((ROWS,), -jnp.inf, F32), rows_layout, P)
             l = _in_layout(jnp.full((ROWS,), 0.0, F32), rows_layout, P)
             acc = _in_layout(jnp.full((ROWS, P.Dv), 0.0, F32), plgpu.Layout.WGMMA, P)
             plgpu.barrier_wait(S.q_ready)
+            term_rows = [_load(S.t_smem.at[i], rows_layout, P) for i in range(P.n_terms)]
+
+            def positions(j):
+                """The mask's and the term's positions of block ``j``'s (row,
+                key) pairs (WGMMA layout)."""
+                kpos = j * P.bk + _iota((ROWS, P.bk), 1, P) - start
+                r = _iota((ROWS, P.bk), 0, P)
+                t = lax.div(r, jnp.int32(P.G))
+                return masks.Positions(b=seq, h=h * P.G + lax.rem(r, jnp.int32(P.G)),
+                                       q=row0 + t, q_pos=q_pos0 + t, k=kpos)
+
+            def term_of(j):
+                """The position term on block ``j`` (float32, WGMMA layout)."""
+                ops = [lax.broadcast_in_dim(x, (ROWS, P.bk), [0]) for x in term_rows]
+                value = masks.from_treedef(P.term_treedef).value(positions(j), ops)
+                return jnp.broadcast_to(jnp.asarray(value, F32), (ROWS, P.bk))
 
             def visible(j):
                 """Which (row, key) pairs of block ``j`` are the sequence's and
                 visible under the mask (WGMMA layout)."""
-                kpos = j * P.bk + _iota((ROWS, P.bk), 1, P) - start
-                ok = (kpos >= 0) & (kpos < length)
+                pos = positions(j)
+                ok = (pos.k >= 0) & (pos.k < length)
                 if P.mask_treedef is not None:
-                    r = _iota((ROWS, P.bk), 0, P)
-                    t = lax.div(r, jnp.int32(P.G))
-                    pos = masks.Positions(b=seq, h=h * P.G + lax.rem(r, jnp.int32(P.G)),
-                                          q=row0 + t, q_pos=q_pos0 + t, k=kpos)
                     ok = ok & masks.from_treedef(P.mask_treedef).predicate(pos, [])
                 return ok
 
@@ -359,19 +397,32 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
                         return s_ref[...]
                     s = pl.run_scoped(scores, plgpu.ACC((ROWS, P.bk), F32))
                 plgpu.barrier_arrive(S.k_free.at[slot])
+                scale = P.scale
+                if P.term_treedef is not None:  # scale * s + term, then the cap
+                    s, scale = s * scale + term_of(j), 1.0
                 if P.softcap is None:
-                    c = P.scale * LOG2E
+                    c = scale * LOG2E
                 else:  # softcap * tanh(scale * s / softcap), its factor folded into c
-                    s = jnp.tanh(s * (P.scale / P.softcap))
+                    s = jnp.tanh(s * (scale / P.softcap))
                     c = P.softcap * LOG2E
-                if partial:  # hidden logits: -inf, whatever the key's bits gave
+                if partial:  # hidden logits: -inf, whatever the key's bits (or term) gave
                     s = jnp.where(visible(j), s, -jnp.inf)
-                m_new = jnp.maximum(m, s.max(axis=1) * c)
+                if P.natural:  # m in natural units: exp2((s - m) * log2(e))
+                    m_new = jnp.maximum(m, s.max(axis=1))
+                else:
+                    m_new = jnp.maximum(m, s.max(axis=1) * c)
                 # A row that has seen no key keeps m = -inf; shifting it by 0
-                # keeps its weights at exp2(-inf) = 0 instead of NaN.
-                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if partial else m_new
-                alpha = jnp.exp2(m - m_use)
-                p = jnp.exp2(s * c - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                # keeps its weights at exp2(-inf) = 0 instead of NaN. (A term
+                # may be -inf on keys that every row sees.)
+                guard = partial or P.term_treedef is not None
+                m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if guard else m_new
+                m_tile = lax.broadcast_in_dim(m_use, s.shape, [0])
+                if P.natural:
+                    alpha = jnp.exp2((m - m_use) * LOG2E)
+                    p = jnp.exp2((s - m_tile) * LOG2E)
+                else:
+                    alpha = jnp.exp2(m - m_use)
+                    p = jnp.exp2(s * c - m_tile)
                 l = l * alpha + p.sum(axis=1)
                 acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
                 p = p.astype(dtype)
@@ -458,7 +509,9 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
                 else plgpu.SMEM((ROWS, P.Dv), dtype, transforms=swizzled)),
         m_smem=plgpu.SMEM((ROWS,), F32),
         l_smem=plgpu.SMEM((ROWS,), F32),
-        q_ready=plgpu.Barrier(num_barriers=1),
+        **(dict(t_smem=plgpu.SMEM((P.n_terms, ROWS), F32)) if P.n_terms else {}),
+        # (the queries, and the term's values in a second copy)
+        q_ready=plgpu.Barrier(num_arrivals=1 + bool(P.n_terms), num_barriers=1),
         # (a paged block arrives in one copy per page, each an arrival)
         k_ready=plgpu.Barrier(num_arrivals=P.copies, num_barriers=ring),
         v_ready=plgpu.Barrier(num_arrivals=P.copies, num_barriers=ring),
@@ -480,7 +533,7 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=False
     if why:
         raise NotImplementedError(
             f"decode: the Mosaic GPU kernel does not support {'; '.join(why)}; {_ELSEWHERE}.")
-    out, lse, finite = attend(cfg, q, k, v, starts, lengths, sinks, interpret=interpret)
+    out, lse, finite = attend(cfg, q, k, v, starts, lengths, sinks, terms, interpret=interpret)
 
     def again():
         # A key that is not the sequence's held a non-finite V (or a row saw a
@@ -490,27 +543,34 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=False
     return lax.cond(finite, lambda: (out, lse), again)
 
 
-def attend(cfg, q, k, v, starts, lengths, sinks, *, interpret=False):
+def attend(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=False):
     """``(out, lse, finite)`` of the kernel on a contiguous cache: out (B, Tq,
     Hq, Dv) in q's dtype, lse (B, Hq, Tq), and whether every partial output is
     finite (else a key the rows do not see may have held a non-finite V: the
-    caller computes the call again)."""
+    caller computes the call again). ``terms``: the position term's arrays
+    (n, B, Hq), or None."""
     B, Tq, Hq, D = q.shape
     _, S, Hkv, Dv = v.shape
-    tiles = tiles_for(cfg, D, Dv, S, k.dtype)
+    tiles = tiles_for(cfg, D, Dv, S, k.dtype, terms=0 if terms is None else terms.shape[0])
     # Blocks aligned to cache slots (offsets = starts): block j holds slots j*bk ..
     r = common.block_ranges(cfg.mask, Tq, lengths, starts, tiles.block_k, S // tiles.block_k)
     meta = program_meta(starts, lengths, r, lengths - Tq, jnp.arange(B, dtype=I32),
                         jnp.zeros((B,), I32))
+    if terms is not None:  # (n, B, Hq) -> (B, Hkv, n, ROWS), in the rows' order
+        terms = jax.vmap(jax.vmap(lambda x: common.row_sinks(x, Hkv, Tq, ROWS)))(terms)
+        terms = terms.transpose(1, 2, 0, 3)
     out, lse = launch(cfg, tiles, meta, common.group_rows(q.astype(k.dtype), Hkv, ROWS), k, v,
-                      Tq=Tq, G=Hq // Hkv, capacity=S, interpret=interpret)
+                      Tq=Tq, G=Hq // Hkv, capacity=S, terms=terms, interpret=interpret)
     return finish(out, lse, sinks, Tq, q.dtype)
 
 
-def tiles_for(cfg, D: int, Dv: int, capacity: int, dtype, page_size: int = 0) -> Tiles:
+def tiles_for(cfg, D: int, Dv: int, capacity: int, dtype, page_size: int = 0,
+              terms: int = 0) -> Tiles:
     """:func:`plan` for a call: the spec's ``MosaicGpuDecodeBlockSizes``
-    (``cfg.block_sizes``), its dtype, ``capacity`` keys per sequence."""
-    return plan(D, Dv, capacity, _asked(cfg), jnp.dtype(dtype).itemsize, page_size=page_size)
+    (``cfg.block_sizes``), its dtype, ``capacity`` keys per sequence, the
+    arrays of its position term."""
+    return plan(D, Dv, capacity, _asked(cfg), jnp.dtype(dtype).itemsize, page_size=page_size,
+                terms=terms)
 
 
 def program_meta(starts, lengths, ranges, q_pos0, seq, row0):
@@ -525,7 +585,7 @@ def program_meta(starts, lengths, ranges, q_pos0, seq, row0):
 
 
 def launch(cfg, tiles: Tiles, meta, qg, k, v, *, Tq: int, G: int, capacity: int,
-           page_table=None, interpret=False):
+           page_table=None, terms=None, interpret=False):
     """Runs the kernel: ``(out, lse)`` per split, float32 (splits, W, Hkv, Tq *
     G, Dv) and (splits, W, Hkv, Tq * G), normalised outputs and natural-log
     lse (-inf where a split saw no key).
@@ -534,7 +594,10 @@ def launch(cfg, tiles: Tiles, meta, qg, k, v, *, Tq: int, G: int, capacity: int,
     each program's query rows (:func:`fnattn.decoding.common.group_rows`).
     Contiguous caches: k/v (W, S, Hkv, D|Dv). Paged ones (``page_table``
     (sequences, pages_per_seq) int32, invalid entries -1): k/v pools (Hkv,
-    pages, page_size, D|Dv). ``capacity``: the keys a sequence can hold."""
+    pages, page_size, D|Dv). ``capacity``: the keys a sequence can hold.
+    ``terms``: the values of ``cfg``'s position term at each program's rows,
+    float32 (W, Hkv, n, ROWS), or (1, Hkv, n, ROWS) for every program alike;
+    None without a term."""
     plgpu = _plgpu()
     W, Hkv, _, D = qg.shape
     Dv = v.shape[-1]
@@ -547,7 +610,10 @@ def launch(cfg, tiles: Tiles, meta, qg, k, v, *, Tq: int, G: int, capacity: int,
               softcap=None if cfg.softcap is None else float(cfg.softcap),
               mask_treedef=cfg.mask_treedef, interpreted=bool(interpret),
               page_size=k.shape[2] if paged else 0,
-              pages_per_seq=page_table.shape[1] if paged else 0)
+              pages_per_seq=page_table.shape[1] if paged else 0,
+              term_treedef=cfg.term_treedef,
+              n_terms=0 if terms is None else terms.shape[2],
+              terms_shared=terms is not None and terms.shape[0] == 1)
     rows = jax.ShapeDtypeStruct((splits, W, Hkv, ROWS), F32)
     call = plgpu.kernel(
         functools.partial(_kernel, P=P, dtype=k.dtype),
@@ -560,10 +626,12 @@ def launch(cfg, tiles: Tiles, meta, qg, k, v, *, Tq: int, G: int, capacity: int,
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=interpret or None,
     )
-    out, m, l = call(meta, qg, k, v, *((page_table.astype(I32),) if paged else ()))
+    extra = ((page_table.astype(I32),) if paged else ()) + (() if terms is None else (terms,))
+    out, m, l = call(meta, qg, k, v, *extra)
     R = Tq * G
     out, m, l = out[..., :R, :], m[..., :R], l[..., :R]
-    lse = jnp.where(l > 0, (m + jnp.log2(jnp.where(l > 0, l, 1.0))) * LN2, -jnp.inf)
+    log2_l = jnp.log2(jnp.where(l > 0, l, 1.0))
+    lse = jnp.where(l > 0, m + log2_l * LN2 if P.natural else (m + log2_l) * LN2, -jnp.inf)
     return out.astype(F32), lse
 
 

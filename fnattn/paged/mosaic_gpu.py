@@ -43,7 +43,8 @@ the kernel on them.
 Supported: float16 / bfloat16 pools, head dims that are multiples of 64 up
 to 256, up to 64 query rows per program (``Tq * G``, or ``block_q * G``),
 pages of 8, 16, 32 keys or a multiple of 64, a capacity (``pages_per_seq *
-page_size``) that is a multiple of 64, array-free masks, soft-cap, sinks.
+page_size``) that is a multiple of 64, array-free masks, soft-cap, sinks,
+position terms (their arrays one value per head).
 :func:`supports` lists what else a call asks for; asked for by name, such a
 call raises ``NotImplementedError``.
 """
@@ -129,9 +130,16 @@ def forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v=
     T, Hq, D = q.shape
     Hkv, _, ps, Dv = v_pages.shape
     dcfg = DecodeCfg(scale=cfg.scale, softcap=cfg.softcap, mask_treedef=cfg.mask_treedef,
-                     num_splits=cfg.block_sizes.num_splits, block_sizes=cfg.mosaic_gpu)
-    tiles = kernel.tiles_for(dcfg, D, Dv, cfg.capacity, k_pages.dtype, page_size=ps)
+                     num_splits=cfg.block_sizes.num_splits, block_sizes=cfg.mosaic_gpu,
+                     term_treedef=cfg.term_treedef)
+    n_terms = 0 if meta.terms is None else meta.terms.shape[0]
+    tiles = kernel.tiles_for(dcfg, D, Dv, cfg.capacity, k_pages.dtype, page_size=ps,
+                             terms=n_terms)
     bq = tokens_per_item(cfg)
+    # A position term's arrays, one value per head: (n, Hq) -> (1, Hkv, n, 64), the
+    # same for every item, in the rows' order.
+    terms = None if not n_terms else jnp.stack(
+        [dcommon.row_sinks(x, Hkv, bq, kernel.ROWS) for x in meta.terms], axis=1)[None]
     work = common.work_list(cfg, meta, bq, tiles.block_k)
     W = work.seq.shape[0]
     table = kernel.program_meta(jnp.zeros((W,), I32), work.kv_len,
@@ -142,7 +150,7 @@ def forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v=
     qi = q[jnp.minimum(tok, T - 1)].astype(k_pages.dtype)
     out, lse = kernel.launch(dcfg, tiles, table, dcommon.group_rows(qi, Hkv, kernel.ROWS),
                              k_pages, v_pages, Tq=bq, G=cfg.group, capacity=cfg.capacity,
-                             page_table=meta.page_table, interpret=interpret)
+                             page_table=meta.page_table, terms=terms, interpret=interpret)
     out, lse, finite = kernel.finish(out, lse, sinks, bq, q.dtype)
     # Back to the packed tokens; tokens of no live sequence stay 0 and -inf.
     dest = jnp.where(jnp.arange(bq)[None, :] < work.rows[:, None], tok, T).reshape(-1)

@@ -60,6 +60,10 @@ def route(monkeypatch):
 
 @pytest.fixture
 def kernel(monkeypatch):
+    use_kernel(monkeypatch)
+
+
+def use_kernel(monkeypatch):
     """The interpreted kernel, with the XLA pass that recomputes a poisoned call
     replaced by NaN: a result that matches came from the kernel."""
     route(monkeypatch)
@@ -135,6 +139,64 @@ def test_interpreted_softcap_scale_and_sinks(kernel, splits):
     np.testing.assert_array_equal(np.asarray(res.lse) == np.inf, lse == np.inf)
     finite = np.isfinite(lse)
     np.testing.assert_allclose(np.asarray(res.lse)[finite], lse[finite], atol=tol, rtol=tol)
+
+
+def _term(B, Hq, offset=0.0):
+    """ALiBi plus a from_fn term of the sequence, the head, the key and a
+    per-(sequence, head) array, offset by ``offset`` on every logit."""
+    from fnattn import position_bias
+    r = jnp.linspace(-0.5, 1.0, B * Hq).reshape(B, Hq)
+    return position_bias.alibi(jnp.asarray(position_bias.alibi_slopes(Hq)) * 0.5) \
+        + position_bias.from_fn(
+            lambda b, h, q, k, r: jnp.where(k % 3 == h % 2, r, 0.0) * (b + 1) + offset, r)
+
+
+@pytest.mark.parametrize("softcap,splits,offset", [(None, 1, 0.0), (5.0, 2, 0.0),
+                                                   (None, 3, 1e4)])
+def test_interpreted_position_terms(monkeypatch, softcap, splits, offset):
+    """A position term (ALiBi and a from_fn of the sequence, head, key and a
+    per-row array) added to the scaled logits before the cap, at each row's head and
+    position: the XLA lowering's result (tests/test_position_bias.py checks
+    that against the reference). Without a cap the row state is in natural
+    units; an offset of 1e4 on every logit leaves out and lse - 1e4 as they
+    were."""
+    q, k, v, L, a = make(seed=9)
+    B, Tq, Hq, _ = q.shape
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(90), softcap=softcap,
+                         sinks=jnp.linspace(-1.0, 1.0, Hq),
+                         position_bias=_term(B, Hq, offset),
+                         block_sizes=DecodeBlockSizes(num_splits=splits))
+    f = jax.jit(lambda spec, q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L, kv_starts=a))
+    want = f(spec.replace(impl="xla"), q, k, v)
+    use_kernel(monkeypatch)
+    got = f(spec, q, k, v)
+    tol = TOL[jnp.bfloat16]
+    np.testing.assert_allclose(np.asarray(got.out, np.float32),
+                               np.asarray(want.out, np.float32), atol=tol, rtol=tol)
+    np.testing.assert_array_equal(np.isneginf(got.lse), np.isneginf(want.lse))
+    np.testing.assert_allclose(np.asarray(got.lse) - offset, np.asarray(want.lse) - offset,
+                               atol=tol, rtol=tol)
+    assert np.isfinite(np.asarray(got.out, np.float32)).all()
+
+
+def test_interpreted_term_of_minus_infinity(monkeypatch):
+    """A term of -inf hides keys as a mask does, on blocks every row sees whole
+    too (sequence 0's first two blocks): rows that see no other key are 0 with
+    lse -inf, the others as the XLA lowering's, from the kernel itself."""
+    from fnattn import position_bias
+    q, k, v, _, _ = make(B=3, Tq=1, Hq=4, seed=10)
+    L, a = jnp.array([192, 40, 100]), jnp.array([0, 0, 64])
+    term = position_bias.from_fn(lambda b, h, q, k: jnp.where(k < 128, -jnp.inf, 0.0))
+    spec = AttentionSpec(mask=masks.causal(), position_bias=term)
+    f = jax.jit(lambda spec, q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L, kv_starts=a))
+    want = f(spec.replace(impl="xla"), q, k, v)
+    use_kernel(monkeypatch)
+    got = f(spec, q, k, v)
+    assert np.isneginf(got.lse[1:]).all() and not np.asarray(got.out[1:], np.float32).any()
+    np.testing.assert_array_equal(np.isneginf(got.lse), np.isneginf(want.lse))
+    np.testing.assert_allclose(np.asarray(got.out, np.float32),
+                               np.asarray(want.out, np.float32), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(got.lse[0], want.lse[0], atol=2e-2, rtol=2e-2)
 
 
 def test_interpreted_default_tiles_and_splits(kernel):
@@ -278,11 +340,16 @@ def test_supports_refuses_with_reasons(what, kw, words):
     assert len(why) == 1 and words in why[0], (what, why)
 
 
-def test_supports_refuses_terms_and_functions_mosaic_gpu_cannot_lower():
+def test_supports_refuses_functions_mosaic_gpu_cannot_lower():
+    """In a mask or a position term; ALiBi and terms of lowered operations run."""
     from fnattn import position_bias
-    assert dm.supports(cfg_of(term=position_bias.alibi(jnp.ones(8))), *shapes())
+    assert dm.supports(cfg_of(term=position_bias.alibi(jnp.ones(8))), *shapes()) == []
+    assert dm.supports(cfg_of(term=_term(2, 8)), *shapes()) == []
     sqrt_fn = masks.from_fn(lambda b, h, q, k: jnp.sqrt(1.0 * k) < 40)
     assert any("sqrt" in w for w in dm.supports(cfg_of(sqrt_fn), *shapes()))
+    sqrt_term = position_bias.from_fn(lambda b, h, q, k: jnp.sqrt(1.0 * k))
+    why = dm.supports(cfg_of(term=sqrt_term), *shapes())
+    assert len(why) == 1 and "sqrt" in why[0], why
     assert dm.supports(cfg_of(MASKS["fn"]), *shapes()) == []
 
 
@@ -364,6 +431,22 @@ def test_lowering_picks_the_kernel(monkeypatch):
         lowered(asked, *shapes(S_=1000))
 
 
+@pytest.mark.parametrize("softcap,splits", [(None, None), (30.0, 4)])
+def test_lowers_for_cuda_with_a_position_term(hopper, softcap, splits):
+    """ALiBi and a from_fn term with a per-(sequence, head) array (its values
+    reach shared memory beside the queries): one Mosaic GPU kernel, its shared
+    memory as estimated."""
+    bs = MosaicGpuDecodeBlockSizes(block_k=64, max_concurrent_steps=4)
+    sizes = (bs,) + ((DecodeBlockSizes(num_splits=splits),) if splits else ())
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(300), softcap=softcap,
+                         position_bias=_term(2, 32), block_sizes=sizes)
+    args = shapes(Hq=32, Hkv=8, Tq=2)
+    assert kernels(lowered(spec, *args)) == (1, False)
+    count = mosaic_gpu_smem(lambda: lowered(spec, *args))
+    assert count == dm.smem_bytes(128, 128, 64, 4, 2, 4, terms=2)
+    assert dm.plan(128, 128, 4096, bs, terms=2) == Tiles(64, 4, True)
+
+
 def test_lowers_for_cuda_under_x64(hopper):
     with jax.enable_x64(True):
         test_lowers_for_cuda(None, *LOWER[1])
@@ -381,8 +464,9 @@ ON_GPU = jax.devices()[0].platform == "gpu"
 @pytest.mark.parametrize("D", [64, 128, 256])
 def test_gpu_mosaic_gpu_decode_matches_xla(D):
     """The compiled kernel against the XLA lowering: long ragged contexts with
-    starts, several splits, a window, soft-cap, sinks, GQA, two query tokens;
-    and NaN in every slot outside the ranges (the XLA pass)."""
+    starts, several splits, a window, soft-cap, sinks, GQA, two query tokens,
+    a position term without a cap; and NaN in every slot outside the ranges
+    (the XLA pass)."""
     B, Sg, Hq, Hkv = 5, 4096, 32, 8
     ks = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(ks[0], (B, 2, Hq, D), jnp.bfloat16)
@@ -392,11 +476,14 @@ def test_gpu_mosaic_gpu_decode_matches_xla(D):
     slot = jnp.arange(Sg)[None, :, None, None]
     live = (slot >= a[:, None, None, None]) & (slot < (a + L)[:, None, None, None])
     f = jax.jit(lambda spec, q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L, kv_starts=a))
-    for mask, splits in ((masks.causal(), None), (masks.causal() & masks.sliding_window(300), 3)):
+    for mask, splits, term in ((masks.causal(), None, False),
+                               (masks.causal() & masks.sliding_window(300), 4, False),
+                               (masks.causal(), 4, True)):
         sizes = (MosaicGpuDecodeBlockSizes(),) + (
             (DecodeBlockSizes(num_splits=splits),) if splits else ())
-        spec = AttentionSpec(mask=mask, sinks=jnp.linspace(-1.0, 1.0, Hq), softcap=30.0,
-                             block_sizes=sizes)
+        spec = AttentionSpec(mask=mask, sinks=jnp.linspace(-1.0, 1.0, Hq),
+                             softcap=None if term else 30.0,
+                             position_bias=_term(B, Hq) if term else None, block_sizes=sizes)
         for kk, vv in ((k, v), (jnp.where(live, k, jnp.nan), jnp.where(live, v, jnp.nan))):
             got, want = f(spec, q, kk, vv), f(spec.replace(impl="xla"), q, k, v)
             np.testing.assert_allclose(np.asarray(got.out, np.float32),

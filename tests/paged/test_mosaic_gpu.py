@@ -35,7 +35,7 @@ from fnattn.paged import mosaic_gpu as pm  # noqa: E402
 from lowering import gpu_target  # noqa: E402
 from mosaic_gpu_interpreter import compile_once, reset_after_failure  # noqa: E402
 from problems import (assert_close, check_ragged, check_update, expected, make,  # noqa: E402
-                      poisoned)
+                      poisoned, ragged, update)
 
 pytest.importorskip("absl")   # (Mosaic GPU imports it)
 
@@ -148,6 +148,45 @@ def test_interpreted_update_writes_then_attends(no_xla_pass):
     check_update(INTERPRET, spec, p, tol=2e-2)
 
 
+def _term(offset=0.0):
+    """ALiBi plus a from_fn term of the sequence, the head, the key and a
+    per-head array, offset by ``offset`` on every logit."""
+    from fnattn import position_bias
+    r = jnp.linspace(-0.5, 1.0, Hq)
+    return position_bias.alibi(jnp.asarray(position_bias.alibi_slopes(Hq)) * 0.5) \
+        + position_bias.from_fn(
+            lambda b, h, q, k, r: jnp.where(k % 3 == h % 2, r, 0.0) * (b + 1) + offset, r)
+
+
+def _assert_as_xla(got, want, offset=0.0, tol=2e-2):
+    np.testing.assert_allclose(np.asarray(got.out, np.float32),
+                               np.asarray(want.out, np.float32), atol=tol, rtol=tol)
+    np.testing.assert_array_equal(np.isneginf(got.lse), np.isneginf(want.lse))
+    np.testing.assert_allclose(np.asarray(got.lse) - offset, np.asarray(want.lse) - offset,
+                               atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("softcap,offset", [(None, 0.0), (5.0, 0.0), (None, 1e4)])
+def test_interpreted_position_terms(no_xla_pass, softcap, offset):
+    """A position term at each row's sequence, head and position: the XLA
+    lowering's result (tests/test_position_bias.py checks that against the
+    reference) in paged_attention (two query tokens, pages of 16), a ragged
+    batch of prefill and decode items, and the form that writes the cache."""
+    XLA = (("default", xla.forward),)
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(60), softcap=softcap,
+                         sinks=jnp.linspace(-1.0, 1.0, Hq), position_bias=_term(offset),
+                         block_sizes=PagedBlockSizes(num_splits=2))
+    p = problem([90, 5, 0, 128], 2, page_size=16, pages_per_seq=8, seed=10)
+    _assert_as_xla(decode(INTERPRET, spec, p, 2), decode(XLA, spec, p, 2), offset)
+    p = make([(70, 20), (128, 1), (5, 5), (100, 37)], Hq=Hq, Hkv=Hkv, D=D, page_size=16,
+             pages_per_seq=8, max_seqs=5, pad_tokens=2, dtype=jnp.bfloat16, seed=11)
+    _assert_as_xla(ragged(INTERPRET, spec, p), ragged(XLA, spec, p), offset)
+    (got, kp, vp), (want, _, _) = update(INTERPRET, spec, p), update(XLA, spec, p)
+    _assert_as_xla(got, want, offset)
+    np.testing.assert_array_equal(np.asarray(kp), np.asarray(p.k_pages))
+    np.testing.assert_array_equal(np.asarray(vp), np.asarray(p.v_pages))
+
+
 def test_poisoned_slots_and_invalid_pages_give_the_xla_result():
     """NaN in every pool slot no live token holds (the last block reads some),
     then an invalid entry among a sequence's pages: the XLA lowering's result,
@@ -231,6 +270,25 @@ def test_lowers_for_cuda(monkeypatch, ps, P, bs):
                              block_sizes=(bs, PagedBlockSizes(num_splits=2)))
         assert kernels(lowered(spec, ps=ps, P=P, N=4 * P)) == (1, False)
         assert kernels(lowered(spec, Tq=3, ps=ps, P=P, N=4 * P, form="ragged")) == (1, False)
+
+
+def test_lowers_for_cuda_with_a_position_term(monkeypatch):
+    """ALiBi and a from_fn term with a per-head array, in paged_attention, a
+    ragged batch and the form that writes the cache: one Mosaic GPU kernel."""
+    from fnattn import position_bias
+    monkeypatch.setattr(flash_mgpu, "available", lambda: None)
+    term = position_bias.alibi(jnp.asarray(position_bias.alibi_slopes(8))) \
+        + position_bias.from_fn(lambda b, h, q, k, r: jnp.where(k % 3 == h % 2, r, 0.0),
+                                jnp.linspace(-0.5, 1.0, 8))
+    for softcap in (None, 30.0):
+        spec = AttentionSpec(mask=masks.causal(), softcap=softcap, position_bias=term,
+                             block_sizes=(MosaicGpuDecodeBlockSizes(),
+                                          PagedBlockSizes(num_splits=2)))
+        assert kernels(lowered(spec)) == (1, False)
+        assert kernels(lowered(spec, Tq=3, form="ragged")) == (1, False)
+        assert kernels(lowered(spec, Tq=2, form="update")) == (1, False)
+    assert pm.supports(cfg_of(term_treedef=jax.tree_util.tree_structure(term)),
+                       jnp.bfloat16) == []
 
 
 def test_lowering_picks_the_kernel(monkeypatch):
