@@ -14,7 +14,7 @@ from jax import lax
 
 __all__ = ["LN2", "LOG2E", "any_false", "clean_unless_garbage", "finish_exp2", "finite_keys",
            "group_sink_column", "join_sink", "lse_parts", "running_max", "sink_grad",
-           "sink_rescale", "step_exp", "step_exp2"]
+           "sink_rescale", "snap_ties", "step_exp", "step_exp2"]
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -227,16 +227,36 @@ def sink_grad(sinks, lse, lse_lo, delta):
     return -(p_sink * delta).sum((0, 2))
 
 
-def finish_exp2(acc, m, l):
+def snap_ties(shift, m):
+    """``shift = s - m`` with the logits within a few units in the last place
+    of the row maximum ``m`` set to exactly 0 (under ``lax.stop_gradient``
+    of the snap itself: the derivative is ``shift``'s).
+
+    For the XLA lowerings of a position term without a cap, whose logits may
+    be huge: XLA may compute ``s`` once for the maximum and again in the
+    fusion of ``exp(s - m)``, one copy with a fused multiply-add and one
+    without, and at 4e31 the two roundings differ by 1e24: ``exp`` of the
+    largest logit was inf (or 0). A logit within ``|m| * 2**-20`` of the
+    maximum (8 units in the last place) is the maximum here; at ordinary
+    sizes that moves a weight by a relative 1e-6 at most (a logit of 10).
+    """
+    tol = jnp.abs(m) * (2.0 ** -20)
+    near = jnp.abs(shift) <= tol
+    return jnp.where(near, shift - lax.stop_gradient(shift), shift)
+
+
+def finish_exp2(acc, m, l, *, natural: bool = False):
     """Normalised output (float32) and natural-log ``lse`` of a base-2 state (m (M,),
-    l (M,), acc (M, Dv)); rows that saw nothing give 0 and -inf."""
+    l (M,), acc (M, Dv)); rows that saw nothing give 0 and -inf. ``natural``:
+    ``m`` is in natural units (:func:`step_exp2`)."""
     safe = jnp.where(l > 0, l, 1.0)
     out = acc * (1.0 / safe)[:, None]
-    lse = jnp.where(l > 0, (m + jnp.log2(safe)) * LN2, -jnp.inf)
-    return out, lse
+    lse = m + jnp.log2(safe) * LN2 if natural else (m + jnp.log2(safe)) * LN2
+    return out, jnp.where(l > 0, lse, -jnp.inf)
 
 
-def step_exp2(carry, s, allowed, load_v, *, scale: float, softcap=None, bias=None):
+def step_exp2(carry, s, allowed, load_v, *, scale: float, softcap=None, bias=None,
+              natural: bool = False):
     """One kv-tile of the online softmax in base 2, as the serving Triton kernels
     run it: ``s`` holds the raw products ``q @ k.T`` (float32), ``allowed`` the
     keys each row may see (None: all of them), and ``load_v()`` loads the tile's values (called
@@ -246,11 +266,23 @@ def step_exp2(carry, s, allowed, load_v, *, scale: float, softcap=None, bias=Non
 
     A row that has seen no visible key keeps ``m = -inf``, and is shifted by 0
     instead, so that ``exp2`` gives 0, not NaN.
+
+    ``natural`` (for a ``bias`` without ``softcap``, whose logits may be huge;
+    ignored with a cap): ``m`` is kept in natural units and P is
+    ``exp2((s - m) * log2(e))``, exact for the row's largest logits. In base 2
+    a compiler may fuse ``s * log2(e) - m`` into one multiply-add, whose
+    result for the largest logit is the rounding error of ``m`` (up to 6e-8
+    of it) instead of 0: its weight is off by a percent from logits of about
+    2e5, and ``exp2`` may overflow from about 1.5e9 (an ALiBi slope of 1e8
+    at distance 15).
     """
     acc, m, l = carry
+    natural = natural and softcap is None
     if bias is not None:
         s, scale = s * scale + bias, 1.0
-    if softcap is None:
+    if natural:
+        c = scale
+    elif softcap is None:
         c = scale * LOG2E
     else:
         s = jnp.tanh(s * (scale / softcap))
@@ -258,8 +290,12 @@ def step_exp2(carry, s, allowed, load_v, *, scale: float, softcap=None, bias=Non
     s = s * c if allowed is None else jnp.where(allowed, s * c, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=1))
     m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
-    p = jnp.exp2(s - m_use[:, None])
-    alpha = jnp.exp2(m - m_use)
+    if natural:
+        p = jnp.exp2((s - m_use[:, None]) * LOG2E)
+        alpha = jnp.exp2((m - m_use) * LOG2E)
+    else:
+        p = jnp.exp2(s - m_use[:, None])
+        alpha = jnp.exp2(m - m_use)
     l = l * alpha + p.sum(axis=1)
     v = load_v()
     acc = acc * alpha[:, None] + jnp.dot(p.astype(v.dtype), v, preferred_element_type=F32)

@@ -1061,3 +1061,56 @@ def test_paged_mosaic_interpret_matches_reference():
     out, lse = _paged_reference(spec, q, kp, vp, table, lengths)
     np.testing.assert_allclose(res.out, out, atol=2e-5)
     np.testing.assert_allclose(res.lse, lse, atol=2e-5)
+
+
+def test_serving_kernels_keep_huge_terms_exact(monkeypatch):
+    """A term without a cap keeps the serving kernels' row state in natural
+    units: rows whose every visible logit is huge (slopes of 1e30 and 1e8, no
+    key within distance 4) weigh their nearest keys as the XLA lowering does,
+    where the base-2 state of the Triton kernels gave NaN (the largest logit's
+    ``s * log2(e) - m``, fused, is the rounding error of m). Decode (Triton and
+    Mosaic TPU, interpreted, one split and two, with sinks) and paged decode
+    (both kernels)."""
+    from fnattn.decoding import api as decode_api
+    from fnattn.decoding import mosaic as decode_mosaic
+    from fnattn.paged import api as paged_api
+    from fnattn.paged import mosaic as paged_mosaic
+    term = position_bias.alibi(jnp.array([1e30, 1.0, 1e8, 0.5]))
+    sinks = jnp.array([0.5, -1.0, 0.0, 2.0])
+
+    def close(got, want):
+        np.testing.assert_allclose(got.out, want.out, atol=2e-5)
+        np.testing.assert_allclose(got.lse, want.lse, rtol=1e-6)
+
+    B, S, Hq, Hkv, D = 3, 48, 4, 2, 8
+    q, k, v, _ = _qkv(B, 1, S, Hq, Hkv, D, seed=3)
+    lengths, starts = jnp.array([48, 17, 5]), jnp.array([0, 10, 3])
+    decode = jax.jit(lambda spec, q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=lengths,
+                                                         kv_starts=starts))
+    for splits, s in ((1, None), (2, sinks)):
+        spec = AttentionSpec(mask=~masks.sliding_window(3, 3), position_bias=term, sinks=s,
+                             block_sizes=fnattn.DecodeBlockSizes(num_splits=splits, block_k=16))
+        want = decode(spec.replace(impl="xla"), q, k, v)
+        assert np.isfinite(want.out).all()
+        with cheap_compiles():
+            close(decode(spec.replace(impl="pallas"), q, k, v), want)     # Triton
+        mosaic = (("default", functools.partial(decode_mosaic._forward, interpret=True,
+                                                block_k=16)),)
+        with monkeypatch.context() as mp, cheap_compiles():
+            mp.setattr(decode_api, "lowering_table", lambda impl: mosaic)  # noqa: B023
+            close(decode(spec, q, k, v), want)
+
+    spec = AttentionSpec(mask=~masks.sliding_window(3, 3), position_bias=term, sinks=sinks,
+                         block_sizes=fnattn.PagedBlockSizes(block_k=16, num_splits=2))
+    mosaic = (("default", functools.partial(paged_mosaic._forward, interpret=True)),)
+    for table_, problem in ((None, _paged_problem()),                     # Triton
+                            (mosaic, _paged_problem(D=128, ps=8, P=4))):
+        q, kp, vp, table, lengths = problem
+        def paged(table_, spec, q, kp, vp):
+            return jax.jit(lambda q, kp, vp: paged_api.paged_attention_with(
+                table_, spec, q, kp, vp, page_table=table,  # noqa: B023
+                kv_lengths=lengths))(q, kp, vp)  # noqa: B023
+        want = paged(None, spec.replace(impl="xla"), q, kp, vp)
+        assert np.isfinite(want.out).all()
+        with cheap_compiles():
+            close(paged(table_, spec.replace(impl="pallas"), q, kp, vp), want)

@@ -136,6 +136,12 @@ class _K:
     def term(self):
         return masks.from_treedef(self.term_treedef)
 
+    @property
+    def natural(self) -> bool:
+        """The row state in natural units (a term without a cap: its logits
+        may be huge; :func:`fnattn._online.step_exp2`)."""
+        return self.term_treedef is not None and self.softcap is None
+
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
     sinks_ref = refs[0] if K.sinks else None
@@ -190,7 +196,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         if full:
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
             return online.step_exp2(carry, s, None, load_v, scale=K.scale, softcap=K.softcap,
-                                    bias=bias_of(kpos))
+                                    bias=bias_of(kpos), natural=K.natural)
         bad = None
         if mask is not None:
             # Slots outside the range are never loaded; keys of the sequence that the
@@ -206,7 +212,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
                                   k=kpos[None, :])
             allowed = allowed & mask.predicate(pos, [])
         return online.step_exp2(carry, s, allowed, load_v, scale=K.scale, softcap=K.softcap,
-                                bias=bias_of(kpos))
+                                bias=bias_of(kpos), natural=K.natural)
 
     acc = jnp.zeros((K.M, K.Dvp), F32)
     m = jnp.full((K.M,), -jnp.inf, F32)
@@ -215,9 +221,11 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
     carry = lax.fori_loop(fa, fb, functools.partial(body, full=True), carry)
     acc, m, l = lax.fori_loop(fb, hi, body, carry)
 
-    if K.sinks:
+    if K.sinks and K.natural:
+        acc, m, l = online.join_sink(acc, m, l, sinks_ref[h], exp=jnp.exp)
+    elif K.sinks:
         acc, m, l = online.join_sink(acc, m, l, sinks_ref[h] * LOG2E, exp=jnp.exp2)
-    out, lse = online.finish_exp2(acc, m, l)
+    out, lse = online.finish_exp2(acc, m, l, natural=K.natural)
     # Padded buffers: whole tiles are stored, no masked (or duplicate) addresses.
     if K.splits == 1:
         o_ref[b, h] = out.astype(o_ref.dtype)

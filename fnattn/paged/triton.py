@@ -117,6 +117,12 @@ class _K:
     def term(self):
         return masks.from_treedef(self.term_treedef)
 
+    @property
+    def natural(self) -> bool:
+        """The row state in natural units (a term without a cap: its logits
+        may be huge; :func:`fnattn._online.step_exp2`)."""
+        return self.term_treedef is not None and self.softcap is None
+
 
 def launch_plan(cfg: Cfg):
     """(block_q, block_k, num_splits, CompilerParams) for a call."""
@@ -216,7 +222,7 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
             pos = common.positions(seq, head_rows, raw_rows, qpos_rows, kpos[None, :])
             allowed = allowed & mask.predicate(pos, [])
         return online.step_exp2(carry, s, allowed, load_v, scale=K.scale, softcap=K.softcap,
-                                bias=bias_of(kpos))
+                                bias=bias_of(kpos), natural=K.natural)
 
     lo, hi = common.split_range(f["k_lo"], f["k_hi"], sp, K.splits)
     # this split's share of the blocks every row sees whole
@@ -230,9 +236,10 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
     acc, m, l = lax.fori_loop(fb, hi, body, carry)
 
     if K.sinks:
-        sink = plgpu.load(sinks_ref.at[h, g_i]) * LOG2E
-        acc, m, l = online.join_sink(acc, m, l, sink, exp=jnp.exp2)
-    out, lse = online.finish_exp2(acc, m, l)
+        sink = plgpu.load(sinks_ref.at[h, g_i])
+        acc, m, l = (online.join_sink(acc, m, l, sink, exp=jnp.exp) if K.natural else
+                     online.join_sink(acc, m, l, sink * LOG2E, exp=jnp.exp2))
+    out, lse = online.finish_exp2(acc, m, l, natural=K.natural)
     rows_ds = pl.ds(tok * K.Gp, K.M)
     cols_ds = pl.ds(I32(0), K.Dvp)   # (not `:`, whose start is int64 under x64)
     if K.splits == 1:

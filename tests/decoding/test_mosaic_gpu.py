@@ -179,6 +179,24 @@ def test_interpreted_position_terms(monkeypatch, softcap, splits, offset):
     assert np.isfinite(np.asarray(got.out, np.float32)).all()
 
 
+def test_interpreted_huge_terms_keep_rows_exact(monkeypatch):
+    """Without a cap a term keeps the row state in natural units: rows whose
+    every logit is about -4e30 (a slope of 1e30, no key within distance 4)
+    still weigh their nearest keys as the XLA lowering does."""
+    from fnattn import position_bias
+    q, k, v, L, a = make(Tq=1, Hq=4, seed=11)
+    spec = AttentionSpec(mask=~masks.sliding_window(3, 3),
+                         position_bias=position_bias.alibi(jnp.array([1e30, 1.0, 1e20, 0.5])))
+    f = jax.jit(lambda spec, q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L, kv_starts=a))
+    want = f(spec.replace(impl="xla"), q, k, v)
+    use_kernel(monkeypatch)
+    got = f(spec, q, k, v)
+    np.testing.assert_allclose(np.asarray(got.out, np.float32),
+                               np.asarray(want.out, np.float32), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(got.lse, want.lse, rtol=1e-5)
+    assert np.isfinite(np.asarray(got.out, np.float32)).all()
+
+
 def test_interpreted_term_of_minus_infinity(monkeypatch):
     """A term of -inf hides keys as a mask does, on blocks every row sees whole
     too (sequence 0's first two blocks): rows that see no other key are 0 with
