@@ -6,8 +6,9 @@
   the merge of parts computed without them.
 * ``fnattn.decode``: ragged ``kv_lengths`` (0 and the whole cache included) and
   ``kv_starts``, 1 to 3 queries, MHA/GQA/MQA, every split-K factor, positional
-  masks, soft-cap and sinks (some of -inf or +inf), with large numbers, NaN or inf
-  in every slot outside a sequence's range: equals each sequence's dense problem.
+  masks, soft-cap and sinks (some of -inf or +inf), ALiBi (some slopes huge), with
+  large numbers, NaN or inf in every slot outside a sequence's range, on the XLA
+  lowering and the Triton kernel: equals each sequence's dense problem.
   Its gradients (impl "auto", "xla" and "pallas") are each sequence's dense ones,
   exactly zero on the other slots, and its forward-mode tangents agree with them.
 * ``fnattn.ragged_paged_attention`` (impl="xla", and impl="pallas", i.e. the
@@ -33,7 +34,7 @@ import numpy as np
 from hypothesis import given, strategies as st
 
 import fnattn
-from fnattn import AttentionSpec, DecodeBlockSizes, PagedBlockSizes, masks
+from fnattn import AttentionSpec, DecodeBlockSizes, PagedBlockSizes, masks, position_bias
 from cases import np_mask
 from np_attention import np_attention, np_attention_grads
 from strategies import assert_out_lse, examples, ragged_lengths
@@ -186,17 +187,45 @@ def _decode_cache(rs, B, Tq, Hq, Hkv, lengths, garbage):
     return q, k, v, starts, k_seq, v_seq
 
 
+def _alibi(rs, Hq, kind, mask):
+    """``(term, slopes, mask)``: no term, ALiBi with ordinary slopes, or with one
+    head's slope huge (1e8 to 1e30) and, half the time, the keys within
+    distance 1 hidden, so that every logit such a row sees is huge."""
+    if kind == "no":
+        return None, None, mask
+    slopes = rs.uniform(0.1, 1.0, Hq)
+    if kind == "huge":
+        slopes[rs.integers(Hq)] = rs.choice([1e8, 1e20, 1e30])
+        if rs.integers(2):
+            far = ~masks.sliding_window(1, 0)
+            mask = far if mask is None else mask & far
+    slopes = np.asarray(slopes, np.float32)
+    return position_bias.alibi(jnp.asarray(slopes)), slopes, mask
+
+
+def _alibi_bias(slopes, Tq, L):
+    """The term of one sequence of ``L`` keys, (1, Hq, Tq, L) float64."""
+    q_pos = L - Tq + np.arange(Tq)
+    dist = np.abs(q_pos[:, None] - np.arange(L)[None, :])
+    return -np.asarray(slopes, np.float64)[None, :, None, None] * dist[None, None]
+
+
 @given(st.sampled_from([1, 2, 3]), st.integers(1, 3), HEADS, st.data(),
        positional_masks(), st.sampled_from([1, 2, 3, 4, 6, 12]), st.sampled_from([None, 2.0]),
        st.sampled_from(["no", "finite", "-inf", "+inf"]), st.sampled_from([None, 0.4]),
-       st.sampled_from(["bthd", "bhtd"]), st.sampled_from(["large", "nan", "inf"]))
+       st.sampled_from(["bthd", "bhtd"]), st.sampled_from(["large", "nan", "inf"]),
+       st.sampled_from(["no", "alibi", "huge"]), st.sampled_from(["auto", "pallas"]))
 def test_decode_equals_dense_per_sequence(B, Tq, heads, data, mask, num_splits, softcap,
-                                          sink_kind, scale, layout, garbage):
+                                          sink_kind, scale, layout, garbage, term_kind, impl):
+    """Also with ALiBi, some slopes huge (every logit a row sees may be -1e30
+    times a distance), on the XLA lowering and on the Triton kernel
+    (interpreted)."""
     Hq, Hkv = heads
     S = DECODE_S
     rs = np.random.default_rng(data.draw(st.integers(0, 2**16)))
     lengths = np.asarray(data.draw(ragged_lengths(B, S)))      # 0 and S included
     q, k, v, starts, k_seq, v_seq = _decode_cache(rs, B, Tq, Hq, Hkv, lengths, garbage)
+    term, slopes, mask = _alibi(rs, Hq, term_kind, mask)
     use_sinks = sink_kind != "no"
     sinks = None
     if use_sinks:
@@ -205,7 +234,8 @@ def test_decode_equals_dense_per_sequence(B, Tq, heads, data, mask, num_splits, 
             sinks[rs.integers(Hq)] = np.inf if sink_kind == "+inf" else -np.inf
         sinks = jnp.asarray(sinks, jnp.float32)
     spec = AttentionSpec(mask=mask, softcap=softcap, sinks=sinks, scale=scale, layout=layout,
-                         block_sizes=DecodeBlockSizes(num_splits=num_splits))
+                         block_sizes=DecodeBlockSizes(num_splits=num_splits),
+                         position_bias=term, impl=impl)
     t = (lambda x: x) if layout == "bthd" else (lambda x: np.swapaxes(x, 1, 2))
     res = _decode(spec, jnp.asarray(t(q)), jnp.asarray(t(k)), jnp.asarray(t(v)),
                   jnp.asarray(lengths, jnp.int32), jnp.asarray(starts))
@@ -219,7 +249,8 @@ def test_decode_equals_dense_per_sequence(B, Tq, heads, data, mask, num_splits, 
             continue
         o, l, _ = np_attention(q[b:b + 1], k_seq[b][None], v_seq[b][None], scale=scale,
                                softcap=softcap, sinks=None if sinks is None else _f64(sinks),
-                               mask=np_mask(mask, b, Hq, Tq, int(L)))
+                               mask=np_mask(mask, b, Hq, Tq, int(L)),
+                               bias=None if term is None else _alibi_bias(slopes, Tq, int(L)))
         want_out[b], want_lse[b] = o[0], l[0]
     assert_out_lse(t(np.asarray(res.out)), res.lse, want_out, want_lse)
 
