@@ -53,7 +53,8 @@ Sections:
 * ``decode``: one new token per sequence against a contiguous cache
   (``fnattn.decode``, and ``fnattn.decode:mosaic_gpu``: its Mosaic GPU kernel,
   ``MosaicGpuDecodeBlockSizes``, skipped without a Hopper GPU; ``--decode-sweep``
-  times its block sizes and ring depths too) and a paged cache
+  times its block sizes and ring depths too; both again with ALiBi,
+  ``+alibi``, not compared with a reference) and a paged cache
   (``fnattn.paged_attention``, and ``fnattn.paged_attention:mosaic_gpu``, page 16,
   pages a random permutation of the pool), bf16, Hq=32, Hkv=8, D=128, B 1..64,
   context 4k..32k, next to plain ``jnp`` and ``jax.nn``; bandwidth counts the
@@ -91,7 +92,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 
 import fnattn  # noqa: E402
-from fnattn import AttentionSpec, core, cost, masks, tune  # noqa: E402
+from fnattn import AttentionSpec, core, cost, masks, position_bias, tune  # noqa: E402
 
 PEAK_BW = {"H100": 3.35e12, "H200": 4.8e12, "A100": 2.0e12}
 
@@ -565,14 +566,21 @@ def decode_section(args, rows, deadline):
                 jax.random.normal(ks[1], (B, S, Hkv, D), dtype),
                 jax.random.normal(ks[2], (B, S, Hkv, D), dtype), jnp.full((B,), S, jnp.int32))
 
-        def dec(block_sizes=None):
-            spec = AttentionSpec(mask=masks.causal(), return_lse=False, block_sizes=block_sizes)
+        def dec(block_sizes=None, alibi=False):
+            term = (position_bias.alibi(jnp.asarray(position_bias.alibi_slopes(Hq)))
+                    if alibi else None)
+            spec = AttentionSpec(mask=masks.causal(), return_lse=False, block_sizes=block_sizes,
+                                 position_bias=term)
             return lambda q, k, v, n: fnattn.decode(spec, q, k, v, kv_lengths=n).out
 
         from decode import jnp_decode  # (benchmarks/decode.py's plain baseline)
         entries = [("contiguous", "fnattn.decode", dec(), cont),
                    ("contiguous", "fnattn.decode:mosaic_gpu", dec(MosaicGpuDecodeBlockSizes()),
                     cont),
+                   # (with ALiBi: the term's cost on each kernel; no reference computes it)
+                   ("contiguous", "fnattn.decode+alibi", dec(alibi=True), cont),
+                   ("contiguous", "fnattn.decode:mosaic_gpu+alibi",
+                    dec(MosaicGpuDecodeBlockSizes(), alibi=True), cont),
                    ("contiguous", "jnp einsum+softmax", jnp_decode, cont),
                    ("contiguous", "jax.nn:cudnn", _jaxnn_decode("cudnn"), cont),
                    ("contiguous", "jax.nn:xla", _jaxnn_decode("xla"), cont),
@@ -632,7 +640,7 @@ def decode_section(args, rows, deadline):
                 row.update(status="ok", time_ms=t * 1e3, min_ms=lo * 1e3, max_ms=hi * 1e3,
                            gb_s=nbytes / t / 1e9, frac_peak=(nbytes / t / peak) if peak else None,
                            frac_copy=nbytes / t / copy_bw, xla_mb=mem)
-                if cache in refs and name.startswith("fnattn"):
+                if cache in refs and name.startswith("fnattn") and "+alibi" not in name:
                     row["diff"] = _diff(out, refs[cache])
                 if args.kernel_times and name in ("fnattn.decode", "fnattn.decode:mosaic_gpu",
                                                   "fnattn.paged_attention",

@@ -71,7 +71,7 @@ STEPS = (
           "fnattn+alibi:learned,fnattn+alibi:mosaic_gpu_bwd:learned,fnattn+decay,"
           "fnattn+decay:mosaic_gpu,fnattn+decay:mosaic_gpu_bwd"), 180, 80),
     Step("decode", "the Mosaic GPU decode and paged decode kernels beside the Triton ones, "
-         "jax.nn and a copy (% of HBM bandwidth, target 70 %)",
+         "jax.nn and a copy (% of HBM bandwidth, target 70 %), and decode with ALiBi on both",
          ("benchmarks/gpu.py", "--out-dir", "{out}", "--sections", "decode", "--reps", "3",
           "--decode-grid", "16x4096,64x8192,1x32768,4x16384", "--kernel-times", "--budget",
           "decode=50"), 60, 45),
