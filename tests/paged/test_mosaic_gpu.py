@@ -166,21 +166,26 @@ def _assert_as_xla(got, want, offset=0.0, tol=2e-2):
                                atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("softcap,offset", [(None, 0.0), (5.0, 0.0), (None, 1e4)])
-def test_interpreted_position_terms(no_xla_pass, softcap, offset):
+@pytest.mark.parametrize("softcap,offset,forms", [(None, 0.0, 3), (5.0, 0.0, 2), (None, 1e4, 1)])
+def test_interpreted_position_terms(no_xla_pass, softcap, offset, forms):
     """A position term at each row's sequence, head and position: the XLA
     lowering's result (tests/test_position_bias.py checks that against the
-    reference) in paged_attention (two query tokens, pages of 16), a ragged
-    batch of prefill and decode items, and the form that writes the cache."""
+    reference) in paged_attention (two query tokens, pages of 16), then (the
+    first ``forms``) a ragged batch of prefill and decode items, and the form
+    that writes the cache."""
     XLA = (("default", xla.forward),)
     spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(60), softcap=softcap,
                          sinks=jnp.linspace(-1.0, 1.0, Hq), position_bias=_term(offset),
                          block_sizes=PagedBlockSizes(num_splits=2))
     p = problem([90, 5, 0, 128], 2, page_size=16, pages_per_seq=8, seed=10)
     _assert_as_xla(decode(INTERPRET, spec, p, 2), decode(XLA, spec, p, 2), offset)
+    if forms == 1:
+        return
     p = make([(70, 20), (128, 1), (5, 5), (100, 37)], Hq=Hq, Hkv=Hkv, D=D, page_size=16,
              pages_per_seq=8, max_seqs=5, pad_tokens=2, dtype=jnp.bfloat16, seed=11)
     _assert_as_xla(ragged(INTERPRET, spec, p), ragged(XLA, spec, p), offset)
+    if forms == 2:
+        return
     (got, kp, vp), (want, _, _) = update(INTERPRET, spec, p), update(XLA, spec, p)
     _assert_as_xla(got, want, offset)
     np.testing.assert_array_equal(np.asarray(kp), np.asarray(p.k_pages))
