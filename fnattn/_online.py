@@ -237,8 +237,9 @@ def snap_ties(shift, m):
     fusion of ``exp(s - m)``, one copy with a fused multiply-add and one
     without, and at 4e31 the two roundings differ by 1e24: ``exp`` of the
     largest logit was inf (or 0). A logit within ``|m| * 2**-20`` of the
-    maximum (8 units in the last place) is the maximum here; at ordinary
-    sizes that moves a weight by a relative 1e-6 at most (a logit of 10).
+    maximum (8 to 16 units in the last place) is the maximum here: that
+    moves such a logit's weight by a relative ``|m| * 1e-6`` at most (1e-5
+    for a row maximum of 10).
     """
     tol = jnp.abs(m) * (2.0 ** -20)
     near = jnp.abs(shift) <= tol
