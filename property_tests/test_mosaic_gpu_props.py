@@ -14,7 +14,7 @@ inputs, with no NaN; rows that see nothing give 0 and lse -inf.
 The decode kernels (fnattn/decoding/mosaic_gpu.py and its paged producer,
 fnattn/paged/mosaic_gpu.py): ragged lengths and starts, 1 to 3 query tokens,
 GQA, positional masks that cut key blocks, splits, soft-cap, sinks of every
-kind, shuffled pages of 8 to 64 keys, ragged batches, and large, NaN or inf
+kind, ALiBi (decode), shuffled pages of 8 to 64 keys, ragged batches, and large, NaN or inf
 values in every slot no sequence owns, against the float64 dense problems.
 """
 
@@ -126,10 +126,11 @@ DECODE_S = 128   # cache slots: two key blocks of 64
 
 @st.composite
 def decode_problems(draw):
-    """``(spec, q, k, v, lengths, starts)``: ragged lengths (0 and the whole cache
-    likely) and starts, 1 to 3 query tokens, GQA, a positional mask whose
-    window or chunk may cut a block, splits, soft-cap, sinks of every kind,
-    and large, NaN or inf values in every slot outside a sequence's range."""
+    """``(spec, q, k, v, lengths, starts, slopes)``: ragged lengths (0 and the
+    whole cache likely) and starts, 1 to 3 query tokens, GQA, a positional mask
+    whose window or chunk may cut a block, splits, soft-cap, sinks of every
+    kind, ALiBi (its slopes, or None), and large, NaN or inf values in every
+    slot outside a sequence's range."""
     hq, hkv = draw(gqa_heads(max_kv=2, max_group=4))
     B, Tq = draw(st.integers(1, 2)), draw(st.integers(1, 3))
     dtype = draw(st.sampled_from([jnp.bfloat16, jnp.float16]))
@@ -146,28 +147,35 @@ def decode_problems(draw):
     mask = draw(st.sampled_from([
         None, masks.causal(), masks.causal() & masks.sliding_window(int(rs.integers(0, 80))),
         masks.chunked(int(rs.integers(1, 70))) & masks.causal()]))
+    slopes = (np.asarray(rs.uniform(0.05, 1.0, hq), np.float32) if draw(st.booleans())
+              else None)
     spec = AttentionSpec(mask=mask, softcap=draw(st.sampled_from([None, 5.0])),
                          sinks=draw(extreme_sinks(hq)) if draw(st.booleans()) else None,
+                         position_bias=None if slopes is None
+                         else position_bias.alibi(jnp.asarray(slopes)),
                          block_sizes=fnattn.DecodeBlockSizes(
                              # (decode takes split counts that divide S)
                              num_splits=draw(st.sampled_from([None, 1, 2, 4]))))
     cast = lambda x: jnp.asarray(x, F32).astype(dtype)  # noqa: E731
     return (spec, cast(q), cast(k), cast(v), jnp.asarray(lengths, jnp.int32),
-            jnp.asarray(starts))
+            jnp.asarray(starts), slopes)
 
 
 def _interpreted_decode(spec, q, k, v, lengths, starts):
     from fnattn.decoding import api
     from fnattn.decoding import mosaic_gpu as dm
     from fnattn.flash import mosaic_gpu as flash_mgpu
+    term = spec.position_bias
     cfg = api.Cfg(scale=q.shape[-1] ** -0.5, softcap=spec.softcap,
                   mask_treedef=None if spec.mask is None
                   else jax.tree_util.tree_structure(spec.mask),
-                  num_splits=spec.block_sizes.num_splits, block_sizes=spec.block_sizes)
+                  num_splits=spec.block_sizes.num_splits, block_sizes=spec.block_sizes,
+                  term_treedef=None if term is None else jax.tree_util.tree_structure(term))
+    terms = None if term is None else position_bias.per_head_arrays(term, q.shape[0], q.shape[2])
     f = jax.jit(functools.partial(dm.forward, cfg, interpret=flash_mgpu.interpret_params()))
     try:
         with compile_once():
-            return f(q, k, v, starts, lengths, spec.sinks)
+            return f(q, k, v, starts, lengths, spec.sinks, terms)
     except Exception:
         reset_after_failure()
         raise
@@ -180,9 +188,10 @@ def test_mosaic_gpu_decode_matches_the_reference(problem):
     pass it falls back to) against the float64 dense problem of every sequence
     on the same rounded inputs; no NaN, 0 and -inf where nothing is seen."""
     from test_decoding import expected
-    spec, q, k, v, lengths, starts = problem
+    spec, q, k, v, lengths, starts, slopes = problem
     out, lse = _interpreted_decode(spec, q, k, v, lengths, starts)
-    want_out, want_lse = expected(spec, q, k, v, np.asarray(lengths), np.asarray(starts))
+    want_out, want_lse = expected(spec, q, k, v, np.asarray(lengths), np.asarray(starts),
+                                  alibi_slopes=slopes)
     out, lse = np.asarray(out, np.float64), np.asarray(lse, np.float64)
     assert np.isfinite(out).all() and not np.isnan(lse).any()
     np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))

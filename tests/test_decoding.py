@@ -32,8 +32,9 @@ def problem(B=3, Tq=1, Hq=6, Hkv=2, D=7, Dv=5, dtype=jnp.float32, seed=0):
     return q, k, v
 
 
-def expected(spec, q, k, v, lengths, starts):
-    """(out (B, Tq, Hq, Dv), lse (B, Hq, Tq)) of every sequence's dense problem."""
+def expected(spec, q, k, v, lengths, starts, alibi_slopes=None):
+    """(out (B, Tq, Hq, Dv), lse (B, Hq, Tq)) of every sequence's dense problem;
+    with ``alibi_slopes`` (Hq,), its ALiBi term at each row's aligned position."""
     f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
     q, k, v = f64(q), f64(k), f64(v)
     B, Tq, Hq, _ = q.shape
@@ -46,9 +47,13 @@ def expected(spec, q, k, v, lengths, starts):
             if sinks is not None:
                 lse[b] = sinks[:, None]
             continue
+        bias = None
+        if alibi_slopes is not None:
+            dist = np.abs((L - Tq + np.arange(Tq))[:, None] - np.arange(L)[None, :])
+            bias = -np.asarray(alibi_slopes, np.float64)[None, :, None, None] * dist
         o, l, _ = np_attention(q[b:b + 1], k[b:b + 1, a:a + L], v[b:b + 1, a:a + L],
                                scale=spec.scale, softcap=spec.softcap, sinks=sinks,
-                               mask=np_mask(spec.mask, b, Hq, Tq, L))
+                               mask=np_mask(spec.mask, b, Hq, Tq, L), bias=bias)
         out[b], lse[b] = o[0], l[0]
     return out, lse
 
