@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["LN2", "LOG2E", "any_false", "clean_unless_garbage", "finish_exp2", "finite_keys",
-           "group_sink_column", "join_sink", "lse_parts", "running_max", "sink_grad",
+           "group_sink_column", "join_sink", "lse_exp2", "lse_parts", "running_max", "sink_grad",
            "sink_rescale", "snap_ties", "step_exp", "step_exp2"]
 
 F32 = jnp.float32
@@ -246,14 +246,25 @@ def snap_ties(shift, m):
     return jnp.where(near, shift - lax.stop_gradient(shift), shift)
 
 
+def lse_exp2(m, l, *, natural: bool = False):
+    """Natural-log ``lse`` of a base-2 row state ``(m, l)``: -inf where ``l``
+    is 0 (a row that saw nothing). ``natural``: ``m`` is in natural units
+    (:func:`step_exp2`).
+
+    >>> float(lse_exp2(jnp.float32(1.0), jnp.float32(2.0)))  # (1 + log2 2) ln 2
+    1.3862943649291992
+    """
+    log2_l = jnp.log2(jnp.where(l > 0, l, 1.0))
+    lse = m + log2_l * LN2 if natural else (m + log2_l) * LN2
+    return jnp.where(l > 0, lse, -jnp.inf)
+
+
 def finish_exp2(acc, m, l, *, natural: bool = False):
     """Normalised output (float32) and natural-log ``lse`` of a base-2 state (m (M,),
     l (M,), acc (M, Dv)); rows that saw nothing give 0 and -inf. ``natural``:
     ``m`` is in natural units (:func:`step_exp2`)."""
-    safe = jnp.where(l > 0, l, 1.0)
-    out = acc * (1.0 / safe)[:, None]
-    lse = m + jnp.log2(safe) * LN2 if natural else (m + jnp.log2(safe)) * LN2
-    return out, jnp.where(l > 0, lse, -jnp.inf)
+    out = acc * (1.0 / jnp.where(l > 0, l, 1.0))[:, None]
+    return out, lse_exp2(m, l, natural=natural)
 
 
 def step_exp2(carry, s, allowed, load_v, *, scale: float, softcap=None, bias=None,

@@ -89,9 +89,9 @@ from fnattn.merging import merge_stacked
 
 __all__ = ["MosaicGpuDecodeBlockSizes", "auto_splits", "forward",
            "attend", "finish", "gpu_forward", "kernel_refusals", "launch", "plan",
-           "program_meta", "smem_bytes", "supports", "Tiles", "tiles_for"]
+           "program_meta", "smem_bytes", "supports", "term_rows", "Tiles", "tiles_for"]
 
-LOG2E, LN2 = online.LOG2E, online.LN2
+LOG2E = online.LOG2E
 ROWS = 64                    # the query tile: one wgmma slab
 MAX_STAGES = 4
 _CONSUMER_REGISTERS, _PRODUCER_REGISTERS = 232, 40
@@ -356,7 +356,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
             l = _in_layout(jnp.full((ROWS,), 0.0, F32), rows_layout, P)
             acc = _in_layout(jnp.full((ROWS, P.Dv), 0.0, F32), plgpu.Layout.WGMMA, P)
             plgpu.barrier_wait(S.q_ready)
-            term_rows = [_load(S.t_smem.at[i], rows_layout, P) for i in range(P.n_terms)]
+            term_values = [_load(S.t_smem.at[i], rows_layout, P) for i in range(P.n_terms)]
 
             def positions(j):
                 """The mask's and the term's positions of block ``j``'s (row,
@@ -367,16 +367,15 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
                 return masks.Positions(b=seq, h=h * P.G + lax.rem(r, jnp.int32(P.G)),
                                        q=row0 + t, q_pos=q_pos0 + t, k=kpos)
 
-            def term_of(j):
-                """The position term on block ``j`` (float32, WGMMA layout)."""
-                ops = [lax.broadcast_in_dim(x, (ROWS, P.bk), [0]) for x in term_rows]
-                value = masks.from_treedef(P.term_treedef).value(positions(j), ops)
+            def term_of(pos):
+                """The position term at ``pos`` (a block's, float32, WGMMA layout)."""
+                ops = [lax.broadcast_in_dim(x, (ROWS, P.bk), [0]) for x in term_values]
+                value = masks.from_treedef(P.term_treedef).value(pos, ops)
                 return jnp.broadcast_to(jnp.asarray(value, F32), (ROWS, P.bk))
 
-            def visible(j):
-                """Which (row, key) pairs of block ``j`` are the sequence's and
-                visible under the mask (WGMMA layout)."""
-                pos = positions(j)
+            def visible(pos):
+                """Which (row, key) pairs at ``pos`` (a block's) are the
+                sequence's and visible under the mask (WGMMA layout)."""
                 ok = (pos.k >= 0) & (pos.k < length)
                 if P.mask_treedef is not None:
                     ok = ok & masks.from_treedef(P.mask_treedef).predicate(pos, [])
@@ -398,15 +397,16 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
                     s = pl.run_scoped(scores, plgpu.ACC((ROWS, P.bk), F32))
                 plgpu.barrier_arrive(S.k_free.at[slot])
                 scale = P.scale
+                pos = positions(j) if partial or P.term_treedef is not None else None
                 if P.term_treedef is not None:  # scale * s + term, then the cap
-                    s, scale = s * scale + term_of(j), 1.0
+                    s, scale = s * scale + term_of(pos), 1.0
                 if P.softcap is None:
                     c = scale * LOG2E
                 else:  # softcap * tanh(scale * s / softcap), its factor folded into c
                     s = jnp.tanh(s * (scale / P.softcap))
                     c = P.softcap * LOG2E
                 if partial:  # hidden logits: -inf, whatever the key's bits (or term) gave
-                    s = jnp.where(visible(j), s, -jnp.inf)
+                    s = jnp.where(visible(pos), s, -jnp.inf)
                 if P.natural:  # m in natural units: exp2((s - m) * log2(e))
                     m_new = jnp.maximum(m, s.max(axis=1))
                 else:
@@ -556,12 +556,25 @@ def attend(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=False)
     r = common.block_ranges(cfg.mask, Tq, lengths, starts, tiles.block_k, S // tiles.block_k)
     meta = program_meta(starts, lengths, r, lengths - Tq, jnp.arange(B, dtype=I32),
                         jnp.zeros((B,), I32))
-    if terms is not None:  # (n, B, Hq) -> (B, Hkv, n, ROWS), in the rows' order
-        terms = jax.vmap(jax.vmap(lambda x: common.row_sinks(x, Hkv, Tq, ROWS)))(terms)
-        terms = terms.transpose(1, 2, 0, 3)
     out, lse = launch(cfg, tiles, meta, common.group_rows(q.astype(k.dtype), Hkv, ROWS), k, v,
-                      Tq=Tq, G=Hq // Hkv, capacity=S, terms=terms, interpret=interpret)
+                      Tq=Tq, G=Hq // Hkv, capacity=S,
+                      terms=None if terms is None else term_rows(terms, Hkv, Tq),
+                      interpret=interpret)
     return finish(out, lse, sinks, Tq, q.dtype)
+
+
+def term_rows(terms, Hkv: int, Tq: int):
+    """A position term's arrays (n, W, Hq) as :func:`launch` takes them: (W,
+    Hkv, n, ROWS) float32, each program's values in the order of its rows
+    (:func:`fnattn.decoding.common.group_rows`; W = 1: every program alike).
+
+    >>> slopes = jnp.arange(4.0).reshape(1, 1, 4)   # n = 1, W = 1, Hq = 4
+    >>> r = term_rows(slopes, Hkv=2, Tq=2)          # rows t * G + g of each kv head
+    >>> r.shape, r[0, 1, 0, :5].tolist()
+    ((1, 2, 1, 64), [2.0, 3.0, 2.0, 3.0, 0.0])
+    """
+    rows = jax.vmap(jax.vmap(lambda x: common.row_sinks(x, Hkv, Tq, ROWS)))(terms)
+    return rows.transpose(1, 2, 0, 3)
 
 
 def tiles_for(cfg, D: int, Dv: int, capacity: int, dtype, page_size: int = 0,
@@ -630,9 +643,7 @@ def launch(cfg, tiles: Tiles, meta, qg, k, v, *, Tq: int, G: int, capacity: int,
     out, m, l = call(meta, qg, k, v, *extra)
     R = Tq * G
     out, m, l = out[..., :R, :], m[..., :R], l[..., :R]
-    log2_l = jnp.log2(jnp.where(l > 0, l, 1.0))
-    lse = jnp.where(l > 0, m + log2_l * LN2 if P.natural else (m + log2_l) * LN2, -jnp.inf)
-    return out.astype(F32), lse
+    return out.astype(F32), online.lse_exp2(m, l, natural=P.natural)
 
 
 def finish(out, lse, sinks, Tq: int, dtype):

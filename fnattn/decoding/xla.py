@@ -180,9 +180,10 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits
     s = jnp.where(ok, s, -jnp.inf)
     m = jnp.max(s, axis=kax)                     # (B, ns, Hkv, R)
     m_safe = jax.lax.stop_gradient(jnp.where(m == -jnp.inf, 0.0, m))
-    shift = s - jnp.expand_dims(m_safe, kax)
+    m_keys = jnp.expand_dims(m_safe, kax)
+    shift = s - m_keys
     if term is not None and cfg.softcap is None:
-        shift = online.snap_ties(shift, jnp.expand_dims(m_safe, kax))
+        shift = online.snap_ties(shift, m_keys)
     p = jnp.exp(shift)
     l = jnp.sum(p, axis=kax)
     if form in ("mixed", "reduce"):

@@ -136,10 +136,8 @@ def forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v=
     tiles = kernel.tiles_for(dcfg, D, Dv, cfg.capacity, k_pages.dtype, page_size=ps,
                              terms=n_terms)
     bq = tokens_per_item(cfg)
-    # A position term's arrays, one value per head: (n, Hq) -> (1, Hkv, n, 64), the
-    # same for every item, in the rows' order.
-    terms = None if not n_terms else jnp.stack(
-        [dcommon.row_sinks(x, Hkv, bq, kernel.ROWS) for x in meta.terms], axis=1)[None]
+    # A position term's arrays, one value per head: the same for every item.
+    terms = None if not n_terms else kernel.term_rows(meta.terms[:, None], Hkv, bq)
     work = common.work_list(cfg, meta, bq, tiles.block_k)
     W = work.seq.shape[0]
     table = kernel.program_meta(jnp.zeros((W,), I32), work.kv_len,
