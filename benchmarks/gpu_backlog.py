@@ -75,6 +75,11 @@ STEPS = (
          ("benchmarks/gpu.py", "--out-dir", "{out}", "--sections", "decode", "--reps", "3",
           "--decode-grid", "16x4096,64x8192,1x32768,4x16384", "--kernel-times", "--budget",
           "decode=50"), 60, 45),
+    Step("extreme_logits", "how far the GPU kernels' out, lse and gradients stray from a "
+         "float64 reference as the logits from q.k grow to 1e12 (interpreted on a CPU the "
+         "Triton kernels' backward is off from about 1e4 and NaN at 1e12)",
+         ("benchmarks/extreme_logits.py", "--scales", "1,1e3,1e4,1e6,1e8,1e12", "--out",
+          "{out}/extreme_logits_gpu"), 90, 45),
     Step("schedule", "the visiting tables of a document mask (ordered by a scatter, "
          "against the sort they replaced) at T = 32k to 1M, beside jax.nn at 8k",
          ("benchmarks/schedule.py", "--ts", "32768,131072,262144,1048576", "--reps", "5",

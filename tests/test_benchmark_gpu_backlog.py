@@ -49,6 +49,9 @@ def test_every_step_is_a_command_its_script_takes(backlog):
             assert set(parsed.impls.split(",")) <= set(gpu.FLASH_IMPLS), step.name
             for item in parsed.flash_grid.split(","):
                 assert 2 <= len([int(x) for x in item.split("x")]) <= 3
+        elif script == "benchmarks/extreme_logits.py":
+            parsed = benchmark_module("extreme_logits").parser().parse_args(args)
+            assert all(float(x) > 0 for x in parsed.scales.split(",")), step.name
         elif script == "benchmarks/schedule.py":
             parsed = benchmark_module("schedule").parser().parse_args(args)
             assert all(int(t) % 128 == 0 for t in parsed.ts.split(",")), step.name

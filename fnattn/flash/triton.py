@@ -41,7 +41,10 @@ stays in natural units and P is ``exp2((s - m) * log2(e))``; the forward also
 returns ``lse_lo`` (``_online.lse_parts``) and the backward recomputes
 ``P = exp2(((s - lse) - lse_lo) * log2(e))``, exact when every logit of a row
 is huge. Otherwise (logits from ``q.k`` or within the soft-cap) the fused
-``s * c - m`` stays. On PARTIAL tiles with a mask, non-finite K/V entries are
+``s * c - m`` stays, and the backward's P is as exact as ``lse * log2(e)``
+rounded: off by a factor of up to ``2 ** (|logit| * 2 ** -24)``, which limits
+logits from ``q.k`` alone to about 1e4 (docs/spec_and_masks.md, "Extreme
+inputs"; ``benchmarks/extreme_logits.py``). On PARTIAL tiles with a mask, non-finite K/V entries are
 zeroed and their keys' logits set to NaN before the mask (``online.finite_keys``), so a
 key a row may not see contributes nothing to it whatever its bits hold.
 
