@@ -42,7 +42,7 @@ returns ``lse_lo`` (``_online.lse_parts``) and the backward recomputes
 ``P = exp2(((s - lse) - lse_lo) * log2(e))``, exact when every logit of a row
 is huge. Otherwise (logits from ``q.k`` or within the soft-cap) the fused
 ``s * c - m`` stays, and the backward's P is as exact as ``lse * log2(e)``
-rounded: off by a factor of up to ``2 ** (|logit| * 2 ** -24)``, which limits
+rounded: off by a factor of about ``2 ** (|logit| * 2 ** -24)``, which limits
 logits from ``q.k`` alone to about 1e4 (docs/spec_and_masks.md, "Extreme
 inputs"; ``benchmarks/extreme_logits.py``). On PARTIAL tiles with a mask, non-finite K/V entries are
 zeroed and their keys' logits set to NaN before the mask (``online.finite_keys``), so a
