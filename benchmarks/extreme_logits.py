@@ -157,7 +157,9 @@ def write(rows, args, dtype) -> str:
             "dq (ref32) / max | dk (ref32) / max | dv (ref32) / max | verdict |")
     lines = [f"# Flash lowerings at huge logits from q.k: {jax.devices()[0].device_kind}, "
              f"jax {jax.__version__}, {jnp.dtype(dtype).name}", "",
-             f"`python benchmarks/extreme_logits.py --scales {args.scales} --out {args.out}"
+             "`" + (f'XLA_FLAGS="{os.environ["XLA_FLAGS"]}" ' if os.environ.get("XLA_FLAGS")
+                    else "")
+             + f"python benchmarks/extreme_logits.py --scales {args.scales} --out {args.out}"
              + (f" --dtype {args.dtype}" if args.dtype else "") + "`", "",
              "Largest absolute error against the float64 reference; in brackets the "
              "float32 reference's own; after the slash the largest float64 value.", "",

@@ -13,8 +13,9 @@ import jax.numpy as jnp
 from jax import lax
 
 __all__ = ["LN2", "LOG2E", "any_false", "clean_unless_garbage", "finish_exp2", "finite_keys",
-           "group_sink_column", "join_sink", "lse_exp2", "lse_parts", "running_max", "sink_grad",
-           "sink_rescale", "snap_ties", "step_exp", "step_exp2"]
+           "group_sink_column", "join_sink", "lse_exp2", "lse_parts", "lse_parts_exp2",
+           "running_max", "sink_grad", "sink_rescale", "snap_ties", "step_exp", "step_exp2",
+           "times_log2e"]
 
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
@@ -180,24 +181,82 @@ def delta_rows(out, d_out, d_lse, dtype=F32):
             - d_lse.astype(dtype))
 
 
-def backward_rows(lse, lse_lo, delta, *, natural: bool) -> tuple:
+def backward_rows(lse, lse_lo, delta, *, natural: bool, split: bool = False) -> tuple:
     """The per-row statistics a backward kernel recomputes P from, (B, H, Tq)
-    each: ``(lse2, delta)`` in base 2 (:func:`lse2_rows`, P = ``exp2(s * c -
-    lse2)``), or with ``natural`` (a bias or position term without soft-cap,
-    whose logits may all be huge) ``(lse, delta, lse_lo)``, P = ``exp2(((s -
-    lse) - lse_lo) * log2(e))``, exact for such rows. lse is +inf where it is
-    not finite (and lse_lo 0 there), so that P = 0 on those rows. A kernel
-    pads the first with +inf (its padding rows see nothing) and the others
-    with 0.
+    each:
+
+    * ``(lse2, delta)`` in base 2 (:func:`lse2_rows`, P = ``exp2(s * c -
+      lse2)``): logits within a soft-cap;
+    * ``split`` (base 2 without a cap, whose logits from ``q.k`` may be huge):
+      ``(hi, delta, exp2(-lo))`` with ``hi + lo`` the forward's base-2 ``m +
+      log2(l)`` (:func:`lse_parts_exp2`), P = ``exp2(s * c - hi) * exp2(-lo)``:
+      the forward's own weights at any size of logit. (``exp2(s * c - hi)`` is
+      the forward's own expression, ``exp2(s * c - m)``, so that a compiler
+      that fuses its multiply and subtraction in one fuses them in both);
+    * ``natural`` (a bias or position term without soft-cap, whose logits may
+      all be huge): ``(lse, delta, lse_lo)``, P = ``exp2(((s - lse) - lse_lo) *
+      log2(e))``, exact for such rows.
+
+    The first is +inf where lse is not finite (and the third 0 there), so that
+    P = 0 on those rows. A kernel pads the first with +inf (its padding rows
+    see nothing) and the others with 0.
 
     >>> lse, lo = jnp.array([1.0, -jnp.inf]), jnp.array([0.5, 0.0])
     >>> [x.tolist() for x in backward_rows(lse, lo, jnp.zeros(2), natural=True)]
     [[1.0, inf], [0.0, 0.0], [0.5, 0.0]]
     """
-    if not natural:
+    if natural:
+        finite = jnp.isfinite(lse)
+        return jnp.where(finite, lse, jnp.inf), delta, jnp.where(finite, lse_lo, 0.0)
+    if not split:
         return lse2_rows(lse, lse_lo), delta
+    hi, lo = times_log2e(lse)
     finite = jnp.isfinite(lse)
-    return jnp.where(finite, lse, jnp.inf), delta, jnp.where(finite, lse_lo, 0.0)
+    return (jnp.where(finite, hi, jnp.inf), delta,
+            jnp.where(finite, jnp.exp2(-(lo + lse_lo * LOG2E)), 1.0))
+
+
+def _split12(x):
+    """``(x1, x2)``: ``x1`` is float32 ``x`` with its significand cut to 12 bits
+    (bits, not arithmetic), ``x2 = x - x1`` (exact, 12 bits at most): products
+    of such halves are exact in float32."""
+    bits = lax.bitcast_convert_type(x.astype(F32), jnp.uint32)
+    x1 = lax.bitcast_convert_type(bits & jnp.uint32(0xFFFFF000), F32)
+    return x1, x - x1
+
+
+def _two_sum(a, b):
+    """``(s, e)``: ``s = a + b`` rounded and ``e`` its rounding error, exactly
+    (Knuth's TwoSum: additions only)."""
+    s = a + b
+    bb = s - a
+    return s, (a - (s - bb)) + (b - bb)
+
+
+_L1, _L2 = (float(v) for v in _split12(jnp.float32(LOG2E)))
+
+
+def times_log2e(x):
+    """``(hi, lo)``: ``x * log2(e)`` (float32 ``x`` times float32 ``log2(e)``)
+    as an unevaluated sum of two float32, to about 2**-48 of it.
+
+    Built from exact products of 12-bit halves and exact sums, so the same
+    ``x`` gives the same bits in any program and under any compiler: no
+    product is rounded, so fusing a multiply and an add into one
+    (a fused multiply-add, which XLA and Triton may or may not do) changes
+    nothing. The forward (:func:`lse_parts_exp2`) and the backward
+    (:func:`backward_rows`) each call it on the same ``lse`` and agree to the
+    last bit. Infinite or NaN ``x`` give a NaN ``lo``.
+
+    >>> hi, lo = times_log2e(jnp.float32(3.0))
+    >>> float(hi) + float(lo) - 3.0 * float(jnp.float32(LOG2E))
+    0.0
+    """
+    x1, x2 = _split12(x)
+    hi, e1 = _two_sum(x1 * _L1, x1 * _L2)
+    hi, e2 = _two_sum(hi, x2 * _L1)
+    hi, e3 = _two_sum(hi, x2 * _L2)
+    return hi, (e1 + e2) + e3
 
 
 def lse2_rows(lse, lse_lo):
@@ -244,6 +303,44 @@ def snap_ties(shift, m):
     tol = jnp.abs(m) * (2.0 ** -20)
     near = jnp.abs(shift) <= tol
     return jnp.where(near, shift - lax.stop_gradient(shift), shift)
+
+
+def lse_parts_exp2(m, l):
+    """``(lse, lse_lo)`` of a finished base-2 row state (``m`` in base 2, ``l``
+    its denominator) for a backward that recomputes P in base 2
+    (:func:`backward_rows` with ``split``).
+
+    ``lse`` is the natural ``(m + log2(l)) * ln 2`` rounded, as
+    :func:`lse_parts` gives it (-inf where ``l`` is 0, +inf for ``m = +inf``,
+    NaN for a NaN state). ``lse_lo`` is the rest of ``m + log2(l)`` beyond
+    ``lse * log2(e)``, which :func:`times_log2e` computes exactly, times
+    ``ln 2``: the backward's ``hi + lo`` is then ``m + log2(l)`` up to the
+    rounding of this small rest, not of ``m``, so its ``exp2((s * c - hi) -
+    lo)`` gives back the forward's own ``exp2(s * c - m) / l`` whatever the
+    size of the logits. (One float32 ``lse2`` is off by up to a unit in the
+    last place of ``m``: a factor of 2 on every weight of a row whose logits
+    are about 1e7.) For natural consumers ``lse + lse_lo`` is the natural lse
+    to within a unit in the last place of ``lse``. 0 where ``lse`` is not
+    finite.
+
+    Computed by XLA on the kernels' ``(m, l)`` outputs, never inside a
+    kernel, where a compiler may fold ``(m * ln 2) * log2(e)`` into ``m``.
+
+    >>> lse, lo = lse_parts_exp2(jnp.array([831943232.0, 0.0]), jnp.array([3.0, 0.0]))
+    >>> hi, lo2 = times_log2e(lse)            # what the backward computes
+    >>> want = 831943232.0 + math.log2(3.0)
+    >>> abs(float(hi[0]) + float(lo2[0] + lo[0] * LOG2E) - want) < 1e-5
+    True
+    >>> round(float(lse[0] * LOG2E) - want, 3)  # one float32 instead: 62 off
+    62.415
+    >>> float(lse[1]), float(lo[1])
+    (-inf, 0.0)
+    """
+    lse, _ = lse_parts(m, l, log=jnp.log2, scale=LN2)
+    hi, lo = times_log2e(lse)
+    log2_l = jnp.log2(jnp.where(l == 0, 1.0, l))
+    rest = ((m - hi) - lo) + log2_l
+    return lse, jnp.where(jnp.isfinite(lse), rest * LN2, 0.0)
 
 
 def lse_exp2(m, l, *, natural: bool = False):

@@ -1352,10 +1352,6 @@ def _forward(cfg, q, k, v, sinks, mask, seed, interpret):
     kk, vv = _hidden_keys_inert(k, v) if mask is not None and not redo else (k, v)
     out, m, l = call(triton._pad(q, 1, Tqp), triton._pad(kk, 1, Tkp), triton._pad(vv, 1, Tkp),
                      jnp.asarray(table), *ids, *extra)
-    if P.natural:
-        lse, lse_lo = online.lse_parts(m, l)
-    else:
-        lse, lse_lo = online.lse_parts(m, l, log=jnp.log2, scale=LN2)
     if redo:
         # Rows flagged by the kernel (m = NaN: a non-finite logit, hidden or not,
         # or a non-finite output) are recomputed, by blocks of its rows, by the
@@ -1364,10 +1360,10 @@ def _forward(cfg, q, k, v, sinks, mask, seed, interpret):
         # non-finite K makes every logit of its key non-finite, a non-finite V
         # the outputs: 0 * inf and p * inf are), so the pass would have changed
         # nothing it sees: its results are the same bits.
-        out, lse, lse_lo = triton.redo_forward(cfg, q, k, v, sinks, mask, seed, table, m, out,
-                                               lse, lse_lo, bq=rows, bk=bk,
-                                               interpret=bool(interpret))
-    return out[:, :d.q_len], lse[:, :, :d.q_len], lse_lo[:, :, :d.q_len]
+        out, m, l = triton.redo_forward(cfg, q, k, v, sinks, mask, seed, table, m, out, m, l,
+                                        bq=rows, bk=bk, interpret=bool(interpret))
+    lse, lse_lo = triton.row_results(P.natural, m[:, :, :d.q_len], l[:, :, :d.q_len])
+    return out[:, :d.q_len], lse, lse_lo
 
 
 def _div(a, b: int):

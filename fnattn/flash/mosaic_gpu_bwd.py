@@ -57,12 +57,15 @@ Programs visit kv tiles in order: under causal-like masks the first ones,
 which see the most query tiles, start first.
 
 Residuals are the forward's (those of every flash lowering): ``lse`` in
-natural log with ``lse_lo``. The wrapper folds them into ``lse2 = (lse +
-lse_lo) * log2(e)``, +inf for rows whose ``lse`` is not finite (rows that saw
-nothing; rows that saw a non-finite key) and for padding rows, so that
-``P = exp2(s * c - lse2)`` is 0 there; and ``delta = rowsum(dO * O) - d_lse``
-(the lse cotangent folded in: ``dS = P * (dP - delta)``). Soft-cap multiplies
-dS by ``1 - tanh^2``.
+natural log with ``lse_lo``. The wrapper folds them into the base-2 lse, in
+two parts without a soft-cap (``hi + lo``, the forward's own base-2 ``m +
+log2(l)`` to the last bit whatever the logits' size: ``P = exp2(s * c - hi) *
+exp2(-lo)``, :func:`fnattn._online.backward_rows`) or one under a cap (``lse2 =
+(lse + lse_lo) * log2(e)``, ``P = exp2(s * c - lse2)``), +inf for rows whose
+``lse`` is not finite (rows that saw nothing; rows that saw a non-finite key)
+and for padding rows, so that P is 0 there; and ``delta = rowsum(dO * O) -
+d_lse`` (the lse cotangent folded in: ``dS = P * (dP - delta)``). Soft-cap
+multiplies dS by ``1 - tanh^2``.
 
 A position term (ALiBi, a ``from_fn`` term whose function Mosaic GPU
 compiles, :data:`fnattn._functions.MOSAIC_GPU`, or a sum of them)
@@ -383,9 +386,18 @@ class _Plan:
         return self.term and self.softcap is None
 
     @property
+    def split(self) -> bool:
+        """P recomputed in base 2 from the lse in two parts, ``exp2(s * c -
+        hi) * exp2(-lo)`` (no term and no cap: logits from ``q.k`` may be huge, and
+        ``hi + lo`` is the forward's base-2 ``m + log2(l)`` to the last bit,
+        :func:`fnattn._online.backward_rows`)."""
+        return not self.term and self.softcap is None
+
+    @property
     def row_stats(self) -> int:
-        """Row statistics per step: lse (base 2, or natural with lse_lo) and delta."""
-        return 3 if self.natural else 2
+        """Row statistics per step: lse (base 2, in two parts, or natural with
+        lse_lo) and delta."""
+        return 3 if self.natural or self.split else 2
 
     def stack(self, kind):
         """``(count, along_b, along_h)`` of the mask arrays of ``kind``, or None."""
@@ -647,7 +659,8 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
 
     def row_stat(slot, which):
         """lse2 (0; natural lse with :attr:`_Plan.natural`), delta (1) or lse_lo
-        (2, natural only) of the step's 64 rows, broadcast over the keys."""
+        (2: natural, or ``exp2(-lo)`` of lse2's low part with
+        :attr:`_Plan.split`) of the step's 64 rows, broadcast over the keys."""
         ref = st_smem.at[slot, which]
         x = _load(ref, plgpu.Layout.WGMMA.reduce(0), P)
         return lax.broadcast_in_dim(x, (TILE, TILE), [1])
@@ -690,6 +703,8 @@ def _consume(c, *, P: _Plan, dtype, b, hp, kv0, n_steps, full_steps, at_step, sl
             x = jnp.where(visible, x, -jnp.inf)
         if P.natural:  # (z - lse) exact where every logit of the row is huge
             pt = jnp.exp2(((x - row_stat(slot, 0)) - row_stat(slot, 2)) * LOG2E)
+        elif P.split:  # (hi + lo: the forward's base-2 m + log2(l); stat 2 is exp2(-lo))
+            pt = jnp.exp2(x * c_ - row_stat(slot, 0)) * row_stat(slot, 2)
         else:
             pt = jnp.exp2(x * c_ - row_stat(slot, 0))
         pvt = pt  # the weights dV sees: the kept ones, scaled
@@ -1057,7 +1072,7 @@ def _backward(cfg, q, k, v, sinks, mask, seed, out, lse, lse_lo, d_out, d_lse, i
     # nothing, or a non-finite key) and on padding rows, so that P = 0 there.
     # In natural units (a position term without cap) lse itself, +inf alike,
     # and lse_lo beside it (P = exp2(((z - lse) - lse_lo) * log2 e)).
-    rows = online.backward_rows(lse, lse_lo, delta, natural=P.natural)
+    rows = online.backward_rows(lse, lse_lo, delta, natural=P.natural, split=P.split)
     stats = jnp.stack([triton._pad(x, 2, P.Tqp, jnp.inf if n == 0 else 0.0)
                        for n, x in enumerate(rows)], axis=2)
     dq, dk, dv, *dterm = _launch(P, interpret, q.dtype, triton._pad(q, 1, P.Tqp),

@@ -41,12 +41,18 @@ stays in natural units and P is ``exp2((s - m) * log2(e))``; the forward also
 returns ``lse_lo`` (``_online.lse_parts``) and the backward recomputes
 ``P = exp2(((s - lse) - lse_lo) * log2(e))``, exact when every logit of a row
 is huge. Otherwise (logits from ``q.k`` or within the soft-cap) the fused
-``s * c - m`` stays, and the backward's P is as exact as ``lse * log2(e)``
-rounded: off by a factor of about ``2 ** (|logit| * 2 ** -24)``, which limits
-logits from ``q.k`` alone to about 1e4 (docs/spec_and_masks.md, "Extreme
-inputs"; ``benchmarks/extreme_logits.py``). On PARTIAL tiles with a mask, non-finite K/V entries are
-zeroed and their keys' logits set to NaN before the mask (``online.finite_keys``), so a
-key a row may not see contributes nothing to it whatever its bits hold.
+``s * c - m`` stays. The forward kernel writes its row state ``(m, l)``; the
+wrapper makes lse of it in XLA (:func:`row_results`), and without a cap the
+backward recomputes ``P = exp2(s * c - hi) * exp2(-lo)`` from the base-2 lse
+in two parts that give back the forward's ``m + log2(l)`` to the last bit,
+whatever the logits' size (:func:`fnattn._online.lse_parts_exp2`; one float32
+base-2 lse is off by up to a unit in the last place of ``m``, a factor of 2
+on the weights at logits of about 1e7). ``exp2`` of the base-2 state's
+rounding overflows from logits of about 1e9: NaN beyond
+(docs/spec_and_masks.md, "Extreme inputs"; ``benchmarks/extreme_logits.py``).
+On PARTIAL tiles with a mask, non-finite K/V entries are zeroed and their
+keys' logits set to NaN before the mask (``online.finite_keys``), so a key a
+row may not see contributes nothing to it whatever its bits hold.
 
 >>> import jax, jax.numpy as jnp
 >>> from fnattn import AttentionSpec, core, masks, reference
@@ -232,6 +238,15 @@ class _K:
         return (self.bias_varies is not None or self.has_term) and self.softcap is None
 
     @property
+    def split(self) -> bool:
+        """Base 2 without a soft-cap: logits from ``q.k`` may be huge, and the
+        backward recomputes ``P = exp2(s * c - hi) * exp2(-lo)`` from the
+        base-2 lse in two parts (:func:`fnattn._online.backward_rows`), which
+        is the forward's own weight at any size (one float32 base-2 lse is off
+        by up to a unit in the last place of the row maximum)."""
+        return not self.large and self.softcap is None
+
+    @property
     def has_term(self) -> bool:
         """Whether the mask carries a position term (:mod:`fnattn.position_bias`)."""
         return self.has_mask and position_bias.present(masks.from_treedef(self.mask_treedef))
@@ -412,7 +427,7 @@ def _fwd_kernel(*refs, K: _K, sched: bool, redo: bool = False):
     :func:`redo_forward`), and the block is computed only when its rows of the
     ``flags`` input hold a NaN, with non-finite keys flagged on every tile."""
     names = ("q", "k", "v", "flags") if redo else ("q", "k", "v")
-    R = _Refs(refs, K, names, ("o", "lse", "lse_lo"), sched=sched, aliased=3 if redo else 0)
+    R = _Refs(refs, K, names, ("o", "m", "l"), sched=sched, aliased=3 if redo else 0)
     i, bh = _heavy_first(R.q.shape[0] // K.bq), pl.program_id(1)
     b, h = bh // K.Hq, bh % K.Hq
     rows = _q_rows(i, K)
@@ -475,11 +490,9 @@ def _fwd_block(R: _Refs, K: _K, i, b, h, rows, *, every_tile=False):
         else:
             acc, m, l = online.join_sink(acc, m, l, sink * LOG2E, exp=jnp.exp2)
     out = acc * (1.0 / jnp.where(l > 0, l, 1.0))[:, None]
-    if K.large:
-        lse, lse_lo = online.lse_parts(m, l)
-    else:
-        lse, lse_lo = online.lse_parts(m, l, log=jnp.log2, scale=LN2)
-    R.lse[rows], R.lse_lo[rows] = lse, lse_lo
+    # The row state itself: the wrapper makes lse of it (row_results), in XLA,
+    # where the base-2 lse's two parts come out the same bits as the backward's.
+    R.m[rows], R.l[rows] = m, l
     R.o[rows, :] = out.astype(R.o.dtype)
 
 
@@ -505,18 +518,23 @@ def _row_names(K: _K):
     """The per-row inputs of the backward kernels: (B, H, Tq) float32 each.
 
     ``lse`` is the forward's lse in the base the kernel recomputes P in: base 2
-    (``lse * log2(e)``, P = ``exp2(s * c - lse)``) or, for ``K.large``, natural
-    with ``lse_lo`` beside it (P = ``exp2(((s - lse) - lse_lo) * log2(e))``,
-    exact for rows whose logits are all huge). +inf where the forward's lse is
-    not finite (and on padding rows), so that P = 0 there.
+    (``lse * log2(e)``, P = ``exp2(s * c - lse)``, under a soft-cap), base 2 in
+    two parts for ``K.split`` (``lse`` the high part, ``lse_lo`` ``exp2`` of
+    minus the low part: P = ``exp2(s * c - lse) * lse_lo``) or, for
+    ``K.large``, natural with ``lse_lo`` beside it
+    (P = ``exp2(((s - lse) - lse_lo) * log2(e))``, exact for rows whose logits
+    are all huge). +inf where the forward's lse is not finite (and on padding
+    rows), so that P = 0 there.
     """
-    return ("q", "k", "v", "do", "lse", "delta") + (("lse_lo",) if K.large else ())
+    return ("q", "k", "v", "do", "lse", "delta") + (("lse_lo",) if K.large or K.split else ())
 
 
 def _probs(s, c, lse, lse_lo, K: _K):
     """P of a tile from its logits and the per-row lse (broadcast already)."""
     if K.large:
         return jnp.exp2(((s - lse) - lse_lo) * c)
+    if K.split:  # (lse_lo holds exp2(-lo): the forward's own exp2(s * c - m), scaled)
+        return jnp.exp2(s * c - lse) * lse_lo
     return jnp.exp2(s * c - lse)
 
 
@@ -530,7 +548,7 @@ def _dq_kernel(*refs, K: _K, sched: bool):
     rows = _q_rows(i, K)
     q, do = R.q[rows, :], R.do[rows, :]
     lse, delta = R.lse[rows][:, None], R.delta[rows]
-    lse_lo = R.lse_lo[rows][:, None] if K.large else None
+    lse_lo = R.lse_lo[rows][:, None] if K.large or K.split else None
 
     def body(j, _, carry, partial):
         dq, dterm = carry
@@ -624,7 +642,7 @@ def _dkdv_kernel(*refs, K: _K, sched: bool):
         rows = _q_rows(i, K)
         q, do = R.q[rows, g, :], R.do[rows, g, :]
         lse, delta = R.lse[g, rows][None, :], R.delta[g, rows]
-        lse_lo = R.lse_lo[g, rows][None, :] if K.large else None
+        lse_lo = R.lse_lo[g, rows][None, :] if K.large or K.split else None
         bias_t = _bias_tile(R, K, g, b, p_head * K.Gp + g, i, j, True)
         st, c, th = _scores(k, q, bias_t, K)                      # (bk, bq) = S^T
         pos = None
@@ -974,7 +992,7 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
     table = _schedule(mask, cfg, K)
     extra, extra_specs = _extras(K, mask, bias, sinks, seed, (Tqp, Tkp), n_heads=Hq)
     sched, sched_specs = ([], []) if table is None else ([table], [_sched_spec(table, Hq, heavy_first=True)])
-    out, lse, lse_lo = _varying.pallas_call(
+    out, m, l = _varying.pallas_call(
         functools.partial(_fwd_kernel, K=K, sched=table is not None),
         grid=(Tqp // bq, d.batch * Hq),
         in_specs=[_seq_spec(Tqp, Dp, Hq, lambda h: h), _seq_spec(Tkp, Dp, Hq, lambda h: h // G),
@@ -986,13 +1004,22 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed, *, interpret):
                    jax.ShapeDtypeStruct((d.batch, Hq, Tqp), F32)],
         compiler_params=params, interpret=interpret, name="fnattn_flash_fwd",
     )(_pad_bthd(q, Tqp, Dp), _pad_bthd(k, Tkp, Dp), _pad_bthd(v, Tkp, Dvp), *sched, *extra)
-    return (out[:, :d.q_len, :, :d.v_head_dim], lse[:, :, :d.q_len],
-            lse_lo[:, :, :d.q_len])
+    lse, lse_lo = row_results(K.large, m[:, :, :d.q_len], l[:, :, :d.q_len])
+    return out[:, :d.q_len, :, :d.v_head_dim], lse, lse_lo
 
 
-def redo_forward(cfg, q, k, v, sinks, mask, seed, table, flags, out, lse, lse_lo, *, bq, bk,
+def row_results(natural: bool, m, l):
+    """``(lse, lse_lo)`` of the forward kernel's row state ``(m, l)``: natural
+    (``natural``, ``_K.large``: :func:`fnattn._online.lse_parts`) or base 2
+    (:func:`fnattn._online.lse_parts_exp2`, whose low part gives the backward
+    the base-2 lse in two exact parts). In XLA, outside the kernels."""
+    return online.lse_parts(m, l) if natural else online.lse_parts_exp2(m, l)
+
+
+def redo_forward(cfg, q, k, v, sinks, mask, seed, table, flags, out, m, l, *, bq, bk,
                  interpret):
-    """``(out, lse, lse_lo)`` as given, except the (bq)-row blocks whose ``flags``
+    """``(out, m, l)`` (the output and the row state, :func:`row_results`
+    makes lse of it) as given, except the (bq)-row blocks whose ``flags``
     hold a NaN, which the forward kernel computes again from ``q, k, v``.
 
     For a kernel that ran on K and V as they are and flagged the rows where it
@@ -1001,7 +1028,7 @@ def redo_forward(cfg, q, k, v, sinks, mask, seed, table, flags, out, lse, lse_lo
     recomputes follow the rule every lowering follows. The given results are
     updated in place (aliased): a block that is not recomputed costs the read
     of its flags. ``out`` is (B, Tp, Hq, D), ``D`` a power of two, ``flags``,
-    ``lse`` and ``lse_lo`` are (B, Hq, Tp), float32, ``Tp`` a multiple of
+    ``m`` and ``l`` are (B, Hq, Tp), float32, ``Tp`` a multiple of
     ``bq``; ``table`` is the Mosaic GPU kernels' one-list table at (bq, bk) tiles
     (:func:`fnattn.flash.mosaic_gpu.static_schedule`; None without a mask). No
     bias (the caller takes none)."""
@@ -1028,13 +1055,13 @@ def redo_forward(cfg, q, k, v, sinks, mask, seed, table, flags, out, lse, lse_lo
         + sched_specs + extra_specs + [out_spec, rows_spec, rows_spec],
         out_specs=[out_spec, rows_spec, rows_spec],
         out_shape=[jax.ShapeDtypeStruct(out.shape, out.dtype),
-                   jax.ShapeDtypeStruct(lse.shape, F32), jax.ShapeDtypeStruct(lse.shape, F32)],
+                   jax.ShapeDtypeStruct(m.shape, F32), jax.ShapeDtypeStruct(m.shape, F32)],
         input_output_aliases={first: 0, first + 1: 1, first + 2: 2},
         compiler_params=plgpu.CompilerParams(num_warps=8 if bq >= 128 else 4,
                                              num_stages=stages),
         interpret=interpret, name="fnattn_flash_fwd_redo",
     )(_pad_bthd(q, Tp, Dp), _pad_bthd(k, Tkp, Dp), _pad_bthd(v, Tkp, Dp), flags, *sched,
-      *extra, out, lse, lse_lo)
+      *extra, out, m, l)
 
 
 def _heads_per_dkdv_program(d, n_kv_blocks):
@@ -1055,8 +1082,9 @@ def _backward(cfg, q, k, v, bias, sinks, mask, seed, out, lse, lse_lo, d_out, d_
     # The per-row statistics the kernels recompute P from (`_row_names`): +inf
     # where lse is not finite (rows that saw nothing, an infinite sink) and on
     # padding rows, so that P = 0 there.
-    rows = online.backward_rows(lse, lse_lo, delta, natural=(  # (K.large)
-        (bias is not None or position_bias.present(mask)) and cfg.softcap is None))
+    natural = (bias is not None or position_bias.present(mask)) and cfg.softcap is None
+    rows = online.backward_rows(lse, lse_lo, delta, natural=natural,  # (K.large, K.split)
+                                split=not natural and cfg.softcap is None)
 
     def pad_rows(T):
         return [_pad(x, 2, T, jnp.inf if n == 0 else 0.0) for n, x in enumerate(rows)]

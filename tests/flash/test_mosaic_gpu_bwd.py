@@ -227,6 +227,23 @@ def test_interpreted_tables_too_large_to_embed_are_built_in_xla(interpreted, mon
         np.testing.assert_array_equal(f32(a), f32(b))
 
 
+def test_interpreted_huge_logits_from_qk_keep_the_forwards_weights(interpreted):
+    """Logits of about 4e8 from q.k alone (no term, no cap): the backward
+    recomputes P from the base-2 lse in two parts (``_Plan.split``, a third row
+    statistic), which give back the forward's own weights, where one float32
+    base-2 lse made dv wrong by orders of magnitude; out, lse and dv are the
+    float32 reference's."""
+    q, k, v, d_out, d_lse = qkv(Tq=128, Tk=128, Hq=2, Hkv=1, dtype=jnp.bfloat16)
+    q = (q.astype(jnp.float32) * 1e8).astype(q.dtype)
+    spec = AttentionSpec(return_lse=True, block_sizes=SMALL)
+    out, lse, grads = outputs_and_grads(spec, q, k, v, d_out, d_lse, interpreted)
+    r_out, r_lse, r_grads = reference(spec, q, k, v, d_out, d_lse)
+    assert float(np.abs(f32(r_lse)).max()) > 1e8
+    np.testing.assert_allclose(f32(out), f32(r_out), atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(f32(lse), f32(r_lse), rtol=1e-6)
+    assert_grads_close(grads[2:], r_grads[2:], names=("dv",))
+
+
 def test_interpreted_huge_terms_keep_rows_exact(interpreted):
     """ALiBi slopes of 1e30 with no key within distance 4 of a row: every logit
     about -4e30, which the natural-unit recomputation (z - lse - lse_lo) still
@@ -595,9 +612,9 @@ def test_supports_array_free_masks():
 def test_smem_estimate_is_what_the_lowering_counts(D, ring, documents, alibi):
     """``smem_bytes`` equals the count of Mosaic GPU's lowering, for the row
     split (D <= 128) and the column split, with and without mask arrays, and
-    with ALiBi (a third row statistic in natural units; with learned slopes,
-    each consumer's per-key sums of their gradient, for each head of the
-    program)."""
+    with ALiBi (no cap: a third row statistic, the base-2 lse's low part, or
+    lse_lo in natural units with ALiBi; with learned slopes, each consumer's
+    per-key sums of their gradient, for each head of the program)."""
     pytest.importorskip("absl")
     T = 1024
     ids = jnp.asarray(np.repeat(np.arange(4), T // 4)[None], jnp.int32)
@@ -628,7 +645,7 @@ def test_smem_estimate_is_what_the_lowering_counts(D, ring, documents, alibi):
     # split keeps the group whole)
     sums = 0 if alibi != "learned" else (1 if D <= 128 else 2)
     assert mosaic_gpu_smem(lower) == bs.smem_bytes(D, row_arrays=rows, key_arrays=cols,
-                                                   row_stats=3 if alibi else 2, term_sums=sums)
+                                                   row_stats=3, term_sums=sums)
 
 
 def test_learned_term_sums_lower_while_a_ring_fits_else_go_to_the_triton_backward():

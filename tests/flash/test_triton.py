@@ -11,6 +11,7 @@ Three groups:
 """
 
 import dataclasses
+import os
 import re
 
 import jax
@@ -240,6 +241,43 @@ def test_extreme_bias_rows_match_reference(masked):
     np.testing.assert_allclose(lse[0, :, 9], 1e10, rtol=1e-6)
     if not masked:  # (with sinks, the sink's logit dominates these rows)
         assert (lse[0, :, 1] == -1e30).all() and (lse[0, 0, 3] == F32_MIN)
+
+
+@pytest.mark.parametrize("mask", [None, "lengths", "causal"])
+def test_huge_logits_from_qk_keep_the_forwards_weights(mask):
+    # Without bias, term or cap the kernels keep the fused base-2 state, and the
+    # backward recomputes P from the base-2 lse in two parts
+    # (_online.lse_parts_exp2, backward_rows(split=True)) that give back the
+    # forward's own m + log2(l): at logits of 4e6 from q.k alone, where one
+    # float32 base-2 lse put dv 20 % off (benchmarks/extreme_logits.py), out,
+    # lse and dv are the XLA lowering's. (Without a mask dq and dk too; with
+    # one, the CPU's interpreted dq kernel may round a logit's dot product an
+    # ulp away from the forward's, 0.4 in base 2 at these sizes: dq and dk are
+    # left to the size-relative check of benchmarks/extreme_logits.py. Under
+    # XLA's optimising flags, FNATTN_TEST_XLA_OPT=1, XLA:CPU fuses the
+    # forward's s * c - m into one multiply-add and not the backward's on the
+    # masked tiles of the interpreted kernels: dv there is only within 10 %.)
+    from fnattn.flash import xla as flash_xla
+    rs = np.random.default_rng(9)
+    B, T, Hq, Hkv, D = 1, 128, 4, 2, 64
+    q = jnp.asarray(rs.standard_normal((B, T, Hq, D)) * 1e6, jnp.float32)
+    k, v = (jnp.asarray(rs.standard_normal((B, T, Hkv, D)), jnp.float32) for _ in "kv")
+    spec = AttentionSpec(mask={None: None, "causal": masks.causal(),
+                               "lengths": masks.lengths(kv_lengths=jnp.array([100]))}[mask])
+    (want, g_want), (got, g_got) = (
+        jax.jit(lambda *a, t=t: fwd_and_grads(run(t), *a))(spec, q, k, v)
+        for t in ((("default", flash_xla.LOWERING),), INTERPRET))
+    assert float(jnp.max(jnp.abs(want.lse))) > 1e6
+    np.testing.assert_allclose(got.out, want.out, atol=1e-5)
+    np.testing.assert_allclose(got.lse, want.lse, rtol=1e-6)
+    exact = mask is None or os.environ.get("FNATTN_TEST_XLA_OPT") != "1"
+    np.testing.assert_allclose(g_got[2], g_want[2],
+                               atol=(1e-5 if exact else 0.1) * float(jnp.max(jnp.abs(g_want[2]))))
+    if mask is None:
+        dp = float(jnp.max(jnp.abs(v))) * float(jnp.sum(jnp.abs(jnp.cos(jnp.arange(D)))))
+        for n in (0, 1):  # dq, dk: to 1e-5 of the size of rounding in dS times k or q
+            size = D ** -0.5 * float(jnp.max(jnp.abs(k if n == 0 else q))) * dp
+            np.testing.assert_array_less(jnp.abs(g_got[n] - g_want[n]), 1e-5 * size)
 
 
 def vjp_all(f, spec, q, k, v, d_out, d_lse):
