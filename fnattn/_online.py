@@ -10,6 +10,7 @@ same inside a Pallas kernel, a ``lax`` loop or plain XLA.
 import math
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["LN2", "LOG2E", "any_false", "clean_unless_garbage", "finish_exp2", "finite_keys",
@@ -233,7 +234,14 @@ def _two_sum(a, b):
     return s, (a - (s - bb)) + (b - bb)
 
 
-_L1, _L2 = (float(v) for v in _split12(jnp.float32(LOG2E)))
+def _split12_const(x: float) -> tuple:
+    """:func:`_split12` of a Python constant, with NumPy (no JAX work at import)."""
+    x = np.float32(x)
+    x1 = (x.view(np.uint32) & np.uint32(0xFFFFF000)).view(np.float32)
+    return float(x1), float(x - x1)
+
+
+_L1, _L2 = _split12_const(LOG2E)
 
 
 def times_log2e(x):

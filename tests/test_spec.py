@@ -165,3 +165,17 @@ def test_traced_static_field_is_refused_inside_jit():
 
     with pytest.raises(TypeError, match="softcap is static configuration"):
         f(3.0)
+
+
+def test_importing_fnattn_starts_no_jax_backend():
+    """``import fnattn`` does no JAX work: a program may still choose its
+    platforms (``jax_platforms``) or call ``jax.distributed.initialize`` after
+    importing it, which a started backend refuses."""
+    import subprocess
+    import sys
+    code = ("import jax._src.xla_bridge as xb, fnattn, fnattn.flash, fnattn.paged, "
+            "fnattn.context; print(bool(xb._backends))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip().splitlines()[-1] == "False"
