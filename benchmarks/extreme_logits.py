@@ -9,8 +9,9 @@ Each row scales q by ``scale`` (q, k, v and the output cotangent otherwise
 standard normal, B=1, T=128, H=2, D=64, causal and not), runs one lowering
 under ``jax.jit`` forward and backward, and gives the largest absolute error of
 ``out``, ``lse``, ``dq``, ``dk`` and ``dv`` against the float64 reference
-(:func:`float64_attention`, NumPy) on the same (rounded) inputs,
-beside the error of the float32 reference itself ("ref32"), and the largest
+(:func:`float64_attention`: the tests' NumPy ground truth) on the same
+(rounded) inputs, beside the error of the float32 reference itself
+("ref32"), and the largest
 absolute value of the float64 gradient. A lowering is as good as the float32
 reference where its errors are of the reference's size; ``verdict`` says
 ``ok`` when each error is within 10 times the float32 reference's plus
@@ -38,8 +39,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
 import fnattn  # noqa: E402
 from fnattn import AttentionSpec, masks  # noqa: E402
+from np_attention import np_attention_grads  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
 ON_GPU = jax.devices()[0].platform == "gpu"
@@ -70,25 +74,14 @@ def _err(a, b):
 
 
 def float64_attention(q, k, v, d_out, causal):
-    """``dict(out, lse, dq, dk, dv)`` of softmax attention in float64 (NumPy,
-    (B, T, H, D) inputs, scale ``D ** -0.5``), the gradients of
-    ``sum(out * d_out)``."""
-    q, k, v, d_out = (np.asarray(x, np.float64).transpose(0, 2, 1, 3) for x in (q, k, v, d_out))
-    scale = q.shape[-1] ** -0.5
-    s = scale * q @ k.swapaxes(-1, -2)
-    if causal:
-        T = s.shape[-1]
-        s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
-    m = s.max(-1, keepdims=True)
-    e = np.exp(s - m)
-    p = e / e.sum(-1, keepdims=True)
-    out = p @ v
-    dp = d_out @ v.swapaxes(-1, -2)
-    ds = p * (dp - (dp * p).sum(-1, keepdims=True))
-    back = lambda x: x.transpose(0, 2, 1, 3)  # noqa: E731
-    return dict(out=back(out), lse=(m + np.log(e.sum(-1, keepdims=True)))[..., 0],
-                dq=back(scale * ds @ k), dk=back(scale * ds.swapaxes(-1, -2) @ q),
-                dv=back(p.swapaxes(-1, -2) @ d_out))
+    """``dict(out, lse, dq, dk, dv)`` of softmax attention in float64 ((B, T, H,
+    D) inputs, scale ``D ** -0.5``), the gradients of ``sum(out * d_out)``: the
+    test suite's NumPy ground truth, ``tests/np_attention.py``, written apart
+    from fnattn's code."""
+    T = np.shape(q)[1]
+    mask = np.tril(np.ones((T, T), bool)) if causal else None
+    res = np_attention_grads(q, k, v, d_out, mask=mask)
+    return {key: res[key] for key in ("out", "lse", "dq", "dk", "dv")}
 
 
 def _size(key, f64) -> float:

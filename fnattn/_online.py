@@ -323,9 +323,9 @@ def lse_parts_exp2(m, l):
     NaN for a NaN state). ``lse_lo`` is the rest of ``m + log2(l)`` beyond
     ``lse * log2(e)``, which :func:`times_log2e` computes exactly, times
     ``ln 2``: the backward's ``hi + lo`` is then ``m + log2(l)`` up to the
-    rounding of this small rest, not of ``m``, so its ``exp2((s * c - hi) -
-    lo)`` gives back the forward's own ``exp2(s * c - m) / l`` whatever the
-    size of the logits. (One float32 ``lse2`` is off by up to a unit in the
+    rounding of this small rest, not of ``m``, so its ``exp2(s * c - hi) *
+    exp2(-lo)`` gives back the forward's own ``exp2(s * c - m) / l`` whatever
+    the size of the logits. (One float32 ``lse2`` is off by up to a unit in the
     last place of ``m``: a factor of 2 on every weight of a row whose logits
     are about 1e7.) For natural consumers ``lse + lse_lo`` is the natural lse
     to within a unit in the last place of ``lse``. 0 where ``lse`` is not

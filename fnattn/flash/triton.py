@@ -247,6 +247,13 @@ class _K:
         return not self.large and self.softcap is None
 
     @property
+    def has_lse_lo(self) -> bool:
+        """The backward kernels read a third row statistic, ``lse_lo``: the
+        natural lse's low part (``large``) or exp2 of minus the base-2 lse's
+        (``split``); that is, whenever there is no soft-cap."""
+        return self.large or self.split
+
+    @property
     def has_term(self) -> bool:
         """Whether the mask carries a position term (:mod:`fnattn.position_bias`)."""
         return self.has_mask and position_bias.present(masks.from_treedef(self.mask_treedef))
@@ -526,7 +533,7 @@ def _row_names(K: _K):
     are all huge). +inf where the forward's lse is not finite (and on padding
     rows), so that P = 0 there.
     """
-    return ("q", "k", "v", "do", "lse", "delta") + (("lse_lo",) if K.large or K.split else ())
+    return ("q", "k", "v", "do", "lse", "delta") + (("lse_lo",) if K.has_lse_lo else ())
 
 
 def _probs(s, c, lse, lse_lo, K: _K):
@@ -548,7 +555,7 @@ def _dq_kernel(*refs, K: _K, sched: bool):
     rows = _q_rows(i, K)
     q, do = R.q[rows, :], R.do[rows, :]
     lse, delta = R.lse[rows][:, None], R.delta[rows]
-    lse_lo = R.lse_lo[rows][:, None] if K.large or K.split else None
+    lse_lo = R.lse_lo[rows][:, None] if K.has_lse_lo else None
 
     def body(j, _, carry, partial):
         dq, dterm = carry
@@ -642,7 +649,7 @@ def _dkdv_kernel(*refs, K: _K, sched: bool):
         rows = _q_rows(i, K)
         q, do = R.q[rows, g, :], R.do[rows, g, :]
         lse, delta = R.lse[g, rows][None, :], R.delta[g, rows]
-        lse_lo = R.lse_lo[g, rows][None, :] if K.large or K.split else None
+        lse_lo = R.lse_lo[g, rows][None, :] if K.has_lse_lo else None
         bias_t = _bias_tile(R, K, g, b, p_head * K.Gp + g, i, j, True)
         st, c, th = _scores(k, q, bias_t, K)                      # (bk, bq) = S^T
         pos = None
