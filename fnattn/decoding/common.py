@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnattn import masks
-from fnattn.paged.common import cdiv, first_run, pow2, span  # noqa: F401  (shared helpers)
+from fnattn.paged.common import KernelFacts, cdiv, first_run, pow2, span  # noqa: F401  (shared)
 
 F32 = jnp.float32
 I32 = jnp.int32

@@ -72,7 +72,7 @@ NUM_META = 4                   # start, length, lo, hi per sequence
 
 
 @dataclasses.dataclass(frozen=True)
-class _K:
+class _K(common.KernelFacts):
     Tq: int
     G: int
     Gp: int
@@ -89,12 +89,6 @@ class _K:
     n_terms: int = 0           # its arrays: (n, B, Hq) flat in SMEM
     B: int = 0
     Hq: int = 0
-
-    def mask(self):
-        return masks.from_treedef(self.mask_treedef)
-
-    def term(self):
-        return masks.from_treedef(self.term_treedef)
 
 
 def heads_per_program(num_kv_heads: int, head_dim: int, v_head_dim: int) -> int:
@@ -278,7 +272,11 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
     qx = qg * jnp.eye(hb, dtype=cd)[:, None, :, None]
     qx = qx.reshape(B, ng, hb, M, hb * D)
     kv_index = functools.partial(_kv_index, K=K)
-    in_specs = [pl.BlockSpec((None, None, hb, M, hb * D), lambda b, hg, sp, i, *_: (b, hg, 0, 0, 0)),
+
+    def q_index(b, hg, sp, i, *_):
+        return b, hg, 0, 0, 0
+
+    in_specs = [pl.BlockSpec((None, None, hb, M, hb * D), q_index),
                 pl.BlockSpec((None, bk, hb * D), kv_index),
                 pl.BlockSpec((None, bk, hb * Dv), kv_index)]
     args = [qx, k.astype(cd).reshape(B, S, Hkv * D), v.astype(cd).reshape(B, S, Hkv * Dv)]

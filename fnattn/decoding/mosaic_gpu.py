@@ -281,7 +281,7 @@ def gpu_forward(fallback, cfg, q, k, v, starts, lengths, sinks, terms=None):
 
 
 @dataclasses.dataclass(frozen=True)
-class _Plan:
+class _Plan(common.KernelFacts):
     """Everything the kernel needs at trace time (hashable)."""
 
     Tq: int
@@ -301,13 +301,6 @@ class _Plan:
     term_treedef: Any = None  # a position term, or None
     n_terms: int = 0          # its arrays: a float32 value per row each
     terms_shared: bool = False  # one set of values for every program's sequence (paged)
-
-    @property
-    def natural(self) -> bool:
-        """The row state ``m`` is kept in natural units (a term without
-        soft-cap: logits may be huge, and ``(s - m) * log2(e)`` stays exact
-        where ``s * log2(e) - m`` would not); else in base 2."""
-        return self.term_treedef is not None and self.softcap is None
 
     @property
     def copies(self) -> int:
@@ -370,7 +363,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
             def term_of(pos):
                 """The position term at ``pos`` (a block's, float32, WGMMA layout)."""
                 ops = [lax.broadcast_in_dim(x, (ROWS, P.bk), [0]) for x in term_values]
-                value = masks.from_treedef(P.term_treedef).value(pos, ops)
+                value = P.term().value(pos, ops)
                 return jnp.broadcast_to(jnp.asarray(value, F32), (ROWS, P.bk))
 
             def visible(pos):
@@ -378,7 +371,7 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, P: _Plan, dtype):
                 sequence's and visible under the mask (WGMMA layout)."""
                 ok = (pos.k >= 0) & (pos.k < length)
                 if P.mask_treedef is not None:
-                    ok = ok & masks.from_treedef(P.mask_treedef).predicate(pos, [])
+                    ok = ok & P.mask().predicate(pos, [])
                 return ok
 
             def step(j, carry, partial: bool):

@@ -110,7 +110,7 @@ def launch_plan(batch: int, num_kv_heads: int, cache_len: int, head_dim: int,
 
 
 @dataclasses.dataclass(frozen=True)
-class _K:
+class _K(common.KernelFacts):
     """Static facts of one launch."""
 
     Tq: int
@@ -129,18 +129,6 @@ class _K:
     sinks: bool
     term_treedef: Any = None   # a position term, or None
     n_terms: int = 0           # its arrays, one value per row
-
-    def mask(self):
-        return masks.from_treedef(self.mask_treedef)
-
-    def term(self):
-        return masks.from_treedef(self.term_treedef)
-
-    @property
-    def natural(self) -> bool:
-        """The row state in natural units (a term without a cap: its logits
-        may be huge; :func:`fnattn._online.step_exp2`)."""
-        return self.term_treedef is not None and self.softcap is None
 
 
 def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):

@@ -38,6 +38,31 @@ F32 = jnp.float32
 I32 = jnp.int32
 
 
+class KernelFacts:
+    """What the serving kernels' static facts (frozen dataclasses with
+    ``mask_treedef``, ``term_treedef`` and ``softcap`` fields) rebuild from
+    them: the mask, the position term, and the units of the row state."""
+
+    __slots__ = ()
+
+    def mask(self):
+        """The mask (its arrays placeholders), or None."""
+        return masks.from_treedef(self.mask_treedef)
+
+    def term(self):
+        """The position term (its arrays placeholders: their values come as
+        the kernel's term operands), or None."""
+        return masks.from_treedef(self.term_treedef)
+
+    @property
+    def natural(self) -> bool:
+        """The row state ``m`` is kept in natural units (a term without
+        soft-cap: logits may be huge, and ``(s - m) * log2(e)`` stays exact
+        where ``s * log2(e) - m`` would not, :func:`fnattn._online.step_exp2`);
+        else in base 2."""
+        return self.term_treedef is not None and self.softcap is None
+
+
 def cdiv(a, b):
     return -(-a // b)
 
@@ -95,7 +120,7 @@ def pick_block_sizes(block_sizes) -> PagedBlockSizes:
 
 
 @dataclasses.dataclass(frozen=True)
-class Cfg:
+class Cfg(KernelFacts):
     """Static description of one paged call (hashable; part of the trace)."""
 
     num_q_heads: int
@@ -124,14 +149,6 @@ class Cfg:
     @property
     def capacity(self) -> int:
         return self.pages_per_seq * self.page_size
-
-    def mask(self):
-        return masks.from_treedef(self.mask_treedef)
-
-    def term(self):
-        """The position term (its arrays placeholders: their values are
-        ``Meta.terms``), or None."""
-        return masks.from_treedef(self.term_treedef)
 
 
 def term_value(cfg, meta, pos, rows):

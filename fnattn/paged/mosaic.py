@@ -41,7 +41,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from fnattn import _checks, _functions
 from fnattn import _online as online
-from fnattn import _varying, cost, masks
+from fnattn import _varying, cost
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -56,7 +56,7 @@ DEFAULT_KEYS_PER_BLOCK = 512
 
 
 @dataclasses.dataclass(frozen=True)
-class _K:
+class _K(common.KernelFacts):
     G: int
     Gp: int
     M: int
@@ -75,12 +75,6 @@ class _K:
     @property
     def C(self) -> int:
         return self.ppb * self.ps
-
-    def mask(self):
-        return masks.from_treedef(self.mask_treedef)
-
-    def term(self):
-        return masks.from_treedef(self.term_treedef)
 
 
 def _attn_kernel(work_ref, pt_ref, *refs, K: _K):

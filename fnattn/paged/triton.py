@@ -54,7 +54,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from fnattn import _checks, _functions
 from fnattn import _online as online
-from fnattn import _varying, masks
+from fnattn import _varying
 from fnattn.paged import common, xla
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -87,7 +87,7 @@ def auto_splits(programs: int, n_blocks: int) -> int:
 
 
 @dataclasses.dataclass(frozen=True)
-class _K:
+class _K(common.KernelFacts):
     """Static facts of one launch."""
 
     G: int
@@ -111,18 +111,6 @@ class _K:
     term_treedef: Any = None   # a position term, or None
     n_terms: int = 0           # its arrays, one value per head
 
-    def mask(self):
-        return masks.from_treedef(self.mask_treedef)
-
-    def term(self):
-        return masks.from_treedef(self.term_treedef)
-
-    @property
-    def natural(self) -> bool:
-        """The row state in natural units (a term without a cap: its logits
-        may be huge; :func:`fnattn._online.step_exp2`)."""
-        return self.term_treedef is not None and self.softcap is None
-
 
 def launch_plan(cfg: Cfg):
     """(block_q, block_k, num_splits, CompilerParams) for a call."""
@@ -136,7 +124,8 @@ def launch_plan(cfg: Cfg):
         # prefill tokens share each key block among many rows.
         bq = common.pow2(bs.block_q) if bs.block_q else max(1, 64 // Gp)
         bq = min(bq, common.pow2(cfg.total_tokens))
-    bk = common.pow2(bs.block_k) if bs.block_k else (64 if max(cfg.head_dim, cfg.v_head_dim) <= 128 else 32)
+    wide = max(cfg.head_dim, cfg.v_head_dim) > 128
+    bk = common.pow2(bs.block_k) if bs.block_k else (32 if wide else 64)
     bk = max(16, min(bk, common.pow2(cfg.capacity)))
     n_items = common.num_work_items(cfg, bq)
     n_blocks = common.cdiv(cfg.capacity, bk)
