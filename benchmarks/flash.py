@@ -10,6 +10,11 @@ peak memory is its own and one crash or time-out cannot spoil the others.
 Peers: ``jax.nn.dot_product_attention`` (implementation "xla"; also "cudnn" on
 GPU) and, when it can be imported, tokamax's ``dot_product_attention``
 ("xla_chunked" on CPU, "triton" on GPU); a missing peer is skipped with a note.
+``--impls fnattn:dense`` adds fnattn's dense XLA lowering (``impl="xla"``,
+what ``fnattn.nn.dot_product_attention(implementation="xla")`` runs), the
+algorithm of jax.nn's "xla":
+
+    python benchmarks/flash.py --impls fnattn,fnattn:dense,jax.nn:xla --ts 1024,2048,4096
 
 Measured per configuration: the median, minimum and maximum of several calls
 after a warm-up call (the spread shows the noise of a shared machine); FLOP/s
@@ -57,6 +62,14 @@ def child(cfg):
 
         def f(q, k, v):
             return fnattn.flash(spec, q, k, v).out
+    elif impl == "fnattn:dense":  # the dense XLA lowering (impl="xla"; jax.nn's "xla" algorithm)
+        import fnattn
+        from fnattn import AttentionSpec, masks
+        spec = AttentionSpec(mask=masks.causal() if causal else None, return_lse=False,
+                             impl="xla")
+
+        def f(q, k, v):
+            return fnattn.attention(spec, q, k, v).out
     elif impl.startswith("jax.nn"):
         which = impl.split(":")[1]
 
@@ -116,7 +129,8 @@ def child(cfg):
         flops += cost.estimate(cspec, q, k, v, backward=True).flops
     print(json.dumps(dict(info, status="ok", time_s=t, min_s=min(times), max_s=max(times),
                           reps=reps, gflops=flops / t / 1e9, peak_mb=peak / 2**20,
-                          xla_mb=xla_bytes / 2**20, load=round((load0 + os.getloadavg()[0]) / 2, 1))))
+                          xla_mb=xla_bytes / 2**20,
+                          load=round((load0 + os.getloadavg()[0]) / 2, 1))))
 
 
 def run_one(cfg, timeout):
@@ -171,11 +185,16 @@ def main():
         # ~19 GB at 16k; its backward needs several such arrays. tokamax's
         # xla_chunked takes minutes per call beyond these lengths on a 2-core CPU.
         limits = {("jax.nn:xla", "fwd"): 8192, ("jax.nn:xla", "fwd+bwd"): 4096,
+                  ("fnattn:dense", "fwd"): 8192, ("fnattn:dense", "fwd+bwd"): 4096,
                   ("tokamax:xla_chunked", "fwd"): 16384,
                   ("tokamax:xla_chunked", "fwd+bwd"): 8192}
         reps = args.reps or 5
     if args.impls:
-        impls = [i for i in impls if i in args.impls.split(",")]
+        known = impls + ["fnattn:dense"]
+        unknown = [i for i in args.impls.split(",") if i not in known]
+        if unknown:
+            ap.error(f"--impls: unknown {unknown}; known here: {known}")
+        impls = [i for i in known if i in args.impls.split(",")]
     if args.ts:
         configs = [c for c in configs if c["T"] in {int(x) for x in args.ts.split(",")}]
     modes = [m for m in ("fwd", "fwd+bwd") if m in args.modes.split(",")]

@@ -22,7 +22,7 @@ __all__ = ["reference", "dense_attention"]
 def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
                     softcap: Optional[float], dropout_rate: float,
                     upcast: bool, q_offset: Optional[int] = None,
-                    return_weights: bool = False):
+                    return_weights: bool = False, late_normalize: bool = False):
     """Dense attention on "bthd" inputs; returns (out, lse[, weights]) in the
     accumulation dtype ``promote(float32, dtype)`` (float32, or float64 for
     float64 inputs).
@@ -31,6 +31,13 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
     (the reference); ``False`` multiplies the inputs as they are, accumulating
     in the accumulation dtype (:func:`fnattn._platforms.mixed_einsum`). GQA is
     handled by grouping query heads, without repeating k or v.
+
+    ``late_normalize`` (the XLA lowering's form; not with ``return_weights``)
+    multiplies V by the unnormalised weights ``exp(s - m)`` and divides the
+    (Tq, Dv) result by the row sums, as the blockwise lowerings do, instead of
+    dividing the (Tq, Tk) weights: the same value up to rounding, one pass
+    over the (Tq, Tk) arrays fewer, and its ``jax.vjp`` (the lowering's
+    backward) 1.3-1.8x faster on a CPU at 2048 tokens.
 
     Masked keys contribute exactly nothing, whatever their K/V bits hold: a key
     whose K or V holds a non-finite value is zeroed and its logit made NaN for
@@ -46,8 +53,11 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
         q, k, v = (x.astype(acc) for x in (q, k, v))
     # Non-finite keys: zeroed and flagged per (b, key, kv head) (_online.finite_keys).
     k, v, bad = finite_keys(k, v)
-    qg = q.reshape(B, Tq, Hkv, G, D)
-    s = mixed_einsum("bqhgd,bkhd->bhgqk", qg, k, acc)
+    # The products in the (B, Hkv, G, Tq, .) order of the logits, q transposed
+    # to it first: the (Tq, Tk) results then need no transpose (on a CPU, XLA
+    # transposed them for "bqhgd,bkhd->bhgqk": 4x the time at 2048 tokens).
+    qg = q.reshape(B, Tq, Hkv, G, D).transpose(0, 2, 3, 1, 4)
+    s = mixed_einsum("bhgqd,bkhd->bhgqk", qg, k, acc)
     s = s.reshape(B, Hq, Tq, Tk) * scale
     if bias is not None:
         s = s + bias.astype(acc)
@@ -78,13 +88,17 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
     dead = denom == 0
     safe = jnp.where(dead, 1.0, denom)
     lse = jnp.where(dead, -jnp.inf, m + jnp.log(safe))
-    p = e / safe[..., None]
+    late = late_normalize and not return_weights
+    # (late: the rows' factor 1 / safe is applied to the output instead, below)
+    p = e if late else e / safe[..., None]
+    inf_row = None
     if inf_sink is not None:
         # p_sink = 1: no weight on any key, lse = sink (+inf; d(sink) = d(lse)).
         # A row that sees a non-finite key stays NaN.
         inf_row = inf_sink & ~jnp.isnan(lse)
         lse = jnp.where(inf_row, sinks.astype(acc)[None, :, None], lse)
-        p = jnp.where(inf_row[..., None], jnp.zeros((), acc), p)
+        if not late:
+            p = jnp.where(inf_row[..., None], jnp.zeros((), acc), p)
     if dropout_rate > 0:
         b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
         h = jnp.arange(Hq, dtype=jnp.int32)[None, :, None, None]
@@ -93,8 +107,13 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
         keep = dropout.keep_mask(seed, b, h, qi, ki, dropout_rate)
         p = jnp.where(keep, p / (1.0 - dropout_rate), 0.0)
     pv = p.astype(acc if upcast else v.dtype).reshape(B, Hkv, G, Tq, Tk)
-    out = mixed_einsum("bhgqk,bkhd->bqhgd", pv, v, acc)
-    out = out.reshape(B, Tq, Hq, v.shape[-1])
+    out = mixed_einsum("bhgqk,bkhd->bhgqd", pv, v, acc)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(B, Tq, Hq, v.shape[-1])
+    if late:
+        rows = jnp.swapaxes(safe, 1, 2)[..., None]  # (B, Tq, Hq, 1)
+        out = out / rows
+        if inf_row is not None:
+            out = jnp.where(jnp.swapaxes(inf_row, 1, 2)[..., None], jnp.zeros((), acc), out)
     if return_weights:
         return out, lse, p
     return out, lse

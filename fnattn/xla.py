@@ -1,9 +1,11 @@
 """The dense XLA lowering: the whole (Tq, Tk) logit matrix, every spec feature.
 
-Straightforward and exact; memory grows as Tq * Tk. The backward recomputes the
-forward in the accumulation dtype (float32, or float64 for float64 inputs) and
-differentiates it with ``jax.vjp`` (the tangent pass with ``jax.jvp``), so that low-precision inputs never see a
-gradient product (dO.V under loss scaling) overflow their dtype.
+Straightforward and exact; memory grows as Tq * Tk. The output is divided by
+the row sums after ``P @ V`` (:func:`fnattn.reference.dense_attention`'s
+``late_normalize``). The backward recomputes the forward in the accumulation
+dtype (float32, or float64 for float64 inputs) and differentiates it with
+``jax.vjp`` (the tangent pass with ``jax.jvp``), so that low-precision inputs
+never see a gradient product (dO.V under loss scaling) overflow their dtype.
 ``fnattn.flash`` is the O(T) memory alternative.
 """
 
@@ -19,7 +21,7 @@ def _forward(cfg, q, k, v, bias, sinks, mask, seed):
     out, lse = dense_attention(q, k, v, bias=bias, sinks=sinks, mask=mask, seed=seed,
                                scale=cfg.scale, softcap=cfg.softcap,
                                dropout_rate=cfg.dropout_rate, upcast=False,
-                               q_offset=cfg.q_offset)
+                               q_offset=cfg.q_offset, late_normalize=True)
     # The backward recomputes the forward: lse's rounding error is not needed.
     return out.astype(q.dtype), lse, jnp.zeros_like(lse)
 
@@ -31,7 +33,7 @@ def dense(cfg, mask, seed):
         return dense_attention(q, k, v, bias=bias, sinks=sinks, mask=mask, seed=seed,
                                scale=cfg.scale, softcap=cfg.softcap,
                                dropout_rate=cfg.dropout_rate, upcast=True,
-                               q_offset=cfg.q_offset)
+                               q_offset=cfg.q_offset, late_normalize=True)
     return f
 
 

@@ -51,7 +51,8 @@ def test_equals_reference_forward_and_every_gradient(layout):
     def loss(spec):
         def f(q, k, v, bias, sinks):
             r = fnattn.attention(spec.replace(bias=bias, sinks=sinks), q, k, v)
-            return jnp.sum(r.out * w_out) + jnp.sum(jnp.where(jnp.isfinite(r.lse), r.lse, 0) * w_lse)
+            lse = jnp.where(jnp.isfinite(r.lse), r.lse, 0)
+            return jnp.sum(r.out * w_out) + jnp.sum(lse * w_lse)
         return f
 
     args = (q, k, v, spec.bias, spec.sinks)
@@ -117,6 +118,24 @@ def test_dense_forward_multiplies_narrow_operands_except_on_the_cpu():
              for plat in ("cpu", "cuda", "tpu")}
     assert types == {"cpu": {("f32", "f32")}, "cuda": {("bf16", "bf16")},
                      "tpu": {("bf16", "bf16")}}, types
+
+
+def test_dense_forward_never_holds_the_logits_keys_first():
+    # The products run in the logits' (B, Hkv, G, Tq, Tk) order: with q as
+    # "bqhgd" XLA's CPU computed them as (Hkv, Tk, G * Tq) and transposed the
+    # weights back for P @ V, 4x the time at 2048 tokens (the (Tq, Tk) arrays
+    # of a compiled program here have distinct sizes, so the order shows).
+    B, Tq, Tk, Hq, Hkv, D = 1, 512, 768, 4, 2, 64
+    q = jnp.ones((B, Tq, Hq, D))
+    k = v = jnp.ones((B, Tk, Hkv, D))
+    for mask in (None, masks.causal()):
+        spec = AttentionSpec(mask=mask, impl="xla")
+        text = jax.jit(lambda q, k, v: fnattn.attention(spec, q, k, v).out).lower(
+            q, k, v).compile().as_text()
+        shapes = set(re.findall(r"\[([0-9,]+)\]", text))
+        assert any(s.endswith(f"{Tq},{Tk}") for s in shapes), sorted(shapes)
+        keys_first = {s for s in shapes if re.search(rf"(^|,){Tk},({Tq}|{2 * Tq})$", s)}
+        assert not keys_first, keys_first
 
 
 def test_bias_gradient_keeps_the_broadcast_shape():
