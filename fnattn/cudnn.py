@@ -215,9 +215,10 @@ def _lse_vjp(q, k, bias, allowed, scale, d_lse):
     B, Tq, Hq, D = q.shape
     Hkv = k.shape[2]
     G = Hq // Hkv
-    qg = q.astype(jnp.float32).reshape(B, Tq, Hkv, G, D)
+    # q in the logits' (B, Hkv, G, Tq, D) order (as fnattn.reference.dense_attention)
+    qg = q.astype(jnp.float32).reshape(B, Tq, Hkv, G, D).transpose(0, 2, 3, 1, 4)
     k32 = k.astype(jnp.float32)
-    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k32).reshape(B, Hq, Tq, -1) * scale
+    s = jnp.einsum("bhgqd,bkhd->bhgqk", qg, k32).reshape(B, Hq, Tq, -1) * scale
     if bias is not None:
         s = s + bias.astype(jnp.float32)
     s = jnp.where(allowed, s, -jnp.inf)
@@ -229,8 +230,9 @@ def _lse_vjp(q, k, bias, allowed, scale, d_lse):
     denom = jnp.sum(e, axis=-1, keepdims=True)
     w = e / jnp.where(denom > 0, denom, 1.0) * d_lse.astype(jnp.float32)[..., None]
     wg = w.reshape(B, Hkv, G, Tq, -1)
-    dq = jnp.einsum("bhgqk,bkhd->bqhgd", wg, k32).reshape(q.shape) * scale
-    dk = jnp.einsum("bhgqk,bqhgd->bkhd", wg, qg) * scale
+    dq = jnp.einsum("bhgqk,bkhd->bhgqd", wg, k32).transpose(0, 3, 1, 2, 4).reshape(q.shape)
+    dq = dq * scale
+    dk = jnp.einsum("bhgqk,bhgqd->bkhd", wg, qg) * scale
     dbias = None
     if bias is not None:
         axes = tuple(i for i, n in enumerate((1,) * (4 - bias.ndim) + bias.shape) if n == 1)
