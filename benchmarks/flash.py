@@ -55,21 +55,16 @@ def child(cfg):
     dev = jax.devices()[0]
     info = dict(device=dev.device_kind, jax=jax.__version__)
 
-    if impl == "fnattn":
+    if impl in ("fnattn", "fnattn:dense"):
         import fnattn
         from fnattn import AttentionSpec, masks
-        spec = AttentionSpec(mask=masks.causal() if causal else None, return_lse=False)
-
-        def f(q, k, v):
-            return fnattn.flash(spec, q, k, v).out
-    elif impl == "fnattn:dense":  # the dense XLA lowering (impl="xla"; jax.nn's "xla" algorithm)
-        import fnattn
-        from fnattn import AttentionSpec, masks
+        dense = impl == "fnattn:dense"  # the dense XLA lowering (jax.nn's "xla" algorithm)
         spec = AttentionSpec(mask=masks.causal() if causal else None, return_lse=False,
-                             impl="xla")
+                             impl="xla" if dense else "auto")
+        attend = fnattn.attention if dense else fnattn.flash
 
         def f(q, k, v):
-            return fnattn.attention(spec, q, k, v).out
+            return attend(spec, q, k, v).out
     elif impl.startswith("jax.nn"):
         which = impl.split(":")[1]
 
