@@ -32,7 +32,7 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
     in the accumulation dtype (:func:`fnattn._platforms.mixed_einsum`). GQA is
     handled by grouping query heads, without repeating k or v.
 
-    ``late_normalize`` (the XLA lowering's form; not with ``return_weights``)
+    ``late_normalize`` (the XLA lowering's form; ``return_weights`` refuses it)
     multiplies V by the unnormalised weights ``exp(s - m)`` and divides the
     (Tq, Dv) result by the row sums, as the blockwise lowerings do, instead of
     dividing the (Tq, Tk) weights: the same value up to rounding, one pass
@@ -45,6 +45,9 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
     it to -inf for the rest. Infinite sinks: -inf is no sink; +inf takes all the
     mass (out 0, lse +inf, d(sink) = d(lse), no gradient to anything else).
     """
+    if late_normalize and return_weights:
+        raise ValueError("dense_attention: return_weights needs the normalised weights; "
+                         "late_normalize divides the output instead (pass one of them)")
     B, Tq, Hq, D = q.shape
     _, Tk, Hkv, _ = k.shape
     G = Hq // Hkv
@@ -88,16 +91,15 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
     dead = denom == 0
     safe = jnp.where(dead, 1.0, denom)
     lse = jnp.where(dead, -jnp.inf, m + jnp.log(safe))
-    late = late_normalize and not return_weights
-    # (late: the rows' factor 1 / safe is applied to the output instead, below)
-    p = e if late else e / safe[..., None]
+    # (late_normalize: the rows' factor 1 / safe is applied to the output instead, below)
+    p = e if late_normalize else e / safe[..., None]
     inf_row = None
     if inf_sink is not None:
         # p_sink = 1: no weight on any key, lse = sink (+inf; d(sink) = d(lse)).
         # A row that sees a non-finite key stays NaN.
         inf_row = inf_sink & ~jnp.isnan(lse)
         lse = jnp.where(inf_row, sinks.astype(acc)[None, :, None], lse)
-        if not late:
+        if not late_normalize:
             p = jnp.where(inf_row[..., None], jnp.zeros((), acc), p)
     if dropout_rate > 0:
         b = jnp.arange(B, dtype=jnp.int32)[:, None, None, None]
@@ -109,7 +111,7 @@ def dense_attention(q, k, v, *, bias, sinks, mask, seed, scale: float,
     pv = p.astype(acc if upcast else v.dtype).reshape(B, Hkv, G, Tq, Tk)
     out = mixed_einsum("bhgqk,bkhd->bhgqd", pv, v, acc)
     out = out.transpose(0, 3, 1, 2, 4).reshape(B, Tq, Hq, v.shape[-1])
-    if late:
+    if late_normalize:
         rows = jnp.swapaxes(safe, 1, 2)[..., None]  # (B, Tq, Hq, 1)
         out = out / rows
         if inf_row is not None:

@@ -210,3 +210,12 @@ def test_float64_inputs_compute_in_float64_under_x64():
     for a, b in zip(jax.tree_util.tree_leaves(x32), jax.tree_util.tree_leaves(base)):
         assert a.dtype == b.dtype == jnp.float32
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6, rtol=1e-6)
+
+
+def test_dense_attention_refuses_late_normalisation_with_the_weights():
+    from fnattn.reference import dense_attention
+    x = jnp.ones((1, 4, 2, 8))
+    with pytest.raises(ValueError, match="return_weights needs the normalised weights"):
+        dense_attention(x, x, x, bias=None, sinks=None, mask=None, seed=None, scale=1.0,
+                        softcap=None, dropout_rate=0.0, upcast=True, return_weights=True,
+                        late_normalize=True)
