@@ -6,10 +6,13 @@ build; a page under docs/ missing from the nav fails ``test_every_page_is_in_the
 The build reads the sources statically (griffe) and needs no network.
 """
 
+import collections
 import html
+import html.parser
 import inspect
 import logging
 import os
+import posixpath
 import re
 import shutil
 import subprocess
@@ -52,6 +55,14 @@ def _nav_pages(nav) -> list:
     return pages
 
 
+def _built(page: str) -> str:
+    """The HTML file, relative to the site, that mkdocs builds from a page of docs/."""
+    name = page[:-len(".md")]
+    if posixpath.basename(name) == "index":
+        return posixpath.join(posixpath.dirname(name), "index.html")
+    return name + "/index.html"
+
+
 def _config() -> dict:
     with open(CONFIG, encoding="utf-8") as f:
         return yaml.safe_load(f)
@@ -71,8 +82,7 @@ def site(tmp_path_factory):
 def test_site_has_every_nav_page(site):
     assert os.path.isfile(os.path.join(site, "index.html"))
     for page in _nav_pages(_config()["nav"]):
-        name = page[:-len(".md")]
-        html_path = "index.html" if name == "index" else os.path.join(name, "index.html")
+        html_path = _built(page)
         assert os.path.isfile(os.path.join(site, html_path)), f"{page} was not built"
 
 
@@ -98,6 +108,8 @@ def test_api_reference_is_generated_from_the_docstrings(site):
 
 def test_sphinx_roles_become_links(site):
     for page in sorted(os.listdir(os.path.join(site, "api"))):
+        if not os.path.isdir(os.path.join(site, "api", page)):
+            continue
         text = _text(os.path.join(site, "api", page, "index.html"))
         assert not re.search(r":(func|class|meth|mod|data):", text), f"a raw role on api/{page}"
     source = open(os.path.join(site, "api", "sharding", "index.html"), encoding="utf-8").read()
@@ -166,3 +178,142 @@ def test_a_stale_sphinx_role_is_a_warning(tmp_path, caplog):
     stale = [r.getMessage() for r in caplog.records if "stale reference" in r.getMessage()]
     assert len(stale) == 2, stale
     assert "'gone' does not resolve" in stale[0] and "fnattn.sub.gone_too" in stale[1]
+
+
+# What a reader sees: the built HTML, parsed (html.parser; no browser needed).
+
+VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source",
+        "track", "wbr"}
+DIRECTIVE = re.compile(r"[ \t]*#[ \t]*doctest:.*$")
+
+
+class _Page(html.parser.HTMLParser):
+    """One built page: where each ``>>>`` sits, its code blocks' text, its headings' ids."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.stack = []        # the open elements, outermost first
+        self.prompts = []      # (ancestor tags, text) of each text node holding ">>>"
+        self.nested_quotes = 0  # <blockquote> directly in a <blockquote>: Markdown's ">>>"
+        self.code = []         # the text of each <pre> block
+        self.heading_ids = []  # ids of mkdocstrings' object headings (class "doc-heading")
+        self._pre = None
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if "doc-heading" in (attrs.get("class") or "").split() and attrs.get("id"):
+            self.heading_ids.append(attrs["id"])
+        if tag == "blockquote" and self.stack and self.stack[-1] == "blockquote":
+            self.nested_quotes += 1
+        if tag == "pre" and self._pre is None:
+            self._pre = []
+        if tag not in VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if tag in self.stack:
+            while self.stack.pop() != tag:
+                pass
+        if tag == "pre" and "pre" not in self.stack and self._pre is not None:
+            self.code.append("".join(self._pre))
+            self._pre = None
+
+    def handle_data(self, data):
+        if self._pre is not None:
+            self._pre.append(data)
+        if ">>>" in data:
+            self.prompts.append((tuple(self.stack), data.strip()))
+
+
+def _pages(site: str) -> dict:
+    """{path relative to the site: parsed page} for every HTML page built."""
+    pages = {}
+    for d, _, files in os.walk(site):
+        for f in files:
+            if f.endswith(".html"):
+                page = _Page()
+                page.feed(open(os.path.join(d, f), encoding="utf-8").read())
+                pages[os.path.relpath(os.path.join(d, f), site).replace(os.sep, "/")] = page
+    return pages
+
+
+@pytest.fixture(scope="module")
+def pages(site):
+    return _pages(site)
+
+
+def _prompt_lines(page: _Page) -> list:
+    return [line.strip() for block in page.code for line in block.splitlines()
+            if line.startswith(">>>")]
+
+
+def test_every_example_on_the_site_is_a_code_block(pages):
+    """No ``>>>`` session reads as prose or as a quote, on any page."""
+    assert len(pages) > len(_nav_pages(_config()["nav"]))  # every nav page, 404 and more
+    bad = []
+    for name, page in sorted(pages.items()):
+        for ancestors, text in page.prompts:
+            if ("pre" not in ancestors and "code" not in ancestors
+                    or "blockquote" in ancestors or "p" in ancestors):
+                bad.append(f"{name}: {text[:70]!r} inside <{'><'.join(ancestors[-4:])}>")
+        if page.nested_quotes:
+            bad.append(f"{name}: {page.nested_quotes} <blockquote> directly inside a "
+                       "<blockquote>: how Markdown renders a '>>>' line")
+    assert not bad, "examples that do not render as code:\n" + "\n".join(bad)
+
+
+def test_every_docstring_example_renders_as_code(pages):
+    """Each doctest example of each object an API page documents is a prompt in a code block."""
+    import doctest
+
+    import griffe
+
+    package = griffe.load("fnattn", search_paths=[ROOT], try_relative_path=False)
+    parser = doctest.DocTestParser()
+    total, missing = 0, []
+    api_pages = {n: p for n, p in pages.items() if n.startswith("api/")}
+    assert len(api_pages) >= len([p for p in _nav_pages(_config()["nav"]) if p.startswith("api/")])
+    for name, page in sorted(api_pages.items()):
+        shown = collections.Counter(DIRECTIVE.sub("", line) for line in _prompt_lines(page))
+        wanted = collections.Counter()
+        for path in page.heading_ids:
+            obj = package if path == "fnattn" else package[path.removeprefix("fnattn.")]
+            if obj.docstring is not None:
+                wanted.update(DIRECTIVE.sub("", ">>> " + ex.source.splitlines()[0]).strip()
+                              for ex in parser.get_examples(obj.docstring.value))
+        total += sum(wanted.values())
+        missing += [f"{name}: {line!r}" for line in (wanted - shown).elements()]
+    assert total > 300, total  # the reference renders the package's examples
+    assert not missing, (f"{len(missing)} of {total} docstring examples are not a '>>>' line "
+                         "of a code block on their page:\n" + "\n".join(missing[:40]))
+
+
+def _canonical(name: str) -> set:
+    """The anchors under which ``fnattn.<name>`` may be documented."""
+    obj = getattr(fnattn, name)
+    if inspect.ismodule(obj):
+        return {f"fnattn.{name}", obj.__name__}
+    return {f"fnattn.{name}", f"{obj.__module__}.{obj.__qualname__}"}
+
+
+def test_the_api_reference_has_a_root_page_that_reaches_every_public_name(site, pages):
+    nav = _nav_pages(_config()["nav"])
+    assert "api/index.md" in nav, "the API reference's root page is not in the nav"
+    root = open(os.path.join(site, "api", "index.html"), encoding="utf-8").read()
+    anchors = {}  # anchor -> the nav page (as built) that documents it
+    for page in nav:
+        built = _built(page)
+        for anchor in pages[built].heading_ids:
+            anchors.setdefault(anchor, built)
+    unreached = []
+    for name in fnattn.__all__:
+        documented = sorted(_canonical(name) & set(anchors))
+        if not documented:
+            unreached.append(f"fnattn.{name}: documented on no page of the nav")
+            continue
+        links = [f'href="{posixpath.relpath(posixpath.dirname(anchors[a]), "api")}/#{a}"'
+                 for a in documented]
+        if not any(link in root for link in links):
+            unreached.append(f"fnattn.{name}: api/index.md has no link to any of {links}")
+    assert not unreached, "public names a reader cannot reach from the nav:\n" + "\n".join(
+        unreached)

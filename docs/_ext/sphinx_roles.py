@@ -16,6 +16,9 @@ stray text, so once the package is loaded every docstring is rewritten:
 A paragraph ending in the reStructuredText literal marker "::" ends in ":"
 (the indented block after it is already a Markdown code block).
 
+Fenced code blocks (the doctest sessions ``doctest_blocks`` fences, which runs
+first) are left as they are: code shows what it says.
+
 Loaded by mkdocs.yml (plugins: mkdocstrings: handlers: python: options:
 extensions); nothing in the package imports it.
 """
@@ -27,6 +30,7 @@ import griffe
 
 ROLE = re.compile(r":(?:func|class|meth|mod|data|attr|obj|exc):`(?P<target>[^`]+)`")
 LITERAL_MARKER = re.compile(r"(?<=\S)::(?=\n\n|\n?$)")
+FENCED = re.compile(r"^([ \t]*)(```|~~~).*?^\1\2[ \t]*$", re.M | re.S)
 ROOT = "fnattn"
 
 
@@ -81,7 +85,14 @@ def _rewrite(obj: griffe.Object, text: str, collection) -> str:
             return code
         return f'<autoref identifier="{path}" optional>{code}</autoref>'
 
-    return LITERAL_MARKER.sub(":", ROLE.sub(replace, text))
+    def prose(part: str) -> str:
+        return LITERAL_MARKER.sub(":", ROLE.sub(replace, part))
+
+    pieces, end = [], 0
+    for block in FENCED.finditer(text):
+        pieces += [prose(text[end:block.start()]), block[0]]
+        end = block.end()
+    return "".join(pieces) + prose(text[end:])
 
 
 def _walk(obj: griffe.Object):
