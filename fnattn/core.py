@@ -50,11 +50,12 @@ def attention(spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..
               v: Shaped[Array, "..."]) -> AttentionOutput:
     """Attention of ``q`` over ``k``/``v`` as described by ``spec``.
 
-    ``spec.impl`` picks the lowering: "auto" (flash: Pallas Triton kernels on
-    NVIDIA GPUs, Pallas Mosaic kernels on TPU, a blockwise XLA loop elsewhere,
-    chosen at trace time), "pallas" (the Pallas kernels; interpreted on CPU),
-    "xla" (dense XLA), "cudnn" (``jax.nn.dot_product_attention``) or
-    "reference".
+    ``spec.impl`` picks the lowering: "auto" (flash, chosen at trace time: on
+    NVIDIA GPUs cuDNN where it computes the spec exactly, else the Pallas Mosaic
+    GPU kernels on Hopper or the Pallas Triton kernels; the Pallas Mosaic
+    kernels on TPU; XLA elsewhere; docs/flash.md has the routing table),
+    "pallas" (the Pallas kernels; interpreted on CPU), "xla" (dense XLA),
+    "cudnn" (``jax.nn.dot_product_attention``) or "reference".
 
     Args:
       spec: the :class:`AttentionSpec`.

@@ -37,7 +37,8 @@ lowering, the Pallas Triton kernels, the Pallas Mosaic TPU kernels and the
 dense XLA lowering. On an NVIDIA GPU ``impl="auto"`` gives such a spec to the
 Triton kernels (cuDNN computes no term; the Mosaic GPU forward computes it
 when the spec's block sizes include ``MosaicGpuBlockSizes``, with the Triton
-backward, until an H100 timing makes it the default). A ``from_fn`` term runs
+backward unless ``MosaicGpuBwdBlockSizes`` asks for the Mosaic GPU one, until
+an H100 timing makes them the default). A ``from_fn`` term runs
 in a kernel whose backend compiles every operation of its function (checked
 when the spec is traced, :mod:`fnattn._functions`); impl="auto" runs one it
 cannot on the XLA lowering, and the kernel asked for by name refuses it.
@@ -46,7 +47,8 @@ evaluates it at each step's global positions. The serving variants
 (:func:`fnattn.decode`, ``decode_with_update``, the paged and ragged paged
 ones, with or without the cache update) take terms whose arrays are per head
 (and, for decode, per batch row): ALiBi. Every one of their lowerings computes
-them (XLA, Triton, Mosaic TPU). :func:`fnattn.context.decode` takes them too,
+them (XLA, Triton, Mosaic TPU, and Mosaic GPU asked for by name).
+:func:`fnattn.context.decode` takes them too,
 at the global positions of every device's slots. ``impl="cudnn"`` raises
 ``NotImplementedError``.
 

@@ -317,3 +317,67 @@ def test_the_api_reference_has_a_root_page_that_reaches_every_public_name(site, 
             unreached.append(f"fnattn.{name}: api/index.md has no link to any of {links}")
     assert not unreached, "public names a reader cannot reach from the nav:\n" + "\n".join(
         unreached)
+
+
+def test_doctest_sessions_become_pycon_blocks_wherever_they_sit(tmp_path):
+    """The site's griffe extension fences each session where a docstring holds it."""
+    import griffe
+
+    package = tmp_path / "fnattn"
+    package.mkdir()
+    (package / "__init__.py").write_text(textwrap.dedent('''
+        """Package.
+
+        >>> 1 + 1
+        2
+
+        >>> print("a")  # doctest: +ELLIPSIS
+        a
+
+        Example:
+
+          >>> x = 3
+          >>> x
+          3
+
+        ```python
+        >>> kept = "already fenced"
+        ```
+        """
+
+        def f(a):
+            """Adds one.
+
+            >>> f(1)
+            2
+
+            Args:
+              a: a number.
+
+                >>> f(a=2)
+                3
+
+            Returns:
+              ``a + 1``.
+
+            >>> f(0)
+            1
+            """
+            return a + 1
+        '''))
+    extensions = griffe.load_extensions(
+        *(os.path.join(ROOT, e) for e in
+          _config()["plugins"][-1]["mkdocstrings"]["handlers"]["python"]["options"]["extensions"]))
+    pkg = griffe.load("fnattn", search_paths=[str(tmp_path)], try_relative_path=False,
+                      extensions=extensions, docstring_parser="google")
+    doc = pkg.docstring.value
+    # Runs split by blank lines join into one block; directives are dropped.
+    assert '```pycon\n>>> 1 + 1\n2\n\n>>> print("a")\na\n```\n\nExample:' in doc
+    assert "Example:\n\n  ```pycon\n  >>> x = 3\n  >>> x\n  3\n  ```" in doc  # keeps its indent
+    assert '```python\n>>> kept = "already fenced"\n```' in doc and doc.count("```pycon") == 2
+    sections = pkg["f"].docstring.parse("google", warn_missing_types=False)
+    kinds = [s.kind.value for s in sections]
+    assert kinds == ["text", "parameters", "returns", "text"], kinds
+    assert sections[0].value.endswith("```pycon\n>>> f(1)\n2\n```")
+    assert sections[1].value[0].description.endswith("```pycon\n>>> f(a=2)\n3\n```")
+    assert sections[3].value == "```pycon\n>>> f(0)\n1\n```"

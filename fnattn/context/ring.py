@@ -5,8 +5,8 @@ device ``src = r - s (mod N)``. At every step the transfer of the next step's
 K/V (and the key-side mask operands) to the next device is issued before the
 step's computation, so that the two overlap; ``N - 1`` transfers per pass, none
 wasted. Each step computes every (query piece, key piece) pair of the layout
-with the platform's flash lowering (Triton on NVIDIA GPUs, Mosaic on TPU, the
-blockwise XLA loops elsewhere), at the pieces' global positions, skipping pairs
+with the flash lowering ``fnattn.flash`` runs for ``spec.impl`` on the platform
+(for "auto", the routing table of docs/flash.md), at the pieces' global positions, skipping pairs
 whose tiles are all masked (a ``lax.cond`` on the mask's tile bounds). The
 partial results are folded into a running ``(acc, m, l)`` state with the exact
 merge; the sinks join once, at the end.

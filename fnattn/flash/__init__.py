@@ -1,1 +1,1 @@
-"""Flash attention: blockwise online softmax with O(T) memory, three lowerings."""
+"""Flash attention: blockwise online softmax, O(T) memory (lowerings: :mod:`fnattn.flash.api`)."""

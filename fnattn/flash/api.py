@@ -10,10 +10,11 @@ cuda      cuDNN's fused attention for the specs it     Pallas Triton kernels
           computes exactly (fnattn/flash/cudnn.py,
           whose docstring has the routing table);
           on Hopper the Pallas Mosaic GPU forward
-          (fnattn/flash/mosaic_gpu.py, Triton
-          backward) for the specs it takes; the
-          Pallas Triton kernels (fnattn/flash/triton)
-          for the rest
+          and backward (fnattn/flash/mosaic_gpu.py,
+          mosaic_gpu_bwd.py) for the specs they
+          take (:func:`cuda_kernel`); the Pallas
+          Triton kernels (fnattn/flash/triton) for
+          the rest
 tpu       Pallas Mosaic kernels (fnattn/flash/mosaic)  the same
 other     blockwise XLA loops (fnattn/flash/xla.py)    Triton kernels, interpreted
 ========  ===========================================  ============================
@@ -91,8 +92,8 @@ def cuda_kernel(cfg, q, bias, sinks, mask):
       (:func:`fnattn.flash.mosaic_gpu.route`): that forward, with the Mosaic GPU
       backward (:mod:`fnattn.flash.mosaic_gpu_bwd`) where
       :func:`fnattn.flash.mosaic_gpu_bwd.route` says so (D <= 128 without
-      dropout, or ``MosaicGpuBwdBlockSizes`` in the spec), else with the Triton
-      backward;
+      dropout or a position term, or ``MosaicGpuBwdBlockSizes`` in the spec),
+      else with the Triton backward;
     * else the Triton kernels.
 
     On a machine without a Hopper GPU (this one, when the doctests run) every

@@ -16,7 +16,7 @@ mask                 none, or an ``&`` of: ``causal()`` and ``sliding_window(lef
                      right)`` aligned top-left (Tq == Tk or ``q_offset=0``; a window
                      with ``right > 0`` only under ``causal()``), ``lengths(...)``
                      with one length per batch row
-bias, sinks          none (the Triton kernels take them)
+bias, sinks          none (the Pallas kernels take them)
 position terms       none (``fnattn.position_bias``: the Triton kernels take them)
 softcap, dropout     none
 block sizes          not set (``TritonBlockSizes`` choose the Triton kernels)
@@ -24,10 +24,11 @@ sizes                static (``jax.export`` with symbolic sizes: the XLA lowerin
 cuDNN                present when the program is traced
 ===================  ==========================================================
 
-Soft-capped and chunked specs, and masks built with ``|`` and ``~``, go to the
-Mosaic GPU kernel on Hopper; segment ids, prefix-LM and array masks, and
-everything with a bias or sinks, go to the Triton kernels, which skip empty
-tiles of any mask.
+Soft-capped and chunked specs, masks built with ``|`` and ``~``, segment ids,
+prefix-LM and sinks go to the Mosaic GPU kernels on Hopper
+(:func:`fnattn.flash.mosaic_gpu.route`); ``from_array`` masks, a bias, and
+(until an H100 timing) dropout and position terms go to the Triton kernels,
+which skip empty tiles of any mask, as does every spec on other NVIDIA GPUs.
 
 **The contract kept.** Rows that see no key (past their query length, with a
 length-0 key sequence, or past a window's reach) give ``out = 0`` and

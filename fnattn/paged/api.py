@@ -35,7 +35,8 @@ tpu       Pallas Mosaic (fnattn/paged/mosaic)    the same
 other     XLA (fnattn/paged/xla)                 Triton kernels, interpreted
 ========  =====================================  ==============================
 
-On a Hopper GPU, ``paged_attention`` and ``ragged_paged_attention`` with
+On a Hopper GPU, ``paged_attention`` and ``ragged_paged_attention`` (and its
+``_with_update`` form) with
 :class:`fnattn.decoding.mosaic_gpu.MosaicGpuDecodeBlockSizes` among the spec's
 block sizes run the Pallas Mosaic GPU kernel (fnattn/paged/mosaic_gpu.py)
 under either impl instead; it has not been timed on a GPU yet, so it is not
