@@ -197,6 +197,8 @@ class _Page(html.parser.HTMLParser):
         self.nested_quotes = 0  # <blockquote> directly in a <blockquote>: Markdown's ">>>"
         self.code = []         # the text of each <pre> block
         self.heading_ids = []  # ids of mkdocstrings' object headings (class "doc-heading")
+        self.shown_markup = []  # text showing an autoref tag (a role rewritten where no
+        #                         Markdown is rendered, e.g. a Returns item's type)
         self._pre = None
 
     def handle_starttag(self, tag, attrs):
@@ -223,6 +225,8 @@ class _Page(html.parser.HTMLParser):
             self._pre.append(data)
         if ">>>" in data:
             self.prompts.append((tuple(self.stack), data.strip()))
+        if "<autoref" in data:
+            self.shown_markup.append(data.strip())
 
 
 def _pages(site: str) -> dict:
@@ -260,6 +264,14 @@ def test_every_example_on_the_site_is_a_code_block(pages):
             bad.append(f"{name}: {page.nested_quotes} <blockquote> directly inside a "
                        "<blockquote>: how Markdown renders a '>>>' line")
     assert not bad, "examples that do not render as code:\n" + "\n".join(bad)
+
+
+def test_no_markup_shows_as_text(pages):
+    shown = [f"{name}: {text[:100]!r}" for name, page in sorted(pages.items())
+             for text in page.shown_markup]
+    assert not shown, ("markup a reader sees as text (a Sphinx role where the docstring "
+                       "parser takes a type, e.g. 'Returns: :class:`X`: ...'; write "
+                       "':class:`X` with ...'):\n" + "\n".join(shown))
 
 
 def test_every_docstring_example_renders_as_code(pages):

@@ -237,7 +237,7 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
         :func:`check_inputs`.
 
     Returns:
-      :class:`AttentionOutput`: ``out`` like q with head dim Dv, ``lse``
+      :class:`AttentionOutput` with ``out`` like q with head dim Dv, ``lse``
       (B, Hq, Tq) float32.
 
     >>> import jax, jax.numpy as jnp, fnattn

@@ -450,7 +450,7 @@ def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shape
         in ``checkify.checkify``); see :func:`check_inputs`.
 
     Returns:
-      :class:`AttentionOutput`: ``out`` like q with head dim Dv, ``lse``
+      :class:`AttentionOutput` with ``out`` like q with head dim Dv, ``lse``
       (B, Hq, Tq) float32. Query ``i`` of sequence ``b`` is at position
       ``kv_lengths[b] - Tq + i``.
 
