@@ -4,6 +4,12 @@ A broken link or anchor, a nav entry without a page, a docstring that documents 
 parameter its function lacks, or a stale Sphinx role (``:func:`gone```) fails the
 build; a page under docs/ missing from the nav fails ``test_every_page_is_in_the_nav``.
 The build reads the sources statically (griffe) and needs no network.
+
+The built HTML is then read as a reader sees it (one build for the module): every
+``>>>`` example is in a code block on every page, never in a quote or a paragraph;
+every docstring example of every object an API page documents is a prompt there;
+no role markup shows as text; and every name of ``fnattn.__all__`` is reachable
+from the nav through the API reference's root page.
 """
 
 import collections
