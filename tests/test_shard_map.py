@@ -282,14 +282,21 @@ def launch():
     return _RUN
 
 
+# A guard against a hung subprocess, not a speed check: the subprocess shares the
+# machine with the rest of the suite (it starts at collection), and on CI's two
+# cores, loaded by other work, its checks took over 900 s (about 300 s on a
+# quiet machine). The whole CI run has 40 minutes.
+BUDGET_S = 1800
+
+
 def test_shard_map_on_eight_host_devices():
     proc = launch()
     try:
-        stdout, stderr = proc.communicate(timeout=900)
+        stdout, stderr = proc.communicate(timeout=BUDGET_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
-        raise AssertionError("the 8-device checks ran past 900 s:\n" + stdout[-3000:])
+        raise AssertionError(f"the 8-device checks ran past {BUDGET_S} s:\n" + stdout[-3000:])
     assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
     assert "shard_map checks passed" in stdout
     # The figures the checks measured (collective counts, work balance) in the log.
