@@ -3,8 +3,8 @@ each Pallas backend compiles, and where impl="auto" sends those it cannot.
 
 Each backend's set of primitives is lowered here in the flash kernels (forward
 and backward, for cuda or tpu; ``.ci/lowering-jax-0.11`` repeats it under the
-GPU machines' JAX), so a primitive in a set is one the kernels were seen to
-compile; a function using anything else goes to the XLA lowering under
+GPU machines' JAX, ``.ci/newest-jax`` under the newest), so a primitive in a set
+is one the kernels were seen to compile; a function using anything else goes to the XLA lowering under
 impl="auto" and is refused, naming the primitive, when a kernel is asked for.
 """
 
