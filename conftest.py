@@ -125,12 +125,13 @@ def release_programs_past(limit, every=_MAPS_EVERY):
     holds more than ``limit`` memory mappings, it clears JAX's caches
     (``jax.clear_caches``; the program just compiled still reaches its caller)
     and collects the programs they held."""
-    from jax._src import dispatch
+    from fnattn import _jax_private
 
+    compile_event = _jax_private.get("backend_compile_event")
     compiles = [0]
 
     def listener(event, duration_secs, **kwargs):
-        if event != dispatch.BACKEND_COMPILE_EVENT:
+        if event != compile_event:
             return
         compiles[0] += 1
         if compiles[0] % every == 0 and memory_maps() > limit:

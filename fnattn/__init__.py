@@ -6,7 +6,7 @@
 (1, 4, 2, 8)
 """
 
-from fnattn import context, cost, dropout, masks, position_bias, sharding
+from fnattn import _jax_private, context, cost, dropout, masks, position_bias, sharding
 from fnattn.core import attention
 from fnattn.decoding import DecodeBlockSizes, decode, decode_with_update
 from fnattn.decoding.mosaic_gpu import MosaicGpuDecodeBlockSizes
@@ -58,3 +58,5 @@ __all__ = [
 ]
 
 __version__ = "0.1.0"
+
+_jax_private.check_version()  # one warning past the newest jax fnattn was tested with

@@ -121,6 +121,10 @@ def _walk(jaxpr, out: set):
         if name == "not" and any(getattr(v.aval, "dtype", None) == jnp.bool_
                                  for v in eqn.invars):
             name = "not (of booleans)"
+        elif eqn.params.get("accuracy") is not None:
+            # (jax 0.12 differentiates erf with an exp of HIGHEST accuracy, which
+            # Mosaic TPU does not lower: no set holds these names)
+            name = f"{name} (accuracy {getattr(eqn.params['accuracy'], 'name', 'set')})"
         out.add(name)
         for p in eqn.params.values():
             for sub in (p if isinstance(p, (list, tuple)) else (p,)):

@@ -46,9 +46,9 @@ import jax
 import jax.numpy as jnp
 from jax import tree_util
 from jax.extend import core as jex_core
-from jax._src import core as _jax_core
-from jax._src import dispatch
 from jax.interpreters import ad, batching, mlir
+
+from fnattn import _jax_private
 
 __all__ = ["axis_name_of", "dependent", "mixed_einsum"]
 
@@ -174,7 +174,7 @@ def axis_name_of(axis_data):
     """The axis name of the ``jax.vmap`` level a batching rule of
     ``batching.fancy_primitive_batchers`` is called for, or None for an unnamed
     one (fnattn's rules map their functions again under that name)."""
-    return None if axis_data.name is _jax_core.no_axis_name else axis_data.name
+    return None if axis_data.name is _jax_private.get("no_axis_name") else axis_data.name
 
 
 def _batch(axis_data, args, dims, *, branches):
@@ -225,7 +225,8 @@ for _prim in (_p, _p_devices):
     batching.fancy_primitive_batchers[_prim] = _batch
     ad.primitive_jvps[_prim] = _jvp
 # ``jit`` keeps the devices when lowering a program that holds this one.
-getattr(dispatch, "prim_requires_devices_during_lowering", set()).add(_p_devices)
+# (a jax without that set: the test of fnattn/_jax_private.py names it)
+_jax_private.get("prim_requires_devices_during_lowering", set()).add(_p_devices)
 
 
 def mixed_einsum(subscripts: str, a, b, acc):

@@ -23,6 +23,7 @@ import threading
 import jax
 import jax.numpy as jnp
 
+from fnattn import _jax_private
 from fnattn._dispatch import Lowering
 from fnattn.flash import mosaic_gpu, mosaic_gpu_bwd
 
@@ -34,8 +35,7 @@ def compile_once():
     A no-op on a JAX whose interpreter is laid out differently.
     """
     try:
-        from jax._src import core as jax_core
-        from jax._src.pallas.mosaic.interpret import thread_map
+        thread_map = _jax_private.get("interpret_thread_map")
     except ImportError:
         yield
         return
@@ -50,7 +50,7 @@ def compile_once():
             hit = compiled.get(key)
             if hit is None:
                 def body(consts, *args):
-                    jax_core.eval_jaxpr(jaxpr, consts, *args)
+                    jax.core.eval_jaxpr(jaxpr, consts, *args)
                 # (the jaxpr stays alive beside its executable: its id stays unique)
                 hit = compiled[key] = (jaxpr, jax.jit(body).trace(consts, *args).lower()
                                        .compile())
@@ -75,8 +75,7 @@ def flash_table(name):
 def reset_after_failure():
     """Clears the interpreter's global state after a kernel failed (else the next
     interpreted kernel of the process reports the same failure)."""
-    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
-    interpret_pallas_call.reset_gpu_interpret_mode_state()
+    _jax_private.get("gpu_interpret_pallas_call").reset_gpu_interpret_mode_state()
 
 
 # (a masked Mosaic GPU forward at a power-of-two head dim: the Triton forward that

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from fnattn import _jax_private
+
 
 @pytest.fixture
 def root_conftest(pytestconfig):
@@ -21,7 +23,7 @@ def test_maps_are_counted(root_conftest):
     if root_conftest._MAP_LIMIT is None:
         pytest.skip("no /proc/sys/vm/max_map_count here")
     assert root_conftest.memory_maps() > 0
-    listeners = jax._src.monitoring._event_duration_secs_listeners
+    listeners = _jax_private.get("event_duration_listeners")
     assert any(getattr(f, "__qualname__", "").startswith("release_programs_past")
                for f in listeners)
 

@@ -3,8 +3,8 @@ each Pallas backend compiles, and where impl="auto" sends those it cannot.
 
 Each backend's set of primitives is lowered here in the flash kernels (forward
 and backward, for cuda or tpu; ``.ci/lowering-jax-0.11`` repeats it under the
-GPU machines' JAX), so a primitive in a set is one the kernels were seen to
-compile; a function using anything else goes to the XLA lowering under
+GPU machines' JAX, ``.ci/newest-jax`` under the newest), so a primitive in a set
+is one the kernels were seen to compile; a function using anything else goes to the XLA lowering under
 impl="auto" and is refused, naming the primitive, when a kernel is asked for.
 """
 
@@ -53,7 +53,7 @@ def _triton_extra(b, h, q, k, a):
 def _tpu_extra(b, h, q, k, a):
     d = jnp.abs(q - k).astype(F32)
     return (jnp.log1p(a * d) + jnp.sqrt(a * d) + (1.0 + d) ** a + jnp.floor(a * d)
-            + jnp.ceil(a * d) + lax.erf(a * d) + jnp.round(a * d) + jnp.tan(a * d * 1e-3)
+            + jnp.ceil(a * d) + a * lax.erf(0.1 * d) + jnp.round(a * d) + jnp.tan(a * d * 1e-3)
             + jax.nn.relu(a - d) + _common(b, h, q, k, a))
 
 
@@ -122,6 +122,38 @@ def test_mosaic_tpu_kernels_lower_their_set():
                           masks.from_fn(_bool_not), wrt_arrays=True)
     assert set(re.findall(r'kernel_name = "(\w+)"', text)) == {
         "fnattn_flash_mosaic_fwd", "fnattn_flash_mosaic_dq", "fnattn_flash_mosaic_dkv"}
+
+
+def _learned_erf(b, h, q, k, a):
+    return lax.erf(a * (q - k).astype(F32) * 0.01)
+
+
+def test_a_learned_erf_on_mosaic_tpu_follows_the_installed_jax():
+    """The derivative of erf is jax's to write: jax 0.10 and 0.11 write it with
+    exp (in the Mosaic TPU set), jax 0.12 with an exp of HIGHEST accuracy (which
+    Mosaic TPU does not lower), bitcast_convert_type and polynomial. So a term
+    learning an array through erf lowers in the Mosaic TPU kernels, or is
+    refused naming what this jax's derivative uses, as the installed jax has it."""
+    term = position_bias.from_fn(_learned_erf, jnp.ones(4))
+    derivative = set()
+    _functions._walk(jax.make_jaxpr(jax.grad(lax.erf))(1.0).jaxpr, derivative)
+    missing = derivative - _functions.MOSAIC_TPU.allowed
+    why = _functions.refusals(position_bias.attach(None, term), _functions.MOSAIC_TPU, True)
+    table = (("default", xla.DENSE), ("tpu", mosaic.LOWERING))
+
+    def lower():
+        return _lowered_grads(table, "tpu", lambda a: position_bias.from_fn(_learned_erf, a),
+                              wrt_arrays=True)
+    if missing:
+        (line,) = why
+        assert all(p in line for p in missing), (line, missing)
+        with pytest.raises(NotImplementedError, match=r"_learned_erf.* Mosaic TPU"):
+            lower()
+    else:
+        assert why == []
+        assert "fnattn_flash_mosaic_dq" in lower()
+    # held fixed (no derivative), erf lowers under every jax
+    assert _functions.refusals(position_bias.attach(None, term), _functions.MOSAIC_TPU) == []
 
 
 def test_mosaic_gpu_kernels_lower_their_set():

@@ -282,14 +282,21 @@ def launch():
     return _RUN
 
 
+# A guard against a hung subprocess, not a speed check: the subprocess shares the
+# machine with the rest of the suite (it starts at collection), and on two cores
+# loaded by other work (load average 7) its checks took 950 s alone under jax
+# 0.12 (past 900 s beside the suite before). The whole CI run has 40 minutes.
+BUDGET_S = 1800
+
+
 def test_shard_map_on_eight_host_devices():
     proc = launch()
     try:
-        stdout, stderr = proc.communicate(timeout=900)
+        stdout, stderr = proc.communicate(timeout=BUDGET_S)
     except subprocess.TimeoutExpired:
         proc.kill()
         stdout, stderr = proc.communicate()
-        raise AssertionError("the 8-device checks ran past 900 s:\n" + stdout[-3000:])
+        raise AssertionError(f"the 8-device checks ran past {BUDGET_S} s:\n" + stdout[-3000:])
     assert proc.returncode == 0, stdout[-3000:] + stderr[-6000:]
     assert "shard_map checks passed" in stdout
     # The figures the checks measured (collective counts, work balance) in the log.

@@ -50,9 +50,13 @@ no cotangent for ``lse``: when a program differentiates through ``lse`` (merging
 partial results), that backward runs the Triton kernels from the same residuals.
 
 cuDNN is reached through the functions ``jax.nn.dot_product_attention`` itself
-calls (``jax._src.cudnn.fused_attention_stablehlo``); the backward's entry point
-is checked against the signature fnattn was written for when the program is
-traced, and if a JAX release changes it the Triton backward runs instead.
+calls (``jax._src.cudnn.fused_attention_stablehlo``, through
+:mod:`fnattn._jax_private`: no public API returns the softmax statistics or runs
+the backward from them); the backward's entry point is checked against the
+signatures fnattn knows (:data:`_BWD_SIGNATURES`: jax 0.10 and 0.11 take one,
+jax 0.12 added a ``score_mod`` parameter and a residual) when the program is
+traced, and if a JAX release changes it again the Triton backward runs instead
+(and ``tests/flash/test_cudnn.py`` fails, naming the signature found).
 """
 
 import inspect
@@ -60,7 +64,7 @@ import inspect
 import jax
 import jax.numpy as jnp
 
-from fnattn import _checks, masks, position_bias
+from fnattn import _checks, _jax_private, masks, position_bias
 from fnattn._dispatch import Lowering
 from fnattn.flash import triton
 
@@ -68,15 +72,24 @@ __all__ = ["reasons", "LOWERING", "route"]
 
 F32 = jnp.float32
 
-# What the backward's entry point takes (jax 0.10.x and 0.11.x).
-_BWD_PARAMS = ("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
-               "sliding_window_length", "is_training", "return_residual", "res", "grad_output")
+# What the backward's entry point (``_dot_product_attention_bwd_rule``) takes, per
+# jax release, and how many of its residuals precede the softmax statistics and
+# the output (``res[:n]``: q, k, v, bias, q_seqlen, kv_seqlen, q_offsets,
+# kv_offsets, page_table_k, page_table_v, and from jax 0.12 score_mod_args).
+_BWD_SIGNATURES = {
+    # jax 0.10.x and 0.11.x
+    ("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
+     "sliding_window_length", "is_training", "return_residual", "res", "grad_output"): 10,
+    # jax 0.12.x: a score_mod (None: none) and its arguments (a residual)
+    ("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
+     "sliding_window_length", "score_mod", "cudnn_version", "return_residual", "res",
+     "grad_output"): 11,
+}
 _SEED = 42  # no dropout: cuDNN ignores it
 
 
 def _fused():
-    from jax._src.cudnn import fused_attention_stablehlo
-    return fused_attention_stablehlo
+    return _jax_private.get("cudnn_fused_attention")
 
 
 def _max_head_dim() -> int:
@@ -240,29 +253,39 @@ def cudnn_forward(q, k, v, q_len, kv_len, *, scale, plan):
     return out, stats
 
 
-def _bwd_entry():
-    """cuDNN's backward entry point, or None if it is not the one fnattn knows."""
-    f = _fused()
-    rule = getattr(f, "_dot_product_attention_bwd_rule", None)
+def bwd_signature():
+    """The parameter names of this jax's cuDNN backward entry point (None: it has none)."""
+    rule = getattr(_fused(), "_dot_product_attention_bwd_rule", None)
     if rule is None:
         return None
     try:
-        params = tuple(inspect.signature(rule).parameters)
+        return tuple(inspect.signature(rule).parameters)
     except (TypeError, ValueError):
         return None
-    return rule if params == _BWD_PARAMS else None
+
+
+def _bwd_entry():
+    """cuDNN's backward entry point and its residuals' count before the statistics,
+    or None if it is not one fnattn knows."""
+    n = _BWD_SIGNATURES.get(bwd_signature())
+    return None if n is None else (_fused()._dot_product_attention_bwd_rule, n)
 
 
 def cudnn_backward(q, k, v, q_len, kv_len, out, stats, d_out, *, scale, plan):
     """cuDNN's backward from the forward's residuals: ``(dq, dk, dv)``."""
     f = _fused()
-    rule = _bwd_entry()
+    rule, n = _bwd_entry()
     unused = jnp.zeros(0, q.dtype)
     res = (q, k, v, unused, unused if q_len is None else q_len,
-           unused if kv_len is None else kv_len, unused, unused, unused, unused, stats, out)
+           unused if kv_len is None else kv_len, unused, unused, unused, unused)
+    if n == 11:
+        res += ((),)  # score_mod_args: no score_mod
+    res += (stats, out)
     layout = f._normalize_layout("BTNH").value
-    dq, dk, dv = rule(scale, _SEED, 0.0, (False, False), _mask_type(plan), layout,
-                      _window(plan), f.check_cudnn_version(), False, res, d_out)[:3]
+    params = (scale, _SEED, 0.0, (False, False), _mask_type(plan), layout, _window(plan))
+    if n == 11:
+        params += (None,)  # score_mod
+    dq, dk, dv = rule(*params, f.check_cudnn_version(), False, res, d_out)[:3]
     return dq, dk, dv
 
 

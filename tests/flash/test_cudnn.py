@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import fnattn
-from fnattn import AttentionSpec, core, masks
+from fnattn import AttentionSpec, _jax_private, core, masks
 from fnattn._checks import Dims
 from fnattn._dispatch import Config
 from fnattn.flash import cudnn, triton
@@ -108,7 +108,7 @@ def test_no_cudnn_when_tracing_means_the_kernels():
 @pytest.fixture
 def cudnn_present(monkeypatch):
     """cuDNN's version check answered as on a GPU machine with cuDNN 9.10."""
-    from jax._src.cudnn import fused_attention_stablehlo as fa
+    fa = _jax_private.get("cudnn_fused_attention")
     monkeypatch.setattr(fa, "cuda_versions", types.SimpleNamespace(
         cudnn_get_version=lambda: 91000, cuda_runtime_get_version=lambda: 12090))
 
@@ -196,8 +196,10 @@ def test_without_cudnn_the_kernels_run():
 
 def test_backward_entry_point_is_the_known_one():
     # If a JAX release changes it, the Triton backward runs instead; this pins
-    # the JAX in use to the fast path.
-    assert cudnn.backward_available()
+    # the JAX in use to the fast path, naming what this release takes.
+    assert cudnn.backward_available(), (
+        f"jax {jax.__version__}: cuDNN's backward entry point takes {cudnn.bwd_signature()}, "
+        "none of fnattn.flash.cudnn._BWD_SIGNATURES")
 
 
 # ----------------------------------------------------------------------------------
