@@ -72,11 +72,15 @@ def random_indices(key, shape, Tk):
 
 @pytest.fixture(params=["one block", "blocks of 2"])
 def blocks(request, monkeypatch):
+    # (fnattn's entry points keep their traces: the block size is read when tracing)
+    jax.clear_caches()
     if request.param == "blocks of 2":
         # about two query tokens per block: the scan over blocks, with padding
         per_token = HKV * K * (D + DV) * 4 + 3 * HQ * K * 4
         monkeypatch.setattr(selection, "BLOCK_BYTES", 2 * per_token + 1)
-    return request.param
+        monkeypatch.setattr(selection, "ONE_BLOCK_BYTES", 0)
+    yield request.param
+    jax.clear_caches()
 
 
 @pytest.mark.parametrize("mask_name", list(MASKS))
@@ -105,6 +109,7 @@ def test_forward_and_gradients_match_numpy(blocks, mask_name, per_head):
         return res, pullback((d_out, d_lse))
 
     (out, lse), (dq, dk, dv, dsinks) = run(q, k, v, sinks)
+    assert ("scan" in str(jax.make_jaxpr(run)(q, k, v, sinks))) == (blocks == "blocks of 2")
     want = np_attention_grads(f64(q), f64(k), f64(v), f64(d_out), f64(d_lse), softcap=spec.softcap,
                               mask=allowed, sinks=f64(sinks))
     np.testing.assert_allclose(out, want["out"], atol=2e-5)
