@@ -738,7 +738,8 @@ def selected_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
       spec: as for :func:`fnattn.paged_attention` (positional masks only).
       q: (B, Tq, Hq, D) or (B, Hq, Tq, D), query ``t`` of sequence ``b`` at
         position ``kv_lengths[b] - Tq + t``.
-      k_pages, v_pages: the pools, (Hkv, num_pages, page_size, D|Dv).
+      k_pages: the pool of keys, (Hkv, num_pages, page_size, D).
+      v_pages: the pool of values, (Hkv, num_pages, page_size, Dv).
       indices: (B, Tq, K) or (B, Tq, Hkv, K) int, *positions* in the sequence,
         resolved through its page table. A position at or past
         ``kv_lengths[b]``, negative, or on a page the sequence does not own
@@ -818,7 +819,8 @@ def selected_ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."]
     Args:
       spec: as for :func:`fnattn.ragged_paged_attention` (layout "bthd").
       q: (total_tokens, Hq, D).
-      k_pages, v_pages: (Hkv, num_pages, page_size, D|Dv).
+      k_pages: (Hkv, num_pages, page_size, D).
+      v_pages: (Hkv, num_pages, page_size, Dv).
       indices: (total_tokens, K) or (total_tokens, Hkv, K) int.
       page_table: (max_seqs, max_pages_per_seq) int.
       context_lengths: (max_seqs,) int.
