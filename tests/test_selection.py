@@ -391,3 +391,42 @@ def test_refusals_name_the_feature_and_the_lowering():
     with pytest.raises(ValueError, match="masks that hold arrays"):
         selected_decode(AttentionSpec(mask=masks.lengths(None, jnp.array([3, 4]))), q, k, v,
                         idx, kv_lengths=jnp.array([3, 4]))
+
+
+def test_vmap_and_return_lse_false():
+    """vmap over a leading axis equals the batched call; no lse when not asked."""
+    q, k, v, key = problem(15)
+    idx = random_indices(key, (B, TQ, K), TK)
+    spec = AttentionSpec(mask=masks.causal(), return_lse=False)
+    batched = jax.jit(selected_attention)(spec, q, k, v, idx)
+    assert batched.lse is None
+    mapped = jax.jit(jax.vmap(lambda q, k, v, i: selected_attention(
+        spec, q[None], k[None], v[None], i[None]).out[0]))(q, k, v, idx)
+    np.testing.assert_allclose(mapped, batched.out, atol=1e-6)
+    g = jax.jit(jax.vmap(jax.grad(lambda q, k, v, i: jnp.sum(selected_attention(
+        spec, q[None], k[None], v[None], i[None]).out))))(q, k, v, idx)
+    g_all = jax.jit(jax.grad(lambda q: jnp.sum(selected_attention(spec, q, k, v, idx).out)))(q)
+    np.testing.assert_allclose(g, g_all, atol=1e-5)
+
+
+def test_paged_forward_mode_and_per_head_indices():
+    kp, vp = _pools(16)
+    table = np.array([[3, 0, 7, 1]])
+    q = jax.random.normal(jax.random.key(17), (1, 1, HQ, D))
+    idx = random_indices(jax.random.key(18), (1, 1, HKV, K), 16)
+    spec = AttentionSpec(softcap=3.0)
+
+    def f(kp):
+        return selected_paged_attention(spec, q, kp, vp, idx, page_table=table,
+                                        kv_lengths=np.array([15])).out
+
+    tk = jax.random.normal(jax.random.key(19), kp.shape)
+    got = jax.jit(lambda kp, tk: jax.jvp(f, (kp,), (tk,))[1])(kp, tk)
+    # the same through dense attention over the sequence's keys
+    ks, vs = _sequence_keys(kp, table[0], 15, 4), _sequence_keys(vp, table[0], 15, 4)
+    tks = _sequence_keys(tk, table[0], 15, 4)
+    keep = jnp.asarray(selected_np(idx, HQ, 15))
+    dense = AttentionSpec(softcap=3.0, mask=masks.from_array(keep), impl="reference")
+    want = jax.jit(lambda ks, tks: jax.jvp(lambda ks: fnattn.reference(dense, q, ks, vs).out,
+                                           (ks,), (tks,))[1])(ks, tks)
+    np.testing.assert_allclose(got, want, atol=2e-5)
