@@ -196,8 +196,18 @@ class _Block:
         # entries are zeroed; a selected key with a non-finite K or V gets a NaN
         # logit before the mask (_online.finite_keys's rule), so only the rows
         # that may see it are NaN.
-        kg, self.fk, bad_k = _clean(_gather(cfg, kstore, slot, tok), selected)
-        vg, self.fv, bad_v = _clean(_gather(cfg, vstore, slot, tok), selected)
+        kg, vg = _gather(cfg, kstore, slot, tok), _gather(cfg, vstore, slot, tok)
+        if cfg.mask_treedef is None:
+            # Every row of a (token, kv head) sees every key it selected: a
+            # non-finite one makes those rows NaN by itself; only the unselected
+            # entries' reads need zeroing (one select, no pass for non-finite values).
+            kg = jnp.where(selected, kg, jnp.zeros((), kg.dtype))
+            vg = jnp.where(selected, vg, jnp.zeros((), vg.dtype))
+            self.fk = self.fv = selected
+            bad_k = bad_v = jnp.zeros(slot.shape, bool)
+        else:
+            kg, self.fk, bad_k = _clean(kg, selected)
+            vg, self.fv, bad_v = _clean(vg, selected)
         self.kg, self.vg = kg, vg
         self.qg = q.reshape(t, Hkv, G, D)
         s = jnp.einsum("thkd,thgd->thkg", kg, self.qg.astype(kg.dtype),

@@ -430,3 +430,19 @@ def test_paged_forward_mode_and_per_head_indices():
     want = jax.jit(lambda ks, tks: jax.jvp(lambda ks: fnattn.reference(dense, q, ks, vs).out,
                                            (ks,), (tks,))[1])(ks, tks)
     np.testing.assert_allclose(got, want, atol=2e-5)
+
+
+@pytest.mark.parametrize("mask", [None, masks.causal()])
+def test_a_selected_non_finite_key_makes_only_its_rows_nan(mask):
+    q, k, v, _ = problem(20)
+    v = v.at[:, 3].set(jnp.nan)                     # key 3's value
+    k = k.at[:, TK - 1].set(jnp.inf)                # the last key, future to rows < TQ - 1
+    idx = jnp.tile(jnp.array([0, 1, 2, 3, 4, 5]), (B, TQ, 1))
+    idx = idx.at[:, 0].set(jnp.array([0, 1, 2, TK - 1, -1, -1]))   # row 0: the inf key
+    idx = idx.at[:, 1].set(jnp.array([0, 1, 2, 4, 5, -1]))         # row 1: only finite keys
+    out = np.asarray(jax.jit(selected_attention)(AttentionSpec(mask=mask), q, k, v, idx).out)
+    assert np.isnan(out[:, 2:]).all()               # rows that select key 3
+    assert np.isfinite(out[:, 1]).all()
+    # row 0 selects the inf key: NaN unless the mask hides it (causal: it is in its future)
+    assert np.isnan(out[:, 0]).all() == (mask is None)
+    assert np.isfinite(out[:, 0]).all() == (mask is not None)
