@@ -72,8 +72,8 @@ from fnattn import masks
 from fnattn.merging import shifted_exp
 from fnattn.spec import AttentionOutput, AttentionSpec
 
-__all__ = ["selected_attention", "selected_decode", "selected_paged_attention",
-           "selected_ragged_paged_attention", "blockwise_top_k"]
+__all__ = ["selected_attention", "selected_decode", "selected_decode_with_update",
+           "selected_paged_attention", "selected_ragged_paged_attention", "blockwise_top_k"]
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -700,6 +700,79 @@ def selected_decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shape
     out = _checks.from_bthd(out.reshape(B, Tq, Hq, dims.v_head_dim), spec.layout)
     lse = lse.reshape(Hq, B, Tq).transpose(1, 0, 2)
     return AttentionOutput(out, lse if spec.return_lse else None)
+
+
+@_checks.entry_point("fnattn.selected_decode_with_update",
+                     ints=("indices", "kv_lengths", "kv_starts"))
+@jaxtyped(typechecker=beartype)
+def selected_decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
+                                k_new: Shaped[Array, "..."], v_new: Shaped[Array, "..."],
+                                k_cache: Shaped[Array, "..."], v_cache: Shaped[Array, "..."],
+                                indices: Shaped[Array, "..."], *,
+                                kv_lengths: Shaped[Array, "..."],
+                                kv_starts: Optional[Shaped[Array, "..."]] = None,
+                                unique: bool = False):
+    """Writes the new tokens' k/v into the cache, then :func:`selected_decode` on it.
+
+    Token ``i`` of sequence ``b`` goes to slot ``kv_starts[b] + kv_lengths[b] - Tq +
+    i``, as in :func:`fnattn.decode_with_update`; a sequence whose tokens do not fit
+    in ``[kv_starts[b], S)`` writes nothing and gets NaN. The new tokens are
+    attended to only where ``indices`` select their positions (DSA's indexer
+    scores the new tokens too).
+
+    Args:
+      spec: as for :func:`selected_decode`.
+      q: (B, Tq, Hq, D) or (B, Hq, Tq, D).
+      k_new: (B, Tq, Hkv, D) or (B, Hkv, Tq, D), cast to the cache's dtype.
+      v_new: (B, Tq, Hkv, Dv) or (B, Hkv, Tq, Dv).
+      k_cache: (B, S, Hkv, D) or (B, Hkv, S, D).
+      v_cache: (B, S, Hkv, Dv) or (B, Hkv, S, Dv).
+      indices: as for :func:`selected_decode` (positions, the new ones included).
+      kv_lengths: (B,) int, tokens of each sequence after the update.
+      kv_starts: (B,) int, first slot of each sequence (default 0).
+      unique: the caller promises no repeated index in a row.
+
+    Returns:
+      ``(AttentionOutput, k_cache, v_cache)``.
+
+    >>> import jax, jax.numpy as jnp, fnattn
+    >>> from fnattn import AttentionSpec
+    >>> cache = jnp.zeros((1, 8, 1, 4))
+    >>> q, new = jnp.ones((1, 1, 2, 4)), jnp.ones((1, 1, 1, 4))
+    >>> res, kc, vc = fnattn.selected_decode_with_update(
+    ...     AttentionSpec(), q, new, new, cache, cache, jnp.array([[[2]]]), kv_lengths=[3])
+    >>> kc[0, :, 0, 0].tolist(), res.out[0, 0, 0].tolist()   # position 2 written, read back
+    ([0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 1.0, 1.0, 1.0])
+    """
+    from fnattn.decoding.update import _fits
+    fn = "selected_decode_with_update"
+    dims = _checks.check_qkv(q, k_cache, v_cache, spec.layout, fn=fn)
+    B, Tq, S = dims.batch, dims.q_len, dims.kv_len
+    for name, new, cache in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
+        want = list(cache.shape)
+        want[1 if spec.layout == "bthd" else 2] = Tq
+        _check_store(fn, name, new, want, "the cache's shape with Tq new tokens")
+    _check_int(fn, "kv_lengths", kv_lengths, (B,), "(B,)")
+    lengths = kv_lengths.astype(I32)
+    starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts.astype(I32)
+    fits = _fits(lengths, starts, S, Tq)
+    slot = (starts + lengths - Tq)[:, None] + jnp.arange(Tq, dtype=I32)
+    slot = jnp.where((fits & (lengths > 0))[:, None], slot, S)     # S: dropped
+    rows = jnp.arange(B, dtype=I32)[:, None]
+
+    def put(cache, new):
+        new = new.astype(cache.dtype)
+        if spec.layout == "bthd":
+            return cache.at[rows, slot].set(new, mode="drop")
+        return cache.at[rows, :, slot].set(jnp.swapaxes(new, 1, 2), mode="drop")
+
+    k_cache, v_cache = put(k_cache, k_new), put(v_cache, v_new)
+    res = selected_decode(spec, q, k_cache, v_cache, indices, kv_lengths=kv_lengths,
+                          kv_starts=kv_starts, unique=unique)
+    bad = ~fits
+    out = jnp.where(bad[:, None, None, None], jnp.nan, res.out).astype(res.out.dtype)
+    lse = None if res.lse is None else jnp.where(bad[:, None, None], jnp.nan, res.lse)
+    return AttentionOutput(out, lse), k_cache, v_cache
 
 
 def _paged_slots(page_table, seq, idx, lengths, num_pages, page_size, unique):

@@ -10,6 +10,7 @@ import pytest
 import fnattn
 from fnattn import AttentionSpec, masks, selection
 from fnattn.selection import (blockwise_top_k, selected_attention, selected_decode,
+                              selected_decode_with_update,
                               selected_paged_attention, selected_ragged_paged_attention)
 from cases import np_mask
 from np_attention import np_attention, np_attention_grads
@@ -446,3 +447,26 @@ def test_a_selected_non_finite_key_makes_only_its_rows_nan(mask):
     # row 0 selects the inf key: NaN unless the mask hides it (causal: it is in its future)
     assert np.isnan(out[:, 0]).all() == (mask is None)
     assert np.isfinite(out[:, 0]).all() == (mask is not None)
+
+
+def test_decode_with_update_writes_then_attends():
+    Bd, S, Tq = 3, 12, 2
+    q, k, v, key = problem(21, B=Bd, Tq=Tq, Tk=S)
+    ks = jax.random.split(key, 3)
+    k_new = jax.random.normal(ks[0], (Bd, Tq, HKV, D))
+    v_new = jax.random.normal(ks[1], (Bd, Tq, HKV, DV))
+    lengths, starts = jnp.array([7, 2, 11]), jnp.array([1, 0, 3])   # sequence 2 does not fit
+    idx = random_indices(ks[2], (Bd, Tq, K), 9)
+    spec = AttentionSpec(mask=masks.causal())
+    res, kc, vc = jax.jit(selected_decode_with_update)(spec, q, k_new, v_new, k, v, idx,
+                                                       kv_lengths=lengths, kv_starts=starts)
+    want_k, want_v = k, v
+    for b, (L, a) in enumerate(zip([7, 2], [1, 0])):
+        want_k = want_k.at[b, a + L - Tq:a + L].set(k_new[b])
+        want_v = want_v.at[b, a + L - Tq:a + L].set(v_new[b])
+    np.testing.assert_array_equal(kc, want_k)
+    np.testing.assert_array_equal(vc, want_v)
+    ref = jax.jit(selected_decode)(spec, q, want_k, want_v, idx, kv_lengths=lengths,
+                                   kv_starts=starts)
+    np.testing.assert_allclose(res.out[:2], ref.out[:2], atol=1e-6)
+    assert np.isnan(np.asarray(res.out[2])).all()
