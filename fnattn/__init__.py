@@ -23,6 +23,8 @@ from fnattn.cache import LayeredPagedKVCache, PagedKVCache
 from fnattn.paged import (PagedBlockSizes, paged_attention, ragged_paged_attention,
                           ragged_paged_attention_with_update)
 from fnattn.spec import AttentionOutput, AttentionSpec
+from fnattn.selection import (selected_attention, selected_decode, selected_decode_with_update,
+                              selected_paged_attention, selected_ragged_paged_attention)
 from fnattn import tune  # noqa: E402  (after the variants it tunes)
 
 __all__ = [
@@ -53,6 +55,11 @@ __all__ = [
     "ragged_paged_attention",
     "ragged_paged_attention_with_update",
     "reference",
+    "selected_attention",
+    "selected_decode",
+    "selected_decode_with_update",
+    "selected_paged_attention",
+    "selected_ragged_paged_attention",
     "sharding",
     "tune",
 ]

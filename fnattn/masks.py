@@ -1093,3 +1093,150 @@ def render(mask: Mask | None, q_len: int, kv_len: int, *, batch: int = 0, head: 
     dense = np.asarray(materialize(mask, nb, nh, q_len, kv_len, validate=False))
     dense = dense[min(batch, dense.shape[0] - 1), min(head, dense.shape[1] - 1)]
     return "\n".join(" ".join("x" if v else "." for v in row) for row in dense)
+
+
+# ---------------------------------------------------------------------------------
+# Block selection (NSA, MoBA): key blocks chosen per query block by data
+# ---------------------------------------------------------------------------------
+
+# Key blocks per int32 word of a row's selection (30: shifts stay below the sign bit).
+_SELECTION_BITS = 30
+
+
+class BlockSelection(Mask):
+    """Per query row, the set of selected key blocks as bits of ``len(words)``
+    int32 words (bit ``n`` of word ``w``: key block ``30 * w + n``). Rows of one
+    query block share their words, so the operands are (B|1, H|1, Tq, 1) and
+    O(Tq * num_k_blocks / 30) in size, never (Tq, Tk). Build it with
+    :func:`block_selection`."""
+
+    words: tuple
+    block_q: int
+    block_k: int
+    num_k_blocks: int
+
+    def operands(self):
+        return tuple(jnp.asarray(w)[..., None] for w in self.words)
+
+    def predicate(self, pos, ops):
+        kb = pos.k // self.block_k
+        word = jnp.zeros((), jnp.int32)
+        for w, op in enumerate(ops):
+            word = jnp.where(kb // _SELECTION_BITS == w, op, word)
+        bit = jnp.right_shift(word, kb % _SELECTION_BITS) & 1
+        return (bit == 1) & (kb < self.num_k_blocks)
+
+    def tile_bounds(self, t, ops):
+        # Exact where the tile's rows share their words (the lowering's block_q a
+        # divisor of the selection's): any / every selected bit in the tile's range
+        # of key blocks. Rows with different words: "may", never "all".
+        kb_lo, kb_hi = t.k_lo // self.block_k, t.k_hi // self.block_k
+        may, all_ = False, True
+        for w, s in enumerate(ops):
+            lo_b = jnp.clip(kb_lo - _SELECTION_BITS * w, 0, _SELECTION_BITS)
+            hi_b = jnp.clip(kb_hi - _SELECTION_BITS * w + 1, 0, _SELECTION_BITS)
+            m = jnp.left_shift(jnp.int32(1), hi_b) - jnp.left_shift(jnp.int32(1), lo_b)
+            same = s.lo == s.hi
+            may = may | jnp.where(same, (s.lo & m) != 0, m != 0)
+            all_ = all_ & same & ((s.lo & m) == m)
+        return may, all_ & (kb_hi < self.num_k_blocks)
+
+    def validate(self, batch, num_heads, q_len, kv_len):
+        for w in self.words:
+            shape = tuple(jnp.shape(w))
+            if len(shape) != 3 or shape[2] != q_len or shape[0] not in (1, batch) \
+                    or shape[1] not in (1, num_heads):
+                raise ValueError(
+                    f"block_selection: the selection was built for q_len={shape[-1]} (rows "
+                    f"{shape}); attention has (batch, heads, Tq)={(batch, num_heads, q_len)}."
+                    " Pass q_len= (and a batch / head axis of 1 or the problem's).")
+        if self.num_k_blocks * self.block_k < kv_len:
+            raise ValueError(
+                f"block_selection: {self.num_k_blocks} key blocks of {self.block_k} cover "
+                f"{self.num_k_blocks * self.block_k} keys; attention has Tk={kv_len}. Give "
+                f"the map ceil(Tk / block_k)={-(-kv_len // self.block_k)} key blocks")
+
+    def __repr__(self):
+        return (f"block_selection(block_q={self.block_q}, block_k={self.block_k}, "
+                f"num_k_blocks={self.num_k_blocks})")
+
+
+BlockSelection = _register(BlockSelection, data=("words",),
+                           meta=("block_q", "block_k", "num_k_blocks"))
+
+
+def block_selection(selected, *, block_q: int, block_k: int, q_len: int | None = None,
+                    num_k_blocks: int | None = None) -> Mask:
+    """Query block ``i`` attends to the key blocks selected for it (NSA, MoBA).
+
+    Query block ``i`` is rows ``i * block_q .. (i + 1) * block_q - 1``; key block
+    ``j`` is keys ``j * block_k ..`` (key indices, as the positional masks use).
+    The selection may be traced (it changes every step without recompiling) and
+    composes with ``&``, ``|``, ``~`` and the positional masks (``causal()``
+    within the selected blocks, a sliding window beside them).
+
+    With the flash lowering's block sizes equal to (or dividing) ``block_q`` and
+    ``block_k`` (``XlaBlockSizes(block_q=..., block_k=...)``), the tiles it visits
+    are exactly the selected ones, each without a mask evaluation unless another
+    mask cuts it. The mask's arrays are ``ceil(num_k_blocks / 30)`` int32 words per
+    query row, never (Tq, Tk).
+
+    Args:
+      selected: a boolean map (nQ, nK), (B, nQ, nK) or (B|1, H|1, nQ, nK) of the
+        selected key blocks of each query block; or integer lists of them, the
+        same shapes with a last axis of n selected block indices (``-1`` and
+        indices outside ``[0, num_k_blocks)`` select nothing; repeats are one).
+      block_q: query rows per query block.
+      block_k: keys per key block.
+      q_len: query rows (default ``nQ * block_q``).
+      num_k_blocks: key blocks, with integer lists (a boolean map says it: nK).
+
+    >>> import jax.numpy as jnp
+    >>> sel = block_selection(jnp.array([[True, False, True], [False, True, False]]),
+    ...                       block_q=2, block_k=2)
+    >>> print(render(sel, 4, 6))
+    x x . . x x
+    x x . . x x
+    . . x x . .
+    . . x x . .
+    >>> lists = block_selection(jnp.array([[0, 2], [1, -1]]), block_q=2, block_k=2,
+    ...                         num_k_blocks=3)
+    >>> render(lists, 4, 6) == render(sel, 4, 6)
+    True
+    """
+    fn = "block_selection"
+    for name, n in (("block_q", block_q), ("block_k", block_k)):
+        if not _is_int(n) or n < 1:
+            raise ValueError(f"{fn}: {name} must be a positive Python int; got {n!r}")
+    sel = _array(fn, "selected", selected)
+    if sel.ndim not in (2, 3, 4):
+        raise ValueError(f"{fn}: selected must have shape (nQ, nK), (B, nQ, nK) or "
+                         f"(B, H, nQ, nK); got {tuple(sel.shape)}")
+    sel = sel[None, None] if sel.ndim == 2 else (sel[:, None] if sel.ndim == 3 else sel)
+    if sel.dtype != jnp.bool_:
+        if not jnp.issubdtype(sel.dtype, jnp.integer):
+            raise TypeError(f"{fn}: selected must be a boolean map or integer lists; got "
+                            f"{sel.dtype}")
+        if num_k_blocks is None:
+            raise ValueError(f"{fn}: integer lists of key blocks need num_k_blocks=")
+        ok = (sel >= 0) & (sel < num_k_blocks)
+        hot = (sel[..., None] == jnp.arange(num_k_blocks)) & ok[..., None]
+        sel = jnp.any(hot, axis=-2)
+    nq, nk = sel.shape[-2:]
+    if num_k_blocks is not None and num_k_blocks != nk:
+        raise ValueError(f"{fn}: num_k_blocks={num_k_blocks} but the map has {nk} key blocks")
+    q_len = nq * block_q if q_len is None else q_len
+    if not _is_int(q_len) or not (nq - 1) * block_q < q_len <= nq * block_q:
+        raise ValueError(f"{fn}: q_len={q_len!r} must be covered by the map's {nq} query "
+                         f"blocks of {block_q} (between {(nq - 1) * block_q + 1} and "
+                         f"{nq * block_q})")
+    n_words = -(-nk // _SELECTION_BITS)
+    bits = jnp.pad(sel, [(0, 0)] * 3 + [(0, n_words * _SELECTION_BITS - nk)])
+    bits = bits.reshape(sel.shape[:3] + (n_words, _SELECTION_BITS)).astype(jnp.int32)
+    words = jnp.sum(jnp.left_shift(bits, jnp.arange(_SELECTION_BITS, dtype=jnp.int32)),
+                    axis=-1, dtype=jnp.int32)                      # (B|1, H|1, nQ, W)
+    rows = jnp.repeat(words, block_q, axis=2)[:, :, :q_len]         # (B|1, H|1, Tq, W)
+    return BlockSelection(tuple(rows[..., w] for w in range(n_words)), block_q, block_k, nk)
+
+
+__all__ += ["block_selection"]
