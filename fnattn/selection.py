@@ -589,7 +589,7 @@ def selected_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[A
         indices): skips the sort that removes repeats.
 
     Returns:
-      :class:`AttentionOutput`: ``out`` like q with head dim Dv, ``lse``
+      :class:`AttentionOutput` with ``out`` like q with head dim Dv, ``lse``
       (B, Hq, Tq) float32 (-inf where a row selected nothing).
 
     >>> import jax, jax.numpy as jnp, fnattn
