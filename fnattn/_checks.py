@@ -306,6 +306,9 @@ def _as_float_array(fn: str, name: str, x):
     # layer) would stack along a new first axis, rarely the documented layout.
     if isinstance(x, np.ndarray):
         return jnp.asarray(x)
+    from fnattn import quant   # (a quantized cache stands where a cache goes)
+    if quant.is_quantized(x):
+        return x
     if not isinstance(x, jax.Array):
         raise TypeError(f"{fn}: {name} must be a JAX array; got {_describe(x)}. Pass a JAX "
                         f"array, e.g. jnp.asarray({name}), in the documented shape.")
