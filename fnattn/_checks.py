@@ -308,6 +308,7 @@ def _as_float_array(fn: str, name: str, x):
         return jnp.asarray(x)
     from fnattn import quant   # (a quantized cache stands where a cache goes)
     if quant.is_quantized(x):
+        quant.check(fn, name, x)   # (here a concrete per-tensor scale is refused at once)
         return x
     if not isinstance(x, jax.Array):
         raise TypeError(f"{fn}: {name} must be a JAX array; got {_describe(x)}. Pass a JAX "

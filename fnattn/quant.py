@@ -58,13 +58,14 @@ row), so every row uses the whole range.
 """
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import checkify
+from jaxtyping import Array, Shaped
 
 __all__ = ["FORMATS", "QuantFormat", "QuantizedArray", "check_scales", "dequantize", "empty",
            "is_quantized", "quantize"]
@@ -174,6 +175,20 @@ class QuantizedArray:
     def replace(self, **changes) -> "QuantizedArray":
         return dataclasses.replace(self, **changes)
 
+    def reshape_leading(self, *lead) -> "QuantizedArray":
+        """The codes (and per-token scales) with their leading axes reshaped to
+        ``lead`` (the head dim stays last)."""
+        scale = self.scale.reshape(lead) if self.format.per_token else self.scale
+        return QuantizedArray(self.data.reshape(*lead, self.data.shape[-1]), scale, self.format)
+
+    def swapaxes(self, a: int, b: int) -> "QuantizedArray":
+        """Swaps two leading axes of the codes and the per-token scales."""
+        if a < 0 or b < 0 or max(a, b) >= self.ndim - 1:
+            raise ValueError(f"QuantizedArray.swapaxes: axes ({a}, {b}) must be leading axes "
+                             f"(0..{self.ndim - 2}), not the head dim")
+        scale = jnp.swapaxes(self.scale, a, b) if self.format.per_token else self.scale
+        return QuantizedArray(jnp.swapaxes(self.data, a, b), scale, self.format)
+
     def __getitem__(self, index) -> "QuantizedArray":
         """Indexes the leading axes of data and scales alike (not the head dim)."""
         scale = self.scale
@@ -184,6 +199,10 @@ class QuantizedArray:
 
 jax.tree_util.register_dataclass(QuantizedArray, data_fields=["data", "scale"],
                                  meta_fields=["format"])
+
+
+# The annotation of a cache or pool argument: a float array or a QuantizedArray.
+Cache = Union[Shaped[Array, "..."], QuantizedArray]
 
 
 def is_quantized(x) -> bool:
@@ -402,6 +421,14 @@ def check_scales(scale, *, name: str = "scale") -> None:
     checkify.check(~bad.any(), f"{name} must be finite and > 0; got {name}"
                    + ("[flat {i}]" if s.ndim else "") + " = {x}", i=flat,
                    x=s.reshape(-1)[flat] if s.ndim else s)
+
+
+def check_pool_scales(**pools) -> None:
+    """``checked=True`` of the serving variants: :func:`check_scales` for each
+    quantized per-tensor pool among ``pools`` (name -> cache or pool)."""
+    for name, x in pools.items():
+        if is_quantized(x) and not x.format.per_token:
+            check_scales(x.scale, name=f"{name}.scale")
 
 
 def pool_scale_like(new_scale, pool: QuantizedArray):

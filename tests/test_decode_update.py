@@ -332,3 +332,55 @@ def test_shape_and_type_messages():
                                "(3, 3, 2, 4)")
     with pytest.raises(NotImplementedError, match="^decode_with_update: spec.bias"):
         update(SPEC.replace(bias=jnp.zeros((1,))), q, kn, vn, kc, vc, kv_lengths=L)
+
+
+@pytest.mark.parametrize("layout,tq,formats", [
+    ("bthd", 1, ("int8", "int4")), ("bhtd", 2, ("float8_e4m3fn", "float8_e5m2")),
+    ("bthd", 3, ("int4-tensor", "float8_e4m3fn-tensor"))])
+def test_quantized_cache_writes_quantize_codes_then_decodes(layout, tq, formats):
+    """Quantized caches: the written codes and scales are fnattn.quant.quantize's of the
+    new tokens, bit for bit; the result is decode on the written cache, which is the
+    float64 reference on its dequantized values (tests/test_decoding.py)."""
+    from fnattn import quant
+    from fnattn.quant import QuantFormat
+    fmts = [QuantFormat(*f.split("-")) for f in formats]
+    rng = np.random.default_rng(1)
+    spec = SPEC.replace(layout=layout)
+    lengths = np.array([tq + 5, S - 4, tq], np.int32)
+    starts = np.array([3, 4, 0], np.int32)
+    kc = to_layout(normal(rng, B, S, HKV, D), layout)
+    vc = to_layout(normal(rng, B, S, HKV, D), layout)
+
+    def q8(x, f):
+        return quant.quantize(jnp.asarray(x), f, scale=None if f.per_token else 3.0 / f.max_code)
+    kq, vq = q8(kc, fmts[0]), q8(vc, fmts[1])
+    q = jnp.asarray(to_layout(normal(rng, B, tq, HQ, D), layout))
+    kn = jnp.asarray(to_layout(normal(rng, B, tq, HKV, D), layout))
+    vn = jnp.asarray(to_layout(normal(rng, B, tq, HKV, D), layout))
+    got, gk, gv = update(spec, q, kn, vn, kq, vq, kv_lengths=jnp.asarray(lengths),
+                         kv_starts=jnp.asarray(starts))
+    axis = 1 if layout == "bthd" else 2
+    for cache, new, old in ((gk, kn, kq), (gv, vn, vq)):
+        want = q8(new, cache.format)
+        for b in range(B):
+            end = starts[b] + lengths[b]
+            idx = (b, slice(end - tq, end)) if axis == 1 else (b, slice(None),
+                                                              slice(end - tq, end))
+            np.testing.assert_array_equal(np.asarray(cache.data[idx]).view(np.uint8),
+                                          np.asarray(want.data[b]).view(np.uint8))
+            if cache.format.per_token:
+                np.testing.assert_array_equal(cache.scale[idx], want.scale[b])
+            # the other slots are untouched
+            keep = np.ones(S, bool)
+            keep[end - tq:end] = False
+            sel = (b, keep) if axis == 1 else (b, slice(None), keep)
+            np.testing.assert_array_equal(np.asarray(cache.data[sel]).view(np.uint8),
+                                          np.asarray(old.data[sel]).view(np.uint8))
+    want = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=lengths,
+                                                 kv_starts=starts))(q, gk, gv)
+    np.testing.assert_array_equal(got.out, want.out)
+    # and decode on the quantized cache is the float reference on its dequantized values
+    ref = jax.jit(lambda q, k, v: fnattn.decode(spec.replace(impl="reference"), q, k, v,
+                                                kv_lengths=lengths, kv_starts=starts))(
+        q, quant.dequantize(gk), quant.dequantize(gv))
+    np.testing.assert_allclose(got.out, ref.out, atol=ATOL, rtol=ATOL)

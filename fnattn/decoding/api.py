@@ -66,13 +66,14 @@ from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch, _linear, _partition, masks, position_bias
+from fnattn import _checks, _dispatch, _linear, _partition, masks, position_bias, quant
 from fnattn._varying import varying_like
 from fnattn.decoding import xla
 from fnattn.flash import blocks
 from fnattn.spec import AttentionOutput, AttentionSpec
 
-__all__ = ["Cfg", "DecodeBlockSizes", "check_inputs", "decode", "lowering_table"]
+__all__ = ["Cfg", "DecodeBlockSizes", "check_inputs", "decode", "lowering_table",
+           "quantized_table"]
 
 I32 = jnp.int32
 
@@ -127,9 +128,25 @@ def _given_splits(spec, S) -> Optional[int]:
     return b.num_splits
 
 
+def _logical(fn, name, x, q):
+    """A quantized cache, checked, as the float array it stands for (shape and
+    q's dtype) for the checks of float caches."""
+    if not quant.is_quantized(x):
+        return x
+    quant.check(fn, name, x)
+    return jax.ShapeDtypeStruct(x.shape, getattr(q, "dtype", jnp.float32))
+
+
+def _to_bthd(x, layout):
+    if quant.is_quantized(x):
+        return x if layout == "bthd" else x.swapaxes(1, 2)
+    return _checks.to_bthd(x, layout)
+
+
 def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
     fn = "decode"
-    dims = _checks.check_qkv(q, k_cache, v_cache, spec.layout, fn=fn)
+    dims = _checks.check_qkv(q, _logical(fn, "k_cache", k_cache, q),
+                             _logical(fn, "v_cache", v_cache, q), spec.layout, fn=fn)
     from fnattn.paged.api import refuse_float64
     refuse_float64(fn, q=q, k_cache=k_cache, v_cache=v_cache)
     B = dims.batch
@@ -212,8 +229,8 @@ def check_inputs(cache_len: int, new_tokens: int, kv_lengths, kv_starts=None) ->
 
 @_checks.entry_point("fnattn.decode", ints=("kv_lengths", "kv_starts"))
 @jaxtyped(typechecker=beartype)
-def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, "..."],
-           v_cache: Shaped[Array, "..."], *, kv_lengths: Shaped[Array, "..."],
+def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
+           v_cache: quant.Cache, *, kv_lengths: Shaped[Array, "..."],
            kv_starts: Optional[Shaped[Array, "..."]] = None,
            checked: bool = False) -> AttentionOutput:
     """Attention of the newest ``Tq`` tokens of each sequence over its cached keys.
@@ -261,10 +278,11 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
     """
     dims = _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts)
     B, _, S, _, Hkv, D, _ = dims
-    qb, kb, vb = (_checks.to_bthd(x, spec.layout) for x in (q, k_cache, v_cache))
+    qb, kb, vb = (_to_bthd(x, spec.layout) for x in (q, k_cache, v_cache))
     scale = _checks.resolve_scale(spec, D)
     ns = _given_splits(spec, S)
     if checked:
+        quant.check_pool_scales(k_cache=k_cache, v_cache=v_cache)
         check_inputs(S, qb.shape[1], kv_lengths, kv_starts)
     starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts.astype(I32)
     starts = jnp.clip(starts, 0, S)
@@ -279,7 +297,9 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
     # inside shard_map: gradients typed like their inputs (see fnattn._dispatch.attend)
     qb, kb, vb, sinks = varying_like((qb, kb, vb, spec.sinks), qb, kb, vb, spec.sinks, starts,
                                      lengths)
-    out, lse = _attend(lowering_table(spec.impl), cfg, qb, kb, vb, starts, lengths, sinks, terms)
+    table = (quantized_table(spec.impl) if quant.is_quantized(kb) or quant.is_quantized(vb)
+             else lowering_table(spec.impl))
+    out, lse = _attend(table, cfg, qb, kb, vb, starts, lengths, sinks, terms)
     out = _checks.from_bthd(out, spec.layout)
     return AttentionOutput(out, lse if spec.return_lse else None)
 
@@ -333,6 +353,23 @@ def lowering_table(impl: str):
         raise NotImplementedError("decode: impl='cudnn' has no decode lowering; use "
                                   "impl='auto' or 'xla'.")
     raise ValueError(f"decode: no lowering for impl={impl!r}")
+
+
+def quantized_table(impl: str):
+    """The lowering table for quantized caches (:mod:`fnattn.quant`): the XLA
+    lowering, which dequantizes the codes it loads, on every platform under
+    impl="auto" (no Pallas decode kernel reads quantized caches yet)."""
+    if impl in ("auto", "xla"):
+        return (("default", xla.forward),)
+    if impl == "reference":
+        return (("default", xla.reference_forward),)
+    if impl == "pallas":
+        raise NotImplementedError(
+            "decode: impl='pallas' has no kernel for quantized caches (fnattn.quant."
+            "QuantizedArray k_cache/v_cache) yet: the Triton, Mosaic TPU and Mosaic GPU decode "
+            "kernels read float caches only. The XLA lowering reads quantized caches: use "
+            "impl='auto' (which runs it on every platform for them) or impl='xla'.")
+    return lowering_table(impl)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))

@@ -36,7 +36,7 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks
+from fnattn import _checks, quant
 from fnattn.decoding import api
 from fnattn.spec import AttentionOutput, AttentionSpec
 
@@ -110,7 +110,7 @@ def _concrete_checks(a):
 @jaxtyped(typechecker=beartype)
 def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
                        k_new: Shaped[Array, "..."], v_new: Shaped[Array, "..."],
-                       k_cache: Shaped[Array, "..."], v_cache: Shaped[Array, "..."], *,
+                       k_cache: quant.Cache, v_cache: quant.Cache, *,
                        kv_lengths: Shaped[Array, "..."],
                        kv_starts: Optional[Shaped[Array, "..."]] = None,
                        checked: bool = False):
@@ -159,6 +159,7 @@ def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
                                   kv_starts)
     _refuse_static_overflow(kv_lengths, kv_starts, S, Tq)
     if checked:
+        quant.check_pool_scales(k_cache=k_cache, v_cache=v_cache)
         api.check_inputs(S, Tq, kv_lengths, kv_starts)
     lengths = kv_lengths.astype(I32)
     starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts.astype(I32)
@@ -169,11 +170,11 @@ def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
     rows = jnp.arange(B, dtype=I32)[:, None]
 
     def put(cache, new):
-        new = new.astype(cache.dtype)
+        # (a quantized cache gets quantize's codes and per-token scales: quant.write)
         if spec.layout == "bthd":
-            return cache.at[rows, slot].set(new, mode="drop")
+            return quant.write(cache, (rows, slot), new)
         # The advanced indices (rows, slot) are apart: their (B, Tq) axes come first.
-        return cache.at[rows, :, slot].set(jnp.swapaxes(new, 1, 2), mode="drop")
+        return quant.write(cache, (rows, slice(None), slot), jnp.swapaxes(new, 1, 2))
 
     k_cache, v_cache = put(k_cache, k_new), put(v_cache, v_new)
     res = api.decode(spec, q, k_cache, v_cache, kv_lengths=kv_lengths, kv_starts=kv_starts)

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fnattn import _checks
+from fnattn import _checks, quant
 from fnattn import _online as online
 from fnattn import masks
 from fnattn.merging import merge_stacked
@@ -87,8 +87,9 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, 
     forms were measured (:func:`choose`).
     """
     B, _, Hkv, _ = k.shape
+    dtype = q.dtype if quant.is_quantized(k) else k.dtype
     form, ns = choose(cfg, q.shape[1] * q.shape[2] // Hkv, k.shape[1], batch=B, kv_heads=Hkv,
-                      dtype=k.dtype, cpu=cpu)
+                      dtype=dtype, cpu=cpu)
     f = functools.partial(_attend, cfg, q, k, v, starts, lengths, sinks, terms, num_splits=ns)
     if sanitize is None:
         # The rare garbage branch uses the "mixed" form, whose products with the
@@ -122,6 +123,9 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits
     B, Tq, Hq, D = q.shape
     _, S, Hkv, Dv = v.shape
     G, ns = Hq // Hkv, num_splits
+    # Quantized caches (fnattn.quant): codes times scales in q's dtype, an
+    # elementwise expression that XLA fuses into the passes that read it.
+    k, v = quant.dequantize(k, q.dtype), quant.dequantize(v, q.dtype)
     C = S // ns
     R = Tq * G                                   # rows of one kv head
     # q as (B, Hkv, R) rows, row r = t * G + g; scaled before the products.

@@ -71,7 +71,7 @@ from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch, _linear, _partition, position_bias
+from fnattn import _checks, _dispatch, _linear, _partition, position_bias, quant
 from fnattn._varying import varying_like
 from fnattn.flash import blocks
 from fnattn.paged import common, reference, xla
@@ -110,6 +110,23 @@ def lowering_table(impl: str):
             "paged attention: impl='cudnn' has no paged lowering; use impl='auto' (Triton "
             "kernels on NVIDIA GPUs) or impl='xla'.")
     raise ValueError(f"paged attention: no lowering for impl={impl!r}")
+
+
+def quantized_table(impl: str):
+    """The lowering table for quantized pools (:mod:`fnattn.quant`): the XLA lowering,
+    which dequantizes each chunk of pages it loads, on every platform under
+    impl="auto" (no Pallas kernel reads quantized pages yet)."""
+    if impl in ("auto", "xla"):
+        return (("default", xla.forward),)
+    if impl == "reference":
+        return (("default", _reference_forward),)
+    if impl == "pallas":
+        raise NotImplementedError(
+            "paged attention: impl='pallas' has no kernel for quantized pools "
+            "(fnattn.quant.QuantizedArray k_pages/v_pages) yet: the Triton, Mosaic TPU and "
+            "Mosaic GPU kernels read float pages only. The XLA lowering reads quantized pools: "
+            "use impl='auto' (which runs it on every platform for them) or impl='xla'.")
+    return lowering_table(impl)
 
 
 def _tpu_auto(cfg, *args):
@@ -211,7 +228,7 @@ def _update_jvp(table, cfg, primals, tangents):
 
 
 def _shape(x):
-    return tuple(jnp.shape(x))
+    return tuple(x.shape) if quant.is_quantized(x) else tuple(jnp.shape(x))
 
 
 def _check_int(fn, name, x, shape, what):
@@ -225,7 +242,10 @@ def _check_int(fn, name, x, shape, what):
 def _check_pools(fn, q_heads, head_dim, dtype, k_pages, v_pages, q_desc, *, layout=None,
                  other_q_heads=None):
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-        _checks.check_float(f"{fn}: {name}", x)
+        if quant.is_quantized(x):
+            quant.check(fn, name, x)
+        else:
+            _checks.check_float(f"{fn}: {name}", x)
         if x.ndim != 4:
             raise ValueError(f"{fn}: {name} must have 4 axes (Hkv, num_pages, page_size, "
                              f"{'D' if name == 'k_pages' else 'Dv'}); got shape {_shape(x)}")
@@ -245,7 +265,9 @@ def _check_pools(fn, q_heads, head_dim, dtype, k_pages, v_pages, q_desc, *, layo
                          f"a multiple of the number of kv heads Hkv={Hkv} (k_pages "
                          f"{_shape(k_pages)}, axis 0)"
                          + _fewer_heads_hint(q_heads, k_pages.shape, layout, other_q_heads))
-    if not (dtype == k_pages.dtype == v_pages.dtype):
+    # a quantized pool holds codes; its values come out in q's dtype
+    k_dtype, v_dtype = (dtype if quant.is_quantized(x) else x.dtype for x in (k_pages, v_pages))
+    if not (dtype == k_dtype == v_dtype):
         raise TypeError(f"{fn}: q, k_pages and v_pages must share a dtype; got q {dtype}, "
                         f"k_pages {k_pages.dtype}, v_pages {v_pages.dtype}")
     return Hkv, N, ps, v_pages.shape[3]
@@ -409,7 +431,9 @@ _META = ("page_table", "context_lengths", "query_start_loc", "num_seqs")
 
 def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, new_v=None):
     """Sanitises the metadata and dispatches (``table`` overrides ``spec.impl``'s)."""
-    table = lowering_table(spec.impl) if table is None else table
+    if table is None:
+        quantized = quant.is_quantized(k_pages) or quant.is_quantized(v_pages)
+        table = quantized_table(spec.impl) if quantized else lowering_table(spec.impl)
     meta = common.sanitize(cfg, *meta_args)
     if spec.position_bias is not None:
         # the term's arrays, one value per head; constants (a tangent raises)
@@ -426,8 +450,8 @@ def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, ne
 
 @_checks.entry_point("fnattn.paged_attention", ints=("page_table", "kv_lengths"))
 @jaxtyped(typechecker=beartype)
-def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shaped[Array, "..."],
-                    v_pages: Shaped[Array, "..."], *, page_table: Shaped[Array, "..."],
+def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: quant.Cache,
+                    v_pages: quant.Cache, *, page_table: Shaped[Array, "..."],
                     kv_lengths: Shaped[Array, "..."], checked: bool = False) -> AttentionOutput:
     """Decode: a few new query tokens per sequence against a paged KV cache.
 
@@ -500,6 +524,7 @@ def paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table, kv_len
                     num_pages=N, page_size=ps, pages_per_seq=page_table.shape[1], max_seqs=B,
                     total_tokens=B * Tq, uniform_q=Tq, update=False)
     if checked:
+        quant.check_pool_scales(k_pages=k_pages, v_pages=v_pages)
         check_inputs(k_pages, page_table=page_table, context_lengths=kv_lengths,
                      new_tokens=Tq)
     loc = jnp.arange(B + 1, dtype=I32) * Tq
@@ -543,7 +568,7 @@ def _ragged_checks(fn, spec, q, k_pages, v_pages, page_table, context_lengths,
 @_checks.entry_point("fnattn.ragged_paged_attention", ints=_META)
 @jaxtyped(typechecker=beartype)
 def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
-                           k_pages: Shaped[Array, "..."], v_pages: Shaped[Array, "..."], *,
+                           k_pages: quant.Cache, v_pages: quant.Cache, *,
                            page_table: Shaped[Array, "..."],
                            context_lengths: Shaped[Array, "..."],
                            query_start_loc: Shaped[Array, "..."],
@@ -608,6 +633,7 @@ def ragged_paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table,
                     num_pages=N, page_size=ps, pages_per_seq=P, max_seqs=S, total_tokens=T,
                     uniform_q=None, update=False)
     if checked:
+        quant.check_pool_scales(k_pages=k_pages, v_pages=v_pages)
         check_inputs(k_pages, page_table=page_table, context_lengths=context_lengths,
                      query_start_loc=query_start_loc, num_seqs=num_seqs, total_tokens=T)
     out, lse = run(spec, q, k_pages, v_pages,
@@ -619,7 +645,7 @@ def ragged_paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table,
 @jaxtyped(typechecker=beartype)
 def ragged_paged_attention_with_update(
         spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..."],
-        v: Shaped[Array, "..."], k_pages: Shaped[Array, "..."], v_pages: Shaped[Array, "..."],
+        v: Shaped[Array, "..."], k_pages: quant.Cache, v_pages: quant.Cache,
         *, page_table: Shaped[Array, "..."], context_lengths: Shaped[Array, "..."],
         query_start_loc: Shaped[Array, "..."], num_seqs: Shaped[Array, "..."],
         checked: bool = False):
@@ -666,6 +692,12 @@ def ragged_paged_attention_with_update(
         checked=checked)
 
 
+def _new_tokens(x, pool):
+    """New tokens as the pool stores them: cast to a float pool's dtype; kept in
+    float for a quantized pool, whose write quantizes them (fnattn.quant.write)."""
+    return x if quant.is_quantized(pool) else x.astype(pool.dtype)
+
+
 def ragged_paged_attention_with_update_with(table, spec, q, k, v, k_pages, v_pages, *,
                                             page_table, context_lengths, query_start_loc,
                                             num_seqs, checked=False):
@@ -684,9 +716,10 @@ def ragged_paged_attention_with_update_with(table, spec, q, k, v, k_pages, v_pag
                     num_pages=N, page_size=ps, pages_per_seq=P, max_seqs=S, total_tokens=T,
                     uniform_q=None, update=True)
     if checked:
+        quant.check_pool_scales(k_pages=k_pages, v_pages=v_pages)
         check_inputs(k_pages, page_table=page_table, context_lengths=context_lengths,
                      query_start_loc=query_start_loc, num_seqs=num_seqs, total_tokens=T)
     out, lse, k_pages, v_pages = run(
         spec, q, k_pages, v_pages, (page_table, context_lengths, query_start_loc, num_seqs),
-        cfg, table=table, new_k=k.astype(k_pages.dtype), new_v=v.astype(v_pages.dtype))
+        cfg, table=table, new_k=_new_tokens(k, k_pages), new_v=_new_tokens(v, v_pages))
     return AttentionOutput(out, lse if spec.return_lse else None), k_pages, v_pages

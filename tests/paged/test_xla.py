@@ -16,7 +16,9 @@ import fnattn  # noqa: E402
 from fnattn import AttentionSpec, PagedBlockSizes, masks  # noqa: E402
 from fnattn.paged import xla  # noqa: E402
 from problems import (assert_close, check_ragged, check_update, dense_packed, expected,  # noqa: E402
-                      make, to_pool)
+                      make, poisoned, quantized, to_pool)
+from fnattn import quant  # noqa: E402
+from fnattn.quant import QuantFormat  # noqa: E402
 
 XLA = (("default", xla.forward),)
 
@@ -120,3 +122,113 @@ def test_gradients_match_dense_gradients():
     dk_want, dv_want = to_pool(p, gd[1], p.k_pages), to_pool(p, gd[2], p.v_pages)
     np.testing.assert_allclose(g[1], dk_want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(g[2], dv_want, atol=1e-4, rtol=1e-4)
+
+
+# Quantized pools (fnattn.quant): every format and granularity, K and V in different ones.
+QUANT = [(QuantFormat("int8"), QuantFormat("int8")),
+         (QuantFormat("float8_e4m3fn"), QuantFormat("float8_e5m2", "tensor")),
+         (QuantFormat("float8_e5m2"), QuantFormat("int4")),
+         (QuantFormat("int4", "tensor"), QuantFormat("float8_e4m3fn", "tensor")),
+         (QuantFormat("int8", "tensor"), QuantFormat("int4", "token"))]
+QIDS = [f"{k.name}-{k.granularity}/{v.name}-{v.granularity}" for k, v in QUANT]
+
+
+@pytest.mark.parametrize("formats", QUANT, ids=QIDS)
+@pytest.mark.parametrize("case", ["causal-sinks-softcap", "window-mha", "chunked-mqa", "from-fn"])
+def test_quantized_ragged_matches_reference_on_the_dequantized_cache(case, formats):
+    spec, Hq, Hkv = spec_for(case)
+    p = quantized(make(MIXED, Hq=Hq, Hkv=Hkv, D=8, Dv=6, page_size=3, max_seqs=7,
+                       pad_tokens=2, seed=1), *formats)
+    # impl="auto" (table None): quantized pools run the XLA lowering on every platform
+    check_ragged(None, spec, p)
+
+
+@pytest.mark.parametrize("formats", QUANT[:3], ids=QIDS[:3])
+def test_quantized_many_chunks_and_alibi(formats):
+    from fnattn import position_bias
+    p = quantized(make([(41, 2), (29, 11), (3, 3)], Hq=4, Hkv=2, D=8, page_size=4,
+                       pages_per_seq=13, max_seqs=5, seed=3), *formats)
+    blocks = PagedBlockSizes(block_q=3, block_k=8)
+    check_ragged(XLA, AttentionSpec(mask=masks.causal() & masks.sliding_window(5),
+                                    block_sizes=blocks), p)
+    alibi = position_bias.alibi(position_bias.alibi_slopes(4))
+    res = jax.jit(lambda sp, q, kp, vp, m: fnattn.ragged_paged_attention(sp, q, kp, vp, **m))(
+        AttentionSpec(mask=masks.causal(), position_bias=alibi, block_sizes=blocks), p.q,
+        p.k_pages, p.v_pages, dict(page_table=p.page_table, context_lengths=p.context_lengths,
+                                   query_start_loc=p.query_start_loc, num_seqs=p.num_seqs))
+    # the same term on float pools holding the dequantized values
+    f = jax.tree_util.tree_map(lambda x: x, p)
+    ref = jax.jit(lambda sp, q, kp, vp, m: fnattn.ragged_paged_attention(sp, q, kp, vp, **m))(
+        AttentionSpec(mask=masks.causal(), position_bias=alibi, block_sizes=blocks), f.q,
+        quant.dequantize(p.k_pages), quant.dequantize(p.v_pages),
+        dict(page_table=p.page_table, context_lengths=p.context_lengths,
+             query_start_loc=p.query_start_loc, num_seqs=p.num_seqs))
+    np.testing.assert_allclose(res.out, ref.out, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("formats", QUANT, ids=QIDS)
+def test_quantized_update_writes_what_quantize_gives(formats):
+    p = quantized(make(MIXED, Hq=4, Hkv=2, D=6, page_size=3, max_seqs=6, pad_tokens=3,
+                       seed=4), *formats)
+    check_update(None, spec_for("causal-sinks-softcap")[0].replace(sinks=jnp.arange(4.)), p)
+
+
+@pytest.mark.parametrize("formats", QUANT[:2], ids=QIDS[:2])
+def test_quantized_paged_attention_decode(formats):
+    B, Hq, D, Tq = 3, 6, 8, 2
+    p = quantized(make([(11, Tq), (5, Tq), (Tq, Tq)], Hq=Hq, Hkv=3, D=D, page_size=4, seed=2),
+                  *formats)
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.ones(Hq))
+    res = jax.jit(fnattn.paged_attention)(spec, p.q.reshape(B, Tq, Hq, D), p.k_pages,
+                                          p.v_pages, page_table=p.page_table,
+                                          kv_lengths=p.context_lengths)
+    assert_close(res.out.reshape(B * Tq, Hq, D), res.lse.transpose(1, 0, 2).reshape(Hq, B * Tq),
+                 *expected(spec, p), 2e-5)
+
+
+def test_quantized_pools_with_nan_codes_and_scales_in_unowned_slots():
+    """NaN (and inf) in the codes and the scales of slots no sequence owns change nothing."""
+    base = make(MIXED, Hq=4, Hkv=2, D=8, page_size=3, max_seqs=7, pad_tokens=2, seed=7)
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.array([0.5, 1.0, -1.0, 0.0]))
+    for formats in QUANT[:3]:
+        p = quantized(base, *formats)
+        want = expected(spec, p)
+        bad = poisoned(base)                     # NaN in every unowned float slot
+        keep = ~np.isnan(np.asarray(bad.k_pages))[..., 0]              # (Hkv, N, ps)
+        def spoil(pool):
+            scale = pool.scale
+            if pool.format.per_token:
+                scale = jnp.where(keep, scale, jnp.nan)
+            data = pool.data
+            if pool.format.is_float:
+                data = jnp.where(keep[..., None], data, jnp.array(jnp.inf, data.dtype)
+                                 if pool.format.name == "float8_e5m2" else
+                                 jnp.array(jnp.nan, data.dtype))
+            return pool.replace(data=data, scale=scale)
+        pp = p.__class__(**{**p.__dict__, "k_pages": spoil(p.k_pages),
+                            "v_pages": spoil(p.v_pages)})
+        res = check_ragged(XLA, spec, pp)
+        assert_close(res.out, res.lse, *want, 2e-5)
+
+
+def test_quantized_pallas_is_refused_and_names_the_xla_lowering():
+    p = quantized(make([(5, 1)], Hq=2, Hkv=1, D=8, page_size=4), QuantFormat("int8"))
+    with pytest.raises(NotImplementedError, match="impl='pallas' has no kernel for quantized "
+                       "pools.*impl='xla'"):
+        check_ragged(None, AttentionSpec(impl="pallas"), p)
+
+
+def test_quantized_pool_bad_input():
+    p = quantized(make([(5, 1)], Hq=2, Hkv=1, D=8, page_size=4), QuantFormat("int8"))
+    bad = p.k_pages.replace(scale=p.k_pages.scale[..., :2])
+    with pytest.raises(ValueError, match=r"k_pages.scale must have shape data.shape\[:-1\]"):
+        fnattn.ragged_paged_attention(AttentionSpec(), p.q, bad, p.v_pages, page_table=p.page_table,
+                                      context_lengths=p.context_lengths,
+                                      query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
+    t = quant.quantize(p.v_pages.data.astype(jnp.float32), QuantFormat("int8", "tensor"),
+                       scale=1.0)
+    with pytest.raises(ValueError, match="v_pages: scale must be finite and > 0"):
+        fnattn.ragged_paged_attention(AttentionSpec(), p.q, p.k_pages,
+                                      t.replace(scale=jnp.float32(0.0)),
+                                      page_table=p.page_table, context_lengths=p.context_lengths,
+                                      query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
