@@ -355,6 +355,9 @@ def entry_point(public: str, *, ints=(), concrete=None):
         # the array parameters: those annotated with jaxtyping's Array
         arrays = {p.name: p.default for p in params
                   if "Array" in str(p.annotation) or p.name in ints}
+        # (an Optional array, such as the absent values of a latent cache, may be None)
+        optional = {p.name for p in params
+                    if "Optional" in str(p.annotation) or "NoneType" in str(p.annotation)}
 
         @functools.wraps(f)
         def wrapper(*args, **kwargs):
@@ -367,7 +370,7 @@ def entry_point(public: str, *, ints=(), concrete=None):
                 if name not in bound.arguments:
                     continue
                 x = bound.arguments[name]
-                if x is None and default is None:
+                if x is None and (default is None or name in optional):
                     continue
                 bound.arguments[name] = (_as_int_array(fn, name, x) if name in ints
                                          else _as_float_array(fn, name, x))

@@ -656,7 +656,8 @@ def decode(fn: Callable, q, k, v, starts, lengths, sinks, terms, *cotangents,
     in_roles = [Q4, KV4, KV4, ("b",), ("b",), ("h",), (None, "b", "h")]
     if cotangents:
         in_roles += [Q4, ROWS]
-        outs = [Out(Q4), Out(KV4), Out(KV4), None if sinks is None else Out(("h",), "b")]
+        outs = [Out(Q4), Out(KV4), None if v is None else Out(KV4),  # (v None: latent)
+                None if sinks is None else Out(("h",), "b")]
     else:
         outs = [Out(Q4), Out(ROWS)]
     return partitioned(lambda shard, *args: fn(*args), (q, k, v, starts, lengths, sinks,
@@ -683,9 +684,12 @@ def paged(fn: Callable, cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v
     in_roles = [packed, pool, pool, ("h",), *meta_roles, tokens_kv, tokens_kv]
     if cotangents:
         in_roles += [packed, ("h", None)]
-        outs = [Out(packed), Out(pool), Out(pool), None if sinks is None else Out(("h",))]
+        # (v_pages None: a latent pool, whose values are its keys' first channels)
+        v_out = None if v_pages is None else Out(pool)
+        outs = [Out(packed), Out(pool), v_out, None if sinks is None else Out(("h",))]
     else:
-        outs = [Out(packed), Out(("h", None))] + ([Out(pool), Out(pool)] if cfg.update else [])
+        v_out = None if v_pages is None else Out(pool)
+        outs = [Out(packed), Out(("h", None))] + ([Out(pool), v_out] if cfg.update else [])
 
     def body(shard, q, k_pages, v_pages, sinks, *rest):
         local = dataclasses.replace(cfg, num_q_heads=shard.q_heads, num_kv_heads=shard.kv_heads)

@@ -169,8 +169,9 @@ class QuantizedArray:
     @property
     def nbytes(self) -> int:
         """Bytes of the codes and the scales."""
-        return int(np.prod(jnp.shape(self.data))) * self.data.dtype.itemsize + \
-            int(np.prod(jnp.shape(self.scale))) * jnp.dtype(jnp.result_type(self.scale)).itemsize
+        scale_bytes = (int(np.prod(self.scale.shape)) * np.dtype(self.scale.dtype).itemsize
+                       if hasattr(self.scale, "shape") else 4)
+        return int(np.prod(self.data.shape)) * np.dtype(self.data.dtype).itemsize + scale_bytes
 
     def replace(self, **changes) -> "QuantizedArray":
         return dataclasses.replace(self, **changes)

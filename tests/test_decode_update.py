@@ -66,7 +66,7 @@ def by_hand(spec, q, k_new, v_new, k_cache, v_cache, kv_lengths, kv_starts):
     return res, kc, vc
 
 
-update = jax.jit(decode_with_update, static_argnames=("checked",))
+update = jax.jit(decode_with_update, static_argnames=("checked", "value_dim"))
 
 
 @pytest.mark.parametrize("layout,tq", [("bthd", 1), ("bthd", 3), ("bhtd", 2)])
@@ -384,3 +384,32 @@ def test_quantized_cache_writes_quantize_codes_then_decodes(layout, tq, formats)
                                                 kv_lengths=lengths, kv_starts=starts))(
         q, quant.dequantize(gk), quant.dequantize(gv))
     np.testing.assert_allclose(got.out, ref.out, atol=ATOL, rtol=ATOL)
+
+
+def test_latent_cache_update_writes_the_latent_then_decodes():
+    """A latent cache (value_dim): k_new holds latent and rope channels, no values. On a
+    float cache the result equals decode_with_update with separate values k[..., :Dc];
+    on an int8 cache the written codes are quantize's and the result is decode's on the
+    written cache with its values sliced from the dequantized keys."""
+    from fnattn import quant
+    rng = np.random.default_rng(2)
+    Dc, Dr, tq = 6, 2, 2
+    kc = jnp.asarray(normal(rng, B, S, 1, Dc + Dr))
+    q = jnp.asarray(normal(rng, B, tq, HQ, Dc + Dr))
+    kn = jnp.asarray(normal(rng, B, tq, 1, Dc + Dr))
+    lengths, starts = jnp.array([tq + 5, S - 4, tq]), jnp.array([3, 4, 0])
+    got, gk, gv = update(SPEC, q, kn, None, kc, None, kv_lengths=lengths, kv_starts=starts,
+                         value_dim=Dc)
+    assert gv is None
+    want, wk, _ = update(SPEC, q, kn, kn[..., :Dc], kc, kc[..., :Dc], kv_lengths=lengths,
+                         kv_starts=starts)
+    np.testing.assert_allclose(got.out, want.out, atol=ATOL, rtol=ATOL)
+    np.testing.assert_array_equal(gk, wk)
+    got, gk, gv = update(SPEC, q, kn, None, quant.quantize(kc, "int8"), None,
+                         kv_lengths=lengths, kv_starts=starts, value_dim=Dc)
+    first = int(starts[0] + lengths[0]) - tq                     # sequence 0's new slots
+    np.testing.assert_array_equal(gk.data[0, first:first + tq], quant.quantize(kn, "int8").data[0])
+    kd = quant.dequantize(gk)
+    want = jax.jit(lambda q, k, v: fnattn.decode(SPEC, q, k, v, kv_lengths=lengths,
+                                                 kv_starts=starts))(q, kd, kd[..., :Dc])
+    np.testing.assert_allclose(got.out, want.out, atol=ATOL, rtol=ATOL)

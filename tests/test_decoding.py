@@ -544,3 +544,43 @@ def test_quantized_pallas_is_refused_and_bad_scales_are_reported():
     with pytest.raises(ValueError, match="v_cache: scale must be finite and > 0"):
         fnattn.decode(AttentionSpec(), q, kq, vt.replace(scale=jnp.float32(jnp.nan)),
                       kv_lengths=L)
+
+
+# ----------------------------------------------------------------------------------
+# Latent caches (MLA): values are the keys' first value_dim channels
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [None, QuantFormat("int8"), QuantFormat("float8_e4m3fn")],
+                         ids=["float", "int8", "fp8"])
+@pytest.mark.parametrize("mask,splits,Tq", [("causal", 1, 1), ("window", 4, 2), ("fn", 3, 3)])
+def test_latent_cache_equals_attention_with_values_sliced_from_the_keys(fmt, mask, splits, Tq):
+    Dc, Dr, Hq = 6, 4, 8
+    q, k, _ = problem(Tq=Tq, Hq=Hq, Hkv=1, D=Dc + Dr, Dv=1, seed=9)
+    kc = k if fmt is None else quantized(k, fmt)
+    spec = AttentionSpec(mask=MASKS[mask], sinks=jnp.linspace(-1, 1, Hq), softcap=5.0,
+                         block_sizes=DecodeBlockSizes(num_splits=splits))
+    lengths, starts = jnp.array([24, 9, 3]), jnp.array([0, 10, 20])
+    res = jax.jit(lambda q, k: fnattn.decode(spec, q, k, None, kv_lengths=lengths,
+                                             kv_starts=starts, value_dim=Dc))(q, kc)
+    kd = quant.dequantize(kc)
+    out, lse = expected(spec, q, kd, kd[..., :Dc], np.asarray(lengths), np.asarray(starts))
+    assert res.out.shape == (3, Tq, Hq, Dc)
+    np.testing.assert_allclose(res.out, out, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.where(np.isfinite(lse), res.lse, 0),
+                               np.where(np.isfinite(lse), lse, 0), atol=2e-5, rtol=2e-5)
+
+
+def test_latent_cache_bad_input():
+    q, k, v = problem(D=10, Dv=6, Hkv=1)
+    L = jnp.array([3, 4, 5])
+    with pytest.raises(ValueError, match="a latent cache \\(value_dim=6\\) has no separate "
+                                         "v_cache"):
+        fnattn.decode(AttentionSpec(), q, k, v, kv_lengths=L, value_dim=6)
+    with pytest.raises(ValueError, match="value_dim must be an int in \\[1, D=10\\]"):
+        fnattn.decode(AttentionSpec(), q, k, None, kv_lengths=L, value_dim=11)
+    with pytest.raises(ValueError, match="v_cache is None: pass the values, or value_dim"):
+        fnattn.decode(AttentionSpec(), q, k, None, kv_lengths=L)
+    with pytest.raises(NotImplementedError, match="impl='pallas' has no kernel for latent"):
+        jax.jit(lambda q, k: fnattn.decode(AttentionSpec(impl="pallas"), q, k, None,
+                                           kv_lengths=L, value_dim=6))(q, k)

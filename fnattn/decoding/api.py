@@ -66,7 +66,7 @@ from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch, _linear, _partition, masks, position_bias, quant
+from fnattn import _checks, _dispatch, _latent, _linear, _partition, masks, position_bias, quant
 from fnattn._varying import varying_like
 from fnattn.decoding import xla
 from fnattn.flash import blocks
@@ -143,10 +143,11 @@ def _to_bthd(x, layout):
     return _checks.to_bthd(x, layout)
 
 
-def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
-    fn = "decode"
+def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts, value_dim=None, fn="decode"):
+    v_like = _latent.values(fn, k_cache, v_cache, value_dim, q, k_name="k_cache",
+                            v_name="v_cache")
     dims = _checks.check_qkv(q, _logical(fn, "k_cache", k_cache, q),
-                             _logical(fn, "v_cache", v_cache, q), spec.layout, fn=fn)
+                             _logical(fn, "v_cache", v_like, q), spec.layout, fn=fn)
     from fnattn.paged.api import refuse_float64
     refuse_float64(fn, q=q, k_cache=k_cache, v_cache=v_cache)
     B = dims.batch
@@ -230,9 +231,9 @@ def check_inputs(cache_len: int, new_tokens: int, kv_lengths, kv_starts=None) ->
 @_checks.entry_point("fnattn.decode", ints=("kv_lengths", "kv_starts"))
 @jaxtyped(typechecker=beartype)
 def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
-           v_cache: quant.Cache, *, kv_lengths: Shaped[Array, "..."],
+           v_cache: Optional[quant.Cache], *, kv_lengths: Shaped[Array, "..."],
            kv_starts: Optional[Shaped[Array, "..."]] = None,
-           checked: bool = False) -> AttentionOutput:
+           value_dim: Optional[int] = None, checked: bool = False) -> AttentionOutput:
     """Attention of the newest ``Tq`` tokens of each sequence over its cached keys.
 
     Args:
@@ -249,6 +250,9 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
         This and ``kv_starts`` may be Python lists or NumPy arrays (converted
         with ``jnp.asarray``).
       kv_starts: (B,) int, first valid slot of each sequence (default 0).
+      value_dim: a latent cache (multi-head latent attention): ``v_cache`` is
+        None and the values are the first ``value_dim`` channels of
+        ``k_cache`` (no second cache, no copy); see docs/serving.md.
       checked: also report the values that would be clipped (and lengths below
         Tq) with ``checkify``: wrap the call in ``checkify.checkify``; see
         :func:`check_inputs`.
@@ -276,9 +280,10 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
     >>> print(err.get())  # doctest: +ELLIPSIS
     kv_starts[1] + kv_lengths[1] = 0 + 70 is past the cache's S=64 slots...
     """
-    dims = _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts)
+    dims = _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts, value_dim)
     B, _, S, _, Hkv, D, _ = dims
-    qb, kb, vb = (_to_bthd(x, spec.layout) for x in (q, k_cache, v_cache))
+    qb, kb = (_to_bthd(x, spec.layout) for x in (q, k_cache))
+    vb = None if v_cache is None else _to_bthd(v_cache, spec.layout)
     scale = _checks.resolve_scale(spec, D)
     ns = _given_splits(spec, S)
     if checked:
@@ -293,12 +298,17 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
     cfg = Cfg(scale=scale, softcap=spec.softcap,
               mask_treedef=None if spec.mask is None else jax.tree_util.tree_structure(spec.mask),
               num_splits=ns, block_sizes=spec.block_sizes,
-              term_treedef=None if term is None else jax.tree_util.tree_structure(term))
+              term_treedef=None if term is None else jax.tree_util.tree_structure(term),
+              value_dim=value_dim)
     # inside shard_map: gradients typed like their inputs (see fnattn._dispatch.attend)
     qb, kb, vb, sinks = varying_like((qb, kb, vb, spec.sinks), qb, kb, vb, spec.sinks, starts,
                                      lengths)
-    table = (quantized_table(spec.impl) if quant.is_quantized(kb) or quant.is_quantized(vb)
-             else lowering_table(spec.impl))
+    if value_dim is not None:
+        table = quantized_table(spec.impl, "latent caches (value_dim, no v_cache)")
+    elif quant.is_quantized(kb) or quant.is_quantized(vb):
+        table = quantized_table(spec.impl)
+    else:
+        table = lowering_table(spec.impl)
     out, lse = _attend(table, cfg, qb, kb, vb, starts, lengths, sinks, terms)
     out = _checks.from_bthd(out, spec.layout)
     return AttentionOutput(out, lse if spec.return_lse else None)
@@ -314,6 +324,7 @@ class Cfg:
     num_splits: Optional[int]  # from DecodeBlockSizes; None: each lowering chooses
     block_sizes: Any = None
     term_treedef: Any = None   # a position term (fnattn.position_bias), or None
+    value_dim: Optional[int] = None  # a latent cache: v is None, the values are k[..., :value_dim]
 
     @property
     def mask(self):
@@ -355,20 +366,22 @@ def lowering_table(impl: str):
     raise ValueError(f"decode: no lowering for impl={impl!r}")
 
 
-def quantized_table(impl: str):
-    """The lowering table for quantized caches (:mod:`fnattn.quant`): the XLA
-    lowering, which dequantizes the codes it loads, on every platform under
-    impl="auto" (no Pallas decode kernel reads quantized caches yet)."""
+def quantized_table(impl: str, feature: str = "quantized caches (fnattn.quant.QuantizedArray "
+                                               "k_cache/v_cache)"):
+    """The lowering table for quantized caches (:mod:`fnattn.quant`) and latent
+    caches (``value_dim``): the XLA lowering, which dequantizes the codes it
+    loads and takes latent values from the keys, on every platform under
+    impl="auto" (no Pallas decode kernel reads them yet)."""
     if impl in ("auto", "xla"):
         return (("default", xla.forward),)
     if impl == "reference":
         return (("default", xla.reference_forward),)
     if impl == "pallas":
         raise NotImplementedError(
-            "decode: impl='pallas' has no kernel for quantized caches (fnattn.quant."
-            "QuantizedArray k_cache/v_cache) yet: the Triton, Mosaic TPU and Mosaic GPU decode "
-            "kernels read float caches only. The XLA lowering reads quantized caches: use "
-            "impl='auto' (which runs it on every platform for them) or impl='xla'.")
+            f"decode: impl='pallas' has no kernel for {feature} yet: the Triton, Mosaic TPU "
+            "and Mosaic GPU decode kernels read float caches with separate values only. The "
+            "XLA lowering reads them: use impl='auto' (which runs it on every platform for "
+            "them) or impl='xla'.")
     return lowering_table(impl)
 
 

@@ -17,7 +17,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from fnattn import _checks, quant
+from fnattn import _checks, _latent, quant
 from fnattn import _online as online
 from fnattn import masks
 from fnattn.merging import merge_stacked
@@ -121,11 +121,14 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits
     and whether everything was finite (see ``_online.clean_unless_garbage``).
     ``clean_keys=False`` sanitises only V (enough for the forward)."""
     B, Tq, Hq, D = q.shape
+    # Quantized caches (fnattn.quant): codes times scales in q's dtype, an
+    # elementwise expression that XLA fuses into the passes that read it. A
+    # latent cache (v None): the values are the keys' first value_dim channels.
+    k = quant.dequantize(k, q.dtype)
+    v = _latent.take_values(k, None if v is None else quant.dequantize(v, q.dtype),
+                            cfg.value_dim)
     _, S, Hkv, Dv = v.shape
     G, ns = Hq // Hkv, num_splits
-    # Quantized caches (fnattn.quant): codes times scales in q's dtype, an
-    # elementwise expression that XLA fuses into the passes that read it.
-    k, v = quant.dequantize(k, q.dtype), quant.dequantize(v, q.dtype)
     C = S // ns
     R = Tq * G                                   # rows of one kv head
     # q as (B, Hkv, R) rows, row r = t * G + g; scaled before the products.

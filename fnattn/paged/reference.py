@@ -27,7 +27,8 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
     pages = meta.page_table[seq]                                        # (T, P)
     idx = (slice(None), jnp.maximum(pages, 0))     # (a quantized pool: dequantized)
     k = quant.load(k_pages, idx, F32).reshape(Hkv, T, cfg.capacity, D)
-    v = quant.load(v_pages, idx, F32).reshape(Hkv, T, cfg.capacity, -1)
+    v = (k[..., :cfg.v_head_dim] if v_pages is None else   # (a latent pool)
+         quant.load(v_pages, idx, F32).reshape(Hkv, T, cfg.capacity, -1))
     k, v, bad = online.finite_keys(k, v)     # (Hkv, T, capacity) bad keys
     qg = q.reshape(T, Hkv, G, D).astype(F32)
     s = jnp.einsum("thgd,htkd->thgk", qg, k.astype(F32)) * cfg.scale

@@ -62,6 +62,8 @@ def write_tokens(cfg: Cfg, meta: Meta, k_pages, v_pages, new_k, new_v):
     slot = jnp.where(ok, page * ps + pos % ps, N * ps)  # N * ps: out of range, dropped
 
     def put(pool, new):
+        if pool is None:               # a latent pool has no values of its own
+            return None
         if quant.is_quantized(pool):  # quantize's codes and per-token scales, at the slots
             flat = quant.write(pool.reshape_leading(Hkv, N * ps), (slice(None), slot),
                                jnp.swapaxes(new, 0, 1))
@@ -148,7 +150,8 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
         safe = jnp.maximum(pages, 0)
         # (a quantized pool: this chunk's codes dequantized as they are loaded)
         kc = quant.load(k_pages, (slice(None), safe), qw.dtype).reshape(Hkv, W, C, D)
-        vc = quant.load(v_pages, (slice(None), safe), qw.dtype).reshape(Hkv, W, C, Dv)
+        vc = (kc[..., :Dv] if v_pages is None else   # (a latent pool: the keys' first Dv)
+              quant.load(v_pages, (slice(None), safe), qw.dtype).reshape(Hkv, W, C, Dv))
         # Slots past a sequence's length and pages it does not own may hold anything
         # (NaN from a released request, never-written memory): see _online.finite_keys.
         if sanitize:

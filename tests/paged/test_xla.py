@@ -232,3 +232,63 @@ def test_quantized_pool_bad_input():
                                       t.replace(scale=jnp.float32(0.0)),
                                       page_table=p.page_table, context_lengths=p.context_lengths,
                                       query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
+
+
+@pytest.mark.parametrize("fmt", [None, QuantFormat("int8"), QuantFormat("int4")],
+                         ids=["float", "int8", "int4"])
+def test_latent_pools_ragged_paged_and_update(fmt):
+    """A latent pool (value_dim=Dc, v_pages None, one kv head): ragged, paged and the
+    update form equal the same problem with a separate value pool holding the keys'
+    first Dc channels (float64 reference on the dequantized pool)."""
+    Dc, Dr = 6, 4
+    p = make(MIXED, Hq=4, Hkv=1, D=Dc + Dr, Dv=Dc, page_size=3, max_seqs=7, pad_tokens=2,
+             seed=11)
+    if fmt is not None:
+        p = quantized(p, fmt)
+    kd = quant.dequantize(p.k_pages)
+    # the same problem with separate values: the first Dc channels of the keys
+    sep = p.__class__(**{**p.__dict__, "v_pages": kd[..., :Dc],
+                         "v_tok": [x[..., :Dc] for x in p.k_tok]})
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.array([0.5, 0.0, -1.0, 1.0]))
+    m = dict(page_table=p.page_table, context_lengths=p.context_lengths,
+             query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
+    res = jax.jit(lambda q, kp, m: fnattn.ragged_paged_attention(spec, q, kp, None,
+                                                                 value_dim=Dc, **m))(
+        p.q, p.k_pages, m)
+    assert res.out.shape == (p.q.shape[0], 4, Dc)
+    assert_close(res.out, res.lse, *expected(spec, sep), 2e-5)
+    # the update form writes the latent (and rope) channels only
+    old = p.k_old
+    res, kp, vp = jax.jit(lambda q, k, kp, m: fnattn.ragged_paged_attention_with_update(
+        spec, q, k, None, kp, None, value_dim=Dc, **m))(p.q, p.k_new, old, m)
+    assert vp is None
+    assert_close(res.out, res.lse, *expected(spec, sep), 2e-5)
+    from problems import assert_pools_equal
+    assert_pools_equal(kp, p.k_pages)
+
+
+def test_latent_paged_attention_decode_and_bad_input():
+    Dc = 6
+    B, Tq = 3, 1
+    p = make([(11, Tq), (5, Tq), (Tq, Tq)], Hq=4, Hkv=1, D=Dc + 2, Dv=Dc, page_size=4, seed=12)
+    sep = p.__class__(**{**p.__dict__, "v_pages": p.k_pages[..., :Dc],
+                         "v_tok": [x[..., :Dc] for x in p.k_tok]})
+    spec = AttentionSpec(mask=masks.causal())
+    res = jax.jit(lambda q, kp: fnattn.paged_attention(
+        spec, q, kp, None, page_table=p.page_table, kv_lengths=p.context_lengths,
+        value_dim=Dc))(p.q.reshape(B, Tq, 4, Dc + 2), p.k_pages)
+    assert_close(res.out.reshape(B * Tq, 4, Dc), res.lse.transpose(1, 0, 2).reshape(4, B * Tq),
+                 *expected(spec, sep), 2e-5)
+    with pytest.raises(ValueError, match="a latent cache \\(value_dim=6\\) has no separate "
+                                         "v_pages"):
+        fnattn.paged_attention(spec, p.q.reshape(B, Tq, 4, Dc + 2), p.k_pages, p.k_pages,
+                               page_table=p.page_table, kv_lengths=p.context_lengths,
+                               value_dim=Dc)
+    with pytest.raises(ValueError, match="value_dim must be an int in \\[1, D=8\\]"):
+        fnattn.paged_attention(spec, p.q.reshape(B, Tq, 4, Dc + 2), p.k_pages, None,
+                               page_table=p.page_table, kv_lengths=p.context_lengths,
+                               value_dim=9)
+    with pytest.raises(NotImplementedError, match="no kernel for latent pools"):
+        fnattn.paged_attention(spec.replace(impl="pallas"), p.q.reshape(B, Tq, 4, Dc + 2),
+                               p.k_pages, None, page_table=p.page_table,
+                               kv_lengths=p.context_lengths, value_dim=Dc)
