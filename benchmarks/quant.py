@@ -111,18 +111,46 @@ def timing_rows(B, S, Hq, Hkv, D, ps, reps):
         pages = x.reshape(B * S // ps, ps, Hkv, D)[jnp.asarray(inv)]
         return pages.transpose(2, 0, 1, 3)
 
-    kp, vp = to_pool(k), to_pool(v)
     rows = []
-    for label, fmt in FORMATS:
+    for label, fmt in FORMATS:   # (one cache at a time in memory beside the bf16 one)
         kc, vc = as_cache(k, fmt), as_cache(v, fmt)
         t, lo, hi, mem = measure(decode_step, (q, kc, vc, lengths), reps)
         rows.append(("decode", label, nbytes(kc) + nbytes(vc), t, lo, hi, mem))
         del kc, vc
+        print(rows[-1], flush=True)
+    kp, vp = to_pool(k), to_pool(v)
+    del k, v
+    for label, fmt in FORMATS:
         kc, vc = as_cache(kp, fmt), as_cache(vp, fmt)
         t, lo, hi, mem = measure(paged_step, (q, kc, vc, table, lengths), reps)
         rows.append(("paged", label, nbytes(kc) + nbytes(vc), t, lo, hi, mem))
         del kc, vc
-        print(rows[-2], rows[-1], flush=True)
+        print(rows[-1], flush=True)
+    return rows
+
+
+def mla_rows(B, S, Hq, Dc, Dr, reps):
+    """Latent decode (values = the keys' first Dc channels, value_dim) against MQA
+    decodes over the same (Dc + Dr)-wide keys: with v the keys themselves (one
+    array, read for both products) and with a separate Dc-wide value cache (the
+    latent stored twice), bf16, one kv head."""
+    keys = jax.random.split(jax.random.key(2), 2)
+    q = jax.random.normal(keys[0], (B, 1, Hq, Dc + Dr), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (B, S, 1, Dc + Dr), jnp.bfloat16)
+    lengths = jnp.full((B,), S, jnp.int32)
+    spec = SPEC.replace(scale=(128 + Dr) ** -0.5)   # DeepSeek-V2: (nope 128 + rope 64) ** -0.5
+    latent = lambda q, k, n: fnattn.decode(spec, q, k, None, kv_lengths=n,  # noqa: E731
+                                           value_dim=Dc).out
+    same = lambda q, k, n: fnattn.decode(spec, q, k, k, kv_lengths=n).out  # noqa: E731
+    twice = lambda q, k, v, n: fnattn.decode(spec, q, k, v, kv_lengths=n).out  # noqa: E731
+    rows = []
+    for label, fn, args in (("MQA, v = the keys (one array)", same, (q, k, lengths)),
+                            ("latent, value_dim=Dc (no value cache)", latent, (q, k, lengths)),
+                            ("MQA, a separate Dc-wide value cache", twice,
+                             (q, k, k[..., :Dc] + 0, lengths))):
+        t, lo, hi, mem = measure(fn, args, reps)
+        rows.append((label, sum(nbytes(a) for a in args[1:-1]), t, lo, hi, mem))
+        print(rows[-1], flush=True)
     return rows
 
 
@@ -153,19 +181,38 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-timing", action="store_true")
+    ap.add_argument("--mla-only", action="store_true", help="only the latent (MLA) decode")
     args = ap.parse_args()
     if args.quick:
         B, S, Hq, Hkv, D, ps = 2, 1024, 8, 2, 64, 16
         acc = (2, 512, 8, 2, 64)
+        mla = (2, 1024, 16, 64, 16)
     else:
         B, S, Hq, Hkv, D, ps = 8, 32768, 32, 8, 128, 16
         acc = (2, 4096, 32, 8, 128)
+        mla = (4, 16384, 16, 512, 64)
     dev = jax.devices()[0]
     lines = [f"# Quantized KV caches ({dev.platform})", "",
              f"`python benchmarks/quant.py{' --quick' if args.quick else ''}` on "
              f"{platform.machine()} ({os.cpu_count()} cores, shared and noisy), jax "
              f"{jax.__version__}, {datetime.date.today()}. XLA lowering (impl='xla'), "
              "bfloat16 queries, one new token per sequence, causal.", ""]
+    if args.mla_only:
+        lines = lines[:-1] + [f"## Latent (MLA) decode: B={mla[0]}, S={mla[1]}, Hq={mla[2]}, "
+                              f"Dc={mla[3]}, Dr={mla[4]}, bf16", "",
+                              "| variant | cache bytes | time (s) median [min, max] | "
+                              "time / MQA with v = the keys | temp MiB |", "|---|---|---|---|---|"]
+        rows = mla_rows(*mla, args.reps)
+        for label, nb, t, lo, hi, mem in rows:
+            lines.append(f"| {label} | {nb} | {t:.3f} [{lo:.3f}, {hi:.3f}] | "
+                         f"{t / rows[0][2]:.2f}x | {mem:.0f} |")
+        text = "\n".join(lines) + "\n"
+        print(text)
+        out = args.out or os.path.join(RESULTS, f"quant_mla_{dev.platform}"
+                                       f"{'_quick' if args.quick else ''}.md")
+        with open(out, "w") as f:
+            f.write(text)
+        return
     if not args.skip_timing:
         rows = timing_rows(B, S, Hq, Hkv, D, ps, args.reps)
         base = {r[0]: r for r in rows if r[1] == "bf16"}

@@ -584,3 +584,34 @@ def test_latent_cache_bad_input():
     with pytest.raises(NotImplementedError, match="impl='pallas' has no kernel for latent"):
         jax.jit(lambda q, k: fnattn.decode(AttentionSpec(impl="pallas"), q, k, None,
                                            kv_lengths=L, value_dim=6))(q, k)
+
+
+@pytest.mark.parametrize("formats", QUANT[:3], ids=QIDS[:3])
+def test_quantized_caches_read_in_chunks_of_slots(formats, monkeypatch):
+    """Long quantized caches are read a chunk of slots at a time (lax.map over chunks,
+    merged with the sinks): the same answers as one pass, with starts, windows,
+    ALiBi, empty sequences and NaN in unowned slots and scales."""
+    from fnattn import position_bias
+    monkeypatch.setattr(xla, "QUANT_MIN_CHUNK", 4)
+    monkeypatch.setattr(xla, "QUANT_CHUNK_BYTES", 3 * 2 * 8 * 4 * 8)   # 8 slots a chunk
+    assert xla._quant_chunk(NAN_SLOTS, 3 * 2 * 8 * 4) == 8
+    q, k, v, L, a = nan_problem(D=8, Dv=8, lengths=(30, 9, 0), starts=(0, 17, 3))
+    kq, vq = quantized(k, formats[0]), quantized(v, formats[1])
+    slopes = position_bias.alibi_slopes(6)
+    for spec in (AttentionSpec(mask=masks.causal() & masks.sliding_window(5),
+                               sinks=jnp.linspace(-1, 1, 6), softcap=4.0),
+                 AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(slopes))):
+        res = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L,
+                                                    kv_starts=a))(q, kq, vq)
+        out, lse = expected(spec, q, kq, vq, np.asarray(L), np.asarray(a),
+                            alibi_slopes=slopes if spec.position_bias is not None else None)
+        assert np.isfinite(np.asarray(res.out)).all()
+        np.testing.assert_allclose(res.out, out, atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(np.where(np.isfinite(lse), res.lse, 0),
+                                   np.where(np.isfinite(lse), lse, 0), atol=2e-5, rtol=2e-5)
+    # and the gradient with respect to q (through lax.map) is the one-pass gradient's
+    f = lambda q: jnp.sum(fnattn.decode(AttentionSpec(mask=masks.causal()), q, kq, vq,  # noqa
+                                        kv_lengths=L, kv_starts=a).out ** 2)
+    g = jax.jit(jax.grad(f))(q)
+    monkeypatch.setattr(xla, "QUANT_CHUNK_BYTES", 2 ** 30)
+    np.testing.assert_allclose(g, jax.jit(jax.grad(f))(q), atol=1e-5, rtol=1e-5)

@@ -62,6 +62,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
@@ -309,7 +310,8 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
         table = quantized_table(spec.impl)
     else:
         table = lowering_table(spec.impl)
-    out, lse = _attend(table, cfg, qb, kb, vb, starts, lengths, sinks, terms)
+    attend = _attend_stored if quant.is_quantized(kb) or quant.is_quantized(vb) else _attend
+    out, lse = attend(table, cfg, qb, kb, vb, starts, lengths, sinks, terms)
     out = _checks.from_bthd(out, spec.layout)
     return AttentionOutput(out, lse if spec.return_lse else None)
 
@@ -438,6 +440,31 @@ class _Derivatives(_linear.Rule):
         d_out, d_lse = cts
         return _partition.decode(functools.partial(_grads, self.cfg), q, k, v, starts, lengths,
                                  sinks, terms, d_out, d_lse, allow=_splittable(self.cfg))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend_stored(table, cfg, q, k, v, starts, lengths, sinks, terms):
+    """:func:`_attend` for quantized caches (pytrees of codes and scales), in
+    reverse mode only: the backward is ``jax.vjp`` of the XLA lowering, which
+    differentiates through the dequantization (the scales get cotangents, the
+    integer codes float0 zeros)."""
+    return _forward(table, cfg, q, k, v, starts, lengths, sinks, terms)
+
+
+def _stored_fwd(table, cfg, q, k, v, starts, lengths, sinks, terms):
+    return (_forward(table, cfg, q, k, v, starts, lengths, sinks, terms),
+            (q, k, v, starts, lengths, sinks, terms))
+
+
+def _stored_bwd(table, cfg, res, cts):
+    q, k, v, starts, lengths, sinks, terms = res
+    dq, dk, dv, dsinks = _grads(cfg, q, k, v, starts, lengths, sinks, terms, *cts)
+    ints = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+    return (dq, dk, dv, ints(starts), ints(lengths), dsinks,
+            None if terms is None else jnp.zeros_like(terms))
+
+
+_attend_stored.defvjp(_stored_fwd, _stored_bwd)
 
 
 def _xla_fn(cfg, starts, lengths, terms):

@@ -16,6 +16,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from fnattn import _checks, _latent, quant
 from fnattn import _online as online
@@ -76,7 +77,58 @@ def choose(cfg, rows: int, cache_len: int, *, batch: int = 1, kv_heads: int = 1,
     return form, 1
 
 
-def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, cpu=False):
+# Quantized caches are read in chunks of slots of about this many bytes of
+# dequantized keys (all sequences and kv heads), one chunk at a time: no
+# dequantized copy of the cache, and the chunk is still in cache when the
+# products read it. On a 2-core x86 CPU (B=8, S=32k, Hkv=8, D=128, bf16 q) one
+# pass over the whole cache held 2.5 GB of temporaries and ran an int8 cache at
+# 1.45x the bf16 cache's time (benchmarks/results/quant_cpu.md).
+QUANT_CHUNK_BYTES = 2 ** 22
+QUANT_MIN_CHUNK = 64
+
+
+def _quant_chunk(S: int, per_slot: int):
+    """The chunk length for a quantized cache of S slots, or None (one pass)."""
+    if not _checks.is_static(S):
+        return None
+    want = max(QUANT_CHUNK_BYTES // max(per_slot, 1), QUANT_MIN_CHUNK)
+    if S <= want:
+        return None
+    c = max(d for d in range(1, want + 1) if S % d == 0)
+    return c if c >= QUANT_MIN_CHUNK else None
+
+
+def _slots(x, first, n):
+    """Slots [first, first + n) of a cache (B, S, Hkv, D), quantized or not."""
+    if x is None:
+        return None
+    if quant.is_quantized(x):
+        scale = (lax.dynamic_slice_in_dim(x.scale, first, n, axis=1) if x.format.per_token
+                 else x.scale)
+        return x.replace(data=lax.dynamic_slice_in_dim(x.data, first, n, axis=1), scale=scale)
+    return lax.dynamic_slice_in_dim(x, first, n, axis=1)
+
+
+def _chunked(cfg, q, k, v, starts, lengths, sinks, terms, C, *, sanitize, cpu):
+    """:func:`forward` over chunks of C slots, one at a time (``lax.map``), merged
+    with the sinks: each chunk is dequantized as it is loaded."""
+    S = k.shape[1]
+
+    def part(j):
+        first = j * C
+        # a chunk's slot c is global slot first + c: its keys keep their positions
+        o, l = forward(cfg, q, _slots(k, first, C), _slots(v, first, C), starts - first,
+                       lengths, None, terms, sanitize=sanitize, cpu=cpu, whole=True)
+        return o.astype(F32), jnp.swapaxes(l, 1, 2)          # lse as (B, Tq, Hq)
+
+    outs, lses = lax.map(part, jnp.arange(S // C, dtype=I32))
+    sink = None if sinks is None else sinks.astype(F32)
+    out, lse = merge_stacked(outs, lses, sink)
+    return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
+
+
+def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, cpu=False,
+            whole=False):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) q.dtype, lse (B, Hq, Tq).
 
     ``sanitize=None`` passes over the cache for non-finite keys only when it holds
@@ -84,9 +136,15 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, 
     the backward differentiates (through a ``cond``, the untaken branch would
     get zero cotangents, and 0 times the NaN of a poisoned slot is NaN).
     ``cpu``: the program is lowered for a CPU (:func:`cpu_forward`), whose
-    forms were measured (:func:`choose`).
+    forms were measured (:func:`choose`). A quantized cache (:mod:`fnattn.quant`)
+    is read in chunks of slots (:data:`QUANT_CHUNK_BYTES`) unless ``whole``.
     """
     B, _, Hkv, _ = k.shape
+    if not whole and (quant.is_quantized(k) or quant.is_quantized(v)):
+        C = _quant_chunk(k.shape[1], B * Hkv * k.shape[3] * jnp.dtype(q.dtype).itemsize)
+        if C is not None:
+            return _chunked(cfg, q, k, v, starts, lengths, sinks, terms, C,
+                            sanitize=sanitize, cpu=cpu)
     dtype = q.dtype if quant.is_quantized(k) else k.dtype
     form, ns = choose(cfg, q.shape[1] * q.shape[2] // Hkv, k.shape[1], batch=B, kv_heads=Hkv,
                       dtype=dtype, cpu=cpu)

@@ -67,6 +67,7 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
@@ -195,6 +196,30 @@ class _Derivatives(_linear.Rule):
         d_out, d_lse = cts
         return _partition.paged(_grads, self.cfg, q, k_pages, v_pages, sinks, meta, None, None,
                                 d_out, d_lse)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend_stored(table, cfg, q, k_pages, v_pages, sinks, meta):
+    """:func:`_attend` for quantized pools (pytrees of codes and scales), in
+    reverse mode only: the backward is ``jax.vjp`` of the XLA lowering, through
+    the dequantization (the scales get cotangents, the integer codes float0)."""
+    return _forward(table, cfg, q, k_pages, v_pages, sinks, meta)
+
+
+def _stored_fwd(table, cfg, q, k_pages, v_pages, sinks, meta):
+    return (_forward(table, cfg, q, k_pages, v_pages, sinks, meta),
+            (q, k_pages, v_pages, sinks, meta))
+
+
+def _stored_bwd(table, cfg, res, cts):
+    q, k_pages, v_pages, sinks, meta = res
+    grads = _grads(cfg, q, k_pages, v_pages, sinks, meta, None, None, *cts)
+    zero = lambda x: (np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+                      if jnp.issubdtype(x.dtype, jnp.integer) else jnp.zeros_like(x))
+    return (*grads, jax.tree_util.tree_map(zero, meta))
+
+
+_attend_stored.defvjp(_stored_fwd, _stored_bwd)
 
 
 def _xla_fn(cfg, meta):
@@ -452,7 +477,8 @@ def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, ne
     # inside shard_map: gradients typed like their inputs (see fnattn._dispatch.attend)
     q, k_pages, v_pages, sinks = varying_like((q, k_pages, v_pages, spec.sinks), q, k_pages,
                                               v_pages, spec.sinks, meta)
-    return _attend(table, cfg, q, k_pages, v_pages, sinks, meta)
+    stored = quant.is_quantized(k_pages) or quant.is_quantized(v_pages)
+    return (_attend_stored if stored else _attend)(table, cfg, q, k_pages, v_pages, sinks, meta)
 
 
 @_checks.entry_point("fnattn.paged_attention", ints=("page_table", "kv_lengths"))

@@ -292,3 +292,52 @@ def test_latent_paged_attention_decode_and_bad_input():
         fnattn.paged_attention(spec.replace(impl="pallas"), p.q.reshape(B, Tq, 4, Dc + 2),
                                p.k_pages, None, page_table=p.page_table,
                                kv_lengths=p.context_lengths, value_dim=Dc)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_quantized_and_latent_caches_lower_for_gpu_and_tpu_without_a_kernel(platform):
+    """impl='auto' on a GPU or a TPU runs quantized and latent caches with the XLA
+    lowering: the programs lower for each platform and hold no Pallas kernel."""
+    from lowering import target
+    p = quantized(make([(9, 1), (5, 1)], Hq=4, Hkv=1, D=8, page_size=4, seed=13),
+                  QuantFormat("int8"), QuantFormat("float8_e4m3fn", "tensor"))
+    spec = AttentionSpec(mask=masks.causal())
+    m = dict(page_table=p.page_table, context_lengths=p.context_lengths,
+             query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
+    q4 = p.q.reshape(2, 1, 4, 8)
+    kc = quant.quantize(jnp.ones((2, 16, 1, 8)), "int4")
+    calls = [
+        (lambda q, kp, vp: fnattn.ragged_paged_attention(spec, q, kp, vp, **m).out,
+         (p.q, p.k_pages, p.v_pages)),
+        (lambda q, kp: fnattn.ragged_paged_attention(spec, q, kp, None, value_dim=6, **m).out,
+         (p.q, p.k_pages)),
+        (lambda q, k: fnattn.decode(spec, q, k, k, kv_lengths=jnp.array([9, 5])).out,
+         (q4, kc)),
+        (lambda q, k: fnattn.decode(spec, q, k, None, kv_lengths=jnp.array([9, 5]),
+                                    value_dim=4).out, (q4, kc))]
+    for f, args in calls:
+        with target(platform):
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        assert "tpu_custom_call" not in text and "triton" not in text.lower()
+        assert "stablehlo.dot_general" in text
+
+
+def test_quantized_pools_gradients_with_respect_to_q_and_the_scales():
+    """Reverse mode through quantized pools: d/dq equals d/dq on float pools holding the
+    dequantized values, and d/dscale is the chain rule through the dequantization."""
+    p = quantized(make([(6, 2), (9, 1)], Hq=4, Hkv=2, D=8, page_size=3, max_seqs=3, seed=14),
+                  QuantFormat("int8"))
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.array([0.1, -1., 2., 0.]))
+    m = dict(page_table=p.page_table, context_lengths=p.context_lengths,
+             query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
+
+    def loss(q, kp, vp):
+        return _loss(fnattn.ragged_paged_attention(spec, q, kp, vp, **m))
+
+    gq, gk = jax.jit(jax.grad(loss, argnums=(0, 1), allow_int=True))(p.q, p.k_pages, p.v_pages)
+    kd, vd = quant.dequantize(p.k_pages), quant.dequantize(p.v_pages)
+    gq_f, gk_f = jax.jit(jax.grad(loss, argnums=(0, 1)))(p.q, kd, vd)
+    np.testing.assert_allclose(gq, gq_f, atol=1e-5, rtol=1e-5)
+    # d/dscale[h, n, o] = sum_d dL/dk[h, n, o, d] * code[h, n, o, d]
+    codes = p.k_pages.data.astype(jnp.float32)
+    np.testing.assert_allclose(gk.scale, jnp.sum(gk_f * codes, -1), atol=1e-4, rtol=1e-4)
