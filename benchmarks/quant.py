@@ -95,7 +95,7 @@ def nbytes(x):
     return x.nbytes if quant.is_quantized(x) else x.size * x.dtype.itemsize
 
 
-def timing_rows(B, S, Hq, Hkv, D, ps, reps):
+def timing_rows(B, S, Hq, Hkv, D, ps, reps, variants=("decode", "paged")):
     keys = jax.random.split(jax.random.key(0), 3)
     q = jax.random.normal(keys[0], (B, 1, Hq, D), jnp.bfloat16)
     k = jax.random.normal(keys[1], (B, S, Hkv, D), jnp.bfloat16)
@@ -112,12 +112,14 @@ def timing_rows(B, S, Hq, Hkv, D, ps, reps):
         return pages.transpose(2, 0, 1, 3)
 
     rows = []
-    for label, fmt in FORMATS:   # (one cache at a time in memory beside the bf16 one)
+    for label, fmt in FORMATS if "decode" in variants else ():   # (one cache at a time)
         kc, vc = as_cache(k, fmt), as_cache(v, fmt)
         t, lo, hi, mem = measure(decode_step, (q, kc, vc, lengths), reps)
         rows.append(("decode", label, nbytes(kc) + nbytes(vc), t, lo, hi, mem))
         del kc, vc
         print(rows[-1], flush=True)
+    if "paged" not in variants:
+        return rows
     kp, vp = to_pool(k), to_pool(v)
     del k, v
     for label, fmt in FORMATS:
@@ -182,6 +184,7 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--skip-timing", action="store_true")
     ap.add_argument("--mla-only", action="store_true", help="only the latent (MLA) decode")
+    ap.add_argument("--variants", default="decode,paged", help="decode, paged or both")
     args = ap.parse_args()
     if args.quick:
         B, S, Hq, Hkv, D, ps = 2, 1024, 8, 2, 64, 16
@@ -193,7 +196,8 @@ def main():
         mla = (4, 16384, 16, 512, 64)
     dev = jax.devices()[0]
     lines = [f"# Quantized KV caches ({dev.platform})", "",
-             f"`python benchmarks/quant.py{' --quick' if args.quick else ''}` on "
+             f"`python benchmarks/quant.py{' --quick' if args.quick else ''}"
+             f"{' --mla-only' if args.mla_only else ''}` on "
              f"{platform.machine()} ({os.cpu_count()} cores, shared and noisy), jax "
              f"{jax.__version__}, {datetime.date.today()}. XLA lowering (impl='xla'), "
              "bfloat16 queries, one new token per sequence, causal.", ""]
@@ -214,7 +218,7 @@ def main():
             f.write(text)
         return
     if not args.skip_timing:
-        rows = timing_rows(B, S, Hq, Hkv, D, ps, args.reps)
+        rows = timing_rows(B, S, Hq, Hkv, D, ps, args.reps, args.variants.split(","))
         base = {r[0]: r for r in rows if r[1] == "bf16"}
         lines += [f"## Bytes and time per step: B={B}, S={S}, Hq={Hq}, Hkv={Hkv}, D={D}, "
                   f"page {ps}", "",

@@ -68,7 +68,7 @@ from jax.experimental import checkify
 from jaxtyping import Array, Shaped
 
 __all__ = ["FORMATS", "QuantFormat", "QuantizedArray", "check_scales", "dequantize", "empty",
-           "is_quantized", "quantize"]
+           "is_quantized", "partition_specs", "quantize"]
 
 F32 = jnp.float32
 
@@ -383,6 +383,26 @@ def empty(shape, format, *, scale=None) -> QuantizedArray:
         raise ValueError(f"quant.empty: {fmt} needs its scale: quant.empty(shape, format, "
                          "scale=...)")
     return QuantizedArray(data, _check_tensor_scale("quant.empty", scale), fmt)
+
+
+def partition_specs(spec, format) -> QuantizedArray:
+    """The partition specs of a quantized cache whose float counterpart has ``spec``
+    (a ``PartitionSpec``, e.g. from :func:`fnattn.sharding.rules`): the codes
+    take ``spec``, per-token scales ``spec`` without its last (head-dim) entry,
+    a per-tensor scale is replicated. Use it for ``shard_map``'s ``in_specs`` or
+    to build ``NamedSharding`` objects.
+
+    >>> from jax.sharding import PartitionSpec as P
+    >>> from fnattn import quant
+    >>> s = quant.partition_specs(P("model", None, None, None), "int8")
+    >>> tuple(s.data), tuple(s.scale)
+    (('model', None, None, None), ('model', None, None))
+    """
+    from jax.sharding import PartitionSpec
+    fmt = _as_format(format)
+    entries = tuple(spec)
+    scale = PartitionSpec(*entries[:-1]) if fmt.per_token else PartitionSpec()
+    return QuantizedArray(spec, scale, fmt)
 
 
 def check(fn: str, name: str, x: QuantizedArray) -> None:

@@ -40,6 +40,13 @@ Mosaic GPU kernel (fnattn/decoding/mosaic_gpu.py) under either impl instead
 (:func:`fnattn.decoding.mosaic_gpu.gpu_forward`); it has not been timed on a
 GPU yet, so it is not the default.
 
+**Quantized and latent caches** (:mod:`fnattn.quant` ``QuantizedArray``
+caches; ``value_dim`` with no ``v_cache``) run with the XLA lowering on every
+platform under ``impl="auto"``, which reads a quantized cache a chunk of slots
+at a time, dequantizing each chunk as it loads it; no Pallas kernel reads them
+yet, so ``impl="pallas"`` raises ``NotImplementedError``. Their derivatives
+are reverse mode only.
+
 ``impl="xla"`` is the XLA lowering everywhere. On TPU, ``impl="auto"`` reads
 float16 caches with the XLA lowering (the kernel would first copy them to
 float32). float64 inputs are refused at trace time (``TypeError``): every

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fnattn import _checks, _latent, quant
+from fnattn import _checks, quant
 from fnattn import _online as online
 from fnattn import masks
 from fnattn.merging import merge_stacked
@@ -105,7 +105,17 @@ def _slots(x, first, n):
     if quant.is_quantized(x):
         scale = (lax.dynamic_slice_in_dim(x.scale, first, n, axis=1) if x.format.per_token
                  else x.scale)
-        return x.replace(data=lax.dynamic_slice_in_dim(x.data, first, n, axis=1), scale=scale)
+        data = x.data
+        if x.format.is_float:
+            # Sliced as bytes: XLA on a CPU widens a float8 array before slicing
+            # it (1 GB of temporaries at B=8, S=32k, and 2.5x the time); the
+            # barrier keeps it from folding the two bitcasts away.
+            raw = lax.dynamic_slice_in_dim(lax.bitcast_convert_type(data, jnp.uint8), first,
+                                           n, axis=1)
+            data = lax.bitcast_convert_type(lax.optimization_barrier(raw), x.data.dtype)
+        else:
+            data = lax.dynamic_slice_in_dim(data, first, n, axis=1)
+        return x.replace(data=data, scale=scale)
     return lax.dynamic_slice_in_dim(x, first, n, axis=1)
 
 
@@ -182,9 +192,11 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits
     # Quantized caches (fnattn.quant): codes times scales in q's dtype, an
     # elementwise expression that XLA fuses into the passes that read it. A
     # latent cache (v None): the values are the keys' first value_dim channels.
+    # The products of a latent cache take the keys whole as the values and keep
+    # the output's first value_dim channels (a slice of the keys would be a copy).
+    latent = v is None
     k = quant.dequantize(k, q.dtype)
-    v = _latent.take_values(k, None if v is None else quant.dequantize(v, q.dtype),
-                            cfg.value_dim)
+    v = k if latent else quant.dequantize(v, q.dtype)
     _, S, Hkv, Dv = v.shape
     G, ns = Hq // Hkv, num_splits
     C = S // ns
@@ -269,4 +281,6 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits
     lse = lse.reshape(B, Hkv, Tq, G).transpose(0, 1, 3, 2).reshape(B, Hq, Tq)
     if not sanitize:
         finite = finite & jnp.all(jnp.isfinite(part_out))
+    if latent:
+        out = out[..., :cfg.value_dim]
     return out, lse, finite

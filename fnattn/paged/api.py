@@ -46,6 +46,12 @@ The Mosaic kernel needs a page size that is a multiple of 8; on TPU,
 ``impl="pallas"`` raises ``NotImplementedError`` (at trace time, on every
 platform, since every branch is traced).
 
+Quantized pools (:class:`fnattn.quant.QuantizedArray`) and latent pools
+(``value_dim`` with no ``v_pages``) run with the XLA lowering on every
+platform under ``impl="auto"``; ``impl="pallas"`` raises
+``NotImplementedError`` for them (no kernel reads them yet). Derivatives
+through quantized pools are reverse mode only.
+
 ``impl="xla"`` is the XLA lowering everywhere, ``impl="reference"`` the plain
 gather-everything implementation (:mod:`fnattn.paged.reference`).
 

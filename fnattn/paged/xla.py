@@ -150,7 +150,10 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
         safe = jnp.maximum(pages, 0)
         # (a quantized pool: this chunk's codes dequantized as they are loaded)
         kc = quant.load(k_pages, (slice(None), safe), qw.dtype).reshape(Hkv, W, C, D)
-        vc = (kc[..., :Dv] if v_pages is None else   # (a latent pool: the keys' first Dv)
+        # A latent pool: the values are the keys' first Dv channels. The product
+        # takes the keys whole and the output keeps its first Dv channels: a
+        # slice of the keys here would be a copy of them.
+        vc = (kc if v_pages is None else
               quant.load(v_pages, (slice(None), safe), qw.dtype).reshape(Hkv, W, C, Dv))
         # Slots past a sequence's length and pages it does not own may hold anything
         # (NaN from a released request, never-written memory): see _online.finite_keys.
@@ -190,7 +193,7 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
 
     m = jnp.full((Hkv, W, M), -jnp.inf, F32)
     l = jnp.zeros((Hkv, W, M), F32)
-    acc = jnp.zeros((Hkv, W, M, Dv), F32)
+    acc = jnp.zeros((Hkv, W, M, D if v_pages is None else Dv), F32)
     m, l, acc, finite = varying_like((m, l, acc, jnp.bool_(True)), q, k_pages, v_pages, sinks,
                                      meta)
     if _checks.is_static(n_chunks) and n_chunks == 1:
@@ -217,7 +220,7 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
         m = m_fin
     empty = l == 0                        # (a row that saw a NaN key stays NaN)
     safe = jnp.where(empty, 1.0, l)
-    out = acc / safe[..., None]
+    out = acc[..., :Dv] / safe[..., None]     # (a latent pool: its first Dv channels)
     lse = jnp.where(empty, -jnp.inf, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe))
 
     # Items' rows back to packed tokens; tokens of no sequence get 0 and -inf.
