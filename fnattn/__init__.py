@@ -6,7 +6,7 @@
 (1, 4, 2, 8)
 """
 
-from fnattn import _jax_private, context, cost, dropout, masks, position_bias, sharding
+from fnattn import _jax_private, context, cost, dropout, masks, position_bias, quant, sharding
 from fnattn.core import attention
 from fnattn.decoding import DecodeBlockSizes, decode, decode_with_update
 from fnattn.decoding.mosaic_gpu import MosaicGpuDecodeBlockSizes
@@ -52,6 +52,7 @@ __all__ = [
     "merge",
     "paged_attention",
     "position_bias",
+    "quant",
     "ragged_paged_attention",
     "ragged_paged_attention_with_update",
     "reference",

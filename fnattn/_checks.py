@@ -306,6 +306,10 @@ def _as_float_array(fn: str, name: str, x):
     # layer) would stack along a new first axis, rarely the documented layout.
     if isinstance(x, np.ndarray):
         return jnp.asarray(x)
+    from fnattn import quant   # (a quantized cache stands where a cache goes)
+    if quant.is_quantized(x):
+        quant.check(fn, name, x)   # (here a concrete per-tensor scale is refused at once)
+        return x
     if not isinstance(x, jax.Array):
         raise TypeError(f"{fn}: {name} must be a JAX array; got {_describe(x)}. Pass a JAX "
                         f"array, e.g. jnp.asarray({name}), in the documented shape.")
@@ -351,6 +355,9 @@ def entry_point(public: str, *, ints=(), concrete=None):
         # the array parameters: those annotated with jaxtyping's Array
         arrays = {p.name: p.default for p in params
                   if "Array" in str(p.annotation) or p.name in ints}
+        # (an Optional array, such as the absent values of a latent cache, may be None)
+        optional = {p.name for p in params
+                    if "Optional" in str(p.annotation) or "NoneType" in str(p.annotation)}
 
         @functools.wraps(f)
         def wrapper(*args, **kwargs):
@@ -363,7 +370,7 @@ def entry_point(public: str, *, ints=(), concrete=None):
                 if name not in bound.arguments:
                     continue
                 x = bound.arguments[name]
-                if x is None and default is None:
+                if x is None and (default is None or name in optional):
                     continue
                 bound.arguments[name] = (_as_int_array(fn, name, x) if name in ints
                                          else _as_float_array(fn, name, x))

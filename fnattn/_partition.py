@@ -248,6 +248,61 @@ def _full(sizes: Sizes) -> Shard:
     return Shard(sizes.batch, sizes.q_heads, sizes.kv_heads)
 
 
+def _is_pytree_operand(a) -> bool:
+    from fnattn import quant
+    return quant.is_quantized(a)
+
+
+def _partition_leaves(body, args, in_roles, outs, sizes, allow):
+    """:func:`partitioned` with pytree operands (a quantized pool: its codes and
+    its scales) flattened into their arrays. A leaf takes the first ``ndim``
+    roles of its operand: a per-token scale, whose axes are the codes' but the
+    last, splits with them; a per-tensor scale is whole on every device."""
+    flat, roles, defs = [], [], []
+    for a, r in zip(args, in_roles):
+        if _is_pytree_operand(a):
+            leaves, treedef = jax.tree_util.tree_flatten(a)
+            flat += leaves
+            roles += [tuple(r)[:jnp.ndim(x)] for x in leaves]
+            defs.append((treedef, len(leaves)))
+        else:
+            flat.append(a)
+            roles.append(r)
+            defs.append(None)
+
+    def rebuild(flat_):
+        it, rebuilt = iter(flat_), []
+        for d in defs:
+            if d is None:
+                rebuilt.append(next(it))
+            else:
+                rebuilt.append(jax.tree_util.tree_unflatten(d[0], [next(it) for _ in range(d[1])]))
+        return rebuilt
+
+    # the outputs' structure (an update returns quantized pools): from one abstract trace
+    shapes = jax.eval_shape(lambda *f: tuple(body(_full(sizes), *rebuild(f))), *flat)
+    out_defs, flat_outs = [], []
+    for r, o in zip(shapes, outs):
+        if _is_pytree_operand(r):
+            leaves, treedef = jax.tree_util.tree_flatten(r)
+            flat_outs += [Out(tuple(o.roles)[:x.ndim], o.summed) for x in leaves]
+            out_defs.append((treedef, len(leaves)))
+        else:
+            flat_outs.append(o)
+            out_defs.append(None)
+
+    def unflat(shard, *flat_):
+        res = []
+        for r in body(shard, *rebuild(flat_)):
+            res += jax.tree_util.tree_leaves(r) if _is_pytree_operand(r) else [r]
+        return tuple(res)
+
+    res = iter(partitioned(unflat, flat, roles, flat_outs, sizes, allow))
+    return tuple(next(res) if d is None else
+                 jax.tree_util.tree_unflatten(d[0], [next(res) for _ in range(d[1])])
+                 for d in out_defs)
+
+
 def partitioned(body: Callable, args: Sequence[Any], in_roles: Sequence[Optional[Roles]],
                 outs: Sequence[Optional[Out]], sizes: Sizes, allow: str = "bh"):
     """``body(shard, *args)``, split along the batch and the heads under ``jit``.
@@ -267,6 +322,8 @@ def partitioned(body: Callable, args: Sequence[Any], in_roles: Sequence[Optional
     """
     if inside_shard_map():
         return tuple(body(_full(sizes), *args))  # per-device values already
+    if any(_is_pytree_operand(a) for a in args):
+        return _partition_leaves(body, args, in_roles, outs, sizes, allow)
     present = [i for i, a in enumerate(args) if a is not None]
     arrays = tuple(args[i] for i in present)
     roles = tuple(tuple(in_roles[i]) for i in present)
@@ -599,7 +656,8 @@ def decode(fn: Callable, q, k, v, starts, lengths, sinks, terms, *cotangents,
     in_roles = [Q4, KV4, KV4, ("b",), ("b",), ("h",), (None, "b", "h")]
     if cotangents:
         in_roles += [Q4, ROWS]
-        outs = [Out(Q4), Out(KV4), Out(KV4), None if sinks is None else Out(("h",), "b")]
+        outs = [Out(Q4), Out(KV4), None if v is None else Out(KV4),  # (v None: latent)
+                None if sinks is None else Out(("h",), "b")]
     else:
         outs = [Out(Q4), Out(ROWS)]
     return partitioned(lambda shard, *args: fn(*args), (q, k, v, starts, lengths, sinks,
@@ -626,9 +684,12 @@ def paged(fn: Callable, cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v
     in_roles = [packed, pool, pool, ("h",), *meta_roles, tokens_kv, tokens_kv]
     if cotangents:
         in_roles += [packed, ("h", None)]
-        outs = [Out(packed), Out(pool), Out(pool), None if sinks is None else Out(("h",))]
+        # (v_pages None: a latent pool, whose values are its keys' first channels)
+        v_out = None if v_pages is None else Out(pool)
+        outs = [Out(packed), Out(pool), v_out, None if sinks is None else Out(("h",))]
     else:
-        outs = [Out(packed), Out(("h", None))] + ([Out(pool), Out(pool)] if cfg.update else [])
+        v_out = None if v_pages is None else Out(pool)
+        outs = [Out(packed), Out(("h", None))] + ([Out(pool), v_out] if cfg.update else [])
 
     def body(shard, q, k_pages, v_pages, sinks, *rest):
         local = dataclasses.replace(cfg, num_q_heads=shard.q_heads, num_kv_heads=shard.kv_heads)

@@ -67,6 +67,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from fnattn import quant
+
 __all__ = ["LayeredPagedKVCache", "PagedKVCache", "TokenSlots", "write_tokens"]
 
 I32 = jnp.int32
@@ -106,7 +108,7 @@ jax.tree_util.register_dataclass(TokenSlots, data_fields=["index"], meta_fields=
 
 def _shape(x):
     # np.shape: jnp.shape of a list is deprecated (and will raise) in JAX.
-    return tuple(np.shape(x))
+    return tuple(x.shape) if quant.is_quantized(x) else tuple(np.shape(x))
 
 
 def _check_tokens(fn, T, Hkv, D, Dv, k, v):
@@ -138,9 +140,14 @@ def _check_pool(fn, name, x, ndim, axes):
 
 def _put(pool, index, new):
     """pool (Hkv, N, ps, D) with new (T, Hkv, D) at the flat slots ``index`` (T,);
-    indices outside [0, N * ps) are dropped."""
+    indices outside [0, N * ps) are dropped. A quantized pool gets
+    :func:`fnattn.quant.quantize`'s codes and per-token scales."""
     Hkv, N, ps, D = pool.shape
     index = jnp.where((index >= 0) & (index < N * ps), index, N * ps)
+    if quant.is_quantized(pool):
+        flat = quant.write(pool.reshape_leading(Hkv, N * ps), (slice(None), index),
+                           jnp.swapaxes(new, 0, 1))
+        return flat.reshape_leading(Hkv, N, ps)
     flat = pool.reshape(Hkv, N * ps, D)
     flat = flat.at[:, index].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype), mode="drop")
     return flat.reshape(pool.shape)
@@ -304,6 +311,51 @@ def _ragged_metadata(cache, seq_ids, checked):
 _BOOK_FIELDS = ["page_table", "lengths", "free_pages", "num_free"]
 
 
+def _formats(owner, quant_format):
+    """(k format, v format) from ``quant_format`` (None, one format or a pair)."""
+    if quant_format is None:
+        return None, None
+    if isinstance(quant_format, (tuple, list)):
+        if len(quant_format) != 2:
+            raise ValueError(f"{owner}.create: quant_format must be a QuantFormat, a format "
+                             f"name or a (k, v) pair of them; got {quant_format!r}")
+        k, v = quant_format
+    else:
+        k = v = quant_format
+    as_fmt = lambda f: None if f is None else (  # noqa: E731
+        quant.QuantFormat(f) if isinstance(f, str) else f)
+    return as_fmt(k), as_fmt(v)
+
+
+def _pool(shape, dtype, fmt, scale):
+    """A zero pool: float, or quantized (:func:`fnattn.quant.empty`)."""
+    if fmt is None:
+        return jnp.zeros(shape, dtype)
+    return quant.empty(shape, fmt, scale=scale)
+
+
+def _layered_pool(shape, dtype, fmt, scale):
+    """:func:`_pool` of a layered cache: a per-tensor format has one scale per
+    layer, (num_layers,), each checked like a per-tensor scale."""
+    if fmt is None or fmt.per_token:
+        return _pool(shape, dtype, fmt, scale)
+    L = shape[0]
+    if scale is None:
+        raise ValueError(f"LayeredPagedKVCache.create: {fmt} needs its scales (k_scale, "
+                         f"v_scale: a number or one per layer, shape ({L},))")
+    scale = jnp.asarray(scale, jnp.float32)
+    if scale.shape not in ((), (L,)):
+        raise ValueError(f"LayeredPagedKVCache.create: a per-tensor scale must be a number "
+                         f"or one per layer, shape ({L},); got shape {scale.shape}")
+    scales = jnp.broadcast_to(scale, (L,))
+    for i in range(L):
+        quant.check("LayeredPagedKVCache.create", f"scale of layer {i}",
+                    quant.QuantizedArray(jnp.zeros((1,), fmt.storage_dtype), scales[i], fmt))
+    one = quant.empty(shape[1:], fmt, scale=1.0)
+    return quant.QuantizedArray(jnp.zeros(shape[:-1] + one.data.shape[-1:], one.data.dtype),
+                                scales, fmt)
+
+
 # ----------------------------------------------------------------------------------
 # One layer
 # ----------------------------------------------------------------------------------
@@ -359,19 +411,32 @@ class PagedKVCache(_Paged):
     @classmethod
     def create(cls, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                max_seqs: int, max_pages_per_seq: int, dtype=jnp.float32,
-               v_head_dim: int | None = None) -> "PagedKVCache":
+               v_head_dim: int | None = None, quant_format=None, k_scale=None,
+               v_scale=None) -> "PagedKVCache":
         """An empty cache: every page free, every slot of length 0.
+
+        ``quant_format`` (a :class:`fnattn.quant.QuantFormat`, a format name, or a
+        (k, v) pair of them) makes quantized pools (:class:`fnattn.quant.QuantizedArray`,
+        whose scale pools are indexed like the pages); ``k_scale``/``v_scale`` are
+        the scales of per-tensor formats. ``dtype`` is then unused (the pools'
+        values come out in q's dtype).
 
         >>> c = PagedKVCache.create(8, 16, 2, 64, max_seqs=4, max_pages_per_seq=3)
         >>> c.k_pages.shape, c.page_table.shape, c.capacity
         ((2, 8, 16, 64), (4, 3), 48)
+        >>> c = PagedKVCache.create(8, 16, 2, 64, max_seqs=4, max_pages_per_seq=3,
+        ...                         quant_format="int8")
+        >>> c.k_pages.data.dtype, c.k_pages.scale.shape
+        (dtype('int8'), (2, 8, 16))
         """
         dv = head_dim if v_head_dim is None else v_head_dim
         _check_sizes("PagedKVCache", num_pages=num_pages, page_size=page_size,
                      num_kv_heads=num_kv_heads, head_dim=head_dim, max_seqs=max_seqs,
                      max_pages_per_seq=max_pages_per_seq, v_head_dim=dv)
-        return cls(k_pages=jnp.zeros((num_kv_heads, num_pages, page_size, head_dim), dtype),
-                   v_pages=jnp.zeros((num_kv_heads, num_pages, page_size, dv), dtype),
+        kf, vf = _formats("PagedKVCache", quant_format)
+        return cls(k_pages=_pool((num_kv_heads, num_pages, page_size, head_dim), dtype, kf,
+                                 k_scale),
+                   v_pages=_pool((num_kv_heads, num_pages, page_size, dv), dtype, vf, v_scale),
                    **_empty_book(num_pages, max_seqs, max_pages_per_seq))
 
     # -- helpers ------------------------------------------------------------------
@@ -508,8 +573,14 @@ class LayeredPagedKVCache(_Paged):
     @classmethod
     def create(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                head_dim: int, max_seqs: int, max_pages_per_seq: int, dtype=jnp.float32,
-               v_head_dim: int | None = None) -> "LayeredPagedKVCache":
+               v_head_dim: int | None = None, quant_format=None, k_scale=None,
+               v_scale=None) -> "LayeredPagedKVCache":
         """An empty cache: every page free, every slot of length 0.
+
+        ``quant_format``, ``k_scale``, ``v_scale``: quantized pools, as in
+        :meth:`PagedKVCache.create`; a per-tensor format's scale is one per
+        layer, shape (num_layers,) (``k_scale`` a number or such an array), so
+        that ``lax.scan`` over the layers gives each layer its scalar scale.
 
         >>> c = LayeredPagedKVCache.create(2, 8, 16, 2, 64, max_seqs=4, max_pages_per_seq=3)
         >>> c.k_pages.shape, c.page_table.shape, c.capacity
@@ -520,8 +591,9 @@ class LayeredPagedKVCache(_Paged):
                      page_size=page_size, num_kv_heads=num_kv_heads, head_dim=head_dim,
                      max_seqs=max_seqs, max_pages_per_seq=max_pages_per_seq, v_head_dim=dv)
         pool = (num_layers, num_kv_heads, num_pages, page_size)
-        return cls(k_pages=jnp.zeros((*pool, head_dim), dtype),
-                   v_pages=jnp.zeros((*pool, dv), dtype),
+        kf, vf = _formats("LayeredPagedKVCache", quant_format)
+        return cls(k_pages=_layered_pool((*pool, head_dim), dtype, kf, k_scale),
+                   v_pages=_layered_pool((*pool, dv), dtype, vf, v_scale),
                    **_empty_book(num_pages, max_seqs, max_pages_per_seq))
 
     # -- helpers ------------------------------------------------------------------
@@ -587,6 +659,18 @@ class LayeredPagedKVCache(_Paged):
         at = jnp.clip(layer, 0, L - 1)
 
         def put(pools, new):
+            if quant.is_quantized(pools):   # quantize's codes (and per-token scales)
+                fmt = pools.format
+                qa = quant.quantize(jnp.asarray(new), fmt,
+                                    scale=None if fmt.per_token else pools.scale[at])
+                flat = pools.reshape_leading(L, Hkv, N * ps) if fmt.per_token else \
+                    quant.QuantizedArray(pools.data.reshape(L, Hkv, N * ps, -1), pools.scale,
+                                         fmt)
+                data = flat.data.at[at, :, index].set(qa.data, mode="drop")
+                scale = (flat.scale.at[at, :, index].set(qa.scale, mode="drop")
+                         if fmt.per_token else flat.scale)
+                return quant.QuantizedArray(data.reshape(pools.data.shape),
+                                            scale.reshape(jnp.shape(pools.scale)), fmt)
             flat = pools.reshape(L, Hkv, N * ps, pools.shape[-1])
             # The advanced indices (at, index) are apart: the (T,) axis comes first.
             flat = flat.at[at, :, index].set(jnp.asarray(new).astype(pools.dtype),

@@ -103,6 +103,15 @@ def mask_density(mask: Optional[masks.Mask], batch: int, num_heads: int, q_len: 
     return float((weight * pairs).sum() / (pairs.sum() * np.prod(classes.shape[:2])))
 
 
+def _nbytes(x, shape, dtype) -> int:
+    """Bytes of an operand: a quantized cache (:mod:`fnattn.quant`) counts its
+    codes (two 4-bit values a byte) and its scales."""
+    from fnattn import quant
+    if quant.is_quantized(x):
+        return x.nbytes
+    return int(np.prod(shape)) * dtype.itemsize
+
+
 def _pair_costs(d: int, dv: int, *, backward: bool, softcap: bool):
     """FLOPs and transcendentals per visited (query, key) pair."""
     cd, cv = KERNEL_PASSES["backward" if backward else "forward"]
@@ -142,7 +151,7 @@ def estimate(spec: AttentionSpec, q: Any, k: Any, v: Any = None, *,
     fl, tr = _pair_costs(D, Dv, backward=backward, softcap=spec.softcap is not None)
     out_bytes = B * Tq * Hq * Dv * qdt.itemsize
     lse_bytes = B * Hq * Tq * 4
-    io = (np.prod(qs) * qdt.itemsize + np.prod(ks) * kdt.itemsize + np.prod(vs) * vdt.itemsize
+    io = (np.prod(qs) * qdt.itemsize + _nbytes(k, ks, kdt) + _nbytes(v, vs, vdt)
           + out_bytes + lse_bytes)
     bias = spec.bias
     bias_bytes = 0 if bias is None else np.prod(np.shape(bias)) * np.dtype(bias.dtype).itemsize

@@ -448,3 +448,99 @@ def test_allocate_then_update_equals_append_then_attend():
         np.testing.assert_array_equal(a, b)
     np.testing.assert_allclose(r1.out, r2.out, atol=1e-6)
     np.testing.assert_allclose(r1.lse, r2.lse, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------
+# Quantized pools (fnattn.quant)
+# ----------------------------------------------------------------------------------
+
+QFORMATS = ["int8", ("float8_e4m3fn", "float8_e5m2"), "int4",
+            (("int8", "tensor"), ("float8_e4m3fn", "tensor"))]
+
+
+def _qformat(f):
+    from fnattn.quant import QuantFormat
+    if isinstance(f, tuple) and isinstance(f[0], (tuple, str)) and len(f) == 2 \
+            and not (isinstance(f[0], str) and f[1] in ("token", "tensor")):
+        return tuple(_qformat(x) for x in f)
+    return QuantFormat(*f) if isinstance(f, tuple) else QuantFormat(f)
+
+
+@pytest.mark.parametrize("fmt", QFORMATS, ids=str)
+def test_quantized_cache_serving_steps_equal_reference_on_dequantized_tokens(fmt):
+    """As above on quantized pools: append (quantize on write), release and reuse of a
+    slot, attention; every live row against fnattn.reference on the sequence's tokens
+    as quantized (each token's codes depend on its own values only); allocate +
+    ragged_paged_attention_with_update writes the same codes and scales as append."""
+    from fnattn import quant
+    fmts = _qformat(fmt)
+    kf, vf = fmts if isinstance(fmts, tuple) else (fmts, fmts)
+    scale = lambda f: None if f.per_token else 3.0 / f.max_code  # noqa: E731
+    Dq = 6
+    cache = PagedKVCache.create(num_pages=12, page_size=PS, num_kv_heads=HKV, head_dim=Dq,
+                                max_seqs=S, max_pages_per_seq=P, v_head_dim=Dq,
+                                quant_format=(kf, vf), k_scale=scale(kf), v_scale=scale(vf))
+    assert quant.is_quantized(cache.k_pages) and cache.k_pages.format == kf
+    rq = lambda x, f: np.asarray(quant.dequantize(quant.quantize(  # noqa: E731
+        jnp.asarray(x), f, scale=scale(f))))
+    rng = np.random.default_rng(6)
+    dense_k = {s: np.zeros((0, HKV, Dq), np.float32) for s in range(S)}
+    dense_v = {s: np.zeros((0, HKV, Dq), np.float32) for s in range(S)}
+    steps = [[0, 0, 0, 0, 0, 2, 2, 2], [0, 1, 1, 1, 2, -1, -1, -1], "release 0",
+             [0, 0, 1, 3, -1, -1, -1, -1]]
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def step(cache, ids, q, k, v):
+        cache = cache.append(ids, k, v)
+        res = fnattn.ragged_paged_attention(SPEC, q, cache.k_pages, cache.v_pages,
+                                            **cache.ragged_metadata(ids))
+        return cache, res
+
+    @jax.jit
+    def step_update(cache, ids, q, k, v):
+        cache = cache.allocate(ids)
+        res, kp, vp = fnattn.ragged_paged_attention_with_update(
+            SPEC, q, k, v, cache.k_pages, cache.v_pages, **cache.ragged_metadata(ids))
+        return cache.replace(k_pages=kp, v_pages=vp), res
+
+    for ids in steps:
+        if ids == "release 0":
+            cache = release(cache, jnp.int32(0))
+            dense_k[0], dense_v[0] = dense_k[0][:0], dense_v[0][:0]
+            continue
+        ids = np.asarray(ids, np.int32)
+        q = rng.standard_normal((STEP_T, HQ, Dq)).astype(np.float32)
+        k = rng.standard_normal((STEP_T, HKV, Dq)).astype(np.float32)
+        v = rng.standard_normal((STEP_T, HKV, Dq)).astype(np.float32)
+        args = (jnp.asarray(ids), jnp.asarray(q), jnp.asarray(k), jnp.asarray(v))
+        c2, r2 = step_update(cache, *args)
+        cache, res = step(cache, *args)
+        for a, b in zip(jax.tree_util.tree_leaves(cache), jax.tree_util.tree_leaves(c2)):
+            np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1
+                                          else a, np.asarray(b).view(np.uint8)
+                                          if b.dtype.itemsize == 1 else b)
+        np.testing.assert_allclose(res.out, r2.out, atol=1e-6)
+        out, lse = np.asarray(res.out), np.asarray(res.lse)
+        for s in range(S):
+            rows = ids == s
+            dense_k[s] = np.concatenate([dense_k[s], rq(k[rows], kf)])
+            dense_v[s] = np.concatenate([dense_v[s], rq(v[rows], vf)])
+            if not rows.any():
+                continue
+            want = _reference(SPEC, jnp.asarray(q[rows])[None], jnp.asarray(dense_k[s])[None],
+                              jnp.asarray(dense_v[s])[None])
+            np.testing.assert_allclose(out[rows], want.out[0], atol=2e-5, rtol=2e-5)
+            np.testing.assert_allclose(lse[:, rows], want.lse[0], atol=2e-5, rtol=2e-5)
+        assert cache.lengths.tolist() == [len(dense_k[s]) for s in range(S)]
+
+
+def test_quantized_cache_create_messages():
+    with pytest.raises(ValueError, match="needs its scale"):
+        PagedKVCache.create(4, 2, 1, 8, max_seqs=2, max_pages_per_seq=2,
+                            quant_format=fnattn.quant.QuantFormat("int8", "tensor"))
+    with pytest.raises(ValueError, match="head dim, which must be even"):
+        PagedKVCache.create(4, 2, 1, 7, max_seqs=2, max_pages_per_seq=2, quant_format="int4")
+    with pytest.raises(ValueError, match="scale must be a finite number > 0"):
+        PagedKVCache.create(4, 2, 1, 8, max_seqs=2, max_pages_per_seq=2, k_scale=0.0,
+                            v_scale=1.0,
+                            quant_format=fnattn.quant.QuantFormat("int8", "tensor"))

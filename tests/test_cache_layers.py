@@ -390,3 +390,66 @@ def test_messages():
         c.append(ids, k, v)   # one layer's k/v where every layer's are needed
     assert str(info.value) == ("LayeredPagedKVCache.append: k must have shape (num_layers, "
                                f"T, Hkv, D)=({L}, 3, 2, 5); got (3, 2, 5)")
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4-tensor"])
+def test_quantized_layers_scan_write_and_append_equal_per_layer_caches(fmt):
+    """A layered quantized cache (per-token scale pools, or one per-tensor scale per
+    layer) written by append and by write in each layer holds what a single-layer
+    cache of each layer holds, and lax.scan over the layers attends on it."""
+    from fnattn import quant
+    from fnattn.quant import QuantFormat
+    f = QuantFormat(*fmt.split("-"))
+    Dq = 6
+    scales = None if f.per_token else jnp.array([0.5, 0.25, 1.0])
+    lc = LayeredPagedKVCache.create(num_layers=L, num_pages=N, page_size=PS, num_kv_heads=HKV,
+                                    head_dim=Dq, max_seqs=S, max_pages_per_seq=P,
+                                    quant_format=f, k_scale=scales, v_scale=scales)
+    assert lc.k_pages.scale.shape == ((L, HKV, N, PS) if f.per_token else (L,))
+    rng = np.random.default_rng(3)
+    ids = jnp.array([0, 0, 2, 2, 2, -1])
+    k, v = normal(rng, L, T, HKV, Dq), normal(rng, L, T, HKV, Dq)
+    by_append = jax.jit(LayeredPagedKVCache.append)(lc, ids, k, v)
+
+    @jax.jit
+    def by_write(lc):
+        lc, slots = lc.allocate_slots(ids)
+        for layer in range(L):
+            lc = lc.write(jnp.int32(layer), slots, k[layer], v[layer])
+        return lc
+
+    w = by_write(lc)
+    for a, b in zip(jax.tree_util.tree_leaves(by_append), jax.tree_util.tree_leaves(w)):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1
+                                      else a, np.asarray(b).view(np.uint8)
+                                      if b.dtype.itemsize == 1 else b)
+    for layer in range(L):   # each layer: a single-layer cache with that layer's scale
+        s = None if f.per_token else float(scales[layer])
+        one = PagedKVCache.create(num_pages=N, page_size=PS, num_kv_heads=HKV, head_dim=Dq,
+                                  max_seqs=S, max_pages_per_seq=P, quant_format=f,
+                                  k_scale=s, v_scale=s).append(ids, k[layer], v[layer])
+        got = jax.tree_util.tree_map(lambda x: x[layer], by_append.k_pages)
+        np.testing.assert_array_equal(np.asarray(got.data).view(np.uint8),
+                                      np.asarray(one.k_pages.data).view(np.uint8))
+        np.testing.assert_array_equal(got.scale, one.k_pages.scale)
+    q = normal(rng, L, T, HQ, Dq)
+
+    @jax.jit
+    def attend(lc, q):
+        meta = lc.ragged_metadata(ids)
+
+        def layer(_, xs):
+            kp, vp, q = xs
+            return None, fnattn.ragged_paged_attention(SPEC, q, kp, vp, **meta).out
+        return jax.lax.scan(layer, None, (lc.k_pages, lc.v_pages, q))[1]
+
+    out = attend(by_append, q)
+    for layer in range(L):   # slot 2's 3 tokens, against the reference on their values
+        kd = quant.dequantize(jax.tree_util.tree_map(lambda x: x[layer], by_append.k_pages))
+        vd = quant.dequantize(jax.tree_util.tree_map(lambda x: x[layer], by_append.v_pages))
+        sl = by_append.page_table[2]
+        kt = jnp.concatenate([kd[:, int(p)] for p in sl if p >= 0], axis=1)[:, :3]
+        vt = jnp.concatenate([vd[:, int(p)] for p in sl if p >= 0], axis=1)[:, :3]
+        ref = fnattn.reference(SPEC, q[layer, 2:5][None], jnp.swapaxes(kt, 0, 1)[None],
+                               jnp.swapaxes(vt, 0, 1)[None])
+        np.testing.assert_allclose(out[layer, 2:5], ref.out[0], atol=2e-5, rtol=2e-5)

@@ -134,3 +134,17 @@ def test_decode_and_ragged_paged_kernels_carry_upper_bounds():
     assert r["flops"] == 2 * 2 * D * T * Hq * P * ps
     assert r["transcendentals"] == 2 * T * Hq * P * ps                # with the soft-cap's tanh
     assert r["bytes_accessed"] == 2 * (N * ps * Hkv * 2 * D + T * Hq * 2 * D)
+
+
+def test_quantized_caches_count_their_codes_and_scales():
+    from fnattn import quant
+    q = jax.ShapeDtypeStruct((2, 1, 8, 64), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, 512, 2, 64), jnp.bfloat16)
+    full = cost.estimate(AttentionSpec(), q, k, k)
+    scales = 2 * 512 * 2 * 4
+    for fmt, code_bytes in (("int8", 2 * 512 * 2 * 64), ("int4", 2 * 512 * 2 * 32)):
+        kq = quant.empty(k.shape, fmt)
+        c = cost.estimate(AttentionSpec(), q, kq, kq)
+        assert c.bytes_accessed == full.bytes_accessed - 2 * (k.size * 2) \
+            + 2 * (code_bytes + scales)
+        assert c.flops == full.flops

@@ -66,7 +66,7 @@ def by_hand(spec, q, k_new, v_new, k_cache, v_cache, kv_lengths, kv_starts):
     return res, kc, vc
 
 
-update = jax.jit(decode_with_update, static_argnames=("checked",))
+update = jax.jit(decode_with_update, static_argnames=("checked", "value_dim"))
 
 
 @pytest.mark.parametrize("layout,tq", [("bthd", 1), ("bthd", 3), ("bhtd", 2)])
@@ -332,3 +332,84 @@ def test_shape_and_type_messages():
                                "(3, 3, 2, 4)")
     with pytest.raises(NotImplementedError, match="^decode_with_update: spec.bias"):
         update(SPEC.replace(bias=jnp.zeros((1,))), q, kn, vn, kc, vc, kv_lengths=L)
+
+
+@pytest.mark.parametrize("layout,tq,formats", [
+    ("bthd", 1, ("int8", "int4")), ("bhtd", 2, ("float8_e4m3fn", "float8_e5m2")),
+    ("bthd", 3, ("int4-tensor", "float8_e4m3fn-tensor"))])
+def test_quantized_cache_writes_quantize_codes_then_decodes(layout, tq, formats):
+    """Quantized caches: the written codes and scales are fnattn.quant.quantize's of the
+    new tokens, bit for bit; the result is decode on the written cache, which is the
+    float64 reference on its dequantized values (tests/test_decoding.py)."""
+    from fnattn import quant
+    from fnattn.quant import QuantFormat
+    fmts = [QuantFormat(*f.split("-")) for f in formats]
+    rng = np.random.default_rng(1)
+    spec = SPEC.replace(layout=layout)
+    lengths = np.array([tq + 5, S - 4, tq], np.int32)
+    starts = np.array([3, 4, 0], np.int32)
+    kc = to_layout(normal(rng, B, S, HKV, D), layout)
+    vc = to_layout(normal(rng, B, S, HKV, D), layout)
+
+    def q8(x, f):
+        return quant.quantize(jnp.asarray(x), f, scale=None if f.per_token else 3.0 / f.max_code)
+    kq, vq = q8(kc, fmts[0]), q8(vc, fmts[1])
+    q = jnp.asarray(to_layout(normal(rng, B, tq, HQ, D), layout))
+    kn = jnp.asarray(to_layout(normal(rng, B, tq, HKV, D), layout))
+    vn = jnp.asarray(to_layout(normal(rng, B, tq, HKV, D), layout))
+    got, gk, gv = update(spec, q, kn, vn, kq, vq, kv_lengths=jnp.asarray(lengths),
+                         kv_starts=jnp.asarray(starts))
+    axis = 1 if layout == "bthd" else 2
+    for cache, new, old in ((gk, kn, kq), (gv, vn, vq)):
+        want = q8(new, cache.format)
+        for b in range(B):
+            end = starts[b] + lengths[b]
+            idx = (b, slice(end - tq, end)) if axis == 1 else (b, slice(None),
+                                                              slice(end - tq, end))
+            np.testing.assert_array_equal(np.asarray(cache.data[idx]).view(np.uint8),
+                                          np.asarray(want.data[b]).view(np.uint8))
+            if cache.format.per_token:
+                np.testing.assert_array_equal(cache.scale[idx], want.scale[b])
+            # the other slots are untouched
+            keep = np.ones(S, bool)
+            keep[end - tq:end] = False
+            sel = (b, keep) if axis == 1 else (b, slice(None), keep)
+            np.testing.assert_array_equal(np.asarray(cache.data[sel]).view(np.uint8),
+                                          np.asarray(old.data[sel]).view(np.uint8))
+    want = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=lengths,
+                                                 kv_starts=starts))(q, gk, gv)
+    np.testing.assert_array_equal(got.out, want.out)
+    # and decode on the quantized cache is the float reference on its dequantized values
+    ref = jax.jit(lambda q, k, v: fnattn.decode(spec.replace(impl="reference"), q, k, v,
+                                                kv_lengths=lengths, kv_starts=starts))(
+        q, quant.dequantize(gk), quant.dequantize(gv))
+    np.testing.assert_allclose(got.out, ref.out, atol=ATOL, rtol=ATOL)
+
+
+def test_latent_cache_update_writes_the_latent_then_decodes():
+    """A latent cache (value_dim): k_new holds latent and rope channels, no values. On a
+    float cache the result equals decode_with_update with separate values k[..., :Dc];
+    on an int8 cache the written codes are quantize's and the result is decode's on the
+    written cache with its values sliced from the dequantized keys."""
+    from fnattn import quant
+    rng = np.random.default_rng(2)
+    Dc, Dr, tq = 6, 2, 2
+    kc = jnp.asarray(normal(rng, B, S, 1, Dc + Dr))
+    q = jnp.asarray(normal(rng, B, tq, HQ, Dc + Dr))
+    kn = jnp.asarray(normal(rng, B, tq, 1, Dc + Dr))
+    lengths, starts = jnp.array([tq + 5, S - 4, tq]), jnp.array([3, 4, 0])
+    got, gk, gv = update(SPEC, q, kn, None, kc, None, kv_lengths=lengths, kv_starts=starts,
+                         value_dim=Dc)
+    assert gv is None
+    want, wk, _ = update(SPEC, q, kn, kn[..., :Dc], kc, kc[..., :Dc], kv_lengths=lengths,
+                         kv_starts=starts)
+    np.testing.assert_allclose(got.out, want.out, atol=ATOL, rtol=ATOL)
+    np.testing.assert_array_equal(gk, wk)
+    got, gk, gv = update(SPEC, q, kn, None, quant.quantize(kc, "int8"), None,
+                         kv_lengths=lengths, kv_starts=starts, value_dim=Dc)
+    first = int(starts[0] + lengths[0]) - tq                     # sequence 0's new slots
+    np.testing.assert_array_equal(gk.data[0, first:first + tq], quant.quantize(kn, "int8").data[0])
+    kd = quant.dequantize(gk)
+    want = jax.jit(lambda q, k, v: fnattn.decode(SPEC, q, k, v, kv_lengths=lengths,
+                                                 kv_starts=starts))(q, kd, kd[..., :Dc])
+    np.testing.assert_allclose(got.out, want.out, atol=ATOL, rtol=ATOL)

@@ -7,7 +7,8 @@ import pytest
 from jax.experimental import checkify
 
 import fnattn
-from fnattn import AttentionSpec, DecodeBlockSizes, masks
+from fnattn import AttentionSpec, DecodeBlockSizes, masks, quant
+from fnattn.quant import QuantFormat
 from fnattn.decoding import api, xla
 from cases import np_mask
 from np_attention import np_attention, np_attention_grads
@@ -35,7 +36,8 @@ def problem(B=3, Tq=1, Hq=6, Hkv=2, D=7, Dv=5, dtype=jnp.float32, seed=0):
 def expected(spec, q, k, v, lengths, starts, alibi_slopes=None):
     """(out (B, Tq, Hq, Dv), lse (B, Hq, Tq)) of every sequence's dense problem;
     with ``alibi_slopes`` (Hq,), its ALiBi term at each row's aligned position."""
-    f64 = lambda x: np.asarray(jnp.asarray(x, jnp.float32), np.float64)  # noqa: E731
+    # (a quantized cache: the reference runs on its dequantized values)
+    f64 = lambda x: np.asarray(quant.dequantize(x, jnp.float32), np.float64)  # noqa: E731
     q, k, v = f64(q), f64(k), f64(v)
     B, Tq, Hq, _ = q.shape
     out = np.zeros(q.shape[:3] + (v.shape[-1],))
@@ -451,3 +453,165 @@ def test_float64_is_refused():
                 "decode: float64 inputs are not supported (q, k_cache, v_cache are float64): "
                 "the serving variants compute in float32; cast q, k_cache, v_cache to float32 "
                 "(x.astype(jnp.float32)).")
+
+
+# ----------------------------------------------------------------------------------
+# Quantized caches (fnattn.quant): against float64 NumPy on the dequantized cache
+# ----------------------------------------------------------------------------------
+
+QUANT = [(QuantFormat("int8"), QuantFormat("int8")),
+         (QuantFormat("float8_e4m3fn"), QuantFormat("float8_e5m2", "tensor")),
+         (QuantFormat("int4"), QuantFormat("float8_e4m3fn")),
+         (QuantFormat("float8_e5m2"), QuantFormat("int4", "tensor"))]
+QIDS = [f"{k.name}-{k.granularity}/{v.name}-{v.granularity}" for k, v in QUANT]
+
+
+def quantized(x, fmt):
+    return quant.quantize(x, fmt, scale=None if fmt.per_token else 2.5 / fmt.max_code)
+
+
+@pytest.mark.parametrize("formats", QUANT, ids=QIDS)
+@pytest.mark.parametrize("mask,splits,heads,Tq", [("causal", 1, (6, 2), 2), ("window", 4, (6, 2), 1),
+                                                  ("fn", 3, (8, 1), 3), ("none", 2, (3, 3), 1)])
+def test_quantized_caches_masks_splits_and_forms(formats, mask, splits, heads, Tq):
+    Hq, Hkv = heads
+    q, k, v = problem(Tq=Tq, Hq=Hq, Hkv=Hkv, D=8, Dv=6, seed=7)
+    kq, vq = quantized(k, formats[0]), quantized(v, formats[1])
+    spec = AttentionSpec(mask=MASKS[mask], block_sizes=DecodeBlockSizes(num_splits=splits))
+    check(spec, q, kq, vq, jnp.array([24, 9, 3]))
+
+
+@pytest.mark.parametrize("formats", QUANT[:2], ids=QIDS[:2])
+def test_quantized_starts_sinks_softcap_alibi_bhtd(formats):
+    from fnattn import position_bias
+    q, k, v = problem(Tq=2, D=8, Dv=8, seed=8)
+    kq, vq = quantized(k, formats[0]), quantized(v, formats[1])
+    spec = AttentionSpec(mask=masks.causal(), softcap=3.0, scale=0.4,
+                         sinks=jnp.linspace(-1.0, 2.0, 6),
+                         block_sizes=DecodeBlockSizes(num_splits=6))
+    lengths, starts = jnp.array([10, 3, 0]), jnp.array([5, 21, 7])
+    ref = check(spec, q, kq, vq, lengths, starts)
+    t = lambda x: jnp.swapaxes(x, 1, 2)  # noqa: E731
+    res = jax.jit(lambda q, k, v: fnattn.decode(spec.replace(layout="bhtd"), q, k, v,
+                                                kv_lengths=lengths, kv_starts=starts))(
+        t(q), kq.swapaxes(1, 2), vq.swapaxes(1, 2))
+    np.testing.assert_allclose(t(res.out), ref.out, atol=1e-6)
+    slopes = position_bias.alibi_slopes(6)
+    alibi = AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(slopes))
+    res = jax.jit(lambda q, k, v: fnattn.decode(alibi, q, k, v, kv_lengths=lengths))(q, kq, vq)
+    out, _ = expected(alibi, q, kq, vq, np.asarray(lengths), np.zeros(3, int),
+                      alibi_slopes=slopes)
+    np.testing.assert_allclose(res.out, out, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("formats", QUANT, ids=QIDS)
+def test_quantized_nan_in_unowned_slots_and_scales_changes_nothing(formats):
+    q, k, v, L, a = nan_problem(D=8, Dv=8)
+    kq, vq = quantized(k, formats[0]), quantized(v, formats[1])
+    clean = lambda x: jnp.where(jnp.isnan(x), 0.0, x)  # noqa: E731
+    want = check(AttentionSpec(mask=masks.causal(), sinks=jnp.ones(6)), q,
+                 quantized(clean(k), formats[0]), quantized(clean(v), formats[1]), L, a)
+    slot = jnp.arange(NAN_SLOTS)[None, :, None]
+    live = (slot >= a[:, None, None]) & (slot < (a + L)[:, None, None])
+
+    def spoil(x):   # NaN scales where the slots are unowned, too
+        return x.replace(scale=jnp.where(live, x.scale, jnp.nan)) if x.format.per_token else x
+    for impl in ("xla", "reference"):
+        res = jax.jit(lambda q, k, v: fnattn.decode(
+            AttentionSpec(mask=masks.causal(), sinks=jnp.ones(6), impl=impl), q, k, v,
+            kv_lengths=L, kv_starts=a))(q, spoil(kq), spoil(vq))
+        np.testing.assert_allclose(res.out, want.out, atol=2e-6)
+        assert np.isfinite(np.asarray(res.out)).all()
+
+
+def test_quantized_pallas_is_refused_and_bad_scales_are_reported():
+    q, k, v = problem(D=8, Dv=8)
+    kq = quantized(k, QuantFormat("int8"))
+    L = jnp.array([3, 4, 5])
+    with pytest.raises(NotImplementedError, match="decode: impl='pallas' has no kernel for "
+                       "quantized caches.*impl='xla'"):
+        jax.jit(lambda q, k, v: fnattn.decode(AttentionSpec(impl="pallas"), q, k, v,
+                                              kv_lengths=L))(q, kq, v)
+    with pytest.raises(ValueError, match=r"decode: k_cache.scale must have shape "
+                                         r"data.shape\[:-1\]"):
+        fnattn.decode(AttentionSpec(), q, kq.replace(scale=kq.scale[:, :3]), v, kv_lengths=L)
+    vt = quantized(v, QuantFormat("int8", "tensor"))
+    f = checkify.checkify(lambda s: fnattn.decode(AttentionSpec(), q, kq, vt.replace(scale=s),
+                                                  kv_lengths=L, checked=True).out)
+    err, _ = jax.jit(f)(jnp.float32(-1.0))
+    with pytest.raises(checkify.JaxRuntimeError, match="v_cache.scale must be finite and > 0"):
+        err.throw()
+    with pytest.raises(ValueError, match="v_cache: scale must be finite and > 0"):
+        fnattn.decode(AttentionSpec(), q, kq, vt.replace(scale=jnp.float32(jnp.nan)),
+                      kv_lengths=L)
+
+
+# ----------------------------------------------------------------------------------
+# Latent caches (MLA): values are the keys' first value_dim channels
+# ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", [None, QuantFormat("int8"), QuantFormat("float8_e4m3fn")],
+                         ids=["float", "int8", "fp8"])
+@pytest.mark.parametrize("mask,splits,Tq", [("causal", 1, 1), ("window", 4, 2), ("fn", 3, 3)])
+def test_latent_cache_equals_attention_with_values_sliced_from_the_keys(fmt, mask, splits, Tq):
+    Dc, Dr, Hq = 6, 4, 8
+    q, k, _ = problem(Tq=Tq, Hq=Hq, Hkv=1, D=Dc + Dr, Dv=1, seed=9)
+    kc = k if fmt is None else quantized(k, fmt)
+    spec = AttentionSpec(mask=MASKS[mask], sinks=jnp.linspace(-1, 1, Hq), softcap=5.0,
+                         block_sizes=DecodeBlockSizes(num_splits=splits))
+    lengths, starts = jnp.array([24, 9, 3]), jnp.array([0, 10, 20])
+    res = jax.jit(lambda q, k: fnattn.decode(spec, q, k, None, kv_lengths=lengths,
+                                             kv_starts=starts, value_dim=Dc))(q, kc)
+    kd = quant.dequantize(kc)
+    out, lse = expected(spec, q, kd, kd[..., :Dc], np.asarray(lengths), np.asarray(starts))
+    assert res.out.shape == (3, Tq, Hq, Dc)
+    np.testing.assert_allclose(res.out, out, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(np.where(np.isfinite(lse), res.lse, 0),
+                               np.where(np.isfinite(lse), lse, 0), atol=2e-5, rtol=2e-5)
+
+
+def test_latent_cache_bad_input():
+    q, k, v = problem(D=10, Dv=6, Hkv=1)
+    L = jnp.array([3, 4, 5])
+    with pytest.raises(ValueError, match="a latent cache \\(value_dim=6\\) has no separate "
+                                         "v_cache"):
+        fnattn.decode(AttentionSpec(), q, k, v, kv_lengths=L, value_dim=6)
+    with pytest.raises(ValueError, match="value_dim must be an int in \\[1, D=10\\]"):
+        fnattn.decode(AttentionSpec(), q, k, None, kv_lengths=L, value_dim=11)
+    with pytest.raises(ValueError, match="v_cache is None: pass the values, or value_dim"):
+        fnattn.decode(AttentionSpec(), q, k, None, kv_lengths=L)
+    with pytest.raises(NotImplementedError, match="impl='pallas' has no kernel for latent"):
+        jax.jit(lambda q, k: fnattn.decode(AttentionSpec(impl="pallas"), q, k, None,
+                                           kv_lengths=L, value_dim=6))(q, k)
+
+
+@pytest.mark.parametrize("formats", QUANT[:3], ids=QIDS[:3])
+def test_quantized_caches_read_in_chunks_of_slots(formats, monkeypatch):
+    """Long quantized caches are read a chunk of slots at a time (lax.map over chunks,
+    merged with the sinks): the same answers as one pass, with starts, windows,
+    ALiBi, empty sequences and NaN in unowned slots and scales."""
+    from fnattn import position_bias
+    monkeypatch.setattr(xla, "QUANT_MIN_CHUNK", 4)
+    monkeypatch.setattr(xla, "QUANT_CHUNK_BYTES", 3 * 2 * 8 * 4 * 8)   # 8 slots a chunk
+    assert xla._quant_chunk(NAN_SLOTS, 3 * 2 * 8 * 4) == 8
+    q, k, v, L, a = nan_problem(D=8, Dv=8, lengths=(30, 9, 0), starts=(0, 17, 3))
+    kq, vq = quantized(k, formats[0]), quantized(v, formats[1])
+    slopes = position_bias.alibi_slopes(6)
+    for spec in (AttentionSpec(mask=masks.causal() & masks.sliding_window(5),
+                               sinks=jnp.linspace(-1, 1, 6), softcap=4.0),
+                 AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(slopes))):
+        res = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L,
+                                                    kv_starts=a))(q, kq, vq)
+        out, lse = expected(spec, q, kq, vq, np.asarray(L), np.asarray(a),
+                            alibi_slopes=slopes if spec.position_bias is not None else None)
+        assert np.isfinite(np.asarray(res.out)).all()
+        np.testing.assert_allclose(res.out, out, atol=2e-5, rtol=2e-5)
+        np.testing.assert_allclose(np.where(np.isfinite(lse), res.lse, 0),
+                                   np.where(np.isfinite(lse), lse, 0), atol=2e-5, rtol=2e-5)
+    # and the gradient with respect to q (through lax.map) is the one-pass gradient's
+    f = lambda q: jnp.sum(fnattn.decode(AttentionSpec(mask=masks.causal()), q, kq, vq,  # noqa
+                                        kv_lengths=L, kv_starts=a).out ** 2)
+    g = jax.jit(jax.grad(f))(q)
+    monkeypatch.setattr(xla, "QUANT_CHUNK_BYTES", 2 ** 30)
+    np.testing.assert_allclose(g, jax.jit(jax.grad(f))(q), atol=1e-5, rtol=1e-5)

@@ -45,3 +45,9 @@ def test_flax_nnx_model_with_the_adapter_equals_flax(capsys):
     out_err, grad_err, loss_diff = load("flax_nnx").main([])
     assert out_err < 1e-4 and grad_err < 1e-4 and loss_diff < 1e-3
     assert "make_attention_fn" in capsys.readouterr().out
+
+
+def test_serve_quantized_equals_the_float_model_within_the_quantization(capsys):
+    worst = load("serve_quantized").main(["--requests", "3", "--max-new", "4"])
+    assert worst["int8"] < 0.05 and worst["fp8"] < 0.25
+    assert "greedy tokens equal" in capsys.readouterr().out

@@ -57,7 +57,7 @@ from beartype import beartype
 from jax import lax
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, masks, position_bias
+from fnattn import _checks, masks, position_bias, quant
 from fnattn.core import attention
 from fnattn.decoding import decode as local_decode
 from fnattn.merging import merge, merge_across
@@ -129,15 +129,22 @@ def _band(mask):
 
 
 def _gather_slots(x, idx, layout):
-    """x (B, S, H, D) or (B, H, S, D), idx (B, F) -> the slots idx, in x's layout."""
+    """x (B, S, H, D) or (B, H, S, D), idx (B, F) -> the slots idx, in x's layout
+    (a quantized cache: those slots' codes and scales, dequantized)."""
+    if quant.is_quantized(x):
+        data = _gather_slots(x.data, idx, layout)
+        scale = x.scale
+        if x.format.per_token:
+            scale = _gather_slots(scale[..., None], idx, layout)[..., 0]
+        return quant.dequantize(x.replace(data=data, scale=scale))
     if layout == "bthd":
         return jnp.take_along_axis(x, idx[:, :, None, None], axis=1)
     return jnp.take_along_axis(x, idx[:, None, :, None], axis=2)
 
 
 @jaxtyped(typechecker=beartype)
-def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, "..."],
-           v_cache: Shaped[Array, "..."], *, kv_lengths: Shaped[Array, "..."], axis_name,
+def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
+           v_cache: quant.Cache, *, kv_lengths: Shaped[Array, "..."], axis_name,
            kv_starts: Optional[Shaped[Array, "..."]] = None) -> AttentionOutput:
     """:func:`fnattn.decode` with the cache's slots split along a mesh axis.
 
@@ -154,6 +161,8 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
         (B, Hkv, S_local, D): device ``i`` of the axis holds the global slots
         ``[i * S_local, (i + 1) * S_local)``.
       v_cache: this device's slots of the values, like ``k_cache`` with head dim Dv.
+        Either may be a :class:`fnattn.quant.QuantizedArray` (its codes and
+        per-token scales split along the slots alike).
       kv_lengths: (B,) int, the global number of valid keys of each sequence (the
         new tokens included), replicated along the axis.
       axis_name: the mesh axis (a name, or a tuple of names, in the order in
@@ -194,7 +203,9 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
             "(a chunk is short) and call fnattn.decode on one device, or attend each "
             "device's slots with fnattn.attention and masks.at_positions (global positions) "
             "and combine the parts with fnattn.merging.merge_across.")
-    dims = _checks.check_qkv(q, k_cache, v_cache, spec.layout, fn=fn)
+    from fnattn.decoding.api import _logical   # (a quantized cache: checked as what it holds)
+    dims = _checks.check_qkv(q, _logical(fn, "k_cache", k_cache, q),
+                             _logical(fn, "v_cache", v_cache, q), spec.layout, fn=fn)
     B, Tq, S, Hq = dims.batch, dims.q_len, dims.kv_len, dims.num_q_heads
     term = spec.position_bias
     names = tuple(axis_name) if isinstance(axis_name, (tuple, list)) else (axis_name,)
@@ -255,7 +266,7 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
         idx = jnp.clip(slot, 0, S - 1)
         # Slots not ours (or outside the sequence) may hold anything: zeroed.
         keep = mine[:, :, None, None] if spec.layout == "bthd" else mine[:, None, :, None]
-        keys = [jnp.where(keep, _gather_slots(x, idx, spec.layout), 0)
+        keys = [jnp.where(keep, _gather_slots(x, idx, spec.layout), 0).astype(q.dtype)
                 for x in (k_cache, v_cache)]
         t = jnp.arange(Tq, dtype=I32)[None, :, None]
         seen = mine[:, None, :]

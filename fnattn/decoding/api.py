@@ -40,6 +40,13 @@ Mosaic GPU kernel (fnattn/decoding/mosaic_gpu.py) under either impl instead
 (:func:`fnattn.decoding.mosaic_gpu.gpu_forward`); it has not been timed on a
 GPU yet, so it is not the default.
 
+**Quantized and latent caches** (:mod:`fnattn.quant` ``QuantizedArray``
+caches; ``value_dim`` with no ``v_cache``) run with the XLA lowering on every
+platform under ``impl="auto"``, which reads a quantized cache a chunk of slots
+at a time, dequantizing each chunk as it loads it; no Pallas kernel reads them
+yet, so ``impl="pallas"`` raises ``NotImplementedError``. Their derivatives
+are reverse mode only.
+
 ``impl="xla"`` is the XLA lowering everywhere. On TPU, ``impl="auto"`` reads
 float16 caches with the XLA lowering (the kernel would first copy them to
 float32). float64 inputs are refused at trace time (``TypeError``): every
@@ -62,17 +69,19 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch, _linear, _partition, masks, position_bias
+from fnattn import _checks, _dispatch, _latent, _linear, _partition, masks, position_bias, quant
 from fnattn._varying import varying_like
 from fnattn.decoding import xla
 from fnattn.flash import blocks
 from fnattn.spec import AttentionOutput, AttentionSpec
 
-__all__ = ["Cfg", "DecodeBlockSizes", "check_inputs", "decode", "lowering_table"]
+__all__ = ["Cfg", "DecodeBlockSizes", "check_inputs", "decode", "lowering_table",
+           "quantized_table"]
 
 I32 = jnp.int32
 
@@ -127,9 +136,26 @@ def _given_splits(spec, S) -> Optional[int]:
     return b.num_splits
 
 
-def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts):
-    fn = "decode"
-    dims = _checks.check_qkv(q, k_cache, v_cache, spec.layout, fn=fn)
+def _logical(fn, name, x, q):
+    """A quantized cache, checked, as the float array it stands for (shape and
+    q's dtype) for the checks of float caches."""
+    if not quant.is_quantized(x):
+        return x
+    quant.check(fn, name, x)
+    return jax.ShapeDtypeStruct(x.shape, getattr(q, "dtype", jnp.float32))
+
+
+def _to_bthd(x, layout):
+    if quant.is_quantized(x):
+        return x if layout == "bthd" else x.swapaxes(1, 2)
+    return _checks.to_bthd(x, layout)
+
+
+def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts, value_dim=None, fn="decode"):
+    v_like = _latent.values(fn, k_cache, v_cache, value_dim, q, k_name="k_cache",
+                            v_name="v_cache")
+    dims = _checks.check_qkv(q, _logical(fn, "k_cache", k_cache, q),
+                             _logical(fn, "v_cache", v_like, q), spec.layout, fn=fn)
     from fnattn.paged.api import refuse_float64
     refuse_float64(fn, q=q, k_cache=k_cache, v_cache=v_cache)
     B = dims.batch
@@ -212,10 +238,10 @@ def check_inputs(cache_len: int, new_tokens: int, kv_lengths, kv_starts=None) ->
 
 @_checks.entry_point("fnattn.decode", ints=("kv_lengths", "kv_starts"))
 @jaxtyped(typechecker=beartype)
-def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, "..."],
-           v_cache: Shaped[Array, "..."], *, kv_lengths: Shaped[Array, "..."],
+def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
+           v_cache: Optional[quant.Cache], *, kv_lengths: Shaped[Array, "..."],
            kv_starts: Optional[Shaped[Array, "..."]] = None,
-           checked: bool = False) -> AttentionOutput:
+           value_dim: Optional[int] = None, checked: bool = False) -> AttentionOutput:
     """Attention of the newest ``Tq`` tokens of each sequence over its cached keys.
 
     Args:
@@ -232,6 +258,9 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
         This and ``kv_starts`` may be Python lists or NumPy arrays (converted
         with ``jnp.asarray``).
       kv_starts: (B,) int, first valid slot of each sequence (default 0).
+      value_dim: a latent cache (multi-head latent attention): ``v_cache`` is
+        None and the values are the first ``value_dim`` channels of
+        ``k_cache`` (no second cache, no copy); see docs/serving.md.
       checked: also report the values that would be clipped (and lengths below
         Tq) with ``checkify``: wrap the call in ``checkify.checkify``; see
         :func:`check_inputs`.
@@ -259,12 +288,14 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
     >>> print(err.get())  # doctest: +ELLIPSIS
     kv_starts[1] + kv_lengths[1] = 0 + 70 is past the cache's S=64 slots...
     """
-    dims = _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts)
+    dims = _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts, value_dim)
     B, _, S, _, Hkv, D, _ = dims
-    qb, kb, vb = (_checks.to_bthd(x, spec.layout) for x in (q, k_cache, v_cache))
+    qb, kb = (_to_bthd(x, spec.layout) for x in (q, k_cache))
+    vb = None if v_cache is None else _to_bthd(v_cache, spec.layout)
     scale = _checks.resolve_scale(spec, D)
     ns = _given_splits(spec, S)
     if checked:
+        quant.check_pool_scales(k_cache=k_cache, v_cache=v_cache)
         check_inputs(S, qb.shape[1], kv_lengths, kv_starts)
     starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts.astype(I32)
     starts = jnp.clip(starts, 0, S)
@@ -275,11 +306,19 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, 
     cfg = Cfg(scale=scale, softcap=spec.softcap,
               mask_treedef=None if spec.mask is None else jax.tree_util.tree_structure(spec.mask),
               num_splits=ns, block_sizes=spec.block_sizes,
-              term_treedef=None if term is None else jax.tree_util.tree_structure(term))
+              term_treedef=None if term is None else jax.tree_util.tree_structure(term),
+              value_dim=value_dim)
     # inside shard_map: gradients typed like their inputs (see fnattn._dispatch.attend)
     qb, kb, vb, sinks = varying_like((qb, kb, vb, spec.sinks), qb, kb, vb, spec.sinks, starts,
                                      lengths)
-    out, lse = _attend(lowering_table(spec.impl), cfg, qb, kb, vb, starts, lengths, sinks, terms)
+    if value_dim is not None:
+        table = quantized_table(spec.impl, "latent caches (value_dim, no v_cache)")
+    elif quant.is_quantized(kb) or quant.is_quantized(vb):
+        table = quantized_table(spec.impl)
+    else:
+        table = lowering_table(spec.impl)
+    attend = _attend_stored if quant.is_quantized(kb) or quant.is_quantized(vb) else _attend
+    out, lse = attend(table, cfg, qb, kb, vb, starts, lengths, sinks, terms)
     out = _checks.from_bthd(out, spec.layout)
     return AttentionOutput(out, lse if spec.return_lse else None)
 
@@ -294,6 +333,7 @@ class Cfg:
     num_splits: Optional[int]  # from DecodeBlockSizes; None: each lowering chooses
     block_sizes: Any = None
     term_treedef: Any = None   # a position term (fnattn.position_bias), or None
+    value_dim: Optional[int] = None  # a latent cache: v is None, the values are k[..., :value_dim]
 
     @property
     def mask(self):
@@ -333,6 +373,25 @@ def lowering_table(impl: str):
         raise NotImplementedError("decode: impl='cudnn' has no decode lowering; use "
                                   "impl='auto' or 'xla'.")
     raise ValueError(f"decode: no lowering for impl={impl!r}")
+
+
+def quantized_table(impl: str, feature: str = "quantized caches (fnattn.quant.QuantizedArray "
+                                               "k_cache/v_cache)"):
+    """The lowering table for quantized caches (:mod:`fnattn.quant`) and latent
+    caches (``value_dim``): the XLA lowering, which dequantizes the codes it
+    loads and takes latent values from the keys, on every platform under
+    impl="auto" (no Pallas decode kernel reads them yet)."""
+    if impl in ("auto", "xla"):
+        return (("default", xla.forward),)
+    if impl == "reference":
+        return (("default", xla.reference_forward),)
+    if impl == "pallas":
+        raise NotImplementedError(
+            f"decode: impl='pallas' has no kernel for {feature} yet: the Triton, Mosaic TPU "
+            "and Mosaic GPU decode kernels read float caches with separate values only. The "
+            "XLA lowering reads them: use impl='auto' (which runs it on every platform for "
+            "them) or impl='xla'.")
+    return lowering_table(impl)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
@@ -388,6 +447,31 @@ class _Derivatives(_linear.Rule):
         d_out, d_lse = cts
         return _partition.decode(functools.partial(_grads, self.cfg), q, k, v, starts, lengths,
                                  sinks, terms, d_out, d_lse, allow=_splittable(self.cfg))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend_stored(table, cfg, q, k, v, starts, lengths, sinks, terms):
+    """:func:`_attend` for quantized caches (pytrees of codes and scales), in
+    reverse mode only: the backward is ``jax.vjp`` of the XLA lowering, which
+    differentiates through the dequantization (the scales get cotangents, the
+    integer codes float0 zeros)."""
+    return _forward(table, cfg, q, k, v, starts, lengths, sinks, terms)
+
+
+def _stored_fwd(table, cfg, q, k, v, starts, lengths, sinks, terms):
+    return (_forward(table, cfg, q, k, v, starts, lengths, sinks, terms),
+            (q, k, v, starts, lengths, sinks, terms))
+
+
+def _stored_bwd(table, cfg, res, cts):
+    q, k, v, starts, lengths, sinks, terms = res
+    dq, dk, dv, dsinks = _grads(cfg, q, k, v, starts, lengths, sinks, terms, *cts)
+    ints = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+    return (dq, dk, dv, ints(starts), ints(lengths), dsinks,
+            None if terms is None else jnp.zeros_like(terms))
+
+
+_attend_stored.defvjp(_stored_fwd, _stored_bwd)
 
 
 def _xla_fn(cfg, starts, lengths, terms):

@@ -36,7 +36,7 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks
+from fnattn import _checks, quant
 from fnattn.decoding import api
 from fnattn.spec import AttentionOutput, AttentionSpec
 
@@ -46,10 +46,13 @@ I32 = jnp.int32
 _FN = "decode_with_update"
 
 
-def _check(spec, q, k_new, v_new, k_cache, v_cache, kv_lengths, kv_starts):
+def _check(spec, q, k_new, v_new, k_cache, v_cache, kv_lengths, kv_starts, value_dim=None):
     """decode's checks (named for this function), then those of the new tokens."""
+    if value_dim is not None and v_new is not None:
+        raise ValueError(f"{_FN}: a latent cache (value_dim={value_dim}) has no separate "
+                         "values: pass v_new=None (k_new holds the latent and rope channels)")
     try:
-        dims = api._check(spec, q, k_cache, v_cache, kv_lengths, kv_starts)
+        dims = api._check(spec, q, k_cache, v_cache, kv_lengths, kv_starts, value_dim)
     except (TypeError, ValueError, NotImplementedError) as e:
         msg = str(e)
         if msg.startswith("decode: "):
@@ -59,7 +62,7 @@ def _check(spec, q, k_new, v_new, k_cache, v_cache, kv_lengths, kv_starts):
     refuse_float64(_FN, k_new=k_new, v_new=v_new)
     B, Tq, S, _, Hkv, D, Dv = dims
     bthd = spec.layout == "bthd"
-    for name, x, d in (("k_new", k_new, D), ("v_new", v_new, Dv)):
+    for name, x, d in (("k_new", k_new, D), ("v_new", v_new, Dv))[:1 if v_new is None else 2]:
         _checks.check_float(f"{_FN}: {name}", x)
         want = (B, Tq, Hkv, d) if bthd else (B, Hkv, Tq, d)
         if tuple(x.shape) != want:
@@ -101,7 +104,8 @@ def _refuse_static_overflow(kv_lengths, kv_starts, S, Tq):
 def _concrete_checks(a):
     """What only concrete lengths tell, checked before the call is compiled."""
     _, Tq, S, *_ = _check(a["spec"], a["q"], a["k_new"], a["v_new"], a["k_cache"],
-                          a["v_cache"], a["kv_lengths"], a.get("kv_starts"))
+                          a["v_cache"], a["kv_lengths"], a.get("kv_starts"),
+                          a.get("value_dim"))
     _refuse_static_overflow(a["kv_lengths"], a.get("kv_starts"), S, Tq)
 
 
@@ -109,11 +113,11 @@ def _concrete_checks(a):
                      concrete=_concrete_checks)
 @jaxtyped(typechecker=beartype)
 def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
-                       k_new: Shaped[Array, "..."], v_new: Shaped[Array, "..."],
-                       k_cache: Shaped[Array, "..."], v_cache: Shaped[Array, "..."], *,
+                       k_new: Shaped[Array, "..."], v_new: Optional[Shaped[Array, "..."]],
+                       k_cache: quant.Cache, v_cache: Optional[quant.Cache], *,
                        kv_lengths: Shaped[Array, "..."],
                        kv_starts: Optional[Shaped[Array, "..."]] = None,
-                       checked: bool = False):
+                       value_dim: Optional[int] = None, checked: bool = False):
     """Writes the new tokens' k/v into the cache, then :func:`fnattn.decode` on it.
 
     Token ``i`` of sequence ``b`` goes to slot ``kv_starts[b] + kv_lengths[b] - Tq + i``
@@ -134,13 +138,15 @@ def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
       kv_lengths: (B,) int, keys of each sequence after the update (the Tq new
         tokens included; 0: an empty sequence, nothing written).
       kv_starts: (B,) int, first slot of each sequence (default 0).
+      value_dim: a latent cache, as for :func:`fnattn.decode`: ``v_new`` and
+        ``v_cache`` are None and ``k_new`` holds the latent and rope channels.
       checked: report sequences that do not fit through ``checkify`` (wrap the
         call in ``checkify.checkify``).
 
     Returns:
       ``(AttentionOutput, k_cache, v_cache)``: the result as :func:`fnattn.decode`'s
-      and the updated caches (donate the caches under ``jax.jit`` and the write
-      is in place).
+      and the updated caches (``v_cache`` None for a latent cache; donate the caches
+      under ``jax.jit`` and the write is in place).
 
     >>> import jax, jax.numpy as jnp, fnattn
     >>> from fnattn import AttentionSpec, masks
@@ -156,9 +162,10 @@ def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
     (2, 1, 1, 4)
     """
     B, Tq, S, _, _, _, _ = _check(spec, q, k_new, v_new, k_cache, v_cache, kv_lengths,
-                                  kv_starts)
+                                  kv_starts, value_dim)
     _refuse_static_overflow(kv_lengths, kv_starts, S, Tq)
     if checked:
+        quant.check_pool_scales(k_cache=k_cache, v_cache=v_cache)
         api.check_inputs(S, Tq, kv_lengths, kv_starts)
     lengths = kv_lengths.astype(I32)
     starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts.astype(I32)
@@ -169,14 +176,16 @@ def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
     rows = jnp.arange(B, dtype=I32)[:, None]
 
     def put(cache, new):
-        new = new.astype(cache.dtype)
+        # (a quantized cache gets quantize's codes and per-token scales: quant.write)
         if spec.layout == "bthd":
-            return cache.at[rows, slot].set(new, mode="drop")
+            return quant.write(cache, (rows, slot), new)
         # The advanced indices (rows, slot) are apart: their (B, Tq) axes come first.
-        return cache.at[rows, :, slot].set(jnp.swapaxes(new, 1, 2), mode="drop")
+        return quant.write(cache, (rows, slice(None), slot), jnp.swapaxes(new, 1, 2))
 
-    k_cache, v_cache = put(k_cache, k_new), put(v_cache, v_new)
-    res = api.decode(spec, q, k_cache, v_cache, kv_lengths=kv_lengths, kv_starts=kv_starts)
+    k_cache = put(k_cache, k_new)
+    v_cache = None if v_cache is None else put(v_cache, v_new)   # (None: a latent cache)
+    res = api.decode(spec, q, k_cache, v_cache, kv_lengths=kv_lengths, kv_starts=kv_starts,
+                     value_dim=value_dim)
     bad = ~fits
     out = jnp.where(bad[:, None, None, None], jnp.nan, res.out).astype(res.out.dtype)
     lse = None if res.lse is None else jnp.where(bad[:, None, None], jnp.nan, res.lse)

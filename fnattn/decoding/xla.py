@@ -16,8 +16,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-from fnattn import _checks
+from fnattn import _checks, quant
 from fnattn import _online as online
 from fnattn import masks
 from fnattn.merging import merge_stacked
@@ -76,7 +77,68 @@ def choose(cfg, rows: int, cache_len: int, *, batch: int = 1, kv_heads: int = 1,
     return form, 1
 
 
-def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, cpu=False):
+# Quantized caches are read in chunks of slots of about this many bytes of
+# dequantized keys (all sequences and kv heads), one chunk at a time: no
+# dequantized copy of the cache, and the chunk is still in cache when the
+# products read it. On a 2-core x86 CPU (B=8, S=32k, Hkv=8, D=128, bf16 q) one
+# pass over the whole cache held 2.5 GB of temporaries and ran an int8 cache at
+# 1.45x the bf16 cache's time (benchmarks/results/quant_cpu.md).
+QUANT_CHUNK_BYTES = 2 ** 22
+QUANT_MIN_CHUNK = 64
+
+
+def _quant_chunk(S: int, per_slot: int):
+    """The chunk length for a quantized cache of S slots, or None (one pass)."""
+    if not _checks.is_static(S):
+        return None
+    want = max(QUANT_CHUNK_BYTES // max(per_slot, 1), QUANT_MIN_CHUNK)
+    if S <= want:
+        return None
+    c = max(d for d in range(1, want + 1) if S % d == 0)
+    return c if c >= QUANT_MIN_CHUNK else None
+
+
+def _slots(x, first, n):
+    """Slots [first, first + n) of a cache (B, S, Hkv, D), quantized or not."""
+    if x is None:
+        return None
+    if quant.is_quantized(x):
+        scale = (lax.dynamic_slice_in_dim(x.scale, first, n, axis=1) if x.format.per_token
+                 else x.scale)
+        data = x.data
+        if x.format.is_float:
+            # Sliced as bytes: XLA on a CPU widens a float8 array before slicing
+            # it (1 GB of temporaries at B=8, S=32k, and 2.5x the time); the
+            # barrier keeps it from folding the two bitcasts away.
+            raw = lax.dynamic_slice_in_dim(lax.bitcast_convert_type(data, jnp.uint8), first,
+                                           n, axis=1)
+            data = lax.bitcast_convert_type(lax.optimization_barrier(raw), x.data.dtype)
+        else:
+            data = lax.dynamic_slice_in_dim(data, first, n, axis=1)
+        return x.replace(data=data, scale=scale)
+    return lax.dynamic_slice_in_dim(x, first, n, axis=1)
+
+
+def _chunked(cfg, q, k, v, starts, lengths, sinks, terms, C, *, sanitize, cpu):
+    """:func:`forward` over chunks of C slots, one at a time (``lax.map``), merged
+    with the sinks: each chunk is dequantized as it is loaded."""
+    S = k.shape[1]
+
+    def part(j):
+        first = j * C
+        # a chunk's slot c is global slot first + c: its keys keep their positions
+        o, l = forward(cfg, q, _slots(k, first, C), _slots(v, first, C), starts - first,
+                       lengths, None, terms, sanitize=sanitize, cpu=cpu, whole=True)
+        return o.astype(F32), jnp.swapaxes(l, 1, 2)          # lse as (B, Tq, Hq)
+
+    outs, lses = lax.map(part, jnp.arange(S // C, dtype=I32))
+    sink = None if sinks is None else sinks.astype(F32)
+    out, lse = merge_stacked(outs, lses, sink)
+    return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
+
+
+def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, cpu=False,
+            whole=False):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) q.dtype, lse (B, Hq, Tq).
 
     ``sanitize=None`` passes over the cache for non-finite keys only when it holds
@@ -84,11 +146,18 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, 
     the backward differentiates (through a ``cond``, the untaken branch would
     get zero cotangents, and 0 times the NaN of a poisoned slot is NaN).
     ``cpu``: the program is lowered for a CPU (:func:`cpu_forward`), whose
-    forms were measured (:func:`choose`).
+    forms were measured (:func:`choose`). A quantized cache (:mod:`fnattn.quant`)
+    is read in chunks of slots (:data:`QUANT_CHUNK_BYTES`) unless ``whole``.
     """
     B, _, Hkv, _ = k.shape
+    if not whole and (quant.is_quantized(k) or quant.is_quantized(v)):
+        C = _quant_chunk(k.shape[1], B * Hkv * k.shape[3] * jnp.dtype(q.dtype).itemsize)
+        if C is not None:
+            return _chunked(cfg, q, k, v, starts, lengths, sinks, terms, C,
+                            sanitize=sanitize, cpu=cpu)
+    dtype = q.dtype if quant.is_quantized(k) else k.dtype
     form, ns = choose(cfg, q.shape[1] * q.shape[2] // Hkv, k.shape[1], batch=B, kv_heads=Hkv,
-                      dtype=k.dtype, cpu=cpu)
+                      dtype=dtype, cpu=cpu)
     f = functools.partial(_attend, cfg, q, k, v, starts, lengths, sinks, terms, num_splits=ns)
     if sanitize is None:
         # The rare garbage branch uses the "mixed" form, whose products with the
@@ -120,6 +189,14 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits
     and whether everything was finite (see ``_online.clean_unless_garbage``).
     ``clean_keys=False`` sanitises only V (enough for the forward)."""
     B, Tq, Hq, D = q.shape
+    # Quantized caches (fnattn.quant): codes times scales in q's dtype, an
+    # elementwise expression that XLA fuses into the passes that read it. A
+    # latent cache (v None): the values are the keys' first value_dim channels.
+    # The products of a latent cache take the keys whole as the values and keep
+    # the output's first value_dim channels (a slice of the keys would be a copy).
+    latent = v is None
+    k = quant.dequantize(k, q.dtype)
+    v = k if latent else quant.dequantize(v, q.dtype)
     _, S, Hkv, Dv = v.shape
     G, ns = Hq // Hkv, num_splits
     C = S // ns
@@ -204,4 +281,6 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits
     lse = lse.reshape(B, Hkv, Tq, G).transpose(0, 1, 3, 2).reshape(B, Hq, Tq)
     if not sanitize:
         finite = finite & jnp.all(jnp.isfinite(part_out))
+    if latent:
+        out = out[..., :cfg.value_dim]
     return out, lse, finite

@@ -47,6 +47,12 @@ The Mosaic kernel needs a page size that is a multiple of 8; on TPU,
 ``impl="pallas"`` raises ``NotImplementedError`` (at trace time, on every
 platform, since every branch is traced).
 
+Quantized pools (:class:`fnattn.quant.QuantizedArray`) and latent pools
+(``value_dim`` with no ``v_pages``) run with the XLA lowering on every
+platform under ``impl="auto"``; ``impl="pallas"`` raises
+``NotImplementedError`` for them (no kernel reads them yet). Derivatives
+through quantized pools are reverse mode only.
+
 ``impl="xla"`` is the XLA lowering everywhere, ``impl="reference"`` the plain
 gather-everything implementation (:mod:`fnattn.paged.reference`).
 
@@ -68,11 +74,12 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch, _linear, _partition, position_bias
+from fnattn import _checks, _dispatch, _latent, _linear, _partition, position_bias, quant
 from fnattn._varying import varying_like
 from fnattn.flash import blocks
 from fnattn.paged import common, reference, xla
@@ -111,6 +118,25 @@ def lowering_table(impl: str):
             "paged attention: impl='cudnn' has no paged lowering; use impl='auto' (Triton "
             "kernels on NVIDIA GPUs) or impl='xla'.")
     raise ValueError(f"paged attention: no lowering for impl={impl!r}")
+
+
+def quantized_table(impl: str, feature: str = "quantized pools (fnattn.quant.QuantizedArray "
+                                               "k_pages/v_pages)"):
+    """The lowering table for quantized pools (:mod:`fnattn.quant`) and latent
+    pools (``value_dim``): the XLA lowering, which dequantizes each chunk of
+    pages it loads and takes latent values from the keys, on every platform
+    under impl="auto" (no Pallas kernel reads them yet)."""
+    if impl in ("auto", "xla"):
+        return (("default", xla.forward),)
+    if impl == "reference":
+        return (("default", _reference_forward),)
+    if impl == "pallas":
+        raise NotImplementedError(
+            f"paged attention: impl='pallas' has no kernel for {feature} yet: the Triton, "
+            "Mosaic TPU and Mosaic GPU kernels read float pages with separate values only. "
+            "The XLA lowering reads them: use impl='auto' (which runs it on every platform "
+            "for them) or impl='xla'.")
+    return lowering_table(impl)
 
 
 def _tpu_auto(cfg, *args):
@@ -179,6 +205,30 @@ class _Derivatives(_linear.Rule):
                                 d_out, d_lse)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _attend_stored(table, cfg, q, k_pages, v_pages, sinks, meta):
+    """:func:`_attend` for quantized pools (pytrees of codes and scales), in
+    reverse mode only: the backward is ``jax.vjp`` of the XLA lowering, through
+    the dequantization (the scales get cotangents, the integer codes float0)."""
+    return _forward(table, cfg, q, k_pages, v_pages, sinks, meta)
+
+
+def _stored_fwd(table, cfg, q, k_pages, v_pages, sinks, meta):
+    return (_forward(table, cfg, q, k_pages, v_pages, sinks, meta),
+            (q, k_pages, v_pages, sinks, meta))
+
+
+def _stored_bwd(table, cfg, res, cts):
+    q, k_pages, v_pages, sinks, meta = res
+    grads = _grads(cfg, q, k_pages, v_pages, sinks, meta, None, None, *cts)
+    zero = lambda x: (np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+                      if jnp.issubdtype(x.dtype, jnp.integer) else jnp.zeros_like(x))
+    return (*grads, jax.tree_util.tree_map(zero, meta))
+
+
+_attend_stored.defvjp(_stored_fwd, _stored_bwd)
+
+
 def _xla_fn(cfg, meta):
     """The XLA lowering as a function of the differentiable inputs (q, k_pages,
     v_pages, sinks)."""
@@ -212,7 +262,7 @@ def _update_jvp(table, cfg, primals, tangents):
 
 
 def _shape(x):
-    return tuple(jnp.shape(x))
+    return tuple(x.shape) if quant.is_quantized(x) else tuple(jnp.shape(x))
 
 
 def _check_int(fn, name, x, shape, what):
@@ -226,7 +276,10 @@ def _check_int(fn, name, x, shape, what):
 def _check_pools(fn, q_heads, head_dim, dtype, k_pages, v_pages, q_desc, *, layout=None,
                  other_q_heads=None):
     for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-        _checks.check_float(f"{fn}: {name}", x)
+        if quant.is_quantized(x):
+            quant.check(fn, name, x)
+        else:
+            _checks.check_float(f"{fn}: {name}", x)
         if x.ndim != 4:
             raise ValueError(f"{fn}: {name} must have 4 axes (Hkv, num_pages, page_size, "
                              f"{'D' if name == 'k_pages' else 'Dv'}); got shape {_shape(x)}")
@@ -246,7 +299,9 @@ def _check_pools(fn, q_heads, head_dim, dtype, k_pages, v_pages, q_desc, *, layo
                          f"a multiple of the number of kv heads Hkv={Hkv} (k_pages "
                          f"{_shape(k_pages)}, axis 0)"
                          + _fewer_heads_hint(q_heads, k_pages.shape, layout, other_q_heads))
-    if not (dtype == k_pages.dtype == v_pages.dtype):
+    # a quantized pool holds codes; its values come out in q's dtype
+    k_dtype, v_dtype = (dtype if quant.is_quantized(x) else x.dtype for x in (k_pages, v_pages))
+    if not (dtype == k_dtype == v_dtype):
         raise TypeError(f"{fn}: q, k_pages and v_pages must share a dtype; got q {dtype}, "
                         f"k_pages {k_pages.dtype}, v_pages {v_pages.dtype}")
     return Hkv, N, ps, v_pages.shape[3]
@@ -305,7 +360,7 @@ def _check_spec(fn, spec: AttentionSpec, num_q_heads):
 
 
 def _make_cfg(spec, *, num_q_heads, num_kv_heads, head_dim, v_head_dim, num_pages, page_size,
-              pages_per_seq, max_seqs, total_tokens, uniform_q, update):
+              pages_per_seq, max_seqs, total_tokens, uniform_q, update, value_dim=None):
     # (imported here: fnattn.decoding imports fnattn.paged as it loads)
     from fnattn.decoding.mosaic_gpu import MosaicGpuDecodeBlockSizes
     treedef = None if spec.mask is None else jax.tree_util.tree_structure(spec.mask)
@@ -317,7 +372,8 @@ def _make_cfg(spec, *, num_q_heads, num_kv_heads, head_dim, v_head_dim, num_page
                scale=_checks.resolve_scale(spec, head_dim), softcap=spec.softcap,
                mask_treedef=treedef, has_sinks=spec.sinks is not None, uniform_q=uniform_q,
                update=update, block_sizes=common.pick_block_sizes(spec.block_sizes),
-               mosaic_gpu=blocks.pick(spec.block_sizes, MosaicGpuDecodeBlockSizes, None))
+               mosaic_gpu=blocks.pick(spec.block_sizes, MosaicGpuDecodeBlockSizes, None),
+               value_dim=value_dim)
 
 
 # ----------------------------------------------------------------------------------
@@ -410,7 +466,13 @@ _META = ("page_table", "context_lengths", "query_start_loc", "num_seqs")
 
 def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, new_v=None):
     """Sanitises the metadata and dispatches (``table`` overrides ``spec.impl``'s)."""
-    table = lowering_table(spec.impl) if table is None else table
+    if table is None:
+        if cfg.value_dim is not None:
+            table = quantized_table(spec.impl, "latent pools (value_dim, no v_pages)")
+        elif quant.is_quantized(k_pages) or quant.is_quantized(v_pages):
+            table = quantized_table(spec.impl)
+        else:
+            table = lowering_table(spec.impl)
     meta = common.sanitize(cfg, *meta_args)
     if spec.position_bias is not None:
         # the term's arrays, one value per head; constants (a tangent raises)
@@ -422,14 +484,16 @@ def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, ne
     # inside shard_map: gradients typed like their inputs (see fnattn._dispatch.attend)
     q, k_pages, v_pages, sinks = varying_like((q, k_pages, v_pages, spec.sinks), q, k_pages,
                                               v_pages, spec.sinks, meta)
-    return _attend(table, cfg, q, k_pages, v_pages, sinks, meta)
+    stored = quant.is_quantized(k_pages) or quant.is_quantized(v_pages)
+    return (_attend_stored if stored else _attend)(table, cfg, q, k_pages, v_pages, sinks, meta)
 
 
 @_checks.entry_point("fnattn.paged_attention", ints=("page_table", "kv_lengths"))
 @jaxtyped(typechecker=beartype)
-def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shaped[Array, "..."],
-                    v_pages: Shaped[Array, "..."], *, page_table: Shaped[Array, "..."],
-                    kv_lengths: Shaped[Array, "..."], checked: bool = False) -> AttentionOutput:
+def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: quant.Cache,
+                    v_pages: Optional[quant.Cache], *, page_table: Shaped[Array, "..."],
+                    kv_lengths: Shaped[Array, "..."], value_dim: Optional[int] = None,
+                    checked: bool = False) -> AttentionOutput:
     """Decode: a few new query tokens per sequence against a paged KV cache.
 
     Args:
@@ -446,6 +510,8 @@ def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shape
       kv_lengths: (B,) int: keys of each sequence, the Tq new ones included
         (they must already be in the pool). This and ``page_table`` may be
         Python lists or NumPy arrays (converted with ``jnp.asarray``).
+      value_dim: a latent pool (multi-head latent attention): ``v_pages`` is
+        None and the values are the first ``value_dim`` channels of ``k_pages``.
       checked: also report bad run-time values with ``checkify`` (wrap the call
         in ``checkify.checkify``); see :func:`check_inputs`.
 
@@ -471,11 +537,11 @@ def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: Shape
     (True, (2, 4, 1))
     """
     return paged_attention_with(None, spec, q, k_pages, v_pages, page_table=page_table,
-                                kv_lengths=kv_lengths, checked=checked)
+                                kv_lengths=kv_lengths, value_dim=value_dim, checked=checked)
 
 
 def paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table, kv_lengths,
-                         checked=False):
+                         value_dim=None, checked=False):
     """:func:`paged_attention` with an explicit lowering table (None: ``spec.impl``'s)."""
     fn = "paged_attention"
     _checks.check_float(f"{fn}: q", q)
@@ -488,7 +554,9 @@ def paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table, kv_len
     B, Tq, Hq, D = qb.shape
     if 0 in qb.shape:
         raise ValueError(f"{fn}: q must have no empty axis; got shape {_shape(q)}")
-    Hkv, N, ps, Dv = _check_pools(fn, Hq, D, q.dtype, k_pages, v_pages, _shape(q),
+    v_like = _latent.values(fn, k_pages, v_pages, value_dim, q, k_name="k_pages",
+                            v_name="v_pages")
+    Hkv, N, ps, Dv = _check_pools(fn, Hq, D, q.dtype, k_pages, v_like, _shape(q),
                                   layout=spec.layout,
                                   other_q_heads=q.shape[1 if spec.layout == "bthd" else 2])
     if page_table.ndim != 2 or page_table.shape[0] != B:
@@ -499,8 +567,9 @@ def paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table, kv_len
     _check_spec(fn, spec, Hq)
     cfg = _make_cfg(spec, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, v_head_dim=Dv,
                     num_pages=N, page_size=ps, pages_per_seq=page_table.shape[1], max_seqs=B,
-                    total_tokens=B * Tq, uniform_q=Tq, update=False)
+                    total_tokens=B * Tq, uniform_q=Tq, update=False, value_dim=value_dim)
     if checked:
+        quant.check_pool_scales(k_pages=k_pages, v_pages=v_pages)
         check_inputs(k_pages, page_table=page_table, context_lengths=kv_lengths,
                      new_tokens=Tq)
     loc = jnp.arange(B + 1, dtype=I32) * Tq
@@ -512,7 +581,7 @@ def paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table, kv_len
 
 
 def _ragged_checks(fn, spec, q, k_pages, v_pages, page_table, context_lengths,
-                   query_start_loc, num_seqs, **new_kv):
+                   query_start_loc, num_seqs, value_dim=None, **new_kv):
     _checks.check_float(f"{fn}: q", q)
     refuse_float64(fn, q=q, **new_kv, k_pages=k_pages, v_pages=v_pages)
     if spec.layout != "bthd":
@@ -522,7 +591,9 @@ def _ragged_checks(fn, spec, q, k_pages, v_pages, page_table, context_lengths,
         raise ValueError(f"{fn}: q must have shape (total_tokens, Hq, D) with no empty axis; "
                          f"got {_shape(q)}")
     T, Hq, D = q.shape
-    Hkv, N, ps, Dv = _check_pools(fn, Hq, D, q.dtype, k_pages, v_pages, _shape(q))
+    v_like = _latent.values(fn, k_pages, v_pages, value_dim, q, k_name="k_pages",
+                            v_name="v_pages")
+    Hkv, N, ps, Dv = _check_pools(fn, Hq, D, q.dtype, k_pages, v_like, _shape(q))
     if page_table.ndim != 2:
         raise ValueError(f"{fn}: page_table must have shape (max_seqs, max_pages_per_seq); "
                          f"got {_shape(page_table)}")
@@ -544,11 +615,12 @@ def _ragged_checks(fn, spec, q, k_pages, v_pages, page_table, context_lengths,
 @_checks.entry_point("fnattn.ragged_paged_attention", ints=_META)
 @jaxtyped(typechecker=beartype)
 def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
-                           k_pages: Shaped[Array, "..."], v_pages: Shaped[Array, "..."], *,
+                           k_pages: quant.Cache, v_pages: Optional[quant.Cache], *,
                            page_table: Shaped[Array, "..."],
                            context_lengths: Shaped[Array, "..."],
                            query_start_loc: Shaped[Array, "..."],
                            num_seqs: Shaped[Array, "..."],
+                           value_dim: Optional[int] = None,
                            checked: bool = False) -> AttentionOutput:
     """A mixed batch of prefill and decode sequences over a paged KV cache.
 
@@ -573,6 +645,9 @@ def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
       num_seqs: int32 scalar or (1,) array: live sequences (the rest are padding).
         The four metadata arguments may be Python lists (or ints) or NumPy arrays
         (converted with ``jnp.asarray``).
+      value_dim: a latent pool (multi-head latent attention): ``v_pages`` is
+        None and the values are the first ``value_dim`` channels of ``k_pages``
+        (no second pool, no copy; see docs/serving.md).
       checked: report bad run-time values with ``checkify`` (:func:`check_inputs`).
 
     Returns:
@@ -596,19 +671,23 @@ def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
     """
     return ragged_paged_attention_with(
         None, spec, q, k_pages, v_pages, page_table=page_table, context_lengths=context_lengths,
-        query_start_loc=query_start_loc, num_seqs=num_seqs, checked=checked)
+        query_start_loc=query_start_loc, num_seqs=num_seqs, value_dim=value_dim,
+        checked=checked)
 
 
 def ragged_paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table,
-                                context_lengths, query_start_loc, num_seqs, checked=False):
+                                context_lengths, query_start_loc, num_seqs, value_dim=None,
+                                checked=False):
     """:func:`ragged_paged_attention` with an explicit lowering table."""
     fn = "ragged_paged_attention"
     T, Hq, D, Hkv, N, ps, Dv, S, P = _ragged_checks(
-        fn, spec, q, k_pages, v_pages, page_table, context_lengths, query_start_loc, num_seqs)
+        fn, spec, q, k_pages, v_pages, page_table, context_lengths, query_start_loc, num_seqs,
+        value_dim)
     cfg = _make_cfg(spec, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, v_head_dim=Dv,
                     num_pages=N, page_size=ps, pages_per_seq=P, max_seqs=S, total_tokens=T,
-                    uniform_q=None, update=False)
+                    uniform_q=None, update=False, value_dim=value_dim)
     if checked:
+        quant.check_pool_scales(k_pages=k_pages, v_pages=v_pages)
         check_inputs(k_pages, page_table=page_table, context_lengths=context_lengths,
                      query_start_loc=query_start_loc, num_seqs=num_seqs, total_tokens=T)
     out, lse = run(spec, q, k_pages, v_pages,
@@ -620,9 +699,10 @@ def ragged_paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table,
 @jaxtyped(typechecker=beartype)
 def ragged_paged_attention_with_update(
         spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..."],
-        v: Shaped[Array, "..."], k_pages: Shaped[Array, "..."], v_pages: Shaped[Array, "..."],
-        *, page_table: Shaped[Array, "..."], context_lengths: Shaped[Array, "..."],
-        query_start_loc: Shaped[Array, "..."], num_seqs: Shaped[Array, "..."],
+        v: Optional[Shaped[Array, "..."]], k_pages: quant.Cache,
+        v_pages: Optional[quant.Cache], *, page_table: Shaped[Array, "..."],
+        context_lengths: Shaped[Array, "..."], query_start_loc: Shaped[Array, "..."],
+        num_seqs: Shaped[Array, "..."], value_dim: Optional[int] = None,
         checked: bool = False):
     """:func:`ragged_paged_attention` that first writes the new tokens' k/v into the cache.
 
@@ -645,7 +725,8 @@ def ragged_paged_attention_with_update(
     Args:
       q: (total_tokens, Hq, D).
       k: (total_tokens, Hkv, D), the new tokens' keys.
-      v: (total_tokens, Hkv, Dv), the new tokens' values.
+      v: (total_tokens, Hkv, Dv), the new tokens' values (None for a latent pool,
+        ``value_dim``: ``k`` holds the latent and rope channels).
 
     Returns:
       ``(AttentionOutput, k_pages, v_pages)`` with the updated pools.
@@ -664,18 +745,30 @@ def ragged_paged_attention_with_update(
     return ragged_paged_attention_with_update_with(
         None, spec, q, k, v, k_pages, v_pages, page_table=page_table,
         context_lengths=context_lengths, query_start_loc=query_start_loc, num_seqs=num_seqs,
-        checked=checked)
+        value_dim=value_dim, checked=checked)
+
+
+def _new_tokens(x, pool):
+    """New tokens as the pool stores them: cast to a float pool's dtype; kept in
+    float for a quantized pool, whose write quantizes them (fnattn.quant.write)."""
+    if x is None or quant.is_quantized(pool):
+        return x
+    return x.astype(pool.dtype)
 
 
 def ragged_paged_attention_with_update_with(table, spec, q, k, v, k_pages, v_pages, *,
                                             page_table, context_lengths, query_start_loc,
-                                            num_seqs, checked=False):
+                                            num_seqs, value_dim=None, checked=False):
     """:func:`ragged_paged_attention_with_update` with an explicit lowering table."""
     fn = "ragged_paged_attention_with_update"
+    if value_dim is not None and v is not None:
+        raise ValueError(f"{fn}: a latent pool (value_dim={value_dim}) has no separate values: "
+                         "pass v=None (k holds the latent and rope channels)")
     T, Hq, D, Hkv, N, ps, Dv, S, P = _ragged_checks(
         fn, spec, q, k_pages, v_pages, page_table, context_lengths, query_start_loc, num_seqs,
-        k=k, v=v)
-    for name, x, want in (("k", k, (T, Hkv, D)), ("v", v, (T, Hkv, Dv))):
+        value_dim, k=k, v=v)
+    news = (("k", k, (T, Hkv, D)), ("v", v, (T, Hkv, Dv)))
+    for name, x, want in news[:1 if v is None else 2]:
         _checks.check_float(f"{fn}: {name}", x)
         if _shape(x) != want:
             raise ValueError(f"{fn}: {name} must have shape (total_tokens, Hkv, "
@@ -683,11 +776,12 @@ def ragged_paged_attention_with_update_with(table, spec, q, k, v, k_pages, v_pag
                              f"the pools; got {_shape(x)}")
     cfg = _make_cfg(spec, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, v_head_dim=Dv,
                     num_pages=N, page_size=ps, pages_per_seq=P, max_seqs=S, total_tokens=T,
-                    uniform_q=None, update=True)
+                    uniform_q=None, update=True, value_dim=value_dim)
     if checked:
+        quant.check_pool_scales(k_pages=k_pages, v_pages=v_pages)
         check_inputs(k_pages, page_table=page_table, context_lengths=context_lengths,
                      query_start_loc=query_start_loc, num_seqs=num_seqs, total_tokens=T)
     out, lse, k_pages, v_pages = run(
         spec, q, k_pages, v_pages, (page_table, context_lengths, query_start_loc, num_seqs),
-        cfg, table=table, new_k=k.astype(k_pages.dtype), new_v=v.astype(v_pages.dtype))
+        cfg, table=table, new_k=_new_tokens(k, k_pages), new_v=_new_tokens(v, v_pages))
     return AttentionOutput(out, lse if spec.return_lse else None), k_pages, v_pages

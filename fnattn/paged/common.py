@@ -141,6 +141,7 @@ class Cfg(KernelFacts):
     block_sizes: PagedBlockSizes
     term_treedef: Any = None   # a position term (its arrays: Meta.terms), or None
     mosaic_gpu: Any = None     # the spec's MosaicGpuDecodeBlockSizes (fnattn.paged.mosaic_gpu)
+    value_dim: Optional[int] = None  # a latent pool: v_pages None, values k[..., :value_dim]
 
     @property
     def group(self) -> int:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 
 from fnattn.merging import shifted_exp
 from fnattn import _online as online
+from fnattn import quant
 from fnattn.paged import common
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -24,8 +25,10 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
     seq, row, valid = common.token_owner(cfg, meta)
     L = meta.kv_len[seq]
     pages = meta.page_table[seq]                                        # (T, P)
-    k = k_pages[:, jnp.maximum(pages, 0)].reshape(Hkv, T, cfg.capacity, D)
-    v = v_pages[:, jnp.maximum(pages, 0)].reshape(Hkv, T, cfg.capacity, -1)
+    idx = (slice(None), jnp.maximum(pages, 0))     # (a quantized pool: dequantized)
+    k = quant.load(k_pages, idx, F32).reshape(Hkv, T, cfg.capacity, D)
+    v = (k[..., :cfg.v_head_dim] if v_pages is None else   # (a latent pool)
+         quant.load(v_pages, idx, F32).reshape(Hkv, T, cfg.capacity, -1))
     k, v, bad = online.finite_keys(k, v)     # (Hkv, T, capacity) bad keys
     qg = q.reshape(T, Hkv, G, D).astype(F32)
     s = jnp.einsum("thgd,htkd->thgk", qg, k.astype(F32)) * cfg.scale

@@ -19,6 +19,11 @@ item's window, from the mask's ``tile_bounds``) is skipped at run time by a
 **Cache update.** With new tokens, they are first scattered into their slots
 (``mode="drop"``: invalid slots are dropped), then attention reads the pool.
 
+**Quantized pools** (:mod:`fnattn.quant`): each chunk's codes and scales are
+gathered and dequantized to q's dtype as they are loaded, so the largest
+dequantized array is one chunk; the update quantizes the new tokens with
+:func:`fnattn.quant.quantize` and scatters codes and scales alike.
+
 The function is differentiable (``jax.vjp`` of it is the backward of every
 lowering's attention-only forms).
 """
@@ -28,7 +33,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from fnattn import _checks
+from fnattn import _checks, quant
 from fnattn._varying import varying_like
 from fnattn.merging import shifted_exp
 from fnattn import _online as online
@@ -57,6 +62,12 @@ def write_tokens(cfg: Cfg, meta: Meta, k_pages, v_pages, new_k, new_v):
     slot = jnp.where(ok, page * ps + pos % ps, N * ps)  # N * ps: out of range, dropped
 
     def put(pool, new):
+        if pool is None:               # a latent pool has no values of its own
+            return None
+        if quant.is_quantized(pool):  # quantize's codes and per-token scales, at the slots
+            flat = quant.write(pool.reshape_leading(Hkv, N * ps), (slice(None), slot),
+                               jnp.swapaxes(new, 0, 1))
+            return flat.reshape_leading(Hkv, N, ps)
         flat = pool.reshape(Hkv, N * ps, pool.shape[-1])
         flat = flat.at[:, slot].set(jnp.swapaxes(new, 0, 1).astype(pool.dtype), mode="drop",
                                     unique_indices=False)
@@ -137,8 +148,13 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
     def scores(j):
         pages = lax.dynamic_slice_in_dim(pt, j * ppc, ppc, axis=1)  # (W, ppc)
         safe = jnp.maximum(pages, 0)
-        kc = k_pages[:, safe].reshape(Hkv, W, C, D)
-        vc = v_pages[:, safe].reshape(Hkv, W, C, Dv)
+        # (a quantized pool: this chunk's codes dequantized as they are loaded)
+        kc = quant.load(k_pages, (slice(None), safe), qw.dtype).reshape(Hkv, W, C, D)
+        # A latent pool: the values are the keys' first Dv channels. The product
+        # takes the keys whole and the output keeps its first Dv channels: a
+        # slice of the keys here would be a copy of them.
+        vc = (kc if v_pages is None else
+              quant.load(v_pages, (slice(None), safe), qw.dtype).reshape(Hkv, W, C, Dv))
         # Slots past a sequence's length and pages it does not own may hold anything
         # (NaN from a released request, never-written memory): see _online.finite_keys.
         if sanitize:
@@ -177,7 +193,7 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
 
     m = jnp.full((Hkv, W, M), -jnp.inf, F32)
     l = jnp.zeros((Hkv, W, M), F32)
-    acc = jnp.zeros((Hkv, W, M, Dv), F32)
+    acc = jnp.zeros((Hkv, W, M, D if v_pages is None else Dv), F32)
     m, l, acc, finite = varying_like((m, l, acc, jnp.bool_(True)), q, k_pages, v_pages, sinks,
                                      meta)
     if _checks.is_static(n_chunks) and n_chunks == 1:
@@ -204,7 +220,7 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
         m = m_fin
     empty = l == 0                        # (a row that saw a NaN key stays NaN)
     safe = jnp.where(empty, 1.0, l)
-    out = acc / safe[..., None]
+    out = acc[..., :Dv] / safe[..., None]     # (a latent pool: its first Dv channels)
     lse = jnp.where(empty, -jnp.inf, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe))
 
     # Items' rows back to packed tokens; tokens of no sequence get 0 and -inf.

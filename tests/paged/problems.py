@@ -252,6 +252,46 @@ def check_ragged(table, spec, p: Problem, tol=2e-5, use_reference=False):
 def check_update(table, spec, p: Problem, tol=2e-5):
     res, kp, vp = update(table, spec, p)
     assert_close(res.out, res.lse, *expected(spec, p), tol)
-    np.testing.assert_array_equal(np.asarray(kp), np.asarray(p.k_pages))
-    np.testing.assert_array_equal(np.asarray(vp), np.asarray(p.v_pages))
+    assert_pools_equal(kp, p.k_pages)
+    assert_pools_equal(vp, p.v_pages)
     return res
+
+
+def quantized(p: Problem, k_format, v_format=None, *, scale=None) -> Problem:
+    """The problem with quantized pools (``fnattn.quant``; per-tensor formats get
+    ``scale``, default one that saturates the pools' garbage), and its dense tokens
+    replaced by what the pools hold dequantized: the expected results are then
+    the float64 reference on the dequantized cache (quantization is the only
+    approximation, and it is not tested here). The new tokens stay float: the
+    update form quantizes them, and ``k_pages``/``v_pages`` are what it must
+    write, bit for bit (each slot's codes and scale depend on its own values)."""
+    from fnattn import quant
+    v_format = k_format if v_format is None else v_format
+
+    def q(x, fmt):
+        s = None if fmt.per_token else (4.0 / fmt.max_code if scale is None else scale)
+        return quant.quantize(x, fmt, scale=s)
+
+    kp, vp = q(p.k_pages, k_format), q(p.v_pages, v_format)
+    kd, vd = (np.asarray(quant.dequantize(x)) for x in (kp, vp))
+    table, ps = np.asarray(p.page_table), p.k_pages.shape[2]
+
+    def tokens(pool, s, L):
+        return jnp.asarray(np.stack([pool[:, table[s, j // ps], j % ps] for j in range(L)])
+                           if L else pool[:, :0, 0].transpose(1, 0, 2))
+
+    k_tok = [tokens(kd, s, L) for s, (L, _) in enumerate(p.seqs)]
+    v_tok = [tokens(vd, s, L) for s, (L, _) in enumerate(p.seqs)]
+    return dataclasses.replace(p, k_pages=kp, v_pages=vp, k_old=q(p.k_old, k_format),
+                               v_old=q(p.v_old, v_format), k_tok=k_tok, v_tok=v_tok)
+
+
+def assert_pools_equal(got, want):
+    """Pools (float or quantized: codes and scales) equal bit for bit."""
+    g, w = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)
+    assert jax.tree_util.tree_structure(got) == jax.tree_util.tree_structure(want)
+    for a, b in zip(g, w):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8) if a.dtype.itemsize == 1
+                                      else np.asarray(a),
+                                      np.asarray(b).view(np.uint8) if b.dtype.itemsize == 1
+                                      else np.asarray(b))

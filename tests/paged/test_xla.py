@@ -16,7 +16,9 @@ import fnattn  # noqa: E402
 from fnattn import AttentionSpec, PagedBlockSizes, masks  # noqa: E402
 from fnattn.paged import xla  # noqa: E402
 from problems import (assert_close, check_ragged, check_update, dense_packed, expected,  # noqa: E402
-                      make, to_pool)
+                      make, poisoned, quantized, to_pool)
+from fnattn import quant  # noqa: E402
+from fnattn.quant import QuantFormat  # noqa: E402
 
 XLA = (("default", xla.forward),)
 
@@ -120,3 +122,222 @@ def test_gradients_match_dense_gradients():
     dk_want, dv_want = to_pool(p, gd[1], p.k_pages), to_pool(p, gd[2], p.v_pages)
     np.testing.assert_allclose(g[1], dk_want, atol=1e-4, rtol=1e-4)
     np.testing.assert_allclose(g[2], dv_want, atol=1e-4, rtol=1e-4)
+
+
+# Quantized pools (fnattn.quant): every format and granularity, K and V in different ones.
+QUANT = [(QuantFormat("int8"), QuantFormat("int8")),
+         (QuantFormat("float8_e4m3fn"), QuantFormat("float8_e5m2", "tensor")),
+         (QuantFormat("float8_e5m2"), QuantFormat("int4")),
+         (QuantFormat("int4", "tensor"), QuantFormat("float8_e4m3fn", "tensor")),
+         (QuantFormat("int8", "tensor"), QuantFormat("int4", "token"))]
+QIDS = [f"{k.name}-{k.granularity}/{v.name}-{v.granularity}" for k, v in QUANT]
+
+
+@pytest.mark.parametrize("formats", QUANT, ids=QIDS)
+@pytest.mark.parametrize("case", ["causal-sinks-softcap", "window-mha", "chunked-mqa", "from-fn"])
+def test_quantized_ragged_matches_reference_on_the_dequantized_cache(case, formats):
+    spec, Hq, Hkv = spec_for(case)
+    p = quantized(make(MIXED, Hq=Hq, Hkv=Hkv, D=8, Dv=6, page_size=3, max_seqs=7,
+                       pad_tokens=2, seed=1), *formats)
+    # impl="auto" (table None): quantized pools run the XLA lowering on every platform
+    check_ragged(None, spec, p)
+
+
+@pytest.mark.parametrize("formats", QUANT[:3], ids=QIDS[:3])
+def test_quantized_many_chunks_and_alibi(formats):
+    from fnattn import position_bias
+    p = quantized(make([(41, 2), (29, 11), (3, 3)], Hq=4, Hkv=2, D=8, page_size=4,
+                       pages_per_seq=13, max_seqs=5, seed=3), *formats)
+    blocks = PagedBlockSizes(block_q=3, block_k=8)
+    check_ragged(XLA, AttentionSpec(mask=masks.causal() & masks.sliding_window(5),
+                                    block_sizes=blocks), p)
+    alibi = position_bias.alibi(position_bias.alibi_slopes(4))
+    res = jax.jit(lambda sp, q, kp, vp, m: fnattn.ragged_paged_attention(sp, q, kp, vp, **m))(
+        AttentionSpec(mask=masks.causal(), position_bias=alibi, block_sizes=blocks), p.q,
+        p.k_pages, p.v_pages, dict(page_table=p.page_table, context_lengths=p.context_lengths,
+                                   query_start_loc=p.query_start_loc, num_seqs=p.num_seqs))
+    # the same term on float pools holding the dequantized values
+    f = jax.tree_util.tree_map(lambda x: x, p)
+    ref = jax.jit(lambda sp, q, kp, vp, m: fnattn.ragged_paged_attention(sp, q, kp, vp, **m))(
+        AttentionSpec(mask=masks.causal(), position_bias=alibi, block_sizes=blocks), f.q,
+        quant.dequantize(p.k_pages), quant.dequantize(p.v_pages),
+        dict(page_table=p.page_table, context_lengths=p.context_lengths,
+             query_start_loc=p.query_start_loc, num_seqs=p.num_seqs))
+    np.testing.assert_allclose(res.out, ref.out, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("formats", QUANT, ids=QIDS)
+def test_quantized_update_writes_what_quantize_gives(formats):
+    p = quantized(make(MIXED, Hq=4, Hkv=2, D=6, page_size=3, max_seqs=6, pad_tokens=3,
+                       seed=4), *formats)
+    check_update(None, spec_for("causal-sinks-softcap")[0].replace(sinks=jnp.arange(4.)), p)
+
+
+@pytest.mark.parametrize("formats", QUANT[:2], ids=QIDS[:2])
+def test_quantized_paged_attention_decode(formats):
+    B, Hq, D, Tq = 3, 6, 8, 2
+    p = quantized(make([(11, Tq), (5, Tq), (Tq, Tq)], Hq=Hq, Hkv=3, D=D, page_size=4, seed=2),
+                  *formats)
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.ones(Hq))
+    res = jax.jit(fnattn.paged_attention)(spec, p.q.reshape(B, Tq, Hq, D), p.k_pages,
+                                          p.v_pages, page_table=p.page_table,
+                                          kv_lengths=p.context_lengths)
+    assert_close(res.out.reshape(B * Tq, Hq, D), res.lse.transpose(1, 0, 2).reshape(Hq, B * Tq),
+                 *expected(spec, p), 2e-5)
+
+
+def test_quantized_pools_with_nan_codes_and_scales_in_unowned_slots():
+    """NaN (and inf) in the codes and the scales of slots no sequence owns change nothing."""
+    base = make(MIXED, Hq=4, Hkv=2, D=8, page_size=3, max_seqs=7, pad_tokens=2, seed=7)
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.array([0.5, 1.0, -1.0, 0.0]))
+    for formats in QUANT[:3]:
+        p = quantized(base, *formats)
+        want = expected(spec, p)
+        bad = poisoned(base)                     # NaN in every unowned float slot
+        keep = ~np.isnan(np.asarray(bad.k_pages))[..., 0]              # (Hkv, N, ps)
+        def spoil(pool):
+            scale = pool.scale
+            if pool.format.per_token:
+                scale = jnp.where(keep, scale, jnp.nan)
+            data = pool.data
+            if pool.format.is_float:
+                data = jnp.where(keep[..., None], data, jnp.array(jnp.inf, data.dtype)
+                                 if pool.format.name == "float8_e5m2" else
+                                 jnp.array(jnp.nan, data.dtype))
+            return pool.replace(data=data, scale=scale)
+        pp = p.__class__(**{**p.__dict__, "k_pages": spoil(p.k_pages),
+                            "v_pages": spoil(p.v_pages)})
+        res = check_ragged(XLA, spec, pp)
+        assert_close(res.out, res.lse, *want, 2e-5)
+
+
+def test_quantized_pallas_is_refused_and_names_the_xla_lowering():
+    p = quantized(make([(5, 1)], Hq=2, Hkv=1, D=8, page_size=4), QuantFormat("int8"))
+    with pytest.raises(NotImplementedError, match="impl='pallas' has no kernel for quantized "
+                       "pools.*impl='xla'"):
+        check_ragged(None, AttentionSpec(impl="pallas"), p)
+
+
+def test_quantized_pool_bad_input():
+    p = quantized(make([(5, 1)], Hq=2, Hkv=1, D=8, page_size=4), QuantFormat("int8"))
+    bad = p.k_pages.replace(scale=p.k_pages.scale[..., :2])
+    with pytest.raises(ValueError, match=r"k_pages.scale must have shape data.shape\[:-1\]"):
+        fnattn.ragged_paged_attention(AttentionSpec(), p.q, bad, p.v_pages, page_table=p.page_table,
+                                      context_lengths=p.context_lengths,
+                                      query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
+    t = quant.quantize(p.v_pages.data.astype(jnp.float32), QuantFormat("int8", "tensor"),
+                       scale=1.0)
+    with pytest.raises(ValueError, match="v_pages: scale must be finite and > 0"):
+        fnattn.ragged_paged_attention(AttentionSpec(), p.q, p.k_pages,
+                                      t.replace(scale=jnp.float32(0.0)),
+                                      page_table=p.page_table, context_lengths=p.context_lengths,
+                                      query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
+
+
+@pytest.mark.parametrize("fmt", [None, QuantFormat("int8"), QuantFormat("int4")],
+                         ids=["float", "int8", "int4"])
+def test_latent_pools_ragged_paged_and_update(fmt):
+    """A latent pool (value_dim=Dc, v_pages None, one kv head): ragged, paged and the
+    update form equal the same problem with a separate value pool holding the keys'
+    first Dc channels (float64 reference on the dequantized pool)."""
+    Dc, Dr = 6, 4
+    p = make(MIXED, Hq=4, Hkv=1, D=Dc + Dr, Dv=Dc, page_size=3, max_seqs=7, pad_tokens=2,
+             seed=11)
+    if fmt is not None:
+        p = quantized(p, fmt)
+    kd = quant.dequantize(p.k_pages)
+    # the same problem with separate values: the first Dc channels of the keys
+    sep = p.__class__(**{**p.__dict__, "v_pages": kd[..., :Dc],
+                         "v_tok": [x[..., :Dc] for x in p.k_tok]})
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.array([0.5, 0.0, -1.0, 1.0]))
+    m = dict(page_table=p.page_table, context_lengths=p.context_lengths,
+             query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
+    res = jax.jit(lambda q, kp, m: fnattn.ragged_paged_attention(spec, q, kp, None,
+                                                                 value_dim=Dc, **m))(
+        p.q, p.k_pages, m)
+    assert res.out.shape == (p.q.shape[0], 4, Dc)
+    assert_close(res.out, res.lse, *expected(spec, sep), 2e-5)
+    # the update form writes the latent (and rope) channels only
+    old = p.k_old
+    res, kp, vp = jax.jit(lambda q, k, kp, m: fnattn.ragged_paged_attention_with_update(
+        spec, q, k, None, kp, None, value_dim=Dc, **m))(p.q, p.k_new, old, m)
+    assert vp is None
+    assert_close(res.out, res.lse, *expected(spec, sep), 2e-5)
+    from problems import assert_pools_equal
+    assert_pools_equal(kp, p.k_pages)
+
+
+def test_latent_paged_attention_decode_and_bad_input():
+    Dc = 6
+    B, Tq = 3, 1
+    p = make([(11, Tq), (5, Tq), (Tq, Tq)], Hq=4, Hkv=1, D=Dc + 2, Dv=Dc, page_size=4, seed=12)
+    sep = p.__class__(**{**p.__dict__, "v_pages": p.k_pages[..., :Dc],
+                         "v_tok": [x[..., :Dc] for x in p.k_tok]})
+    spec = AttentionSpec(mask=masks.causal())
+    res = jax.jit(lambda q, kp: fnattn.paged_attention(
+        spec, q, kp, None, page_table=p.page_table, kv_lengths=p.context_lengths,
+        value_dim=Dc))(p.q.reshape(B, Tq, 4, Dc + 2), p.k_pages)
+    assert_close(res.out.reshape(B * Tq, 4, Dc), res.lse.transpose(1, 0, 2).reshape(4, B * Tq),
+                 *expected(spec, sep), 2e-5)
+    with pytest.raises(ValueError, match="a latent cache \\(value_dim=6\\) has no separate "
+                                         "v_pages"):
+        fnattn.paged_attention(spec, p.q.reshape(B, Tq, 4, Dc + 2), p.k_pages, p.k_pages,
+                               page_table=p.page_table, kv_lengths=p.context_lengths,
+                               value_dim=Dc)
+    with pytest.raises(ValueError, match="value_dim must be an int in \\[1, D=8\\]"):
+        fnattn.paged_attention(spec, p.q.reshape(B, Tq, 4, Dc + 2), p.k_pages, None,
+                               page_table=p.page_table, kv_lengths=p.context_lengths,
+                               value_dim=9)
+    with pytest.raises(NotImplementedError, match="no kernel for latent pools"):
+        fnattn.paged_attention(spec.replace(impl="pallas"), p.q.reshape(B, Tq, 4, Dc + 2),
+                               p.k_pages, None, page_table=p.page_table,
+                               kv_lengths=p.context_lengths, value_dim=Dc)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_quantized_and_latent_caches_lower_for_gpu_and_tpu_without_a_kernel(platform):
+    """impl='auto' on a GPU or a TPU runs quantized and latent caches with the XLA
+    lowering: the programs lower for each platform and hold no Pallas kernel."""
+    from lowering import target
+    p = quantized(make([(9, 1), (5, 1)], Hq=4, Hkv=1, D=8, page_size=4, seed=13),
+                  QuantFormat("int8"), QuantFormat("float8_e4m3fn", "tensor"))
+    spec = AttentionSpec(mask=masks.causal())
+    m = dict(page_table=p.page_table, context_lengths=p.context_lengths,
+             query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
+    q4 = p.q.reshape(2, 1, 4, 8)
+    kc = quant.quantize(jnp.ones((2, 16, 1, 8)), "int4")
+    calls = [
+        (lambda q, kp, vp: fnattn.ragged_paged_attention(spec, q, kp, vp, **m).out,
+         (p.q, p.k_pages, p.v_pages)),
+        (lambda q, kp: fnattn.ragged_paged_attention(spec, q, kp, None, value_dim=6, **m).out,
+         (p.q, p.k_pages)),
+        (lambda q, k: fnattn.decode(spec, q, k, k, kv_lengths=jnp.array([9, 5])).out,
+         (q4, kc)),
+        (lambda q, k: fnattn.decode(spec, q, k, None, kv_lengths=jnp.array([9, 5]),
+                                    value_dim=4).out, (q4, kc))]
+    for f, args in calls:
+        with target(platform):
+            text = jax.jit(f).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+        assert "tpu_custom_call" not in text and "triton" not in text.lower()
+        assert "stablehlo.dot_general" in text
+
+
+def test_quantized_pools_gradients_with_respect_to_q_and_the_scales():
+    """Reverse mode through quantized pools: d/dq equals d/dq on float pools holding the
+    dequantized values, and d/dscale is the chain rule through the dequantization."""
+    p = quantized(make([(6, 2), (9, 1)], Hq=4, Hkv=2, D=8, page_size=3, max_seqs=3, seed=14),
+                  QuantFormat("int8"))
+    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.array([0.1, -1., 2., 0.]))
+    m = dict(page_table=p.page_table, context_lengths=p.context_lengths,
+             query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
+
+    def loss(q, kp, vp):
+        return _loss(fnattn.ragged_paged_attention(spec, q, kp, vp, **m))
+
+    gq, gk = jax.jit(jax.grad(loss, argnums=(0, 1), allow_int=True))(p.q, p.k_pages, p.v_pages)
+    kd, vd = quant.dequantize(p.k_pages), quant.dequantize(p.v_pages)
+    gq_f, gk_f = jax.jit(jax.grad(loss, argnums=(0, 1)))(p.q, kd, vd)
+    np.testing.assert_allclose(gq, gq_f, atol=1e-5, rtol=1e-5)
+    # d/dscale[h, n, o] = sum_d dL/dk[h, n, o, d] * code[h, n, o, d]
+    codes = p.k_pages.data.astype(jnp.float32)
+    np.testing.assert_allclose(gk.scale, jnp.sum(gk_f * codes, -1), atol=1e-4, rtol=1e-4)
