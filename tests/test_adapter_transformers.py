@@ -18,7 +18,7 @@ import pytest
 import transformers
 
 import fnattn
-from fnattn.adapters.transformers import LayerAttention, layers
+from fnattn.adapters.transformers import LayerAttention, layers, stacked_spec
 
 SMALL = dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
 
@@ -175,6 +175,45 @@ def test_what_each_config_says():
     plain = transformers.Qwen2Config(num_hidden_layers=3, sliding_window=3, **SMALL)
     assert [l.window for l in layers(plain)] == [None] * 3
     assert all(repr(l.spec.mask) == "causal()" for l in layers(plain))
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss", "llama4", "qwen2", "cohere2",
+                                    "mistral"])
+def test_a_scan_over_the_stacked_spec_equals_the_layers_one_by_one(family):
+    """Every layer's window, chunk and sinks sliced from the stacked spec by
+    lax.scan: the same as the unrolled layers with their own specs (forward and the
+    gradient of the input)."""
+    config = CONFIGS[family]()
+    n = config.get_text_config().num_hidden_layers
+    rng = np.random.default_rng(11)
+    sinks = rng.standard_normal((n, 4)).astype(np.float32) if family == "gpt_oss" else None
+    attn = layers(config, sinks=sinks)
+    spec = stacked_spec(attn)
+    hkv, d = attn[0].num_kv_heads, attn[0].head_dim
+    x = jnp.asarray(rng.standard_normal((2, 13, 4, d)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((n, d, d)) / np.sqrt(d), jnp.float32)
+
+    def layer(x, spec, w):
+        kv = (x @ w)[:, :, :hkv]
+        return x + fnattn.attention(spec, x, kv, kv).out
+
+    def scanned(x):
+        return jax.lax.scan(lambda x, a: (layer(x, *a), None), x, (spec, w))[0]
+
+    def unrolled(x):
+        for i, l in enumerate(attn):
+            x = layer(x, l.spec, w[i])
+        return x
+
+    f = lambda g: jax.value_and_grad(lambda x: jnp.sum(jnp.sin(g(x))))  # noqa: E731
+    a, b = jax.jit(f(scanned))(x), jax.jit(f(unrolled))(x)
+    for p, q in zip(a, b):
+        np.testing.assert_allclose(p, q, atol=2e-5, rtol=2e-5)
+
+
+def test_stacked_spec_refuses_layers_that_differ_in_scale():
+    with pytest.raises(ValueError, match=r"stacked_spec: the layers' scale differ"):
+        stacked_spec(layers(CONFIGS["gpt2"]()))
 
 
 def test_llama4_temperature_tuning_scales_the_queries_of_its_nope_layers():

@@ -36,6 +36,10 @@ RoPE and its scaling, q/k norms, attention biases of the projections,
 dropout_key=...)``), Llama 4's ``attn_temperature_tuning``
 (:meth:`LayerAttention.query_scales` gives its per-position factor of q).
 
+:func:`stacked_spec` stacks the layers' specs into one whose leaves (window and
+chunk sizes, sinks) have a leading layer axis, to scan a model's layers with
+``jax.lax.scan`` whatever their pattern.
+
 >>> from transformers import Gemma2Config
 >>> from fnattn.adapters.transformers import layers
 >>> config = Gemma2Config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -62,7 +66,7 @@ except ImportError as e:  # pragma: no cover - the extra is installed in CI
 from fnattn import masks
 from fnattn.spec import AttentionSpec
 
-__all__ = ["LayerAttention", "layers"]
+__all__ = ["LayerAttention", "layers", "stacked_spec"]
 
 FULL, SLIDING, CHUNKED = "full_attention", "sliding_attention", "chunked_attention"
 # Families whose attention has one learned sink logit per head (a weight).
@@ -228,3 +232,60 @@ def layers(config, *, sinks: Any = None, impl: str = "auto") -> tuple:
                                   chunk_size=chunk,
                                   temperature=None if uses_rope else temperature))
     return tuple(out)
+
+
+def stacked_spec(attn_layers) -> AttentionSpec:
+    """One spec for every layer, its arrays stacked on a leading layer axis: the
+    ``xs`` of a ``jax.lax.scan`` over the layers, which gives each layer its own
+    window (``masks.NO_WINDOW`` for full layers), chunk and sinks.
+
+    The mask is ``causal()``, with ``sliding_window(left=...)`` if some layer
+    slides and ``chunked(...)`` if some is chunked, their sizes (num_layers,)
+    int32 arrays. The static fields (scale, soft-cap, impl) must agree across
+    the layers: a GPT-2 config with ``scale_attn_by_inverse_layer_idx`` scales
+    each layer differently (fold the factor into q, or unroll).
+
+    >>> import jax, jax.numpy as jnp, fnattn
+    >>> from transformers import Gemma2Config
+    >>> config = Gemma2Config(num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1,
+    ...                       head_dim=8, hidden_size=16, sliding_window=3,
+    ...                       query_pre_attn_scalar=8)
+    >>> attn = layers(config)
+    >>> spec = stacked_spec(attn)
+    >>> spec.mask.b.left.tolist()                                 # W - 1, or no window
+    [2, 1073741824, 2, 1073741824]
+    >>> x = jax.random.normal(jax.random.key(0), (1, 9, 2, 8))
+    >>> def layer(x, spec):
+    ...     return x + fnattn.attention(spec, x, x[:, :, :1], x[:, :, :1]).out, None
+    >>> y, _ = jax.jit(lambda x: jax.lax.scan(layer, x, spec))(x)
+    >>> z = x
+    >>> for l in attn:                                            # the same, unrolled
+    ...     z = z + fnattn.attention(l.spec, z, z[:, :, :1], z[:, :, :1]).out
+    >>> bool(jnp.allclose(y, z, atol=1e-5))
+    True
+    """
+    attn_layers = tuple(attn_layers)
+    if not attn_layers or not all(isinstance(l, LayerAttention) for l in attn_layers):
+        raise TypeError("stacked_spec: attn_layers must be the LayerAttention tuple that "
+                        "layers(config) returns")
+    first = attn_layers[0].spec
+    for name in ("scale", "softcap", "impl"):
+        values = [getattr(l.spec, name) for l in attn_layers]
+        if len(set(values)) > 1:
+            raise ValueError(f"stacked_spec: the layers' {name} differ ({values}); one "
+                             f"scanned spec has one {name}. Fold a per-layer scale into q, "
+                             "or call each layer with its own spec")
+    mask = masks.causal()
+    if any(l.window is not None for l in attn_layers):
+        # (both sides arrays: every leaf has the layer axis that scan slices)
+        mask = mask & masks.sliding_window(left=jnp.array(
+            [masks.NO_WINDOW if l.window is None else l.window - 1 for l in attn_layers],
+            jnp.int32), right=jnp.zeros((len(attn_layers),), jnp.int32))
+    if any(l.chunk_size is not None for l in attn_layers):
+        mask = mask & masks.chunked(jnp.array(
+            [masks.NO_WINDOW if l.chunk_size is None else l.chunk_size for l in attn_layers],
+            jnp.int32))
+    sinks = None
+    if first.sinks is not None:
+        sinks = jnp.stack([jnp.asarray(l.spec.sinks) for l in attn_layers])
+    return first.replace(mask=mask, sinks=sinks)
