@@ -29,9 +29,9 @@ def qkv(seed=0, Tq=T, Tk=T):
             jnp.asarray(rs.standard_normal((B, Tk, HKV, D)), jnp.float32))
 
 
-def out_and_grads(spec, q, k, v):
+def out_and_grads(spec, q, k, v, fn=fnattn.attention):
     def loss(q, k, v):
-        res = fnattn.attention(spec, q, k, v)
+        res = fn(spec, q, k, v)
         row = res.out.shape[1:]  # the same weights in every batch row
         w = jnp.cos(jnp.arange(np.prod(row), dtype=jnp.float32)).reshape(row)
         return jnp.sum(res.out * w), res
@@ -52,18 +52,22 @@ KINDS = {"window": window, "chunk": chunk,
              w, int) else w // 2)}
 
 
-@pytest.mark.parametrize("impl", ["xla", "reference"])
+@pytest.mark.parametrize("impl,fn", [("xla", fnattn.attention), ("xla", fnattn.flash),
+                                     ("reference", fnattn.attention)],
+                         ids=["attention-xla", "flash-xla", "reference"])
 @pytest.mark.parametrize("kind", sorted(KINDS))
-def test_traced_size_equals_the_static_one(impl, kind):
+def test_traced_size_equals_the_static_one(impl, fn, kind):
+    """fnattn.attention's XLA lowering (dense at these sizes), fnattn.flash's
+    blockwise XLA loops (which skip tiles) and the reference."""
     make = KINDS[kind]
     q, k, v = qkv()
 
     @jax.jit
     def traced(size, q, k, v):
         return out_and_grads(AttentionSpec(mask=make(size), impl=impl, block_sizes=BLOCKS),
-                             q, k, v)
+                             q, k, v, fn)
 
-    static = jax.jit(lambda spec, q, k, v: out_and_grads(spec, q, k, v))
+    static = jax.jit(lambda spec, q, k, v: out_and_grads(spec, q, k, v, fn))
     for size in (1, 5, 16, 40):
         got = traced(jnp.int32(size), q, k, v)
         want = static(AttentionSpec(mask=make(size), impl=impl, block_sizes=BLOCKS), q, k, v)
@@ -91,8 +95,8 @@ def test_one_size_per_batch_row():
     sizes = jnp.array([3, 11], jnp.int32)
     for make in (window, chunk):
         got = jax.jit(lambda s, q, k, v: out_and_grads(
-            AttentionSpec(mask=make(s), impl="xla", block_sizes=BLOCKS), q, k, v))(
-                sizes, q, k, v)
+            AttentionSpec(mask=make(s), impl="xla", block_sizes=BLOCKS), q, k, v,
+            fnattn.flash))(sizes, q, k, v)
         for b in range(B):
             want = jax.jit(lambda q, k, v, size=int(sizes[b]): out_and_grads(
                 AttentionSpec(mask=make(size), impl="xla", block_sizes=BLOCKS), q, k, v))(
@@ -112,7 +116,7 @@ def test_scanned_local_and_global_layers_equal_the_unrolled_static_layers():
 
     def layer(x, w, mask):
         spec = AttentionSpec(mask=mask, impl="xla", block_sizes=BLOCKS)
-        return x + fnattn.attention(spec, x @ w, k, v).out
+        return x + fnattn.flash(spec, x @ w, k, v).out   # the blockwise XLA loops
 
     def scanned(x, wq):
         return jax.lax.scan(lambda x, a: (layer(x, a[1], window(a[0])), None),
@@ -306,6 +310,29 @@ def test_mosaic_gpu_kernel_lowers_with_traced_sizes():
         with gpu_target():
             text = f.trace(size, q, k).lower(lowering_platforms=("cuda",)).as_text()
         assert "custom_call @mosaic_gpu" in text
+
+
+def test_mosaic_gpu_gradient_lowers_with_traced_sizes():
+    """The Mosaic GPU backward (``mosaic_gpu_bwd``) lowers beside its forward with
+    the sizes per batch row as jit arguments: two Mosaic GPU custom calls."""
+    pytest.importorskip("absl")
+    import re
+
+    from fnattn import core
+    from fnattn.flash import mosaic_gpu_bwd
+    from lowering import gpu_target
+    q = jax.ShapeDtypeStruct((B, 1000, 4, 128), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((B, 1000, 2, 128), jnp.bfloat16)
+    sizes = jax.ShapeDtypeStruct((B,), jnp.int32)
+    for make in (window, chunk):
+        def loss(s, q, k, v):
+            res = core.run(AttentionSpec(mask=make(s)), q, k, v, fn="flash",
+                           table=(("default", mosaic_gpu_bwd.LOWERING),))
+            return jnp.sum(res.out.astype(jnp.float32)) + jnp.sum(res.lse)
+        with gpu_target():
+            text = jax.jit(jax.grad(loss, argnums=(1, 2, 3))).trace(sizes, q, k, k).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert len(re.findall(r"custom_call @mosaic_gpu", text)) == 2
 
 
 def test_mosaic_gpu_interpreted_takes_traced_sizes():
