@@ -46,7 +46,8 @@ chunk sizes, sinks) have a leading layer axis, to scan a model's layers with
 ...                       head_dim=16, hidden_size=64, sliding_window=512,
 ...                       query_pre_attn_scalar=16)
 >>> [(l.layer_type, l.window) for l in layers(config)]
-[('sliding_attention', 512), ('full_attention', None), ('sliding_attention', 512), ('full_attention', None)]
+[('sliding_attention', 512), ('full_attention', None),
+ ('sliding_attention', 512), ('full_attention', None)]
 >>> layers(config)[0].spec.mask, layers(config)[0].spec.softcap, layers(config)[0].spec.scale
 ((causal() & sliding_window(left=511, right=0)), 50.0, 0.25)
 """
@@ -110,8 +111,8 @@ class LayerAttention:
         >>> import jax.numpy as jnp
         >>> from transformers import Llama4TextConfig
         >>> c = Llama4TextConfig(num_hidden_layers=4, floor_scale=2, attn_scale=0.5)
-        >>> [round(float(x), 3) for x in layers(c)[3].query_scales(jnp.arange(4))]
-        [1.0, 1.347, 1.347, 1.549]
+        >>> tuple(round(float(x), 3) for x in layers(c)[3].query_scales(jnp.arange(4)))
+        (1.0, 1.347, 1.347, 1.549)
         """
         pos = jnp.asarray(positions)
         if self.temperature is None:
