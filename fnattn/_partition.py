@@ -555,6 +555,10 @@ def mask_roles(mask, sizes: Sizes) -> tuple:
             roles.extend(lead_roles(jnp.shape(x), "bhqk") for x in m.ops)
         elif isinstance(m, (masks.Full, masks.Causal, masks.SlidingWindow, masks.Chunked)):
             pass
+        elif isinstance(m, (masks.SlidingWindowArray, masks.ChunkedArray)):
+            # sizes: one scalar, or one per batch row (split with the batch)
+            for x in jax.tree_util.tree_leaves(m):
+                roles.append(lead_roles(jnp.shape(x), "b"))
         elif isinstance(m, position_bias.Biased):
             walk(m.mask)
             term(m.bias)

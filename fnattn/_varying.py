@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-__all__ = ["inside_shard_map", "out_shapes", "pallas_call", "varying_like"]
+__all__ = ["inside_shard_map", "out_shapes", "pallas_call", "varying_axes", "varying_like"]
 
 
 def inside_shard_map() -> bool:
@@ -32,6 +32,24 @@ def inside_shard_map() -> bool:
     False
     """
     return bool(getattr(jax.sharding.get_abstract_mesh(), "manual_axes", ()))
+
+
+def varying_axes(x) -> frozenset:
+    """The mesh axes the array ``x`` varies over inside ``jax.shard_map`` (empty
+    outside it, and under ``check_vma=False``, where JAX does not track them).
+
+    The set has had more than one home across JAX releases (``aval.vma``, or
+    ``aval.manual_axis_type.varying``); whichever the running JAX has is read.
+
+    >>> import jax.numpy as jnp
+    >>> varying_axes(jnp.ones(3))
+    frozenset()
+    """
+    aval = jax.typeof(x)
+    vma = getattr(aval, "vma", None)
+    if vma is None:
+        vma = getattr(getattr(aval, "manual_axis_type", None), "varying", None)
+    return frozenset(vma or ())
 
 
 def varying_like(init, *refs):

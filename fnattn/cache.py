@@ -94,6 +94,12 @@ class TokenSlots:
         ``num_pages * page_size`` for a token that is not stored (padding, past
         the capacity, no page left). Any value outside
         ``[0, num_pages * page_size)`` writes nothing.
+      positions: (T,) int32, the position of token t in its sequence (0 for a
+        sequence's first token): the slot's length before the step plus the
+        number of earlier tokens of the same slot in the step, whether or not
+        the token fits in the cache; -1 for a token with no slot. The positions
+        RoPE or a learned position embedding needs. ``None`` when the slots were
+        built by hand without them.
 
     >>> import jax.numpy as jnp
     >>> TokenSlots(jnp.array([5, 6, 64])).index.tolist()
@@ -101,9 +107,11 @@ class TokenSlots:
     """
 
     index: Any
+    positions: Any = None
 
 
-jax.tree_util.register_dataclass(TokenSlots, data_fields=["index"], meta_fields=[])
+jax.tree_util.register_dataclass(TokenSlots, data_fields=["index", "positions"],
+                                 meta_fields=[])
 
 
 def _shape(x):
@@ -268,7 +276,7 @@ def _allocate_slots(cache, seq_ids):
     page = new.page_table[seq, jnp.clip(pos // ps, 0, cache.max_pages_per_seq - 1)]
     ok = ok_seq & (pos < cache.capacity) & (page >= 0)
     index = jnp.where(ok, page * ps + pos % ps, cache.num_pages * ps).astype(I32)
-    return new, TokenSlots(index)
+    return new, TokenSlots(index, jnp.where(ok_seq, pos, -1).astype(I32))
 
 
 def _release(cache, seq_id):
@@ -288,7 +296,7 @@ def _release(cache, seq_id):
                          num_free=num_free.astype(I32))
 
 
-def _ragged_metadata(cache, seq_ids, checked):
+def _ragged_metadata(cache, seq_ids, checked, return_positions):
     S = cache.max_seqs
     if checked:
         seq_ids = jnp.asarray(seq_ids)
@@ -304,8 +312,17 @@ def _ragged_metadata(cache, seq_ids, checked):
     seq = jnp.where((seq_ids >= 0) & (seq_ids < S), seq_ids, S).astype(I32)
     counts = jnp.zeros((S + 1,), I32).at[seq].add(1)[:S]
     loc = jnp.concatenate([jnp.zeros((1,), I32), jnp.cumsum(counts).astype(I32)])
-    return dict(page_table=cache.page_table, context_lengths=cache.lengths,
+    meta = dict(page_table=cache.page_table, context_lengths=cache.lengths,
                 query_start_loc=loc, num_seqs=jnp.int32(S))
+    if not return_positions:
+        return meta
+    # The lengths already count the step's tokens: row t of slot s (rows
+    # loc[s] .. loc[s + 1] - 1) is at lengths[s] - (loc[s + 1] - t), the layout
+    # the ragged attention functions assume.
+    seq_c = jnp.minimum(seq, S - 1)
+    t = jnp.arange(seq.shape[0], dtype=I32)
+    pos = cache.lengths[seq_c] - loc[seq_c + 1] + t
+    return meta, jnp.where(seq < S, pos, -1).astype(I32)
 
 
 _BOOK_FIELDS = ["page_table", "lengths", "free_pages", "num_free"]
@@ -465,6 +482,9 @@ class PagedKVCache(_Paged):
         >>> c, slots = c.allocate_slots(jnp.array([1, 1, 1, -1]))
         >>> slots.index.tolist()                    # page 3 (slots 6, 7), page 2 (4); none
         [6, 7, 4, 8]
+        >>> c, slots = c.allocate_slots(jnp.array([0, 1]))
+        >>> slots.positions.tolist()                # each token's position in its sequence
+        [0, 3]
         """
         _check_seq_ids(self, "allocate_slots", seq_ids)
         return _allocate_slots(self, seq_ids)
@@ -495,7 +515,8 @@ class PagedKVCache(_Paged):
         its length becomes 0. An out-of-range id changes nothing."""
         return _release(self, seq_id)
 
-    def ragged_metadata(self, seq_ids, *, checked: bool = False):
+    def ragged_metadata(self, seq_ids, *, checked: bool = False,
+                        return_positions: bool = False):
         """``page_table``, ``context_lengths``, ``query_start_loc`` and ``num_seqs`` for
         :func:`fnattn.ragged_paged_attention` over tokens packed by slot.
 
@@ -508,16 +529,29 @@ class PagedKVCache(_Paged):
         ``checkify.checkify``); otherwise the metadata would silently describe
         a different packing than the queries have.
 
+        With ``return_positions=True`` it returns ``(metadata, positions)``:
+        ``positions`` (T,) int32 is each token's position in its sequence
+        (``context_lengths[s] - n .. context_lengths[s] - 1`` for the ``n``
+        tokens of slot ``s``, as the ragged attention functions place them;
+        -1 for padding), for RoPE or a position embedding. They equal the
+        ``positions`` of the :class:`TokenSlots` that ``allocate_slots`` returns
+        for the same ``seq_ids`` while the slots stay within ``capacity``.
+
         >>> c = PagedKVCache.create(4, 2, 1, 1, max_seqs=3, max_pages_per_seq=2)
         >>> c.ragged_metadata(jnp.array([0, 2, 2, -1]))["query_start_loc"].tolist()
         [0, 1, 1, 3]
+        >>> c = c.allocate(jnp.array([2, 2, 2]))          # a 3-token prompt in slot 2
+        >>> ids = jnp.array([0, 2, -1])                   # then one token of slots 0, 2
+        >>> meta, pos = c.allocate(ids).ragged_metadata(ids, return_positions=True)
+        >>> pos.tolist()
+        [0, 3, -1]
         >>> from jax.experimental import checkify
         >>> err, _ = checkify.checkify(lambda i: c.ragged_metadata(i, checked=True))(
         ...     jnp.array([2, 0, -1]))
         >>> print(err.get())  # doctest: +ELLIPSIS
         ragged_metadata: seq_ids must be sorted by slot with -1 padding at the end; seq_ids[1] = 0 follows 2...
         """
-        return _ragged_metadata(self, seq_ids, checked)
+        return _ragged_metadata(self, seq_ids, checked, return_positions)
 
 
 jax.tree_util.register_dataclass(PagedKVCache, data_fields=["k_pages", "v_pages", *_BOOK_FIELDS],
@@ -616,8 +650,8 @@ class LayeredPagedKVCache(_Paged):
 
         >>> c = LayeredPagedKVCache.create(3, 4, 2, 1, 8, max_seqs=2, max_pages_per_seq=2)
         >>> c, slots = c.allocate_slots(jnp.array([1, 1, 1, -1]))
-        >>> slots.index.tolist()                    # page 3 (slots 6, 7), page 2 (4); none
-        [6, 7, 4, 8]
+        >>> slots.index.tolist(), slots.positions.tolist()
+        ([6, 7, 4, 8], [0, 1, 2, -1])
         """
         _check_seq_ids(self, "allocate_slots", seq_ids)
         return _allocate_slots(self, seq_ids)
@@ -719,16 +753,21 @@ class LayeredPagedKVCache(_Paged):
         """
         return _release(self, seq_id)
 
-    def ragged_metadata(self, seq_ids, *, checked: bool = False):
+    def ragged_metadata(self, seq_ids, *, checked: bool = False,
+                        return_positions: bool = False):
         """``page_table``, ``context_lengths``, ``query_start_loc`` and ``num_seqs`` for
         the ragged paged attention functions, the same in every layer; as
-        :meth:`PagedKVCache.ragged_metadata`.
+        :meth:`PagedKVCache.ragged_metadata` (``return_positions=True`` adds each
+        token's position in its sequence).
 
         >>> c = LayeredPagedKVCache.create(2, 4, 2, 1, 1, max_seqs=3, max_pages_per_seq=2)
         >>> c.ragged_metadata(jnp.array([0, 2, 2, -1]))["query_start_loc"].tolist()
         [0, 1, 1, 3]
+        >>> ids = jnp.array([0, 2, 2, -1])
+        >>> c.allocate(ids).ragged_metadata(ids, return_positions=True)[1].tolist()
+        [0, 0, 1, -1]
         """
-        return _ragged_metadata(self, seq_ids, checked)
+        return _ragged_metadata(self, seq_ids, checked, return_positions)
 
 
 jax.tree_util.register_dataclass(LayeredPagedKVCache,

@@ -12,10 +12,26 @@ arrays one call sees: ``AttentionSpec(dropout_offsets=...)`` gives the global
 index of the call's first batch row, query head, query and key, and the mask is
 then exactly the rows of the unsharded problem's mask. Inside ``jax.shard_map``
 :func:`shard_offsets` computes them from the mesh axes that split the batch and
-the heads; without them every shard would draw the same mask. The offsets are
-folded into the seed (``seed_from_key``), so kernels see no extra input. Under
-``jax.vmap`` an unbatched key gives every instance the same mask, as
-``jax.random`` does; batch the key (or the offsets) for one mask per instance.
+the heads. The offsets are folded into the seed (``seed_from_key``), so
+kernels see no extra input. Under ``jax.vmap`` an unbatched key gives every
+instance the same mask, as ``jax.random`` does; batch the key (or the offsets)
+for one mask per instance.
+
+**Shards without offsets draw independent masks.** Inside ``jax.shard_map``,
+when ``dropout_offsets`` is None and q varies over mesh axes that the key does
+not (one replicated key, data or head parallelism), the same local indices on
+every shard would repeat one mask, biasing training. So the shard's index over
+those axes (row-major in the mesh's axis order) is folded into the key: shard
+``i`` draws the mask of ``shard_key(dropout_key, i)``, independent of the
+others, though not the unsharded call's (for that, pass
+``dropout_offsets=shard_offsets(...)``). With offsets given, nothing is folded:
+they say where the shard is. A key that varies over an axis (``fold_in`` of
+``lax.axis_index``) is taken as is over that axis. The varying axes are those
+``shard_map``'s default ``check_vma=True`` tracks; under ``check_vma=False``
+JAX does not say how q varies, nothing is folded, and the shards repeat one
+mask unless offsets or per-shard keys are given. The sequence axis of
+:func:`fnattn.context.attention` is not folded either: its global positions
+are the indices already.
 
 The hash is MurmurHash3's 32-bit finaliser applied after adding each index,
 times its own odd constant, and one seed word; it only uses uint32 multiply,
@@ -40,7 +56,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-__all__ = ["seed_from_key", "keep_mask", "threshold", "shard_offsets", "SEED_WORDS"]
+from fnattn import _varying
+
+__all__ = ["seed_from_key", "keep_mask", "threshold", "shard_offsets", "shard_key", "SEED_WORDS"]
 
 _C = (0x9E3779B1, 0x85EBCA77, 0xC2B2AE3D, 0x27D4EB2F, 0x165667B1)
 # Words 0-3 are added to the (b, h, q, k) terms, words 4-5 multiply q and k.
@@ -165,3 +183,39 @@ def shard_offsets(q, *, layout: str = "bthd", batch_axis: Optional[AxisName] = N
         return lax.axis_index(axis).astype(jnp.int32) * size
 
     return jnp.stack([first(batch_axis, B), first(head_axis, H), jnp.int32(0), jnp.int32(0)])
+
+
+def shard_key(key, index) -> jax.Array:
+    """The raw uint32 (2,) key that shard ``index`` of a ``shard_map`` draws its
+    dropout mask from when ``dropout_offsets`` is None and q varies over mesh
+    axes the key does not (see the module docstring): ``key``'s two words
+    hashed with the shard's index. Different for every index, and different
+    from ``key`` itself.
+
+    >>> import jax
+    >>> a, b = (shard_key(jax.random.key(0), i) for i in (0, 1))
+    >>> a.shape, a.dtype, bool((a != b).any())
+    ((2,), dtype('uint32'), True)
+    """
+    w = _key_words(key)
+    i = _u32(index)
+    a = _fmix32(w[0] + _fmix32(i * jnp.uint32(_C[4]) + jnp.uint32(_C[0])))
+    b = _fmix32(w[1] + a + i * jnp.uint32(_C[1]))
+    return jnp.stack([a, b])
+
+
+def key_for_shard(key, offsets, q, *, sequence_axes=()):
+    """``key``, or :func:`shard_key` of it with this shard's index over the mesh
+    axes that q varies over and neither the key nor ``sequence_axes`` (the axes
+    whose positions the caller gives already) do; only when ``offsets`` is
+    None. Outside ``shard_map`` (and under ``check_vma=False``): ``key``."""
+    if offsets is not None:
+        return key
+    axes = _varying.varying_axes(q) - _varying.varying_axes(key) - frozenset(sequence_axes)
+    if not axes:
+        return key
+    # Row-major over the axes in the mesh's order: the same index on every JAX.
+    names = tuple(a for a in jax.sharding.get_abstract_mesh().axis_names if a in axes)
+    names += tuple(sorted(axes - frozenset(names)))
+    index = lax.axis_index(names[0] if len(names) == 1 else names)
+    return shard_key(key, index)

@@ -3,7 +3,9 @@
 A mask says which (query, key) pairs may attend. Masks are frozen pytrees: the
 arrays they hold (segment ids, lengths, prefix lengths, dense boolean masks) are
 leaves, so a mask can be built from traced values inside ``jax.jit`` and passed
-through ``jax.vmap``; everything else (window sizes, predicates) is static.
+through ``jax.vmap``; everything else (predicates, window and chunk sizes given
+as Python ints) is static. Window and chunk sizes may also be integer arrays
+(traced, e.g. one per layer inside ``lax.scan``): then they are leaves too.
 
 Masks combine with ``&`` (both allow), ``|`` (either allows) and ``~`` (negation).
 
@@ -65,6 +67,7 @@ __all__ = [
     "causal",
     "sliding_window",
     "chunked",
+    "NO_WINDOW",
     "segments",
     "lengths",
     "prefix_lm",
@@ -393,10 +396,95 @@ class Chunked(Mask):
         return f"chunked({self.size})"
 
 
+class SlidingWindowArray(Mask):
+    """:class:`SlidingWindow` whose sides are int arrays, () or (B,) (a traced
+    window: one per layer inside ``lax.scan``, or one per batch row); None
+    leaves a side unbounded. Its tile classes come from the values, as a
+    segment mask's do from its ids."""
+
+    left: Array | None
+    right: Array | None
+
+    def operands(self):
+        return tuple(_to4d(x, "b") if jnp.ndim(x) == 1 else
+                     jnp.reshape(x, (1, 1, 1, 1))
+                     for x in (self.left, self.right) if x is not None)
+
+    def predicate(self, pos, ops):
+        ops = list(ops)
+        ok = True
+        if self.left is not None:
+            ok = pos.k >= pos.q_pos - ops.pop(0)
+        if self.right is not None:
+            ok = ok & (pos.k <= pos.q_pos + ops.pop(0))
+        return ok
+
+    def tile_bounds(self, t, ops):
+        # The widest window a tile's rows have may see a key; the narrowest must.
+        ops = list(ops)
+        any_, all_ = True, True
+        if self.left is not None:
+            s = ops.pop(0)
+            any_, all_ = t.k_hi >= t.pos_lo - s.hi, t.k_lo >= t.pos_hi - s.lo
+        if self.right is not None:
+            s = ops.pop(0)
+            any_ = any_ & (t.k_lo <= t.pos_hi + s.hi)
+            all_ = all_ & (t.k_hi <= t.pos_lo + s.lo)
+        return any_, all_
+
+    def validate(self, batch, num_heads, q_len, kv_len):
+        for name, x in (("left", self.left), ("right", self.right)):
+            if x is not None and tuple(jnp.shape(x)) not in ((), (batch,)):
+                raise ValueError(f"sliding_window: an array {name} must have shape () or "
+                                 f"(batch,)=({batch},); got {tuple(jnp.shape(x))}")
+
+    def __repr__(self):
+        side = lambda x: None if x is None else "<array>"  # noqa: E731
+        return f"sliding_window(left={side(self.left)}, right={side(self.right)})"
+
+
+class ChunkedArray(Mask):
+    """:class:`Chunked` whose size is an int array, () or (B,) (traced, as for
+    :class:`SlidingWindowArray`)."""
+
+    size: Array
+
+    def operands(self):
+        x = self.size
+        return (_to4d(x, "b") if jnp.ndim(x) == 1 else jnp.reshape(x, (1, 1, 1, 1)),)
+
+    def predicate(self, pos, ops):
+        (s,) = ops
+        return (pos.q_pos // s) == (pos.k // s)
+
+    def tile_bounds(self, t, ops):
+        # The operand varies along the batch only: each tile has one size (lo == hi).
+        (st,) = ops
+        s = st.lo
+        q0, q1, k0, k1 = t.pos_lo // s, t.pos_hi // s, t.k_lo // s, t.k_hi // s
+        return (q0 <= k1) & (k0 <= q1), (q0 == q1) & (k0 == k1) & (q0 == k0)
+
+    def validate(self, batch, num_heads, q_len, kv_len):
+        if tuple(jnp.shape(self.size)) not in ((), (batch,)):
+            raise ValueError(f"chunked: an array size must have shape () or (batch,)="
+                             f"({batch},); got {tuple(jnp.shape(self.size))}")
+
+    def __repr__(self):
+        return "chunked(<array>)"
+
+
 Full = _register(Full)
 Causal = _register(Causal)
 SlidingWindow = _register(SlidingWindow, meta=("left", "right"))
 Chunked = _register(Chunked, meta=("size",))
+SlidingWindowArray = _register(SlidingWindowArray, data=("left", "right"))
+ChunkedArray = _register(ChunkedArray, data=("size",))
+
+#: A window or chunk size that limits nothing at any position below it: the
+#: "global" value of a traced size (``sliding_window(left=NO_WINDOW)`` sees every
+#: earlier key, ``chunked(NO_WINDOW)`` is one chunk), so that local and global
+#: layers can share one trace inside ``lax.scan``.
+NO_WINDOW = 1 << 30
 
 
 def full() -> Mask:
@@ -415,21 +503,18 @@ def causal() -> Mask:
     return Causal()
 
 
-def _refuse_array_size(fn: str, name: str, w) -> None:
-    """A ``TypeError`` for a window or chunk size given as a JAX array: sizes are
-    static (they decide at trace time which tiles a kernel skips)."""
-    if not isinstance(w, jax.Array):
-        return
-    aval = f"{w.dtype}[{','.join(map(str, w.shape))}]"
-    if isinstance(w, jax.core.Tracer):
-        raise TypeError(
-            f"{fn}: {name} must be a Python int known at trace time; got a traced {aval} "
-            "(a jit argument, or computed from one). Sizes of windows and chunks are static: "
-            "they decide at trace time which blocks are skipped. Pass a Python int (through "
-            "jax.jit, a static argument: jax.jit(f, static_argnames=...)); a window that "
-            "depends on the data needs a boolean array mask, masks.from_array(...).")
-    raise TypeError(f"{fn}: {name} must be a Python int; got a JAX array {aval}. Sizes of "
-                    f"windows and chunks are static configuration: pass int({name}).")
+def _is_size_array(x) -> bool:
+    return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _size_array(fn: str, name: str, x):
+    """A window or chunk size given as an array: int32, shape () or (B,)."""
+    dtype = jnp.result_type(x)
+    if not jnp.issubdtype(dtype, jnp.integer) or jnp.ndim(x) > 1:
+        raise TypeError(f"{fn}: an array {name} must be an integer scalar or a (batch,) "
+                        f"integer array (one size per batch row); got {dtype}"
+                        f"[{','.join(map(str, jnp.shape(x)))}]")
+    return jnp.asarray(x, jnp.int32)
 
 
 def sliding_window(left: int | None, right: int | None = 0) -> Mask:
@@ -437,16 +522,33 @@ def sliding_window(left: int | None, right: int | None = 0) -> Mask:
 
     ``left=None`` (or ``right=None``) leaves that side unbounded. The default
     ``right=0`` makes the window causal; ``sliding_window(left=w)`` alone is
-    local causal attention over the ``w`` previous tokens and the current one.
+    local causal attention over the ``w`` previous tokens and the current one
+    (Hugging Face's ``sliding_window=W``, W keys with the current one, is
+    ``left=W - 1``).
+
+    A side may be an integer array instead of a Python int: a scalar (traced,
+    e.g. one per layer inside ``lax.scan``) or one size per batch row (B,).
+    The blocks it leaves empty are still skipped, from a schedule computed
+    from the values at run time (as for :func:`segments`); :data:`NO_WINDOW`
+    is "no window" for the global layers of such a scan. Static ints keep the
+    schedule computed at trace time.
 
     >>> print(render(sliding_window(left=1, right=1), 4, 4))
     x x . .
     x x x .
     . x x x
     . . x x
+    >>> w = jnp.array([1, NO_WINDOW])                        # one window per batch row
+    >>> materialize(causal() & sliding_window(left=w), 2, 1, 3, 3)[:, 0, 2].tolist()
+    [[False, True, True], [True, True, True]]
     """
+    if _is_size_array(left) or _is_size_array(right):
+        sides = [None if x is None else _size_array("sliding_window", name, x)
+                 for name, x in (("left", left), ("right", right))]
+        if sides == [None, None]:
+            raise ValueError("sliding_window: left and right cannot both be None; use full()")
+        return SlidingWindowArray(*sides)
     for name, w in (("left", left), ("right", right)):
-        _refuse_array_size("sliding_window", name, w)
         if w is not None and (isinstance(w, bool) or not isinstance(w, (int, np.integer))
                               or w < 0):
             raise ValueError(
@@ -462,13 +564,17 @@ def chunked(size: int) -> Mask:
 
     Usually combined with ``causal()``, as in chunked local attention.
 
+    ``size`` may be an integer array, a scalar (traced, e.g. per layer) or
+    (B,), as for :func:`sliding_window`; :data:`NO_WINDOW` is one chunk.
+
     >>> print(render(chunked(2) & causal(), 4, 4))
     x . . .
     x x . .
     . . x .
     . . x x
     """
-    _refuse_array_size("chunked", "size", size)
+    if _is_size_array(size):
+        return ChunkedArray(_size_array("chunked", "size", size))
     if isinstance(size, bool) or not isinstance(size, (int, np.integer)) or size <= 0:
         raise ValueError(f"chunked: size must be a positive int; got {size!r}")
     return Chunked(int(size))

@@ -133,8 +133,11 @@ def prepare(spec: AttentionSpec, q, k, v, fn: str):
     dims = _checks.check_qkv(q, k, v, spec.layout, fn=fn)
     _checks.check_spec_arrays(spec, dims, fn=fn, position_bias=True)
     q, k, v = (_checks.to_bthd(x, spec.layout) for x in (q, k, v))
-    seed = (dropout.seed_from_key(spec.dropout_key, spec.dropout_offsets)
-            if spec.dropout_rate > 0 else None)
+    seed = None
+    if spec.dropout_rate > 0:
+        # Inside shard_map without offsets: one independent mask per shard.
+        key = dropout.key_for_shard(spec.dropout_key, spec.dropout_offsets, q)
+        seed = dropout.seed_from_key(key, spec.dropout_offsets)
     return dims, q, k, v, _checks.resolve_scale(spec, dims.head_dim), seed
 
 

@@ -100,7 +100,9 @@ class AttentionSpec:
       dropout_offsets: optional integer array (4,): the global index of this
         call's first (batch row, query head, query, key), so that a call on a
         shard draws the rows of the whole problem's dropout mask (see
-        :func:`fnattn.dropout.shard_offsets`); None means zeros.
+        :func:`fnattn.dropout.shard_offsets`); None means zeros (inside
+        ``jax.shard_map`` the shards then draw independent masks, see
+        :mod:`fnattn.dropout`).
       return_lse: whether the output carries ``lse`` (B, Hq, Tq) float32.
       layout: "bthd" (q is (B, Tq, Hq, D)) or "bhtd" (q is (B, Hq, Tq, D)).
       impl: "auto", "xla", "pallas", "cudnn" or "reference".

@@ -206,3 +206,64 @@ def test_offsets_and_strides_hash_global_positions():
                                                      b, h, q, k))(offsets, strides)
     whole = np_random_bits(dropout.seed_from_key(key), b + 1, h + 2, 3 + 4 * q, 7 + 3 * k)
     np.testing.assert_array_equal(np.asarray(local), whole)
+
+
+# ----------------------------------------------------------------------------------
+# inside shard_map without offsets: one independent mask per shard
+# ----------------------------------------------------------------------------------
+
+
+def _np_shard_key(key_words, i):
+    """dropout.shard_key in uint64 arithmetic reduced mod 2**32, from its documented
+    hash."""
+    w0, w1 = (np.uint64(int(x)) for x in key_words)
+    i = np.uint64(i)
+    inner = _np_fmix32(np.asarray((i * np.uint64(0x165667B1) + np.uint64(0x9E3779B1)) & M32))
+    a = _np_fmix32(np.asarray((w0 + inner) & M32))
+    b = _np_fmix32(np.asarray((w1 + a + ((i * np.uint64(0x85EBCA77)) & M32)) & M32))
+    return np.array([a, b], np.uint32)
+
+
+def test_shard_key_is_the_documented_hash_and_differs_per_shard():
+    key = jax.random.key(3)
+    words = np.asarray(jax.random.key_data(key)).reshape(-1)[:2]
+    got = jax.jit(jax.vmap(dropout.shard_key, in_axes=(None, 0)))(key, jnp.arange(8))
+    np.testing.assert_array_equal(got, np.stack([_np_shard_key(words, i) for i in range(8)]))
+    assert len({tuple(g) for g in np.asarray(got).tolist()} | {tuple(words.tolist())}) == 9
+
+
+def _on_one_device_mesh(spec, q, offsets=None, key_fn=None, check_vma=True):
+    """fnattn.attention inside a 1-device shard_map over which q varies."""
+    from jax.sharding import Mesh, PartitionSpec as P
+    mesh = Mesh(jax.devices()[:1], ("data",))
+
+    def local(q):
+        s = spec if key_fn is None else spec.replace(dropout_key=key_fn(spec.dropout_key))
+        return fnattn.attention(s.replace(dropout_offsets=offsets), q, q, q).out
+
+    return jax.jit(jax.shard_map(local, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+                                 check_vma=check_vma))(q)
+
+
+@pytest.mark.parametrize("impl", ["xla", "reference"])
+def test_shard_map_without_offsets_folds_the_shard_index(impl):
+    q = jax.random.normal(jax.random.key(1), (2, 9, 2, 4))
+    spec = AttentionSpec(mask=masks.causal(), dropout_rate=0.5,
+                         dropout_key=jax.random.key(0), impl=impl)
+    attend = jax.jit(fnattn.attention)
+    whole = attend(spec, q, q, q).out
+    folded = attend(spec.replace(dropout_key=dropout.shard_key(spec.dropout_key, 0)),
+                    q, q, q).out
+    assert not np.allclose(whole, folded, atol=1e-3)
+    np.testing.assert_allclose(_on_one_device_mesh(spec, q), folded, atol=1e-6)
+    # Offsets (even zeros) say where the shard is: nothing folded.
+    np.testing.assert_allclose(_on_one_device_mesh(spec, q, offsets=jnp.zeros(4, jnp.int32)),
+                               whole, atol=1e-6)
+    # A key that varies over the axis already is taken as it is.
+    fold = lambda key: jax.random.fold_in(key, jax.lax.axis_index("data"))  # noqa: E731
+    np.testing.assert_allclose(
+        _on_one_device_mesh(spec, q, key_fn=fold),
+        attend(spec.replace(dropout_key=jax.random.fold_in(spec.dropout_key, 0)), q, q, q).out,
+        atol=1e-6)
+    # check_vma=False: JAX does not say how q varies, so nothing is folded (documented).
+    np.testing.assert_allclose(_on_one_device_mesh(spec, q, check_vma=False), whole, atol=1e-6)

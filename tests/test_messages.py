@@ -372,34 +372,30 @@ def test_float_data_as_a_list_is_refused(name, make, message):
     assert str(info.value) == message
 
 
-TRACED_HINT = (
-    "Sizes of windows and chunks are static: they decide at trace time which blocks are "
-    "skipped. Pass a Python int (through jax.jit, a static argument: jax.jit(f, "
-    "static_argnames=...)); a window that depends on the data needs a boolean array mask, "
-    "masks.from_array(...).")
 STATIC_FLOAT_HINT = (
     "pass a Python float known at trace time (float(x) for a concrete array; through "
     "jax.jit, a static argument: jax.jit(f, static_argnames=...)).")
 TRACED = [
     ("window", lambda w: masks.sliding_window(left=w),
-     "sliding_window: left must be a Python int known at trace time; got a traced int32[] "
-     "(a jit argument, or computed from one). " + TRACED_HINT),
+     "sliding_window: an array left must be an integer scalar or a (batch,) integer array "
+     "(one size per batch row); got float32[]"),
     ("window right", lambda w: masks.sliding_window(None, right=w),
-     "sliding_window: right must be a Python int known at trace time; got a traced int32[] "
-     "(a jit argument, or computed from one). " + TRACED_HINT),
+     "sliding_window: an array right must be an integer scalar or a (batch,) integer array "
+     "(one size per batch row); got float32[]"),
     ("chunk", lambda w: masks.chunked(w),
-     "chunked: size must be a Python int known at trace time; got a traced int32[] (a jit "
-     "argument, or computed from one). " + TRACED_HINT),
+     "chunked: an array size must be an integer scalar or a (batch,) integer array (one "
+     "size per batch row); got float32[]"),
 ]
 
 
 @pytest.mark.parametrize("name,make,message", TRACED, ids=[c[0] for c in TRACED])
-def test_a_traced_size_says_it_must_be_static(name, make, message):
+def test_a_traced_size_must_be_an_integer(name, make, message):
+    """Traced sizes are data (tests/test_traced_sizes.py); a float one is refused."""
     def f(w):
         return fnattn.attention(AttentionSpec(mask=make(w)), Q, K, K).out
 
     with pytest.raises(TypeError) as info:
-        jax.jit(f)(4)
+        jax.jit(f)(4.0)
     assert str(info.value) == message
 
 
@@ -418,9 +414,9 @@ def test_a_traced_float_field_says_it_must_be_static(field, rest):
 
 
 FIRST_MISTAKES = [
-    ("window as an array", lambda: masks.sliding_window(jnp.int32(4)),
-     "sliding_window: left must be a Python int; got a JAX array int32[]. Sizes of windows "
-     "and chunks are static configuration: pass int(left)."),
+    ("window as a float array", lambda: masks.sliding_window(jnp.float32(4)),
+     "sliding_window: an array left must be an integer scalar or a (batch,) integer array "
+     "(one size per batch row); got float32[]"),
     ("float array as mask", lambda: AttentionSpec(mask=jnp.ones((7, 11))),
      "AttentionSpec: mask must be an fnattn.masks mask or None; got ArrayImpl. A float32 array "
      "is either an additive mask (0 to attend, -inf or a large negative number to mask), which "

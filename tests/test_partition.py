@@ -118,3 +118,11 @@ def test_explicit_context_mesh_on_one_device():
         np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(eager), np.asarray(
         fnattn.attention(spec.replace(impl="xla"), q, k, v).out), rtol=1e-5, atol=1e-5)
+
+
+def test_traced_window_and_chunk_sizes_split_with_the_batch():
+    sizes = Sizes(batch=3, q_heads=4, kv_heads=2)
+    mask = (masks.causal() & masks.sliding_window(left=jnp.ones(3, jnp.int32), right=None)
+            & masks.chunked(jnp.int32(4)))
+    roles, allow = _partition.mask_roles(mask, sizes)
+    assert roles == [("b",), ()] and allow == "bh"

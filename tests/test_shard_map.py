@@ -9,8 +9,8 @@ a contiguous cache, and ragged paged attention on its kv heads of a paged pool.
 Each result must equal the same call on the whole, unsharded arrays; the
 gradient of the sinks, replicated along the batch axis, is summed over it. Dropout
 with one replicated key and ``dropout.shard_offsets`` draws exactly the unsharded
-mask. And the Triton and Mosaic
-kernels of all three, inside ``shard_map``, lower for GPU and TPU.
+mask; without offsets each shard draws its own (``dropout.shard_key``). And the
+Triton and Mosaic kernels of all three, inside ``shard_map``, lower for GPU and TPU.
 
 The host device count is fixed when JAX starts, so the checks run in a fresh
 Python process (this file run as a script) with
@@ -195,42 +195,63 @@ def check_kernels_lower(mesh):
 def check_dropout(mesh):
     """Dropout with one replicated key under data and head parallelism: with
     ``dropout.shard_offsets`` every shard draws its rows of the unsharded mask
-    (forward and gradients equal the unsharded call); without them the shards
-    repeat one mask, which this check also shows."""
+    (forward and gradients equal the unsharded call). Without offsets the shards
+    draw independent masks: on four shards holding the same q/k/v, shard i
+    (row-major over ("data", "model")) equals the call with
+    ``dropout.shard_key(key, i)`` (forward and gradients), and no two shards agree
+    (one repeated mask would make them all equal)."""
     rs = np.random.default_rng(1)
     B, T, Hq, Hkv, D = 4, 24, 4, 2, 8
     q = jnp.asarray(rs.standard_normal((B, T, Hq, D)), F32)
     k = jnp.asarray(rs.standard_normal((B, T, Hkv, D)), F32)
     v = jnp.asarray(rs.standard_normal((B, T, Hkv, D)), F32)
+    # One shard's block, tiled over the batch (2 "data" shards) and heads (2 "model").
+    tile = lambda x: jnp.tile(x[:B // 2, :, :x.shape[2] // 2], (2, 1, 2, 1))  # noqa: E731
+    qt, kt, vt = tile(q), tile(k), tile(v)
     key = jax.random.key(7)
+    qs = kvs = P("data", None, "model")
     for impl in ("auto", "xla"):
         spec = AttentionSpec(mask=masks.causal(), dropout_rate=0.4, dropout_key=key, impl=impl,
                              block_sizes=fnattn.XlaBlockSizes(8, 8))
 
-        def run(q, k, v, offsets):
+        def run(spec, q, k, v, offsets):
             def loss(q, k, v):
                 return jnp.sum(fnattn.attention(spec.replace(dropout_offsets=offsets(q)),
                                                 q, k, v).out ** 2)
             return jax.value_and_grad(loss, argnums=(0, 1, 2))(q, k, v)
 
-        whole = jax.jit(lambda q, k, v: fnattn.attention(spec, q, k, v).out)(q, k, v)
-        g_whole = jax.jit(lambda q, k, v: run(q, k, v, lambda q: None)[1])(q, k, v)
-        for with_offsets in (True, False):
-            offsets = ((lambda q: fnattn.dropout.shard_offsets(q, batch_axis="data",
-                                                               head_axis="model"))
-                       if with_offsets else (lambda q: None))
-            qs, kvs = P("data", None, "model"), P("data", None, "model")
-            f = jax.jit(jax.shard_map(
+        def sharded(offsets):
+            return jax.jit(jax.shard_map(
                 lambda q, k, v: (fnattn.attention(spec.replace(dropout_offsets=offsets(q)),
-                                                  q, k, v).out, run(q, k, v, offsets)[1]),
+                                                  q, k, v).out, run(spec, q, k, v, offsets)[1]),
                 mesh=mesh, in_specs=(qs, kvs, kvs), out_specs=(qs, (qs, kvs, kvs))))
-            out, grads = f(q, k, v)
-            if with_offsets:
-                _close(f"dropout {impl} out", out, whole, 1e-5)
-                for name, a, b in zip("qkv", grads, g_whole):
-                    _close(f"dropout {impl} d{name}", a, b, 1e-4)
-            else:
-                assert not np.allclose(np.asarray(out), np.asarray(whole), atol=1e-3), impl
+
+        whole = jax.jit(lambda q, k, v: fnattn.attention(spec, q, k, v).out)(q, k, v)
+        g_whole = jax.jit(lambda q, k, v: run(spec, q, k, v, lambda q: None)[1])(q, k, v)
+        out, grads = sharded(lambda q: fnattn.dropout.shard_offsets(
+            q, batch_axis="data", head_axis="model"))(q, k, v)
+        _close(f"dropout {impl} out", out, whole, 1e-5)
+        for name, a, b in zip("qkv", grads, g_whole):
+            _close(f"dropout {impl} d{name}", a, b, 1e-4)
+
+        out, grads = sharded(lambda q: None)(qt, kt, vt)
+        block = lambda x, d, m: x[d * (B // 2):(d + 1) * (B // 2), :,  # noqa: E731
+                                  m * (x.shape[2] // 2):(m + 1) * (x.shape[2] // 2)]
+        one = tuple(block(x, 0, 0) for x in (qt, kt, vt))
+        per_shard = jax.jit(lambda key, q, k, v: (
+            fnattn.attention(spec.replace(dropout_key=key), q, k, v).out,
+            run(spec.replace(dropout_key=key), q, k, v, lambda q: None)[1]))
+        outs = []
+        for d in range(2):
+            for m in range(2):
+                want, g_want = per_shard(fnattn.dropout.shard_key(key, 2 * d + m), *one)
+                _close(f"dropout {impl} shard {d},{m} out", block(out, d, m), want, 1e-5)
+                for name, a, b in zip("qkv", grads, g_want):
+                    _close(f"dropout {impl} shard {d},{m} d{name}", block(a, d, m), b, 1e-4)
+                outs.append(np.asarray(want))
+        for i in range(4):
+            for j in range(i):
+                assert not np.allclose(outs[i], outs[j], atol=1e-3), (impl, i, j)
 
 
 def _timed(name, check, *args):

@@ -148,7 +148,11 @@ def prepare(spec, q, k, v, *, axis_name, strategy: str, layout: str, fn: str):
 
     key = base = None
     if spec.dropout_rate > 0:
-        key = dropout._key_words(spec.dropout_key)
+        # Axes other than the sequence's that q varies over, with no offsets:
+        # one independent mask per shard along them (fnattn.dropout).
+        seq_axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+        key = dropout._key_words(dropout.key_for_shard(
+            spec.dropout_key, spec.dropout_offsets, q, sequence_axes=seq_axes))
         base = (jnp.zeros((4,), I32) if spec.dropout_offsets is None
                 else jnp.asarray(spec.dropout_offsets).astype(I32))
 
