@@ -74,9 +74,11 @@ from beartype import beartype
 from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _dispatch, _latent, _linear, _partition, masks, position_bias, quant
+from fnattn import (_checks, _dispatch, _latent, _linear, _partition, _serving, position_bias,
+                    quant)
 from fnattn._varying import varying_like
 from fnattn.decoding import xla
+from fnattn.decoding.common import Cfg, DecodeBlockSizes  # (re-exported: their home is common)
 from fnattn.flash import blocks
 from fnattn.spec import AttentionOutput, AttentionSpec
 
@@ -84,45 +86,6 @@ __all__ = ["Cfg", "DecodeBlockSizes", "check_inputs", "decode", "lowering_table"
            "quantized_table"]
 
 I32 = jnp.int32
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeBlockSizes:
-    """Split-K and tiling of :func:`fnattn.decode` (``AttentionSpec(block_sizes=...)``).
-
-    Attributes:
-      num_splits: contiguous key ranges computed independently and merged; must
-        divide the cache length S. None: each lowering chooses (see the module
-        docstring).
-      block_k, num_warps, num_stages: the Triton kernel's keys per step (a power
-        of two >= 16 after rounding up), warps per program and software-pipeline
-        depth. None: chosen from the problem
-        (:func:`fnattn.decoding.triton.launch_plan`). The XLA and Mosaic
-        lowerings tile by their own rules.
-
-    >>> DecodeBlockSizes(num_splits=4).num_splits
-    4
-    >>> DecodeBlockSizes(num_splits=0)
-    Traceback (most recent call last):
-    ...
-    ValueError: DecodeBlockSizes: num_splits must be a positive int or None; got 0
-    """
-
-    num_splits: Optional[int] = None
-    block_k: Optional[int] = None
-    num_warps: Optional[int] = None
-    num_stages: Optional[int] = None
-
-    def __post_init__(self):
-        for name in ("num_splits", "block_k", "num_warps", "num_stages"):
-            n = getattr(self, name)
-            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n <= 0):
-                raise ValueError(f"DecodeBlockSizes: {name} must be a positive int or None; "
-                                 f"got {n!r}")
-        w = self.num_warps
-        if w is not None and (w & (w - 1) or w > 32):
-            raise ValueError(f"DecodeBlockSizes: num_warps must be a power of two <= 32; "
-                             f"got {w}")
 
 
 def _given_splits(spec, S) -> Optional[int]:
@@ -156,8 +119,7 @@ def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts, value_dim=None, fn=
                             v_name="v_cache")
     dims = _checks.check_qkv(q, _logical(fn, "k_cache", k_cache, q),
                              _logical(fn, "v_cache", v_like, q), spec.layout, fn=fn)
-    from fnattn.paged.api import refuse_float64
-    refuse_float64(fn, q=q, k_cache=k_cache, v_cache=v_cache)
+    _serving.refuse_float64(fn, q=q, k_cache=k_cache, v_cache=v_cache)
     B = dims.batch
     for name, x in (("kv_lengths", kv_lengths), ("kv_starts", kv_starts)):
         if x is None:
@@ -321,29 +283,6 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
     out, lse = attend(table, cfg, qb, kb, vb, starts, lengths, sinks, terms)
     out = _checks.from_bthd(out, spec.layout)
     return AttentionOutput(out, lse if spec.return_lse else None)
-
-
-@dataclasses.dataclass(frozen=True)
-class Cfg:
-    """Static configuration of one decode call (hashable; part of the trace)."""
-
-    scale: float
-    softcap: Optional[float]
-    mask_treedef: Any          # None: no mask. Masks here hold no arrays.
-    num_splits: Optional[int]  # from DecodeBlockSizes; None: each lowering chooses
-    block_sizes: Any = None
-    term_treedef: Any = None   # a position term (fnattn.position_bias), or None
-    value_dim: Optional[int] = None  # a latent cache: v is None, the values are k[..., :value_dim]
-
-    @property
-    def mask(self):
-        return masks.from_treedef(self.mask_treedef)
-
-    @property
-    def term(self):
-        """The position term (its arrays placeholders: their values come as the
-        ``terms`` argument, :func:`fnattn.position_bias.per_head_arrays`), or None."""
-        return masks.from_treedef(self.term_treedef)
 
 
 def lowering_table(impl: str):

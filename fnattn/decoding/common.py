@@ -8,17 +8,80 @@ may hold a key visible to one of its ``Tq`` queries: a sliding window over a
 long context reads the window only.
 """
 
-from typing import NamedTuple, Optional
+import dataclasses
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from fnattn import masks
-from fnattn.paged.common import KernelFacts, cdiv, first_run, pow2, span  # noqa: F401  (shared)
+from fnattn._serving import KernelFacts, cdiv, first_run, pow2, span  # noqa: F401  (shared)
 
 F32 = jnp.float32
 I32 = jnp.int32
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBlockSizes:
+    """Split-K and tiling of :func:`fnattn.decode` (``AttentionSpec(block_sizes=...)``).
+
+    Attributes:
+      num_splits: contiguous key ranges computed independently and merged; must
+        divide the cache length S. None: each lowering chooses (see the module
+        docstring).
+      block_k, num_warps, num_stages: the Triton kernel's keys per step (a power
+        of two >= 16 after rounding up), warps per program and software-pipeline
+        depth. None: chosen from the problem
+        (:func:`fnattn.decoding.triton.launch_plan`). The XLA and Mosaic
+        lowerings tile by their own rules.
+
+    >>> DecodeBlockSizes(num_splits=4).num_splits
+    4
+    >>> DecodeBlockSizes(num_splits=0)
+    Traceback (most recent call last):
+    ...
+    ValueError: DecodeBlockSizes: num_splits must be a positive int or None; got 0
+    """
+
+    num_splits: Optional[int] = None
+    block_k: Optional[int] = None
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+
+    def __post_init__(self):
+        for name in ("num_splits", "block_k", "num_warps", "num_stages"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n <= 0):
+                raise ValueError(f"DecodeBlockSizes: {name} must be a positive int or None; "
+                                 f"got {n!r}")
+        w = self.num_warps
+        if w is not None and (w & (w - 1) or w > 32):
+            raise ValueError(f"DecodeBlockSizes: num_warps must be a power of two <= 32; "
+                             f"got {w}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Cfg:
+    """Static configuration of one decode call (hashable; part of the trace)."""
+
+    scale: float
+    softcap: Optional[float]
+    mask_treedef: Any          # None: no mask. Masks here hold no arrays.
+    num_splits: Optional[int]  # from DecodeBlockSizes; None: each lowering chooses
+    block_sizes: Any = None
+    term_treedef: Any = None   # a position term (fnattn.position_bias), or None
+    value_dim: Optional[int] = None  # a latent cache: v is None, the values are k[..., :value_dim]
+
+    @property
+    def mask(self):
+        return masks.from_treedef(self.mask_treedef)
+
+    @property
+    def term(self):
+        """The position term (its arrays placeholders: their values come as the
+        ``terms`` argument, :func:`fnattn.position_bias.per_head_arrays`), or None."""
+        return masks.from_treedef(self.term_treedef)
 
 
 class BlockRanges(NamedTuple):

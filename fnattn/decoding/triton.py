@@ -47,14 +47,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fnattn import _checks, _functions
+from fnattn import _checks, _functions, _serving
 from fnattn import _online as online
 from fnattn import _varying, masks
 from fnattn.decoding import common, xla
 from fnattn.decoding.common import F32, I32
 from fnattn.flash.blocks import pick
 from fnattn.merging import merge_stacked
-from fnattn.paged import triton as paged_triton
 
 __all__ = ["KERNEL_NAME", "Plan", "auto_forward", "forward", "forward_interpret", "launch_plan",
            "symbolic"]
@@ -81,7 +80,7 @@ def launch_plan(batch: int, num_kv_heads: int, cache_len: int, head_dim: int,
     """Block size, split count and Triton launch parameters for a decode call.
 
     ``num_splits`` (from ``DecodeBlockSizes``) is used as given; otherwise
-    :func:`fnattn.paged.triton.auto_splits` of ``batch * num_kv_heads`` programs
+    :func:`fnattn._serving.auto_splits` of ``batch * num_kv_heads`` programs
     per split: about two per multiprocessor of an H100. ``block_k``
     (rounded up to a power of two >= 16) overrides the key block size. ``rows``
     is the height of the query tile (``Tq * G`` padded).
@@ -99,7 +98,7 @@ def launch_plan(batch: int, num_kv_heads: int, cache_len: int, head_dim: int,
         block_k = min(block_k, common.pow2(cache_len))
     bk = max(MIN_COLS, common.pow2(block_k))
     if num_splits is None:
-        num_splits = paged_triton.auto_splits(batch * num_kv_heads, common.cdiv(cache_len, bk))
+        num_splits = _serving.auto_splits(batch * num_kv_heads, common.cdiv(cache_len, bk))
     # Decode is a stream over the cache: two stages of prefetch hide the latency
     # of the next block's loads. 4 warps hold a float32 accumulator of up to
     # 64 x 128; taller tiles (speculative decoding with large groups) take 8.
@@ -239,8 +238,7 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
     G = Hq // Hkv
     R = Tq * G
     M = max(MIN_ROWS, common.pow2(R))
-    from fnattn.decoding.api import DecodeBlockSizes  # (api imports this module)
-    given = pick(cfg.block_sizes, DecodeBlockSizes, DecodeBlockSizes())
+    given = pick(cfg.block_sizes, common.DecodeBlockSizes, common.DecodeBlockSizes())
     plan = launch_plan(B, Hkv, S, D, Dv, rows=M, num_splits=cfg.num_splits,
                        block_k=given.block_k if block_k is None else block_k,
                        num_warps=given.num_warps, num_stages=given.num_stages)

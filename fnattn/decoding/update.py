@@ -36,7 +36,7 @@ import numpy as np
 from beartype import beartype
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, quant
+from fnattn import _checks, _serving, quant
 from fnattn.decoding import api
 from fnattn.spec import AttentionOutput, AttentionSpec
 
@@ -58,8 +58,7 @@ def _check(spec, q, k_new, v_new, k_cache, v_cache, kv_lengths, kv_starts, value
         if msg.startswith("decode: "):
             raise type(e)(f"{_FN}: {msg[len('decode: '):]}") from None
         raise
-    from fnattn.paged.api import refuse_float64
-    refuse_float64(_FN, k_new=k_new, v_new=v_new)
+    _serving.refuse_float64(_FN, k_new=k_new, v_new=v_new)
     B, Tq, S, _, Hkv, D, Dv = dims
     bthd = spec.layout == "bthd"
     for name, x, d in (("k_new", k_new, D), ("v_new", v_new, Dv))[:1 if v_new is None else 2]:

@@ -139,7 +139,7 @@ from fnattn import _checks, _functions, dropout, masks, position_bias
 from fnattn import _online as online
 from fnattn._dispatch import Lowering
 from fnattn.flash import blocks, triton
-from fnattn.paged.triton import NUM_SMS
+from fnattn._serving import NUM_SMS
 
 __all__ = ["MosaicGpuBlockSizes", "LOWERING", "available", "forward", "route", "supports",
            "interpret_params"]
@@ -1495,7 +1495,7 @@ def q_buffers(bs, head_dim, dtype, stacks, programs) -> int:
 @functools.lru_cache(maxsize=None)
 def _programs(interpreted: bool) -> int:
     """How many persistent programs to launch: one per multiprocessor of the
-    GPU this process traces for (:data:`fnattn.paged.triton.NUM_SMS`, an H100
+    GPU this process traces for (:data:`fnattn._serving.NUM_SMS`, an H100
     SXM's, when it cannot tell), or
     :data:`INTERPRETED_PROGRAMS` in the interpreter."""
     if interpreted:

@@ -80,6 +80,8 @@ from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import _checks, _dispatch, _latent, _linear, _partition, position_bias, quant
+from fnattn._serving import refuse_float64
+from fnattn.decoding.mosaic_gpu import MosaicGpuDecodeBlockSizes
 from fnattn._varying import varying_like
 from fnattn.flash import blocks
 from fnattn.paged import common, reference, xla
@@ -323,18 +325,6 @@ def _fewer_heads_hint(q_heads, pool_shape, layout, other_q_heads):
     return ". There cannot be fewer query heads than kv heads: check q's layout and the pools'."
 
 
-def refuse_float64(fn, **arrays):
-    """A ``TypeError`` at trace time for float64 q/k/v: every serving lowering (the
-    kernels, and the XLA ones that share their float32 statistics) computes in
-    float32, and silently rounding float64 inputs would be a wrong number."""
-    wide = [name for name, x in arrays.items() if getattr(x, "dtype", None) == jnp.float64]
-    if wide:
-        names = ", ".join(arrays)
-        raise TypeError(f"{fn}: float64 inputs are not supported ({', '.join(wide)} "
-                        f"{'is' if len(wide) == 1 else 'are'} float64): the serving variants "
-                        f"compute in float32; cast {names} to float32 (x.astype(jnp.float32)).")
-
-
 def _check_spec(fn, spec: AttentionSpec, num_q_heads):
     if spec.position_bias is not None:
         position_bias.check_serving(fn, spec.position_bias, (1, num_q_heads, 1, 1),
@@ -361,8 +351,6 @@ def _check_spec(fn, spec: AttentionSpec, num_q_heads):
 
 def _make_cfg(spec, *, num_q_heads, num_kv_heads, head_dim, v_head_dim, num_pages, page_size,
               pages_per_seq, max_seqs, total_tokens, uniform_q, update, value_dim=None):
-    # (imported here: fnattn.decoding imports fnattn.paged as it loads)
-    from fnattn.decoding.mosaic_gpu import MosaicGpuDecodeBlockSizes
     treedef = None if spec.mask is None else jax.tree_util.tree_structure(spec.mask)
     term = spec.position_bias
     return Cfg(term_treedef=None if term is None else jax.tree_util.tree_structure(term),

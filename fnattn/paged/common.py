@@ -32,43 +32,11 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnattn import _checks, masks
+from fnattn._serving import KernelFacts, cdiv, first_run, pow2, span  # noqa: F401  (shared)
 from fnattn.flash import blocks
 
 F32 = jnp.float32
 I32 = jnp.int32
-
-
-class KernelFacts:
-    """What the serving kernels' static facts (frozen dataclasses with
-    ``mask_treedef``, ``term_treedef`` and ``softcap`` fields) rebuild from
-    them: the mask, the position term, and the units of the row state."""
-
-    __slots__ = ()
-
-    def mask(self):
-        """The mask (its arrays placeholders), or None."""
-        return masks.from_treedef(self.mask_treedef)
-
-    def term(self):
-        """The position term (its arrays placeholders: their values come as
-        the kernel's term operands), or None."""
-        return masks.from_treedef(self.term_treedef)
-
-    @property
-    def natural(self) -> bool:
-        """The row state ``m`` is kept in natural units (a term without
-        soft-cap: logits may be huge, and ``(s - m) * log2(e)`` stays exact
-        where ``s * log2(e) - m`` would not, :func:`fnattn._online.step_exp2`);
-        else in base 2."""
-        return self.term_treedef is not None and self.softcap is None
-
-
-def cdiv(a, b):
-    return -(-a // b)
-
-
-def pow2(n: int) -> int:
-    return 1 << max(0, int(n - 1).bit_length())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -309,34 +277,6 @@ def key_block_ranges(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
         may = may & jnp.broadcast_to(visible, may.shape)
         whole = whole & jnp.broadcast_to(every, whole.shape)
     return span(may) + first_run(whole)
-
-
-def span(flags):
-    """[a, b) per row of ``flags`` (rows, n) bool, each (rows,) int32: from the first
-    True entry to one past the last; ``a = b = 0`` in a row with none.
-
-    >>> a, b = span(jnp.array([[0, 1, 0, 1, 0], [0, 0, 0, 0, 0]], bool))
-    >>> a.tolist(), b.tolist()
-    ([1, 0], [4, 0])
-    """
-    n = flags.shape[1]
-    anyf = flags.any(axis=1)
-    a = jnp.argmax(flags, axis=1).astype(I32)
-    b = (n - jnp.argmax(flags[:, ::-1], axis=1)).astype(I32)
-    return jnp.where(anyf, a, 0), jnp.where(anyf, b, 0)
-
-
-def first_run(flags):
-    """[a, b) per row of ``flags`` (rows, n) bool, each (rows,) int32: the first run
-    of consecutive True entries; ``a = b = 0`` in a row with none."""
-    n = flags.shape[1]
-    j = jnp.arange(n, dtype=I32)[None, :]
-    anyf = flags.any(axis=1)
-    a = jnp.argmax(flags, axis=1).astype(I32)
-    # the run ends at the first entry from a on that is False
-    rest = flags | (j < a[:, None])
-    b = jnp.where(rest.all(axis=1), n, jnp.argmin(rest, axis=1)).astype(I32)
-    return jnp.where(anyf, a, 0), jnp.where(anyf, b, 0)
 
 
 def split_range(k_lo, k_hi, split, num_splits):

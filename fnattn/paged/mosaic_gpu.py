@@ -55,6 +55,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from fnattn import _checks
+from fnattn.decoding import common as dcommon
 from fnattn.decoding import mosaic_gpu as kernel
 from fnattn.flash import mosaic_gpu as flash_mgpu
 from fnattn.paged import common, xla
@@ -125,11 +126,9 @@ def forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v=
         out, lse = forward(dataclasses.replace(cfg, update=False), q, k_pages, v_pages, sinks,
                            meta, interpret=interpret)
         return out, lse, k_pages, v_pages
-    from fnattn.decoding import common as dcommon
-    from fnattn.decoding.api import Cfg as DecodeCfg
     T, Hq, D = q.shape
     Hkv, _, ps, Dv = v_pages.shape
-    dcfg = DecodeCfg(scale=cfg.scale, softcap=cfg.softcap, mask_treedef=cfg.mask_treedef,
+    dcfg = dcommon.Cfg(scale=cfg.scale, softcap=cfg.softcap, mask_treedef=cfg.mask_treedef,
                      num_splits=cfg.block_sizes.num_splits, block_sizes=cfg.mosaic_gpu,
                      term_treedef=cfg.term_treedef)
     n_terms = 0 if meta.terms is None else meta.terms.shape[0]

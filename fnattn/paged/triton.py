@@ -55,6 +55,8 @@ from jax.experimental.pallas import triton as plgpu
 from fnattn import _checks, _functions
 from fnattn import _online as online
 from fnattn import _varying
+from fnattn._serving import (MIN_BLOCKS_PER_SPLIT, NUM_SMS, TARGET_PROGRAMS,  # noqa: F401
+                             auto_splits)
 from fnattn.paged import common, xla
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
@@ -62,30 +64,6 @@ __all__ = ["auto_forward", "forward", "forward_interpret", "launch_plan", "symbo
 
 LOG2E, LN2 = online.LOG2E, online.LN2
 MIN_ROWS = 16            # tl.dot needs at least 16 rows
-NUM_SMS = 132            # H100 SXM
-# About two programs per multiprocessor, all resident at once. Measured on an
-# H100 (benchmarks/results/gpu_h100_2026-11-27_s23, bf16, Hkv = 8, D = 128):
-# B = 16, S = 4k reads 77 % (contiguous cache) and 72 % (paged) of peak HBM with
-# 2 splits (256 programs) against 69 % and 65 % with 5 (640: more than fit at
-# once, so a second partial wave); B = 4, S = 16k 78 % and 71 % with 8 (256
-# programs) against 73 % and 70 % with 17.
-TARGET_PROGRAMS = 2 * NUM_SMS
-MIN_BLOCKS_PER_SPLIT = 8  # below this a split's fixed costs (q load, merge) dominate
-
-
-def auto_splits(programs: int, n_blocks: int) -> int:
-    """Split-K count of a decode kernel (this one and
-    :func:`fnattn.decoding.triton.launch_plan`) with ``programs`` programs per
-    split over ``n_blocks`` key blocks: at most ``TARGET_PROGRAMS`` programs in
-    all (past that, splits only add merge work), at least
-    ``MIN_BLOCKS_PER_SPLIT`` blocks per split, at least one split.
-
-    >>> auto_splits(128, 64), auto_splits(8, 512), auto_splits(512, 512), auto_splits(8, 16)
-    (2, 33, 1, 2)
-    """
-    return max(1, min(TARGET_PROGRAMS // programs, n_blocks // MIN_BLOCKS_PER_SPLIT))
-
-
 @dataclasses.dataclass(frozen=True)
 class _K(common.KernelFacts):
     """Static facts of one launch."""
