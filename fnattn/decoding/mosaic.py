@@ -35,6 +35,20 @@ or two cores per chip, which the (B, Hkv / hb) grid axes already fill): float32
 partial results merged afterwards by :func:`fnattn.merging.merge_stacked`, the
 sinks joined there once; with one split the kernel applies the sinks itself.
 
+**Quantized and latent caches** (:mod:`fnattn.quant`; ``value_dim``). The
+kernel reads the codes' blocks (a ``(bk, hb * D)`` block of an 8-bit cache, a
+``(bk, hb * D / 2)`` one of the 4-bit format) and dequantizes them in VMEM to
+q's dtype: times the per-tensor scales (two float32 scalars in SMEM), or times
+per-token scales, whose ``(bk, Hkv)`` block (the whole last axis: always a
+legal block) comes with each code block and gives each head's column. The
+4-bit bytes become two *planes* of ``D / 2`` columns (their low and high
+nibbles, i.e. each head's first and second half of channels): q is split the
+same way in the wrapper, the logits are the sum of the two planes' products
+and the output has one accumulator per plane, put side by side by the
+wrapper. A latent cache has no V operand: the values are the key block (all
+its columns accumulated, the first ``value_dim`` kept). On a TPU an 8-bit
+block wants ``block_k`` a multiple of 32 (the default, 512, is).
+
 **Dtypes.** float32 and bfloat16 run as they are; float16 caches are converted
 to float32 first (TPUs have no float16 arithmetic; the conversion copies the
 cache, so ``impl="auto"`` reads float16 with the XLA lowering instead); float64

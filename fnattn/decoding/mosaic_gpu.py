@@ -67,6 +67,10 @@ see below), and a cache length ``S`` that is a multiple of 64; ``from_fn``
 masks and terms whose functions Mosaic GPU lowers
 (:data:`fnattn._functions.MOSAIC_GPU`). :func:`supports` lists what else a
 call asks for; asked for by name, such a call raises ``NotImplementedError``.
+Quantized caches (:mod:`fnattn.quant`) and latent caches (``value_dim``) are
+not read here (the producer copies tiles straight into ``wgmma`` operands,
+with no step to dequantize them): :func:`gpu_forward` runs them with the
+Triton kernel, which reads both.
 """
 
 import dataclasses

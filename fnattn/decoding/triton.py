@@ -31,6 +31,19 @@ partial outputs with their ``lse``, merged afterwards by
 once. With one split the kernel applies the sinks and writes the output in q's
 dtype.
 
+**Quantized and latent caches** (:mod:`fnattn.quant`; ``value_dim``). A
+quantized cache's tile of codes is dequantized right after its load, to q's
+dtype (:mod:`fnattn._dequant`, the numbers the XLA lowering multiplies):
+times the per-tensor scale (a float32 operand), or times a column of
+per-token scales loaded beside the codes under the same row mask (slots not
+loaded get 0, so a NaN scale of a slot the sequence does not own is never
+read). float8 codes are loaded unfilled and zeroed after the conversion
+(Triton casts no constant to float8). An ``int4`` tile is one load whose
+column ``c`` reads byte ``c`` or ``c - D/2`` (each byte named twice: the same
+bytes from HBM) and takes its low or high nibble. A latent cache has no V
+operand: the values are the key tile just loaded, the kernel accumulates all
+its columns and the wrapper keeps the first ``value_dim``.
+
 **Symbolic sizes** (``jax.export`` shape polymorphism) are refused
 (``NotImplementedError``): the Triton backend has no dynamic grid, and the
 grid is sized by the batch. ``impl="auto"`` runs such calls with the XLA

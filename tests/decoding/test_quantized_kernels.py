@@ -24,7 +24,7 @@ from test_decoding import NAN_SLOTS, expected, nan_problem
 from lowering import cheap_compiles, gpu_target, tpu_target
 
 import fnattn
-from fnattn import AttentionSpec, DecodeBlockSizes, masks, quant
+from fnattn import AttentionSpec, DecodeBlockSizes, masks, position_bias, quant
 from fnattn.decoding import api, mosaic, mosaic_gpu, triton, xla
 from fnattn.flash import mosaic_gpu as flash_mgpu
 from fnattn.quant import QuantFormat
@@ -101,16 +101,17 @@ def test_formats_scales_and_heads(kernel, formats, heads):
     np.testing.assert_allclose(got.lse, lse, atol=2e-5, rtol=2e-5)
 
 
-def test_window_softcap_bfloat16_queries(kernel):
+def test_window_softcap_alibi_bfloat16_queries(kernel):
     """A sliding window (keys the mask hides hold NaN codes in the sequence's own
-    unowned neighbours), soft-cap, bfloat16 queries (tiles dequantized to bfloat16,
-    as the XLA lowering does), three query tokens, one split."""
+    unowned neighbours), soft-cap, ALiBi, bfloat16 queries (tiles dequantized to
+    bfloat16, as the XLA lowering does), three query tokens, one split."""
     q, k, v, L, a = nan_problem(Tq=3, Hq=8, Hkv=2, D=16, Dv=16, seed=12,
                                 lengths=(33, 12, 3), starts=(2, 20, 37))
     live = owned(L, a)
     kq = quantized(k, fmt("float8_e4m3fn", "tensor"), live)
     vq = quantized(v, fmt("int8", "token"), live)
-    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(5), softcap=4.0)
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(5), softcap=4.0,
+                         position_bias=position_bias.alibi(position_bias.alibi_slopes(8)))
     q = q.astype(jnp.bfloat16)
     run = jax.jit(lambda spec, q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L,
                                                       kv_starts=a))
