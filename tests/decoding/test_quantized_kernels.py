@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_decoding import NAN_SLOTS, expected, nan_problem
 from lowering import cheap_compiles, gpu_target, tpu_target
+from test_decoding import NAN_SLOTS, expected, nan_problem
 
 import fnattn
 from fnattn import AttentionSpec, DecodeBlockSizes, masks, position_bias, quant
@@ -238,3 +238,8 @@ def test_auto_elsewhere_is_xla():
     assert dict(table)["default"] is xla.forward
     assert {plat for plat, _ in table} == {"default", "cuda", "tpu"}
     assert api.quantized_table("xla") == api.lowering_table("xla")
+
+
+def test_lowers_under_x64():
+    with jax.enable_x64(True):
+        test_lowers_for_cuda_and_tpu(*LOWER[3])
