@@ -243,3 +243,15 @@ def test_auto_elsewhere_is_xla():
 def test_lowers_under_x64():
     with jax.enable_x64(True):
         test_lowers_for_cuda_and_tpu(*LOWER[3])
+
+
+def test_asked_for_mosaic_gpu_on_hopper_lowers_to_triton(monkeypatch):
+    """MosaicGpuDecodeBlockSizes on a Hopper GPU (where a float cache lowers to the
+    Mosaic GPU kernel, tests/decoding/test_mosaic_gpu.py): a quantized or latent
+    cache lowers to the Triton kernel, with no Mosaic GPU call."""
+    monkeypatch.setattr(flash_mgpu, "available", lambda: None)
+    spec = AttentionSpec(mask=masks.causal(),
+                         block_sizes=mosaic_gpu.MosaicGpuDecodeBlockSizes())
+    for kf, vf, D, Hq, Hkv in (LOWER[0], LOWER[5]):
+        text = _lowered("cuda", spec, kf, vf, D, Hq, Hkv)
+        assert triton.KERNEL_NAME in text and "custom_call @mosaic_gpu" not in text
