@@ -255,3 +255,21 @@ def test_asked_for_mosaic_gpu_on_hopper_lowers_to_triton(monkeypatch):
     for kf, vf, D, Hq, Hkv in (LOWER[0], LOWER[5]):
         text = _lowered("cuda", spec, kf, vf, D, Hq, Hkv)
         assert triton.KERNEL_NAME in text and "custom_call @mosaic_gpu" not in text
+
+
+def test_decode_with_update_through_the_kernel():
+    """decode_with_update(impl="pallas") on a CPU: the interpreted Triton kernel (its
+    default plan) reads the quantized latent cache the update wrote; the same as
+    impl="xla", caches bit for bit."""
+    Dc, Hq = 8, 4
+    q, k, _, L, a = nan_problem(Tq=1, Hq=Hq, Hkv=1, D=Dc + 4, Dv=1, seed=15,
+                                lengths=(30, 9, 1), starts=(0, 17, 3))
+    kq = quantized(k, fmt("int8", "token"), owned(L, a))
+    k_new = jax.random.normal(jax.random.key(16), (3, 1, 1, Dc + 4))
+    run = jax.jit(lambda spec, q, kn, kc: fnattn.decode_with_update(
+        spec, q, kn, None, kc, None, kv_lengths=L, kv_starts=a, value_dim=Dc))
+    spec = AttentionSpec(mask=masks.causal())
+    (got, gk, _), (want, wk, _) = (run(spec.replace(impl=impl), q, k_new, kq)
+                                   for impl in ("pallas", "xla"))
+    np.testing.assert_array_equal(gk.data, wk.data)
+    np.testing.assert_allclose(got.out, want.out, atol=2e-6, rtol=2e-6)
