@@ -41,11 +41,15 @@ Mosaic GPU kernel (fnattn/decoding/mosaic_gpu.py) under either impl instead
 GPU yet, so it is not the default.
 
 **Quantized and latent caches** (:mod:`fnattn.quant` ``QuantizedArray``
-caches; ``value_dim`` with no ``v_cache``) run with the XLA lowering on every
-platform under ``impl="auto"``, which reads a quantized cache a chunk of slots
-at a time, dequantizing each chunk as it loads it; no Pallas kernel reads them
-yet, so ``impl="pallas"`` raises ``NotImplementedError``. Their derivatives
-are reverse mode only.
+caches; ``value_dim`` with no ``v_cache``): the Pallas kernels dequantize each
+tile of codes right after loading it (per-token scales loaded beside it; the
+4-bit format's nibbles unpacked in the kernel) and take a latent cache's
+values from the key tile they loaded (:func:`quantized_table`): Triton reads
+every format on cuda, Mosaic every format its jax version loads on tpu (else
+``impl="auto"`` runs the XLA lowering there). Elsewhere ``impl="auto"`` runs
+the XLA lowering, which reads a quantized cache a chunk of slots at a time.
+No dequantized copy of a cache is made. Derivatives of quantized caches are
+reverse mode only.
 
 ``impl="xla"`` is the XLA lowering everywhere. On TPU, ``impl="auto"`` reads
 float16 caches with the XLA lowering (the kernel would first copy them to
@@ -273,9 +277,7 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
     # inside shard_map: gradients typed like their inputs (see fnattn._dispatch.attend)
     qb, kb, vb, sinks = varying_like((qb, kb, vb, spec.sinks), qb, kb, vb, spec.sinks, starts,
                                      lengths)
-    if value_dim is not None:
-        table = quantized_table(spec.impl, "latent caches (value_dim, no v_cache)")
-    elif quant.is_quantized(kb) or quant.is_quantized(vb):
+    if value_dim is not None or quant.is_quantized(kb) or quant.is_quantized(vb):
         table = quantized_table(spec.impl)
     else:
         table = lowering_table(spec.impl)
@@ -314,22 +316,19 @@ def lowering_table(impl: str):
     raise ValueError(f"decode: no lowering for impl={impl!r}")
 
 
-def quantized_table(impl: str, feature: str = "quantized caches (fnattn.quant.QuantizedArray "
-                                               "k_cache/v_cache)"):
+def quantized_table(impl: str):
     """The lowering table for quantized caches (:mod:`fnattn.quant`) and latent
-    caches (``value_dim``): the XLA lowering, which dequantizes the codes it
-    loads and takes latent values from the keys, on every platform under
-    impl="auto" (no Pallas decode kernel reads them yet)."""
-    if impl in ("auto", "xla"):
-        return (("default", xla.forward),)
-    if impl == "reference":
-        return (("default", xla.reference_forward),)
-    if impl == "pallas":
-        raise NotImplementedError(
-            f"decode: impl='pallas' has no kernel for {feature} yet: the Triton, Mosaic TPU "
-            "and Mosaic GPU decode kernels read float caches with separate values only. The "
-            "XLA lowering reads them: use impl='auto' (which runs it on every platform for "
-            "them) or impl='xla'.")
+    caches (``value_dim``): the Pallas kernels on cuda (Triton; Mosaic GPU
+    routes them to Triton, :func:`fnattn.decoding.mosaic_gpu.gpu_forward`)
+    and tpu (Mosaic, or the XLA lowering under impl="auto" for a format it
+    cannot load, :func:`fnattn.decoding.mosaic.unsupported`), which dequantize
+    each tile after loading it and take latent values from the key tiles;
+    elsewhere under impl="auto" the XLA lowering, which reads a quantized
+    cache a chunk of slots at a time (impl="pallas": the Triton kernel,
+    interpreted)."""
+    if impl == "auto":
+        return (("default", xla.forward),) + tuple(
+            entry for entry in lowering_table(impl) if entry[0] in ("cuda", "tpu"))
     return lowering_table(impl)
 
 

@@ -35,6 +35,20 @@ or two cores per chip, which the (B, Hkv / hb) grid axes already fill): float32
 partial results merged afterwards by :func:`fnattn.merging.merge_stacked`, the
 sinks joined there once; with one split the kernel applies the sinks itself.
 
+**Quantized and latent caches** (:mod:`fnattn.quant`; ``value_dim``). The
+kernel reads the codes' blocks (a ``(bk, hb * D)`` block of an 8-bit cache, a
+``(bk, hb * D / 2)`` one of the 4-bit format) and dequantizes them in VMEM to
+q's dtype: times the per-tensor scales (two float32 scalars in SMEM), or times
+per-token scales, whose ``(bk, Hkv)`` block (the whole last axis: always a
+legal block) comes with each code block and gives each head's column. The
+4-bit bytes become two *planes* of ``D / 2`` columns (their low and high
+nibbles, i.e. each head's first and second half of channels): q is split the
+same way in the wrapper, the logits are the sum of the two planes' products
+and the output has one accumulator per plane, put side by side by the
+wrapper. A latent cache has no V operand: the values are the key block (all
+its columns accumulated, the first ``value_dim`` kept). On a TPU an 8-bit
+block wants ``block_k`` a multiple of 32 (the default, 512, is).
+
 **Dtypes.** float32 and bfloat16 run as they are; float16 caches are converted
 to float32 first (TPUs have no float16 arithmetic; the conversion copies the
 cache, so ``impl="auto"`` reads float16 with the XLA lowering instead); float64
@@ -49,13 +63,14 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from fnattn import _checks, _functions
+from fnattn import _checks, _dequant, _functions
 from fnattn import _online as online
-from fnattn import _varying, cost, masks
+from fnattn import _varying, cost, masks, quant
 from fnattn.decoding import common, xla
 from fnattn.decoding.common import F32, I32
 from fnattn.merging import merge_stacked
@@ -89,6 +104,26 @@ class _K(common.KernelFacts):
     n_terms: int = 0           # its arrays: (n, B, Hq) flat in SMEM
     B: int = 0
     Hq: int = 0
+    k_fmt: Any = None          # a quantized cache's QuantFormat (None: float)
+    v_fmt: Any = None
+    latent: bool = False       # no v: the values are the key tiles (first Dv columns kept)
+    dtype: Any = None          # the products' dtype (the dequantized tiles')
+
+    @property
+    def k_planes(self) -> int:
+        """Column planes of a key tile: 2 for the 4-bit format (its low and
+        high nibbles, the first and second half of each head's channels)."""
+        return 1 if self.k_fmt is None else self.k_fmt.per_byte
+
+    @property
+    def v_planes(self) -> int:
+        if self.latent:
+            return self.k_planes
+        return 1 if self.v_fmt is None else self.v_fmt.per_byte
+
+    @property
+    def tensor_scales(self) -> bool:
+        return self.k_fmt is not None or self.v_fmt is not None
 
 
 def heads_per_program(num_kv_heads: int, head_dim: int, v_head_dim: int) -> int:
@@ -117,9 +152,41 @@ def _kv_index(b, hg, sp, i, meta_ref, *, K: _K):
     return b, jnp.maximum(jnp.minimum(first + i, end - 1), 0), hg
 
 
-def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
-    sinks_ref = refs[0] if K.sinks else None
-    terms_ref = refs[int(K.sinks)] if K.n_terms else None
+def _tile(ref, fmt, scale_ref, ts_ref, which, hg, K: _K):
+    """A block of a cache as its column planes (one; two for the 4-bit format),
+    dequantized right after the load: codes times the per-tensor scale or, per
+    token, the column of head ``hg * hb + hh``'s scales (from the block's
+    (bk, Hkv) scale tile) in head hh's columns."""
+    x = ref[...]
+    if fmt is None:
+        return [x]
+    if fmt.per_byte == 2:
+        byte = x.astype(I32)
+        planes = [_dequant.codes_f32(fmt, byte, False), _dequant.codes_f32(fmt, byte, True)]
+    else:
+        planes = [x.astype(F32)]
+    if fmt.per_token:
+        tile = scale_ref[...]                                   # (bk, Hkv) float32
+        lane = lax.broadcasted_iota(I32, tile.shape, 1)
+        width = planes[0].shape[1] // K.hb
+        col_head = lax.broadcasted_iota(I32, planes[0].shape, 1) // width
+        scale = jnp.zeros(planes[0].shape, F32)
+        for hh in range(K.hb):
+            col = jnp.sum(jnp.where(lane == hg * K.hb + hh, tile, 0.0), axis=1, keepdims=True)
+            scale = col if K.hb == 1 else jnp.where(col_head == hh, col, scale)
+    else:
+        scale = ts_ref[which]
+    return [(p * scale).astype(K.dtype) for p in planes]
+
+
+def _kernel(meta_ref, q_ref, k_ref, *refs, K: _K):
+    it = iter(refs)
+    v_ref = None if K.latent else next(it)
+    ts_ref = next(it) if K.tensor_scales else None
+    ks_ref = next(it) if K.k_fmt is not None and K.k_fmt.per_token else None
+    vs_ref = next(it) if K.v_fmt is not None and K.v_fmt.per_token else None
+    sinks_ref = next(it) if K.sinks else None
+    terms_ref = next(it) if K.n_terms else None
     o_ref, lse_ref, m_scr, l_scr, acc_scr = refs[-5:]
     b, hg, sp, i = (pl.program_id(a) for a in range(4))
     start, length = meta_ref[b * NUM_META], meta_ref[b * NUM_META + 1]
@@ -136,20 +203,22 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
 
     @pl.when(j < end)
     def _step():
-        k, v = k_ref[...], v_ref[...]
-        vpos = j * K.bk + lax.broadcasted_iota(I32, v.shape, 0) - start
-        v = jnp.where((vpos >= 0) & (vpos < length), v, jnp.zeros_like(v))
+        ks = _tile(k_ref, K.k_fmt, ks_ref, ts_ref, 0, hg, K)
+        vs = ks if K.latent else _tile(v_ref, K.v_fmt, vs_ref, ts_ref, 1, hg, K)
+        vpos = j * K.bk + lax.broadcasted_iota(I32, vs[0].shape, 0) - start
+        live = (vpos >= 0) & (vpos < length)
+        vs = [jnp.where(live, v, jnp.zeros_like(v)) for v in vs]
         # Non-finite keys: zeroed, and their logits NaN before the masking (the rule
         # of fnattn._online.finite_keys). Needed where a NaN could reach a row
         # that may not see its key: keys the mask hides from some rows (K or V), and
         # with hb > 1 the other heads' columns of K, which every head's product reads.
         fk = fv = None
         if mask is not None or K.hb > 1:
-            fk = jnp.isfinite(k.astype(F32))   # (TPUs test finiteness in float32 only)
-            k = jnp.where(fk, k, jnp.zeros_like(k))
+            fk = [jnp.isfinite(k.astype(F32)) for k in ks]  # (TPUs test finiteness in f32)
+            ks = [jnp.where(f, k, jnp.zeros_like(k)) for f, k in zip(fk, ks)]
         if mask is not None:
-            fv = jnp.isfinite(v.astype(F32))
-            v = jnp.where(fv, v, jnp.zeros_like(v))
+            fv = [jnp.isfinite(v.astype(F32)) for v in vs]
+            vs = [jnp.where(f, v, jnp.zeros_like(v)) for f, v in zip(fv, vs)]
         shape = (K.M, K.bk)
         kpos = j * K.bk + lax.broadcasted_iota(I32, shape, 1) - start
         in_range = (kpos >= 0) & (kpos < length)
@@ -159,7 +228,8 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         for hh in range(K.hb):
             # q_ref[hh] is zero outside head hh's columns: its product with the
             # block of hb heads is head hh's logits.
-            s = lax.dot_general(q_ref[hh], k, NT, preferred_element_type=F32) * K.scale
+            s = sum(lax.dot_general(q_ref[hh, c], ks[c], NT, preferred_element_type=F32)
+                    for c in range(K.k_planes)) * K.scale
             h = hg * K.hb + hh
             pos = masks.Positions(b=b, h=h * K.G + g_i, q=t_i, q_pos=length - K.Tq + t_i,
                                   k=kpos)
@@ -176,23 +246,40 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
                 ok = ok & mask.predicate(pos, [])
             s = jnp.where(ok, s, -jnp.inf)
             # (the columns of the other heads of the block are computed and dropped)
-            m_new, l_new, acc_scr[hh] = online.step_exp(
-                (m_scr[hh][:, :1], l_scr[hh][:, :1], acc_scr[hh]), s, v)
+            m_new, l_new, alpha, p = _softmax_step(m_scr[hh][:, :1], l_scr[hh][:, :1], s)
+            for c, v in enumerate(vs):
+                acc_scr[hh, c] = acc_scr[hh, c] * alpha + lax.dot_general(
+                    p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=F32)
             m_scr[hh] = jnp.broadcast_to(m_new, (K.M, LANES))
             l_scr[hh] = jnp.broadcast_to(l_new, (K.M, LANES))
 
     @pl.when(i == K.nb - 1)
     def _finish():
         for hh in range(K.hb):
-            m, l, acc = m_scr[hh][:, :1], l_scr[hh][:, :1], acc_scr[hh]
+            m, l = m_scr[hh][:, :1], l_scr[hh][:, :1]
+            acc = [acc_scr[hh, c] for c in range(K.v_planes)]
             if K.sinks:
                 sink = online.group_sink_column(sinks_ref, hg * K.hb + hh, K.G, K.Gp, K.M)
-                acc, m, l = online.join_sink(acc, m, l, sink)
+                a, m, l = online.sink_rescale(m, l, sink)
+                acc = [x * a for x in acc]
             seen = l > 0
             safe = jnp.where(seen, l, 1.0)
-            o_ref[hh] = (acc / safe).astype(o_ref.dtype)
+            for c in range(K.v_planes):
+                o_ref[hh, c] = (acc[c] / safe).astype(o_ref.dtype)
             lse = jnp.where(seen, m + jnp.log(safe), -jnp.inf)
             lse_ref[hh] = jnp.broadcast_to(lse, (K.M, LANES))
+
+
+def _softmax_step(m, l, s):
+    """The online softmax's row state after a tile of logits ``s`` (invisible
+    keys at -inf), in base e: ``(m, l, alpha, p)``, the accumulators to be
+    scaled by ``alpha`` and to gain ``p @ v`` (one value plane or two); as
+    :func:`fnattn._online.step_exp`."""
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))
+    m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    p = jnp.exp(s - m_use)
+    alpha = jnp.exp(m - m_use)
+    return m_new, alpha * l + jnp.sum(p, axis=1, keepdims=True), alpha, p
 
 
 def _nonfinite(fk, fv, hh: int, K: _K):
@@ -209,9 +296,9 @@ def _nonfinite(fk, fv, hh: int, K: _K):
         mine = ((cols >= hh * width) & (cols < (hh + 1) * width)).astype(ind)
         return lax.dot_general(mine, (~finite).astype(ind), NT, preferred_element_type=F32)
 
-    n = count(fk)
+    n = sum(count(f) for f in fk)      # (fk, fv: one indicator per column plane)
     if fv is not None:
-        n = n + count(fv)
+        n = n + sum(count(f) for f in fv)
     return n > 0
 
 
@@ -245,10 +332,19 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
             f"decode: the Mosaic (TPU) kernel needs {why}. impl='auto' runs such a cache "
             "with the XLA lowering on TPU; impl='xla' does everywhere.")
     B, Tq, Hq, D = q.shape
-    _, S, Hkv, Dv = v.shape
+    latent = v is None
+    _, S, Hkv, _ = k.shape
+    Dv = cfg.value_dim if latent else v.shape[-1]
+    fmt = lambda x: x.format if quant.is_quantized(x) else None  # noqa: E731
+    k_fmt, v_fmt = fmt(k), None if latent else fmt(v)
+    kp = 1 if k_fmt is None else k_fmt.per_byte       # column planes of a tile
+    vp = kp if latent else (1 if v_fmt is None else v_fmt.per_byte)
+    # A latent cache's values are its key tiles (the first Dv columns are kept).
+    Dk = D // kp
+    Dvk = Dk if latent else Dv // vp                   # stored columns of a plane
     G = Hq // Hkv
     Gp = common.pow2(G)
-    hb = heads_per_program(Hkv, D, Dv)
+    hb = heads_per_program(Hkv, Dk, Dvk)
     ng = Hkv // hb
     M = max(SUBLANES, common.cdiv(Tq * Gp, SUBLANES) * SUBLANES)
     bk = block_k or DEFAULT_BLOCK_K
@@ -262,24 +358,44 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
            sinks=sinks is not None and splits == 1, term_treedef=cfg.term_treedef,
            n_terms=0 if terms is None else terms.shape[0], B=B, Hq=Hq)
     # TPUs have no float16 arithmetic: such caches run in float32 (a copy).
-    cd = F32 if k.dtype == jnp.float16 else k.dtype
+    cd = _dequant.compute_dtype(q, k)
+    cd = F32 if cd == jnp.float16 else cd
+    K = dataclasses.replace(K, k_fmt=k_fmt, v_fmt=v_fmt, latent=latent, dtype=cd)
 
     lo, hi, _, _ = common.block_ranges(cfg.mask, Tq, lengths, starts, bk, n_blocks)
     meta = jnp.stack([starts, lengths, lo, hi], axis=1).astype(I32).reshape(-1)
-    # q of kv head h = hg * hb + hh as rows of (B, ng, hb, M, hb * D), in head hh's
-    # columns of the block of hb heads (zeros elsewhere).
-    qg = common.group_rows(q.astype(cd), Hkv, M, Gp).reshape(B, ng, hb, M, 1, D)
-    qx = qg * jnp.eye(hb, dtype=cd)[:, None, :, None]
-    qx = qx.reshape(B, ng, hb, M, hb * D)
+    # q of kv head h = hg * hb + hh as rows of (B, ng, hb, planes, M, hb * Dk), in
+    # head hh's columns of the block of hb heads (zeros elsewhere); plane c holds
+    # the channels [c * Dk, (c + 1) * Dk) (the 4-bit format's second nibbles).
+    qg = common.group_rows(q.astype(cd), Hkv, M, Gp).reshape(B, ng, hb, M, kp, 1, Dk)
+    qx = qg * jnp.eye(hb, dtype=cd)[:, None, None, :, None]
+    qx = jnp.moveaxis(qx, 4, 3).reshape(B, ng, hb, kp, M, hb * Dk)
     kv_index = functools.partial(_kv_index, K=K)
 
     def q_index(b, hg, sp, i, *_):
-        return b, hg, 0, 0, 0
+        return b, hg, 0, 0, 0, 0
 
-    in_specs = [pl.BlockSpec((None, None, hb, M, hb * D), q_index),
-                pl.BlockSpec((None, bk, hb * D), kv_index),
-                pl.BlockSpec((None, bk, hb * Dv), kv_index)]
-    args = [qx, k.astype(cd).reshape(B, S, Hkv * D), v.astype(cd).reshape(B, S, Hkv * Dv)]
+    def stored(x, width):
+        """A cache as (B, S, Hkv * width) (a free reshape): its codes if quantized."""
+        x = x.data if quant.is_quantized(x) else x.astype(cd)
+        return x.reshape(B, S, Hkv * width)
+
+    def scale_index(b, hg, sp, i, meta_ref):
+        return _kv_index(b, hg, sp, i, meta_ref, K=K)[:2] + (0,)
+
+    in_specs = [pl.BlockSpec((None, None, hb, kp, M, hb * Dk), q_index),
+                pl.BlockSpec((None, bk, hb * Dk), kv_index)]
+    args = [qx, stored(k, Dk)]
+    if not latent:
+        in_specs.append(pl.BlockSpec((None, bk, hb * Dvk), kv_index))
+        args.append(stored(v, Dvk))
+    if K.tensor_scales:
+        in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
+        args.append(_dequant.tensor_scales(k, v))
+    for f, x in ((k_fmt, k), (v_fmt, v)):
+        if f is not None and f.per_token:  # the (bk, Hkv) scales beside each block
+            in_specs.append(pl.BlockSpec((None, bk, Hkv), scale_index))
+            args.append(x.scale.astype(F32))
     if K.sinks:
         in_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
         args.append(sinks.astype(F32))
@@ -292,15 +408,21 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
     def out_map(b, hg, sp, i, *_):
         return ((sp,) if splits > 1 else ()) + (b, hg, 0, 0, 0)
 
+    def o_map(b, hg, sp, i, *_):
+        return out_map(b, hg, sp, i) + (0,)
+
+    cache_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize
+                      for x in jax.tree_util.tree_leaves(args[1:]))
+
     out, lse = _varying.pallas_call(
         functools.partial(_kernel, K=K),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1, grid=(B, ng, splits, nb), in_specs=in_specs,
-            out_specs=[pl.BlockSpec(blk + (M, hb * Dv), out_map),
+            out_specs=[pl.BlockSpec(blk + (vp, M, hb * Dvk), o_map),
                        pl.BlockSpec(blk + (M, LANES), out_map)],
             scratch_shapes=[pltpu.VMEM((hb, M, LANES), F32), pltpu.VMEM((hb, M, LANES), F32),
-                            pltpu.VMEM((hb, M, hb * Dv), F32)]),
-        out_shape=[jax.ShapeDtypeStruct(lead + (B, ng, hb, M, hb * Dv),
+                            pltpu.VMEM((hb, vp, M, hb * Dvk), F32)]),
+        out_shape=[jax.ShapeDtypeStruct(lead + (B, ng, hb, vp, M, hb * Dvk),
                                         cd if splits == 1 else F32),
                    jax.ShapeDtypeStruct(lead + (B, ng, hb, M, LANES), F32)],
         compiler_params=pltpu.CompilerParams(
@@ -308,14 +430,17 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
         interpret=interpret, name=KERNEL_NAME,
         cost_estimate=cost.serving(
             B * Tq, Hkv * G, S, D, Dv, softcap=cfg.softcap is not None,
-            cache_bytes=B * S * Hkv * (D + Dv) * jnp.dtype(cd).itemsize,
+            cache_bytes=cache_bytes,
             io_bytes=B * Tq * Hkv * G * (D + Dv) * jnp.dtype(cd).itemsize),
     )(meta, *args)
-    # Head hh's output is its own columns of the block's.
-    out = out.reshape(out.shape[:-1] + (hb, Dv))
-    out = jnp.stack([out[..., hh, :, hh, :] for hh in range(hb)], axis=-3)
+    # Head hh's output is its own columns of the block's, its planes side by side
+    # (a latent cache: the first Dv of them).
+    out = out.reshape(out.shape[:-1] + (hb, Dvk))
+    out = jnp.stack([out[..., hh, :, :, hh, :] for hh in range(hb)], axis=-4)
+    out = jnp.moveaxis(out, -3, -2)                          # (..., hb, M, planes, Dvk)
     lead_shape = lead + (B, Hkv)
-    out, lse = out.reshape(lead_shape + (M, Dv)), lse[..., 0].reshape(lead_shape + (M,))
+    out = out.reshape(lead_shape + (M, vp * Dvk))[..., :Dv]
+    lse = lse[..., 0].reshape(lead_shape + (M,))
     if splits > 1:
         sink = None if sinks is None else common.row_sinks(sinks, Hkv, Tq, M, Gp)
         out, lse = merge_stacked(out, lse, sink)

@@ -67,6 +67,10 @@ see below), and a cache length ``S`` that is a multiple of 64; ``from_fn``
 masks and terms whose functions Mosaic GPU lowers
 (:data:`fnattn._functions.MOSAIC_GPU`). :func:`supports` lists what else a
 call asks for; asked for by name, such a call raises ``NotImplementedError``.
+Quantized caches (:mod:`fnattn.quant`) and latent caches (``value_dim``) are
+not read here (the producer copies tiles straight into ``wgmma`` operands,
+with no step to dequantize them): :func:`gpu_forward` runs them with the
+Triton kernel, which reads both.
 """
 
 import dataclasses
@@ -79,7 +83,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from fnattn import _checks, _functions, masks
+from fnattn import _checks, _dequant, _functions, masks, quant
 from fnattn import _online as online
 from fnattn.decoding import common, xla
 from fnattn.decoding.common import F32, I32
@@ -89,7 +93,8 @@ from fnattn.merging import merge_stacked
 
 __all__ = ["MosaicGpuDecodeBlockSizes", "auto_splits", "forward",
            "attend", "finish", "gpu_forward", "kernel_refusals", "launch", "plan",
-           "program_meta", "smem_bytes", "supports", "term_rows", "Tiles", "tiles_for"]
+           "program_meta", "smem_bytes", "stored_refusals", "supports", "term_rows", "Tiles",
+           "tiles_for"]
 
 LOG2E = online.LOG2E
 ROWS = 64                    # the query tile: one wgmma slab
@@ -235,13 +240,35 @@ def supports(cfg, q, k, v) -> list:
     """Why a call cannot run on this kernel (empty: it can), from static facts.
     ``q`` (B, Tq, Hq, D), ``k`` / ``v`` (B, S, Hkv, D | Dv) arrays or shapes."""
     B, Tq, Hq, D = q.shape
+    why = stored_refusals(k, v)
+    if v is None:   # (a latent cache: the checks of its key tiles)
+        v = k
     _, S, Hkv, Dv = v.shape
-    why = kernel_refusals("caches", k.dtype, D, Dv, Tq * (Hq // Hkv),
+    why += kernel_refusals("caches", k.dtype, D, Dv, Tq * (Hq // Hkv),
                           f"Tq={Tq} x group {Hq // Hkv}", cfg.mask, cfg.term_treedef)
     if not isinstance(S, int) or S % 64:
         why.append(f"a cache of S={S} slots (multiples of 64 run here)")
     if _checks.symbolic_sizes(B=B, Tq=Tq, S=S):
         why.append("symbolic sizes (jax.export)")
+    return why
+
+
+def stored_refusals(k, v, what: str = "cache",
+                    triton: str = "fnattn/decoding/triton.py") -> list:
+    """What this kernel does not read of how a cache is stored: quantized
+    caches (:mod:`fnattn.quant`; its producer copies tiles straight into the
+    operands of ``wgmma``, with no step to dequantize them) and latent caches
+    (``value_dim``, no ``v``). :func:`gpu_forward` runs such calls with the
+    Triton kernel, which reads both (``what``: "cache" or "pool"; ``triton``:
+    that kernel's file, for the message)."""
+    why = []
+    for name, x in (("k", k), ("v", v)):
+        if quant.is_quantized(x):
+            why.append(f"a quantized {name} {what} ({_dequant.describe(x)}; the Pallas Triton "
+                       f"kernel, {triton}, reads it)")
+    if v is None:
+        why.append(f"a latent {what} (value_dim, no v; the Pallas Triton kernel, {triton}, "
+                   "reads it)")
     return why
 
 
@@ -273,9 +300,12 @@ def gpu_forward(fallback, cfg, q, k, v, starts, lengths, sinks, terms=None):
     """The cuda entry of :func:`fnattn.decoding.api.lowering_table`: this kernel
     when the spec asks for it (``MosaicGpuDecodeBlockSizes``) and the process
     has a Hopper GPU (:func:`fnattn.flash.mosaic_gpu.available`), else
-    ``fallback`` (the Triton kernel's entry). Asked for a call it does not
-    support, it raises ``NotImplementedError`` with the reasons."""
-    if _asked(cfg) is None or flash_mgpu.available() is not None:
+    ``fallback`` (the Triton kernel's entry), which also reads the quantized
+    and latent caches this kernel does not (:func:`stored_refusals`). Asked
+    for another call it does not support, it raises ``NotImplementedError``
+    with the reasons."""
+    if (_asked(cfg) is None or flash_mgpu.available() is not None
+            or stored_refusals(k, v)):
         return fallback(cfg, q, k, v, starts, lengths, sinks, terms)
     return forward(cfg, q, k, v, starts, lengths, sinks, terms)
 

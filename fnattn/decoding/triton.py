@@ -31,6 +31,19 @@ partial outputs with their ``lse``, merged afterwards by
 once. With one split the kernel applies the sinks and writes the output in q's
 dtype.
 
+**Quantized and latent caches** (:mod:`fnattn.quant`; ``value_dim``). A
+quantized cache's tile of codes is dequantized right after its load, to q's
+dtype (:mod:`fnattn._dequant`, the numbers the XLA lowering multiplies):
+times the per-tensor scale (a float32 operand), or times a column of
+per-token scales loaded beside the codes under the same row mask (slots not
+loaded get 0, so a NaN scale of a slot the sequence does not own is never
+read). float8 codes are loaded unfilled and zeroed after the conversion
+(Triton casts no constant to float8). An ``int4`` tile is one load whose
+column ``c`` reads byte ``c`` or ``c - D/2`` (each byte named twice: the same
+bytes from HBM) and takes its low or high nibble. A latent cache has no V
+operand: the values are the key tile just loaded, the kernel accumulates all
+its columns and the wrapper keeps the first ``value_dim``.
+
 **Symbolic sizes** (``jax.export`` shape polymorphism) are refused
 (``NotImplementedError``): the Triton backend has no dynamic grid, and the
 grid is sized by the batch. ``impl="auto"`` runs such calls with the XLA
@@ -47,9 +60,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fnattn import _checks, _functions, _serving
+from fnattn import _checks, _dequant, _functions, _serving
 from fnattn import _online as online
-from fnattn import _varying, masks
+from fnattn import _varying, masks, quant
 from fnattn.decoding import common, xla
 from fnattn.decoding.common import F32, I32
 from fnattn.flash.blocks import pick
@@ -128,12 +141,24 @@ class _K(common.KernelFacts):
     sinks: bool
     term_treedef: Any = None   # a position term, or None
     n_terms: int = 0           # its arrays, one value per row
+    k_fmt: Any = None          # a quantized cache's QuantFormat (None: float)
+    v_fmt: Any = None
+    latent: bool = False       # no v: the values are the keys' first Dv channels
+
+    @property
+    def tensor_scales(self) -> bool:
+        return self.k_fmt is not None or self.v_fmt is not None
 
 
-def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
-    sinks_ref = refs[0] if K.sinks else None
-    terms_ref = refs[int(K.sinks)] if K.n_terms else None
-    o_ref, lse_ref = refs[-2], refs[-1]
+def _kernel(meta_ref, q_ref, k_ref, *refs, K: _K):
+    it = iter(refs)
+    v_ref = None if K.latent else next(it)
+    ts_ref = next(it) if K.tensor_scales else None
+    ks_ref = next(it) if K.k_fmt is not None and K.k_fmt.per_token else None
+    vs_ref = next(it) if K.v_fmt is not None and K.v_fmt.per_token else None
+    sinks_ref = next(it) if K.sinks else None
+    terms_ref = next(it) if K.n_terms else None
+    o_ref, lse_ref = next(it), next(it)
     b, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     start, length = meta_ref[b, 0], meta_ref[b, 1]
     lo, hi = common.split_range(meta_ref[b, 2], meta_ref[b, 3], sp, K.splits)
@@ -174,12 +199,39 @@ def _kernel(meta_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         slot = (start + kpos)[:, None]
         krows = None if full else ok[:, None]
 
-        def load(ref, cols, cmask):
+        def load(ref, cols, cmask, fmt, n, scale_ref, which):
+            """A (bk, cols) tile of a cache, dequantized right after the load."""
             m = both(krows, cmask)
-            return plgpu.load(ref.at[b, slot, h, cols], **(
-                {} if m is None else dict(mask=m, other=0.0)))
-        k = load(k_ref, dcols, dmask)
-        load_v = lambda: load(v_ref, vcols, vmask)  # noqa: E731
+            if fmt is None:
+                return plgpu.load(ref.at[b, slot, h, cols], **(
+                    {} if m is None else dict(mask=m, other=0.0)))
+            high = None
+            if fmt.per_byte == 2:
+                # channel c sits in byte c (low nibble) or c - n/2 (high): one
+                # load whose lanes name each byte twice (the same HBM bytes)
+                high = cols >= n // 2
+                cols = jnp.where(high, cols - n // 2, cols)
+            if fmt.is_float:
+                # (Triton casts no constant to float8: masked lanes are zeroed
+                # after the conversion instead of filled by the load)
+                codes = plgpu.load(ref.at[b, slot, h, cols],
+                                   **({} if m is None else dict(mask=m))).astype(F32)
+                if m is not None:
+                    codes = jnp.where(m, codes, 0.0)
+            else:
+                codes = plgpu.load(ref.at[b, slot, h, cols], **(
+                    {} if m is None else dict(mask=m, other=0)))
+            if fmt.per_token:  # the tile's scales; slots not loaded: 0, never NaN
+                sc = plgpu.load(scale_ref.at[b, slot[:, 0], h], **(
+                    {} if krows is None else dict(mask=ok, other=0.0)))[:, None]
+            else:
+                sc = ts_ref[which]
+            return _dequant.values(fmt, codes, sc, q.dtype, high)
+        k = load(k_ref, dcols, dmask, K.k_fmt, K.D, ks_ref, 0)
+        if K.latent:   # the values are the tile just loaded (its first Dv columns)
+            load_v = lambda: k  # noqa: E731
+        else:
+            load_v = lambda: load(v_ref, vcols, vmask, K.v_fmt, K.Dv, vs_ref, 1)  # noqa: E731
         if full:
             s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
             return online.step_exp2(carry, s, None, load_v, scale=K.scale, softcap=K.softcap,
@@ -228,7 +280,9 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
 
     ``block_k`` overrides :func:`launch_plan`'s key block size (tests)."""
     B, Tq, Hq, D = q.shape
-    _, S, Hkv, Dv = v.shape
+    latent = v is None
+    _, S, Hkv, _ = k.shape
+    Dv = cfg.value_dim if latent else v.shape[-1]
     _checks.refuse_symbolic(
         "decode: the Pallas Triton kernel", "its grid (B, Hkv, splits) and its operand "
         "blocks", "impl='auto' (the XLA lowering for such calls) and impl='xla'",
@@ -244,19 +298,30 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
                        num_warps=given.num_warps, num_stages=given.num_stages)
     bk, splits = plan.block_k, plan.num_splits
     Dp, Dvp = common.pow2(max(D, MIN_COLS)), common.pow2(max(Dv, MIN_COLS))
-    K = _K(Tq=Tq, G=G, R=R, M=M, bk=bk, D=D, Dp=Dp, Dv=Dv, Dvp=Dvp, splits=splits,
+    # A latent cache's values are its key tiles: the output has the keys'
+    # columns, the first Dv of which are kept.
+    Dv_k, Dvp = (D, Dp) if latent else (Dv, Dvp)
+    fmt = lambda x: x.format if quant.is_quantized(x) else None  # noqa: E731
+    K = _K(Tq=Tq, G=G, R=R, M=M, bk=bk, D=D, Dp=Dp, Dv=Dv_k, Dvp=Dvp, splits=splits,
            scale=cfg.scale, softcap=cfg.softcap, mask_treedef=cfg.mask_treedef,
            sinks=sinks is not None and splits == 1, term_treedef=cfg.term_treedef,
-           n_terms=0 if terms is None else terms.shape[0])
+           n_terms=0 if terms is None else terms.shape[0], k_fmt=fmt(k),
+           v_fmt=None if latent else fmt(v), latent=latent)
 
     r = common.block_ranges(cfg.mask, Tq, lengths, jnp.zeros_like(lengths), bk,
                             common.cdiv(S, bk))
     meta = jnp.stack([starts, lengths, *r], axis=1).astype(I32)
     # The query tile of each (sequence, kv head): small, so padded here (rows and
     # head dim); the caches are only ever read in place.
-    qg = common.group_rows(q.astype(k.dtype), Hkv, M)
+    qg = common.group_rows(q.astype(_dequant.compute_dtype(q, k)), Hkv, M)
     qg = jnp.pad(qg, ((0, 0), (0, 0), (0, 0), (0, Dp - D)))
-    args = [meta, qg, k, v]
+    data = lambda x: x.data if quant.is_quantized(x) else x  # noqa: E731
+    args = [meta, qg, data(k)] + ([] if latent else [data(v)])
+    if K.tensor_scales:
+        args.append(_dequant.tensor_scales(k, v))
+    for f, x in ((K.k_fmt, k), (K.v_fmt, v)):
+        if f is not None and f.per_token:
+            args.append(x.scale.astype(F32))
     if K.sinks:
         args.append(common.row_sinks(sinks, Hkv, Tq, M))
     if K.n_terms:   # (n, B, Hq) -> (n, B, Hkv, M), in the rows' order
@@ -272,7 +337,7 @@ def _forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, interpret=Fals
                                              num_stages=plan.num_stages),
         interpret=interpret, name=KERNEL_NAME,
     )(*args)
-    out, lse = out[..., :R, :Dv], lse[..., :R]
+    out, lse = out[..., :R, :Dv], lse[..., :R]   # (a latent cache: its first Dv columns)
     if splits > 1:
         sink = None if sinks is None else common.row_sinks(sinks, Hkv, Tq, R)
         out, lse = merge_stacked(out, lse, sink)

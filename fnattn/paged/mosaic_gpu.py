@@ -63,6 +63,7 @@ from fnattn.paged.common import I32, Cfg, Meta
 
 __all__ = ["forward", "gpu_forward", "supports", "tokens_per_item"]
 
+_TRITON = "fnattn/paged/triton.py"
 _ELSEWHERE = ("the Pallas Triton kernel (fnattn/paged/triton.py, the default on NVIDIA GPUs) "
               "supports it")
 
@@ -90,8 +91,12 @@ def supports(cfg: Cfg, dtype) -> list:
 def gpu_forward(fallback, cfg: Cfg, *args):
     """The cuda entry of :func:`fnattn.paged.api.lowering_table`: this kernel when
     the spec asks for it (``MosaicGpuDecodeBlockSizes``) and the process has a
-    Hopper GPU, else ``fallback`` (the Triton kernel's entry)."""
-    if cfg.mosaic_gpu is None or flash_mgpu.available() is not None:
+    Hopper GPU, else ``fallback`` (the Triton kernel's entry), which is also
+    where quantized and latent pools go (this kernel reads neither:
+    :func:`fnattn.decoding.mosaic_gpu.stored_refusals`)."""
+    _, k_pages, v_pages = args[:3]
+    if (cfg.mosaic_gpu is None or flash_mgpu.available() is not None
+            or kernel.stored_refusals(k_pages, v_pages, "pool", _TRITON)):
         return fallback(cfg, *args)
     return forward(cfg, *args)
 
@@ -114,7 +119,7 @@ def forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v=
 
     ``interpret``: False to compile for the GPU, or the Mosaic GPU
     interpreter's parameters to run the same kernel on CPU."""
-    why = supports(cfg, k_pages.dtype)
+    why = kernel.stored_refusals(k_pages, v_pages, "pool", _TRITON) + supports(cfg, k_pages.dtype)
     if why:
         raise NotImplementedError(f"paged attention: the Mosaic GPU kernel does not support "
                                   f"{'; '.join(why)}; {_ELSEWHERE}.")
