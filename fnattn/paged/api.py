@@ -123,28 +123,42 @@ def lowering_table(impl: str):
 def quantized_table(impl: str, feature: str = "quantized pools (fnattn.quant.QuantizedArray "
                                                "k_pages/v_pages)"):
     """The lowering table for quantized pools (:mod:`fnattn.quant`) and latent
-    pools (``value_dim``): the XLA lowering, which dequantizes each chunk of
-    pages it loads and takes latent values from the keys, on every platform
-    under impl="auto" (no Pallas kernel reads them yet)."""
-    if impl in ("auto", "xla"):
-        return (("default", xla.forward),)
-    if impl == "reference":
-        return (("default", _reference_forward),)
+    pools (``value_dim``): the Triton kernel on NVIDIA GPUs and the Mosaic kernel
+    on TPU, which dequantize each tile after its load and take latent values
+    from the key tile; the XLA lowering elsewhere, and on TPU for what the
+    Mosaic kernel cannot load (:func:`fnattn.paged.mosaic.unsupported_pools`).
+    A spec that asks for the Mosaic GPU kernel (``MosaicGpuDecodeBlockSizes``),
+    which reads float pools with separate values only, runs them with the XLA
+    lowering under impl="auto" on a Hopper GPU. ``feature`` names them in errors."""
+    del feature
+    if impl == "auto":
+        return (("default", xla.forward), ("cuda", _cuda_stored_auto), ("tpu", _tpu_auto))
     if impl == "pallas":
-        raise NotImplementedError(
-            f"paged attention: impl='pallas' has no kernel for {feature} yet: the Triton, "
-            "Mosaic TPU and Mosaic GPU kernels read float pages with separate values only. "
-            "The XLA lowering reads them: use impl='auto' (which runs it on every platform "
-            "for them) or impl='xla'.")
+        from fnattn.paged import mosaic, triton
+        return (("default", triton.forward_interpret), ("cuda", triton.forward),
+                ("tpu", mosaic.forward))
     return lowering_table(impl)
+
+
+def _cuda_stored_auto(cfg, *args):
+    """impl="auto" on NVIDIA GPUs for quantized and latent pools: the Triton kernel
+    (or the XLA lowering where :func:`fnattn.paged.triton.auto_forward` picks it),
+    the XLA lowering when the spec asks for the Mosaic GPU kernel on a GPU that
+    runs it (that kernel reads float pools with separate values only)."""
+    from fnattn.flash import mosaic_gpu as flash_mgpu
+    from fnattn.paged import triton
+    if cfg.mosaic_gpu is not None and flash_mgpu.available() is None:
+        return xla.forward(cfg, *args)
+    return triton.auto_forward(cfg, *args)
 
 
 def _tpu_auto(cfg, *args):
     """impl="auto" on TPU: the Mosaic kernel, or the XLA lowering for a cache it cannot
     run (see ``fnattn.paged.mosaic.unsupported``), decided from the static config."""
     from fnattn.paged import mosaic
-    fwd = xla.forward if mosaic.unsupported(cfg) else mosaic.forward
-    return fwd(cfg, *args)
+    _, k_pages, v_pages = args[:3]
+    slow = mosaic.unsupported(cfg) or mosaic.unsupported_pools(k_pages, v_pages)
+    return (xla.forward if slow else mosaic.forward)(cfg, *args)
 
 
 def _reference_forward(cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v=None):
