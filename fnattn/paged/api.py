@@ -47,11 +47,15 @@ The Mosaic kernel needs a page size that is a multiple of 8; on TPU,
 ``impl="pallas"`` raises ``NotImplementedError`` (at trace time, on every
 platform, since every branch is traced).
 
-Quantized pools (:class:`fnattn.quant.QuantizedArray`) and latent pools
-(``value_dim`` with no ``v_pages``) run with the XLA lowering on every
-platform under ``impl="auto"``; ``impl="pallas"`` raises
-``NotImplementedError`` for them (no kernel reads them yet). Derivatives
-through quantized pools are reverse mode only.
+Quantized pools (:class:`fnattn.quant.QuantizedArray`: every format, per-tensor
+or per-token scales) and latent pools (``value_dim`` with no ``v_pages``) run
+with the table above, except that a spec asking for the Mosaic GPU kernel runs
+them with the XLA lowering (that kernel reads float pools with separate values
+only): the Triton and Mosaic kernels dequantize each tile after its load and
+take a latent pool's values from the key tile they loaded. The update form
+writes quantized pools with XLA (:func:`fnattn.quant.write`) before the
+kernel runs; float latent pools are written by the kernels, keys only.
+Derivatives through quantized pools are reverse mode only.
 
 ``impl="xla"`` is the XLA lowering everywhere, ``impl="reference"`` the plain
 gather-everything implementation (:mod:`fnattn.paged.reference`).
@@ -125,8 +129,9 @@ def quantized_table(impl: str, feature: str = "quantized pools (fnattn.quant.Qua
     """The lowering table for quantized pools (:mod:`fnattn.quant`) and latent
     pools (``value_dim``): the Triton kernel on NVIDIA GPUs and the Mosaic kernel
     on TPU, which dequantize each tile after its load and take latent values
-    from the key tile; the XLA lowering elsewhere, and on TPU for what the
-    Mosaic kernel cannot load (:func:`fnattn.paged.mosaic.unsupported_pools`).
+    from the key tile (every format and scale kind of :mod:`fnattn.quant`); the
+    XLA lowering elsewhere, and where those kernels would hand a call to it
+    anyway (symbolic sizes, page sizes Mosaic refuses, ``from_fn`` functions).
     A spec that asks for the Mosaic GPU kernel (``MosaicGpuDecodeBlockSizes``),
     which reads float pools with separate values only, runs them with the XLA
     lowering under impl="auto" on a Hopper GPU. ``feature`` names them in errors."""
@@ -156,9 +161,8 @@ def _tpu_auto(cfg, *args):
     """impl="auto" on TPU: the Mosaic kernel, or the XLA lowering for a cache it cannot
     run (see ``fnattn.paged.mosaic.unsupported``), decided from the static config."""
     from fnattn.paged import mosaic
-    _, k_pages, v_pages = args[:3]
-    slow = mosaic.unsupported(cfg) or mosaic.unsupported_pools(k_pages, v_pages)
-    return (xla.forward if slow else mosaic.forward)(cfg, *args)
+    fwd = xla.forward if mosaic.unsupported(cfg) else mosaic.forward
+    return fwd(cfg, *args)
 
 
 def _reference_forward(cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v=None):

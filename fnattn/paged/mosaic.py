@@ -18,6 +18,17 @@ Two kernels:
   aliased to the outputs (``input_output_aliases``): in place when donated.
   Invalid slots are skipped. The attention kernel then reads the updated pools.
 
+**Quantized pools** (:mod:`fnattn.quant`): each page's codes are copied whole
+into their own ``(page_size, D)`` tile of the buffer (aligned for every
+storage dtype), converted to the compute dtype after the copy, and the scales
+are applied to the logits (keys) and to the probabilities (values), where
+they lie along the lanes: a per-tensor scale from SMEM, or per token the
+page's ``(1, page_size)`` row of the scale pool, copied beside the codes and
+placed along the block's lanes by exact one-hot products. The packed 4-bit
+format is two nibble planes (channels j and j + D/2), each its own product.
+The update form writes quantized pools with XLA (:func:`fnattn.quant.write`)
+first. **Latent pools** (``value_dim``): the values are the key tile.
+
 Statistics (running max and sum) are (rows, 1) columns; ``lse`` leaves the
 kernel lane-replicated as (rows, 128), a legal TPU block. The page size must be
 a multiple of 8 (a page is copied to a sublane-aligned offset of the buffer).
@@ -45,7 +56,7 @@ from fnattn import _varying, cost, quant
 from fnattn.paged import common, xla
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
-__all__ = ["forward", "forward_interpret", "unsupported", "unsupported_pools", "write_tokens"]
+__all__ = ["forward", "forward_interpret", "unsupported", "write_tokens"]
 
 LANES = 128
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
@@ -398,16 +409,6 @@ def write_tokens(cfg: Cfg, meta: Meta, k_pages, v_pages, new_k, new_v, *, interp
     return (out[0], None) if latent else tuple(out)
 
 
-def unsupported_pools(k_pages, v_pages) -> Optional[str]:
-    """Why the Mosaic kernel cannot read these pools (None when it can): it reads
-    float pools and every format of :mod:`fnattn.quant` (codes dequantized after
-    each page's copy), per-tensor or per-token scales, and latent pools."""
-    for name, x in (("k_pages", k_pages), ("v_pages", v_pages)):
-        if quant.is_quantized(x) and x.format.name not in quant.FORMATS:
-            return f"{name} in {x.format.name}"
-    return None
-
-
 def unsupported(cfg: Cfg) -> Optional[str]:
     """Why the Mosaic kernel cannot run ``cfg`` (None when it can).
 
@@ -429,7 +430,7 @@ def unsupported(cfg: Cfg) -> Optional[str]:
 
 def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v=None, *,
              interpret=False):
-    why = unsupported(cfg) or unsupported_pools(k_pages, v_pages)
+    why = unsupported(cfg)
     if why is not None:
         raise NotImplementedError(
             f"paged attention: the Mosaic (TPU) kernel needs {why}. impl='auto' runs such "

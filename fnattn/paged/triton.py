@@ -36,6 +36,18 @@ pool, and the split-0 program of each (item, kv head) writes its tokens' rows
 into their slots. No program ever reads a slot that another program writes, so
 there is no ordering hazard and no second pass.
 
+**Quantized pools** (:mod:`fnattn.quant`): the kernel loads a block's codes
+(and, per token, the scales of the same slots: the scale pool is laid out like
+the pool without its head dim) and dequantizes them as
+:func:`fnattn.quant.dequantize` does (codes and scales in float32, then q's
+dtype) before the products; a per-tensor scale is a one-element operand. The
+packed 4-bit format's bytes are unpacked into interleaved columns (channel j,
+then j + D/2), and q and the output are laid out in that order by the
+wrapper, so one product takes the whole head. The update form quantizes with
+XLA (:func:`fnattn.quant.write`) before the kernel, which then reads the pool.
+**Latent pools** (``value_dim``, no ``v_pages``): the values are the loaded key
+tile itself; the output keeps its first ``value_dim`` channels.
+
 **Symbolic sizes** (``jax.export`` shape polymorphism: tokens, sequence slots,
 pages) are refused (``NotImplementedError``): the Triton backend has no dynamic
 grid. ``impl="auto"`` runs such calls with the XLA lowering on GPUs
