@@ -109,10 +109,10 @@ def test_paged_attention_decode(kernel):
                  *expected(spec, p), 2e-5)
 
 
-def _spoiled(p, base):
+def _spoiled(p, base, hidden=None):
     """The problem's quantized pools with NaN/inf codes and NaN scales in every slot
-    no live sequence owns."""
-    bad = poisoned(base)
+    no live sequence owns, and in the keys ``hidden(L, n, pos)`` names."""
+    bad = poisoned(base, hidden=hidden)
     keep = ~np.isnan(np.asarray(bad.k_pages))[..., 0]                   # (Hkv, N, ps)
 
     def spoil(pool):
@@ -122,10 +122,9 @@ def _spoiled(p, base):
         data = pool.data
         if pool.format.is_float:
             junk = jnp.inf if pool.format.name == "float8_e5m2" else jnp.nan
-            data = jnp.where(keep[..., None], data, jnp.array(junk, data.dtype))
         else:
             junk = 0x88 if data.dtype == jnp.uint8 else -128    # codes outside -7..7, -127..127
-            data = jnp.where(keep[..., None], data, jnp.array(junk, data.dtype))
+        data = jnp.where(keep[..., None], data, jnp.array(junk, data.dtype))
         return pool.replace(data=data, scale=scale)
 
     return p.__class__(**{**p.__dict__, "k_pages": spoil(p.k_pages),
@@ -133,15 +132,20 @@ def _spoiled(p, base):
 
 
 @pytest.mark.parametrize("kernel", ["triton", "mosaic"])
-def test_nonfinite_codes_and_scales_in_unowned_slots_change_nothing(kernel):
+def test_nonfinite_codes_and_scales_in_unowned_or_hidden_slots_change_nothing(kernel):
+    """NaN/inf codes and NaN scales in every slot no sequence owns and in the keys a
+    window hides from all of its queries: the dense answer (with x64 on, too)."""
     base = make(MIXED, Hq=4, Hkv=2, D=8, page_size=PAGE[kernel], max_seqs=6, pad_tokens=2,
                 seed=7)
-    spec = AttentionSpec(mask=masks.causal(), sinks=jnp.array([0.5, 1.0, -1.0, 0.0]),
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(4),
+                         sinks=jnp.array([0.5, 1.0, -1.0, 0.0]),
                          block_sizes=PagedBlockSizes(block_k=16))
-    for formats in (FORMATS[1], FORMATS[3]):
+    hidden = lambda L, n, pos: pos < L - n - 4  # noqa: E731
+    for formats, x64 in ((FORMATS[1], False), (FORMATS[3], True)):
         p = quantized(base, *formats)
         want = expected(spec, p)
-        res = check_ragged(KERNELS[kernel], spec, _spoiled(p, base))
+        with jax.enable_x64(x64):
+            res = check_ragged(KERNELS[kernel], spec, _spoiled(p, base, hidden))
         assert_close(res.out, res.lse, *want, 2e-5)
 
 
