@@ -235,3 +235,28 @@ def test_a_spec_asking_for_mosaic_gpu_runs_quantized_pools_with_xla(monkeypatch)
             lowering_platforms=("cuda",)).as_text()
     assert "triton" not in text.lower() and "mosaic_gpu" not in text.lower()
     assert "stablehlo.dot_general" in text
+
+
+def test_mosaic_cost_counts_the_codes_and_scales_it_reads():
+    """The Mosaic kernel's cost estimate counts a quantized pool's codes and scales,
+    and a latent pool once (no value pool)."""
+    import json
+    import re
+    N, ps, S, P, T, Hq, Hkv, D = 16, 16, 3, 4, 7, 8, 2, 128
+    m = dict(page_table=jnp.zeros((S, P), jnp.int32), context_lengths=jnp.zeros(S, jnp.int32),
+             query_start_loc=jnp.zeros(S + 1, jnp.int32), num_seqs=jnp.int32(S))
+    q = jnp.zeros((T, Hq, D), jnp.bfloat16)
+    slots = Hkv * N * ps
+    cases = [(quant.empty((Hkv, N, ps, D), "int8"), None, 2 * slots * (D + 4)),
+             (quant.empty((Hkv, N, ps, D), "int4"), 96, slots * (D // 2 + 4)),
+             (jnp.zeros((Hkv, N, ps, D), jnp.bfloat16), 96, slots * D * 2)]
+    for kp, value_dim, pool_bytes in cases:
+        f = jax.jit(lambda q, kp: fnattn.ragged_paged_attention(  # noqa: B023
+            AttentionSpec(impl="pallas"), q, kp, kp if value_dim is None else None,
+            value_dim=value_dim, **m).out)
+        with target("tpu"):
+            txt = f.trace(q, kp).lower(lowering_platforms=("tpu",)).as_text()
+        found = re.findall(r'cost_estimate\\22: (\{.*?\})', txt.replace("\\0A", ""))
+        [est] = [json.loads(x.replace("\\22", '"')) for x in found]
+        io = 2 * T * Hq * (D + (D if value_dim is None else value_dim))   # q in, out
+        assert est["bytes_accessed"] == pool_bytes + io, (kp.dtype, value_dim)
