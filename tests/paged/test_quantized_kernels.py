@@ -97,14 +97,17 @@ def test_update_form_writes_the_codes_and_scales_of_quant_write(kernel, formats)
 
 @pytest.mark.parametrize("kernel", ["triton", "mosaic"])
 def test_paged_attention_decode(kernel):
+    """paged_attention (Tq = 2) over int4 keys with per-token scales and int8 values
+    whose per-tensor scale is a Python float."""
     B, Tq, Hq, D = 3, 2, 4, 8
     p = quantized(make([(11, Tq), (20, Tq), (Tq, Tq)], Hq=Hq, Hkv=2, D=D,
                        page_size=PAGE[kernel], seed=2),
                   QuantFormat("int4"), QuantFormat("int8", "tensor"))
     spec = AttentionSpec(mask=masks.causal(), sinks=jnp.ones(Hq))
-    f = jax.jit(lambda q, kp, vp, pt, lens: api.paged_attention_with(
+    vp = p.v_pages.replace(scale=float(p.v_pages.scale))  # a Python float, closed over
+    f = jax.jit(lambda q, kp, pt, lens: api.paged_attention_with(
         KERNELS[kernel], spec, q, kp, vp, page_table=pt, kv_lengths=lens))
-    res = f(p.q.reshape(B, Tq, Hq, D), p.k_pages, p.v_pages, p.page_table, p.context_lengths)
+    res = f(p.q.reshape(B, Tq, Hq, D), p.k_pages, p.page_table, p.context_lengths)
     assert_close(res.out.reshape(B * Tq, Hq, D), res.lse.transpose(1, 0, 2).reshape(Hq, B * Tq),
                  *expected(spec, p), 2e-5)
 
