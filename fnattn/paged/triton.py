@@ -215,7 +215,7 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, *refs, K: _K):
         does (codes and scales in float32, then q's dtype). Keys that are not
         loaded (ok False) read codes and scales 0. Packed 4-bit codes are
         unpacked into interleaved columns (channel j, then j + D/2: see
-        _qk_layout), so that one product takes the whole head."""
+        _to_tile), so that one product takes the whole head."""
         cols = lax.broadcasted_iota(I32, (width,), 0)[None, :]
         cmask = None if n == width else cols < n
         codes = plgpu.load(ref.at[h, slot[:, None], cols], mask=both(ok[:, None], cmask),
