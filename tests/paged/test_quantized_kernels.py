@@ -152,9 +152,13 @@ def test_nonfinite_codes_and_scales_in_unowned_or_hidden_slots_change_nothing(ke
         assert_close(res.out, res.lse, *want, 2e-5)
 
 
-@pytest.mark.parametrize("fmt", [None, QuantFormat("int4"), QuantFormat("float8_e4m3fn", "tensor")],
-                         ids=["float", "int4-token", "e4m3-tensor"])
-@pytest.mark.parametrize("kernel", ["triton", "mosaic"])
+LATENT = [("triton", None), ("triton", QuantFormat("int4")), ("mosaic", QuantFormat("int4")),
+          ("mosaic", None), ("mosaic", QuantFormat("float8_e4m3fn", "tensor"))]
+
+
+@pytest.mark.parametrize("kernel,fmt", LATENT,
+                         ids=[f"{k}-{'float' if f is None else f.name + '-' + f.granularity}"
+                              for k, f in LATENT])
 def test_latent_pools_ragged_and_update(kernel, fmt):
     """A latent pool (value_dim=Dc, v_pages None, one kv head): the kernels equal the
     same problem with a separate value pool holding the keys' first Dc channels, and
