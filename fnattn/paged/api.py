@@ -47,11 +47,15 @@ The Mosaic kernel needs a page size that is a multiple of 8; on TPU,
 ``impl="pallas"`` raises ``NotImplementedError`` (at trace time, on every
 platform, since every branch is traced).
 
-Quantized pools (:class:`fnattn.quant.QuantizedArray`) and latent pools
-(``value_dim`` with no ``v_pages``) run with the XLA lowering on every
-platform under ``impl="auto"``; ``impl="pallas"`` raises
-``NotImplementedError`` for them (no kernel reads them yet). Derivatives
-through quantized pools are reverse mode only.
+Quantized pools (:class:`fnattn.quant.QuantizedArray`: every format, per-tensor
+or per-token scales) and latent pools (``value_dim`` with no ``v_pages``) run
+with the table above, except that a spec asking for the Mosaic GPU kernel runs
+them with the XLA lowering (that kernel reads float pools with separate values
+only): the Triton and Mosaic kernels dequantize each tile after its load and
+take a latent pool's values from the key tile they loaded. The update form
+writes quantized pools with XLA (:func:`fnattn.quant.write`) before the
+kernel runs; float latent pools are written by the kernels, keys only.
+Derivatives through quantized pools are reverse mode only.
 
 ``impl="xla"`` is the XLA lowering everywhere, ``impl="reference"`` the plain
 gather-everything implementation (:mod:`fnattn.paged.reference`).
@@ -125,19 +129,22 @@ def lowering_table(impl: str):
 def quantized_table(impl: str, feature: str = "quantized pools (fnattn.quant.QuantizedArray "
                                                "k_pages/v_pages)"):
     """The lowering table for quantized pools (:mod:`fnattn.quant`) and latent
-    pools (``value_dim``): the XLA lowering, which dequantizes each chunk of
-    pages it loads and takes latent values from the keys, on every platform
-    under impl="auto" (no Pallas kernel reads them yet)."""
-    if impl in ("auto", "xla"):
-        return (("default", xla.forward),)
-    if impl == "reference":
-        return (("default", _reference_forward),)
+    pools (``value_dim``): the Triton kernel on NVIDIA GPUs and the Mosaic kernel
+    on TPU, which dequantize each tile after its load and take latent values
+    from the key tile (every format and scale kind of :mod:`fnattn.quant`); the
+    XLA lowering elsewhere, and where those kernels would hand a call to it
+    anyway (symbolic sizes, page sizes Mosaic refuses, ``from_fn`` functions).
+    A spec that asks for the Mosaic GPU kernel (``MosaicGpuDecodeBlockSizes``),
+    which reads float pools with separate values only, runs them with the Triton
+    kernel, as the contiguous decode does. ``feature`` names them in errors."""
+    del feature
+    if impl == "auto":
+        from fnattn.paged import triton
+        return (("default", xla.forward), ("cuda", triton.auto_forward), ("tpu", _tpu_auto))
     if impl == "pallas":
-        raise NotImplementedError(
-            f"paged attention: impl='pallas' has no kernel for {feature} yet: the Triton, "
-            "Mosaic TPU and Mosaic GPU kernels read float pages with separate values only. "
-            "The XLA lowering reads them: use impl='auto' (which runs it on every platform "
-            "for them) or impl='xla'.")
+        from fnattn.paged import mosaic, triton
+        return (("default", triton.forward_interpret), ("cuda", triton.forward),
+                ("tpu", mosaic.forward))
     return lowering_table(impl)
 
 

@@ -36,6 +36,18 @@ pool, and the split-0 program of each (item, kv head) writes its tokens' rows
 into their slots. No program ever reads a slot that another program writes, so
 there is no ordering hazard and no second pass.
 
+**Quantized pools** (:mod:`fnattn.quant`): the kernel loads a block's codes
+(and, per token, the scales of the same slots: the scale pool is laid out like
+the pool without its head dim) and dequantizes them as
+:func:`fnattn.quant.dequantize` does (codes and scales in float32, then q's
+dtype) before the products; a per-tensor scale is a one-element operand. The
+packed 4-bit format's bytes are unpacked into interleaved columns (channel j,
+then j + D/2), and q and the output are laid out in that order by the
+wrapper, so one product takes the whole head. The update form quantizes with
+XLA (:func:`fnattn.quant.write`) before the kernel, which then reads the pool.
+**Latent pools** (``value_dim``, no ``v_pages``): the values are the loaded key
+tile itself; the output keeps its first ``value_dim`` channels.
+
 **Symbolic sizes** (``jax.export`` shape polymorphism: tokens, sequence slots,
 pages) are refused (``NotImplementedError``): the Triton backend has no dynamic
 grid. ``impl="auto"`` runs such calls with the XLA lowering on GPUs
@@ -52,7 +64,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from fnattn import _checks, _functions
+from fnattn import _checks, _functions, quant
 from fnattn import _online as online
 from fnattn import _varying
 from fnattn._serving import (MIN_BLOCKS_PER_SPLIT, NUM_SMS, TARGET_PROGRAMS,  # noqa: F401
@@ -88,6 +100,13 @@ class _K(common.KernelFacts):
     update: bool
     term_treedef: Any = None   # a position term, or None
     n_terms: int = 0           # its arrays, one value per head
+    kq: Any = None             # k_pages' QuantFormat (fnattn.quant), or None: float
+    vq: Any = None             # v_pages' QuantFormat, or None
+    latent: bool = False       # no v_pages: the values are the loaded keys (value_dim)
+    Dk_codes: int = 0          # a quantized pool's stored head dim (halved for 4-bit)
+    Dk_load: int = 0           # ... padded to a power of two: the columns loaded
+    Dv_codes: int = 0
+    Dv_load: int = 0
 
 
 def launch_plan(cfg: Cfg):
@@ -115,13 +134,18 @@ def launch_plan(cfg: Cfg):
     return bq, bk, splits, params
 
 
-def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
+def _kernel(work_ref, pt_ref, q_ref, k_ref, *refs, K: _K):
     it = iter(refs)
+    ks_ref = next(it) if K.kq is not None else None
+    v_ref = None if K.latent else next(it)
+    vs_ref = next(it) if K.vq is not None else None
     sinks_ref = next(it) if K.sinks else None
     terms_ref = next(it) if K.n_terms else None
-    nk_ref, nv_ref = (next(it), next(it)) if K.update else (None, None)
+    nk_ref = next(it) if K.update else None
+    nv_ref = next(it) if K.update and not K.latent else None
     o_ref, lse_ref = next(it), next(it)
-    ko_ref, vo_ref = (next(it), next(it)) if K.update else (None, None)
+    ko_ref = next(it) if K.update else None
+    vo_ref = next(it) if K.update and not K.latent else None
     w, h, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f = {name: work_ref[w, i] for name, i in common.FIELDS.items()}
     seq, tok, rows, kv_len = f["seq"], f["tok"], f["rows"], f["kv_len"]
@@ -164,6 +188,40 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
                          mask=both((ok & is_new)[:, None], cmask), other=0.0)
         return jnp.where(is_new[:, None], new, old)
 
+    def load_codes(ref, s_ref, fmt, n, width, slot, ok):
+        """A quantized tile, dequantized after the load as fnattn.quant.dequantize
+        does (codes and scales in float32, then q's dtype). Keys that are not
+        loaded (ok False) read codes and scales 0. Packed 4-bit codes are
+        unpacked into interleaved columns (channel j, then j + D/2: see
+        _to_tile), so that one product takes the whole head."""
+        cols = lax.broadcasted_iota(I32, (width,), 0)[None, :]
+        cmask = None if n == width else cols < n
+        codes = plgpu.load(ref.at[h, slot[:, None], cols], mask=both(ok[:, None], cmask),
+                           other=jnp.zeros((), ref.dtype))
+        if fmt.per_byte == 1:
+            vals = codes.astype(F32)
+        else:
+            b = codes.astype(I32)                         # 0..255
+            lo = lax.shift_right_arithmetic(lax.shift_left(b, I32(28)), I32(28))
+            hi = lax.shift_right_arithmetic(lax.shift_left(b, I32(24)), I32(28))
+            vals = jnp.stack([lo.astype(F32), hi.astype(F32)], axis=-1)
+            vals = vals.reshape(K.bk, 2 * width)
+        if fmt.per_token:
+            sc = plgpu.load(s_ref.at[h, slot], mask=ok, other=0.0)[:, None]
+        else:
+            sc = s_ref[0]
+        return (vals * sc).astype(q.dtype)
+
+    def load_k(slot, ok, kpos):
+        if K.kq is not None:
+            return load_codes(k_ref, ks_ref, K.kq, K.Dk_codes, K.Dk_load, slot, ok)
+        return load_kv(k_ref, nk_ref, dcols, dmask, slot, ok, kpos)
+
+    def load_v(slot, ok, kpos):
+        if K.vq is not None:
+            return load_codes(v_ref, vs_ref, K.vq, K.Dv_codes, K.Dv_load, slot, ok)
+        return load_kv(v_ref, nv_ref, vcols, vmask, slot, ok, kpos)
+
     def body(j, carry, full=False):
         """One block of keys; ``full``: inside [0, kv_len) and seen whole by every
         row of the item, so neither the mask nor the sanitising of hidden keys
@@ -173,14 +231,21 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         page = plgpu.load(pt_ref.at[seq, lpage])
         ok = (kpos < kv_len) & (page >= 0)
         slot = jnp.maximum(page, 0) * K.ps + lax.rem(kpos, I32(K.ps))
-        k = load_kv(k_ref, nk_ref, dcols, dmask, slot, ok, kpos)
-        load_v = lambda: load_kv(v_ref, nv_ref, vcols, vmask, slot, ok, kpos)  # noqa: E731
+        k = load_k(slot, ok, kpos)
+        if K.latent:   # the values are the keys' first Dv channels: the same tile
+            get_v = lambda: k  # noqa: E731
+        else:
+            get_v = lambda: load_v(slot, ok, kpos)  # noqa: E731
         bad = None
         if mask is not None and not full:
             # Slots past the length and invalid pages are never loaded; keys of the
             # sequence that the mask hides from some rows may still hold NaN.
-            k, v, bad = online.finite_keys(k, load_v(), triton=True)
-            load_v = lambda: v  # noqa: E731
+            if K.latent:
+                k, _, bad = online.finite_keys(k, k, triton=True)
+                get_v = lambda: k  # noqa: E731
+            else:
+                k, v, bad = online.finite_keys(k, get_v(), triton=True)
+                get_v = lambda: v  # noqa: E731
         s = lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=F32)
         if bad is not None:
             s = jnp.where(bad[None, :], jnp.nan, s)
@@ -188,7 +253,7 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
         if mask is not None and not full:
             pos = common.positions(seq, head_rows, raw_rows, qpos_rows, kpos[None, :])
             allowed = allowed & mask.predicate(pos, [])
-        return online.step_exp2(carry, s, allowed, load_v, scale=K.scale, softcap=K.softcap,
+        return online.step_exp2(carry, s, allowed, get_v, scale=K.scale, softcap=K.softcap,
                                 bias=bias_of(kpos), natural=K.natural)
 
     lo, hi = common.split_range(f["k_lo"], f["k_hi"], sp, K.splits)
@@ -230,14 +295,50 @@ def _kernel(work_ref, pt_ref, q_ref, k_ref, v_ref, *refs, K: _K):
                 page = pt_ref[seq, jnp.minimum(lax.div(pos, I32(K.ps)), K.P - 1)]
                 ok = ok & (page >= 0)
                 slot = jnp.maximum(page, 0) * K.ps + lax.rem(pos, I32(K.ps))
-                for new_ref, out_ref, n, cols in ((nk_ref, ko_ref, K.D, dcols[0]),
-                                                  (nv_ref, vo_ref, K.Dv, vcols[0])):
+                pairs = ((nk_ref, ko_ref, K.D, dcols[0]),)
+                if not K.latent:
+                    pairs += ((nv_ref, vo_ref, K.Dv, vcols[0]),)
+                for new_ref, out_ref, n, cols in pairs:
                     wmask = ok & (cols < n)
                     x = plgpu.load(new_ref.at[tok + t, h, cols], mask=wmask, other=0.0)
                     plgpu.store(out_ref.at[h, slot, cols], x, mask=wmask)
                 return carry
 
             lax.fori_loop(0, rows, write, jnp.int32(0))
+
+
+def _widths(fmt, n: int):
+    """(tile columns, stored columns, stored columns loaded) of a head dim of ``n``
+    channels: float pools load ``pow2(n)`` columns; a quantized pool loads its
+    codes, which for the packed 4-bit format are n / 2 bytes a row, unpacked into
+    twice the (padded) loaded width."""
+    if fmt is None or fmt.per_byte == 1:
+        width = common.pow2(max(n, 16))
+        return width, n, width
+    half = common.pow2(max(n // 2, 8))
+    return 2 * half, n // 2, half
+
+
+def _to_tile(x, n: int, fmt, width: int):
+    """x (..., n) in the column order of a tile of ``width`` columns: zero padded;
+    for a packed 4-bit pool interleaved (column 2j = channel j, 2j + 1 = channel
+    j + n/2), the order in which the kernel unpacks the two nibbles of byte j."""
+    lead = x.shape[:-1]
+    if fmt is None or fmt.per_byte == 1:
+        return jnp.pad(x, [(0, 0)] * len(lead) + [(0, width - n)])
+    half = x.reshape(*lead, 2, n // 2)
+    half = jnp.pad(half, [(0, 0)] * (len(lead) + 1) + [(0, width // 2 - n // 2)])
+    return jnp.swapaxes(half, -1, -2).reshape(*lead, width)
+
+
+def _from_tile(x, full: int, keep: int, fmt, width: int):
+    """The first ``keep`` channels of a tile laid out by :func:`_to_tile` for a head
+    dim of ``full`` (``keep < full``: a latent pool's values)."""
+    lead = x.shape[:-1]
+    if fmt is None or fmt.per_byte == 1:
+        return x[..., :keep]
+    planes = jnp.swapaxes(x.reshape(*lead, width // 2, 2), -1, -2)[..., :full // 2]
+    return planes.reshape(*lead, full)[..., :keep]
 
 
 def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v=None, *,
@@ -252,27 +353,56 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
     if not interpret:
         _functions.refuse("paged attention",
                           _functions.refusals((cfg.mask(), cfg.term()), _functions.TRITON))
+    latent = v_pages is None
+    kq = k_pages.format if quant.is_quantized(k_pages) else None
+    vq = v_pages.format if quant.is_quantized(v_pages) else None
+    update = cfg.update
+    if update and (kq is not None or vq is not None):
+        # Quantized pools are written by XLA first (fnattn.quant.write: the codes and
+        # scales of fnattn.quant.quantize, bit for bit), then read like any others.
+        k_pages, v_pages = xla.write_tokens(cfg, meta, k_pages, v_pages, new_k, new_v)
+        update = False
     bq, bk, splits, params = launch_plan(cfg)
     Gp = common.pow2(G)
     M = max(MIN_ROWS, bq * Gp)
-    Dp, Dvp = common.pow2(max(D, 16)), common.pow2(max(Dv, 16))
+    Dp, Dk_codes, Dk_load = _widths(kq, D)
+    if latent:   # the output tile is the key tile: its first Dv channels are kept
+        Dvp, Dv_codes, Dv_load, Dv_tile = Dp, Dk_codes, Dk_load, D
+    else:
+        (Dvp, Dv_codes, Dv_load), Dv_tile = _widths(vq, Dv), Dv
     work = common.work_list(cfg, meta, bq, bk)
     W = work.seq.shape[0]
-    K = _K(G=G, Gp=Gp, bq=bq, M=M, bk=bk, D=D, Dp=Dp, Dv=Dv, Dvp=Dvp, ps=ps,
+    K = _K(G=G, Gp=Gp, bq=bq, M=M, bk=bk, D=D, Dp=Dp, Dv=Dv_tile, Dvp=Dvp, ps=ps,
            P=cfg.pages_per_seq, T=T, splits=splits, scale=cfg.scale, softcap=cfg.softcap,
            mask_treedef=cfg.mask_treedef, sinks=sinks is not None and splits == 1,
-           update=cfg.update, term_treedef=cfg.term_treedef,
-           n_terms=0 if meta.terms is None else meta.terms.shape[0])
+           update=update, term_treedef=cfg.term_treedef,
+           n_terms=0 if meta.terms is None else meta.terms.shape[0], kq=kq, vq=vq,
+           latent=latent, Dk_codes=Dk_codes, Dk_load=Dk_load, Dv_codes=Dv_codes,
+           Dv_load=Dv_load)
 
     # q as (Hkv, tokens * Gp, Dp): a tile of M consecutive rows is bq tokens x Gp heads.
     # Padded so that the tile of the last item never runs past the end.
     t_pad = T + common.cdiv(M, Gp)
     qh = q.reshape(T, Hkv, G, D)
-    qh = jnp.pad(qh, ((0, t_pad - T), (0, 0), (0, Gp - G), (0, Dp - D)))
+    qh = jnp.pad(qh, ((0, t_pad - T), (0, 0), (0, Gp - G), (0, 0)))
+    qh = _to_tile(qh, D, kq, Dp)
     qh = qh.transpose(1, 0, 2, 3).reshape(Hkv, t_pad * Gp, Dp)
     rows = t_pad * Gp
-    args = [work.stacked(), meta.page_table, qh, k_pages.reshape(Hkv, N * ps, D),
-            v_pages.reshape(Hkv, N * ps, Dv)]
+
+    def pool_args(pool, fmt):
+        n = pool.shape[-1]
+        if fmt is None:
+            return [pool.reshape(Hkv, N * ps, n)]
+        codes = pool.data.reshape(Hkv, N * ps, pool.data.shape[-1])
+        scale = (pool.scale.reshape(Hkv, N * ps) if fmt.per_token else
+                 jnp.reshape(pool.scale, (1,)).astype(F32))
+        return [codes, scale]
+
+    args = [work.stacked(), meta.page_table, qh, *pool_args(k_pages, kq)]
+    k_at = 3
+    if not latent:
+        v_at = len(args)
+        args += pool_args(v_pages, vq)
     if K.sinks:
         args.append(jnp.pad(sinks.astype(F32).reshape(Hkv, G), ((0, 0), (0, Gp - G))))
     if K.n_terms:   # (n, Hq) -> (n, Hkv, Gp)
@@ -282,11 +412,14 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
     out_shape = [jax.ShapeDtypeStruct(lead + (Hkv, rows, Dvp), out_dtype),
                  jax.ShapeDtypeStruct(lead + (Hkv, rows), F32)]
     aliases = {}
-    if cfg.update:
-        args += [new_k, new_v]
-        out_shape += [jax.ShapeDtypeStruct(args[3].shape, k_pages.dtype),
-                      jax.ShapeDtypeStruct(args[4].shape, v_pages.dtype)]
-        aliases = {3: 2, 4: 3}
+    if update:
+        args.append(new_k)
+        out_shape.append(jax.ShapeDtypeStruct(args[k_at].shape, k_pages.dtype))
+        aliases[k_at] = 2
+        if not latent:
+            args.append(new_v)
+            out_shape.append(jax.ShapeDtypeStruct(args[v_at].shape, v_pages.dtype))
+            aliases[v_at] = 3
     res = _varying.pallas_call(
         functools.partial(_kernel, K=K),
         grid=(W, Hkv, splits),
@@ -301,14 +434,18 @@ def _forward(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, new_k=None, new_v
             sink = jnp.pad(sinks.astype(F32).reshape(Hkv, G), ((0, 0), (0, Gp - G)))
             sink = jnp.tile(sink, (1, t_pad))
         out, lse = common.merge_splits(out, lse, sink)
-    out = out.reshape(Hkv, t_pad, Gp, Dvp)[:, :T, :G, :Dv].transpose(1, 0, 2, 3)
+    out = out.reshape(Hkv, t_pad, Gp, Dvp)[:, :T, :G]
+    out = _from_tile(out, Dv_tile, Dv, kq if latent else vq, Dvp).transpose(1, 0, 2, 3)
     lse = lse.reshape(Hkv, t_pad, Gp)[:, :T, :G].transpose(0, 2, 1).reshape(Hq, T)
     # Rows of no live sequence were never written.
     _, _, valid = common.token_owner(cfg, meta)
     out = jnp.where(valid[:, None, None], out.reshape(T, Hq, Dv), 0).astype(q.dtype)
     lse = jnp.where(valid[None, :], lse, -jnp.inf)
+    if update:
+        k_out = res[2].reshape(k_pages.shape)
+        return out, lse, k_out, None if latent else res[3].reshape(v_pages.shape)
     if cfg.update:
-        return out, lse, res[2].reshape(k_pages.shape), res[3].reshape(v_pages.shape)
+        return out, lse, k_pages, v_pages
     return out, lse
 
 

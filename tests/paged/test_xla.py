@@ -211,13 +211,6 @@ def test_quantized_pools_with_nan_codes_and_scales_in_unowned_slots():
         assert_close(res.out, res.lse, *want, 2e-5)
 
 
-def test_quantized_pallas_is_refused_and_names_the_xla_lowering():
-    p = quantized(make([(5, 1)], Hq=2, Hkv=1, D=8, page_size=4), QuantFormat("int8"))
-    with pytest.raises(NotImplementedError, match="impl='pallas' has no kernel for quantized "
-                       "pools.*impl='xla'"):
-        check_ragged(None, AttentionSpec(impl="pallas"), p)
-
-
 def test_quantized_pool_bad_input():
     p = quantized(make([(5, 1)], Hq=2, Hkv=1, D=8, page_size=4), QuantFormat("int8"))
     bad = p.k_pages.replace(scale=p.k_pages.scale[..., :2])
@@ -288,29 +281,21 @@ def test_latent_paged_attention_decode_and_bad_input():
         fnattn.paged_attention(spec, p.q.reshape(B, Tq, 4, Dc + 2), p.k_pages, None,
                                page_table=p.page_table, kv_lengths=p.context_lengths,
                                value_dim=9)
-    with pytest.raises(NotImplementedError, match="no kernel for latent pools"):
-        fnattn.paged_attention(spec.replace(impl="pallas"), p.q.reshape(B, Tq, 4, Dc + 2),
-                               p.k_pages, None, page_table=p.page_table,
-                               kv_lengths=p.context_lengths, value_dim=Dc)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_quantized_and_latent_caches_lower_for_gpu_and_tpu_without_a_kernel(platform):
-    """impl='auto' on a GPU or a TPU runs quantized and latent caches with the XLA
-    lowering: the programs lower for each platform and hold no Pallas kernel."""
+    """impl='auto' on a GPU or a TPU runs quantized and latent contiguous caches
+    (fnattn.decode) with the XLA lowering: the programs lower for each platform and
+    hold no Pallas kernel. (Paged pools run in the kernels there:
+    tests/paged/test_quantized_kernels.py.)"""
     from lowering import target
     p = quantized(make([(9, 1), (5, 1)], Hq=4, Hkv=1, D=8, page_size=4, seed=13),
                   QuantFormat("int8"), QuantFormat("float8_e4m3fn", "tensor"))
     spec = AttentionSpec(mask=masks.causal())
-    m = dict(page_table=p.page_table, context_lengths=p.context_lengths,
-             query_start_loc=p.query_start_loc, num_seqs=p.num_seqs)
     q4 = p.q.reshape(2, 1, 4, 8)
     kc = quant.quantize(jnp.ones((2, 16, 1, 8)), "int4")
     calls = [
-        (lambda q, kp, vp: fnattn.ragged_paged_attention(spec, q, kp, vp, **m).out,
-         (p.q, p.k_pages, p.v_pages)),
-        (lambda q, kp: fnattn.ragged_paged_attention(spec, q, kp, None, value_dim=6, **m).out,
-         (p.q, p.k_pages)),
         (lambda q, k: fnattn.decode(spec, q, k, k, kv_lengths=jnp.array([9, 5])).out,
          (q4, kc)),
         (lambda q, k: fnattn.decode(spec, q, k, None, kv_lengths=jnp.array([9, 5]),
