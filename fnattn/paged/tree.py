@@ -188,7 +188,8 @@ def check(parents, *, query_start_loc, num_seqs, max_seqs, fn="draft_parents"):
                    t=i, p=p[i], r=row[i], s=seq_c[i])
 
 
-def draft_positions(draft_parents, *, context_lengths, query_start_loc=None, num_seqs=None):
+def draft_positions(draft_parents, *, context_lengths, query_start_loc=None, num_seqs=None,
+                    page_table=None):
     """Each new token's position, ``context + depth`` in its tree, for RoPE or a
     learned position embedding.
 
@@ -205,6 +206,8 @@ def draft_positions(draft_parents, *, context_lengths, query_start_loc=None, num
       context_lengths: (max_seqs,) or (B,) int.
       query_start_loc: (max_seqs + 1,) int (ragged form only).
       num_seqs: int scalar (ragged form only; default: every sequence).
+      page_table: unused; taken so that the metadata of
+        ``PagedKVCache.ragged_metadata`` can be passed whole (``**meta``).
 
     Returns:
       int32 positions shaped like ``draft_parents``; -1 for padding tokens.
@@ -218,6 +221,7 @@ def draft_positions(draft_parents, *, context_lengths, query_start_loc=None, num
     [[4, 5, 5]]
     """
     fn = "draft_positions"
+    del page_table
     parents = jnp.asarray(draft_parents)
     lengths = jnp.asarray(context_lengths)
     if not jnp.issubdtype(parents.dtype, jnp.integer):
