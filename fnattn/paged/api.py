@@ -53,6 +53,11 @@ platform under ``impl="auto"``; ``impl="pallas"`` raises
 ``NotImplementedError`` for them (no kernel reads them yet). Derivatives
 through quantized pools are reverse mode only.
 
+Speculative tree verification (``draft_parents``, a tree over each
+sequence's new tokens: :mod:`fnattn.paged.tree`) runs with the XLA lowering
+on every platform under ``impl="auto"``; ``impl="pallas"`` raises
+``NotImplementedError`` for it (no kernel takes a tree yet).
+
 ``impl="xla"`` is the XLA lowering everywhere, ``impl="reference"`` the plain
 gather-everything implementation (:mod:`fnattn.paged.reference`).
 

@@ -14,11 +14,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
 
 import fnattn  # noqa: E402
-from fnattn import AttentionSpec, PagedBlockSizes, masks  # noqa: E402
+from fnattn import AttentionSpec, PagedBlockSizes, masks, position_bias, quant  # noqa: E402
+from fnattn.quant import QuantFormat  # noqa: E402
 from fnattn.paged import api, common  # noqa: E402
 from fnattn.paged import tree as treemod  # noqa: E402
 from np_attention import np_attention  # noqa: E402
-from problems import assert_close, make, meta, poisoned  # noqa: E402
+from problems import assert_close, make, meta, poisoned, quantized  # noqa: E402
 
 SMALL = PagedBlockSizes(block_q=2, block_k=4)
 
@@ -60,7 +61,18 @@ def np_tree_mask(spec, s, Hq, L, parents):
     return np.broadcast_to(allowed, (1, Hq, n, L))
 
 
-def np_expected(spec, p, trees, rows=None):
+def np_alibi(slopes, L, parents):
+    """(1, Hq, n, L): ALiBi at the depth-based positions."""
+    n = len(parents)
+    C = L - n
+    depth = np_ancestors(parents)[1]
+    k_pos = np.arange(L)
+    k_pos[C:] = C + depth
+    dist = np.abs((C + depth)[:, None] - k_pos[None, :])
+    return -np.asarray(slopes, np.float64)[None, :, None, None] * dist[None, None]
+
+
+def np_expected(spec, p, trees, slopes=None):
     T, Hq, _ = p.q.shape
     Dv = p.v_pages.shape[-1]
     out = np.zeros((T, Hq, Dv))
@@ -69,9 +81,11 @@ def np_expected(spec, p, trees, rows=None):
     sinks = None if spec.sinks is None else f64(spec.sinks)
     start = 0
     for s, (L, n) in enumerate(p.seqs):
+        bias = None if slopes is None else np_alibi(slopes, L, trees[s])
         o, l, _ = np_attention(f64(p.q[start:start + n])[None], f64(p.k_tok[s])[None],
                                f64(p.v_tok[s])[None], scale=spec.scale, softcap=spec.softcap,
-                               sinks=sinks, mask=np_tree_mask(spec, s, Hq, L, trees[s]))
+                               sinks=sinks, mask=np_tree_mask(spec, s, Hq, L, trees[s]),
+                               bias=bias)
         out[start:start + n] = o[0]
         lse[:, start:start + n] = l[0]
         start += n
@@ -110,6 +124,32 @@ def test_random_trees_match_the_float64_ancestor_mask(name, impl):
     res = run_ragged(spec, p, packed(p, trees))
     assert_close(res.out, res.lse, *np_expected(spec, p, trees), 2e-5)
     assert np.all(np.asarray(res.out[-2:]) == 0)            # padding rows
+
+
+def test_trees_with_alibi_and_a_window():
+    rng = np.random.default_rng(8)
+    seqs = [(15, 6), (8, 4)]
+    p = make(seqs, Hq=4, Hkv=2, D=8, page_size=4, seed=8)
+    trees = [random_parents(rng, n) for _, n in seqs]
+    slopes = position_bias.alibi_slopes(4)
+    spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(left=4), return_lse=True,
+                         position_bias=position_bias.alibi(slopes), block_sizes=SMALL)
+    res = run_ragged(spec, p, packed(p, trees))
+    assert_close(res.out, res.lse, *np_expected(spec, p, trees, slopes), 2e-5)
+
+
+def test_trees_over_quantized_pools_equal_trees_over_their_values():
+    rng = np.random.default_rng(9)
+    seqs = [(11, 5), (7, 3)]
+    p = quantized(make(seqs, Hq=4, Hkv=2, D=8, page_size=4, seed=9), QuantFormat("int8"))
+    par = packed(p, [random_parents(rng, n) for _, n in seqs])
+    spec = AttentionSpec(mask=masks.causal(), return_lse=True, block_sizes=SMALL)
+    f = jax.jit(lambda q, kp, vp, m, par: fnattn.ragged_paged_attention(
+        spec, q, kp, vp, **m, draft_parents=par))
+    got = f(p.q, p.k_pages, p.v_pages, meta(p), par)
+    want = f(p.q, quant.dequantize(p.k_pages), quant.dequantize(p.v_pages), meta(p), par)
+    np.testing.assert_allclose(got.out, want.out, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(got.lse, want.lse, atol=1e-5, rtol=1e-5)
 
 
 def test_a_chain_is_causal_prefill():
