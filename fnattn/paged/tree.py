@@ -9,8 +9,9 @@ index of an earlier new token of the same request (``0 <= parent < i``), or
 * among the new tokens, exactly its ancestors and itself;
 
 and its position is ``C + depth(i)`` (a root has depth 0): the position RoPE
-gives it, and the one positional masks (windows, chunks), ``from_fn`` masks
-and position terms compare, for queries and for the new tokens' keys alike.
+gives it, and the one positional masks (windows, chunks) and position terms
+compare, for queries and for the new tokens' keys alike (a ``from_fn``
+predicate gets the raw row ``i`` and those key positions).
 (A chain, ``parents = [-1, 0, 1, ...]``, is causal attention over the new
 tokens; the key of new token ``i`` lies in slot ``C + i`` of the cache.)
 

@@ -152,6 +152,18 @@ def test_trees_over_quantized_pools_equal_trees_over_their_values():
     np.testing.assert_allclose(got.lse, want.lse, atol=1e-5, rtol=1e-5)
 
 
+def test_rows_a_mask_leaves_empty_are_zeros():
+    rng = np.random.default_rng(10)
+    seqs = [(9, 5)]
+    p = make(seqs, Hq=2, Hkv=1, D=8, page_size=4, seed=10)
+    trees = [random_parents(rng, 5)]
+    spec = AttentionSpec(mask=masks.from_fn(lambda b, h, q, k: q % 2 == 0), return_lse=True,
+                         block_sizes=SMALL)
+    res = run_ragged(spec, p, packed(p, trees))
+    assert_close(res.out, res.lse, *np_expected(spec, p, trees), 2e-5)
+    assert np.all(np.asarray(res.out[1::2]) == 0) and np.all(np.isneginf(res.lse[:, 1::2]))
+
+
 def test_a_chain_is_causal_prefill():
     seqs = [(11, 6), (5, 3)]
     p = make(seqs, Hq=4, Hkv=1, D=8, page_size=4, seed=1)
