@@ -392,3 +392,17 @@ def test_tree_gradients_match_the_reference_lowering():
                                        atol=2e-5, rtol=2e-5)
             np.testing.assert_allclose(got[2][:, table[s, pos // 4], pos % 4], dvs[s][pos],
                                        atol=2e-5, rtol=2e-5)
+
+
+def test_sharding_rules_split_the_parents_like_the_tokens():
+    from jax.sharding import PartitionSpec as P
+    mesh = {"data": 2, "model": 2}
+    r = fnattn.sharding.rules(mode="ragged_paged", batch="data", heads="model", mesh=mesh,
+                              shapes=dict(draft_parents=(16,), num_seqs=(2,)))
+    assert r.draft_parents == P("data") and r.query_start_loc == P("data")
+    r = fnattn.sharding.rules(mode="paged", batch="data", mesh=mesh,
+                              shapes=dict(draft_parents=(4, 3)))
+    assert r.draft_parents == P("data", None)
+    with pytest.raises(ValueError, match="draft_parents"):
+        fnattn.sharding.rules(mode="ragged_paged", batch="data", mesh=mesh,
+                              shapes=dict(draft_parents=(15,)))
