@@ -318,6 +318,12 @@ def test_bad_tree_shapes_and_paged_values():
     with pytest.raises(ValueError, match=r"draft_parents must have shape \(B, Tq\)"):
         fnattn.paged_attention(spec, q, p.k_pages, p.v_pages, **kw,
                                draft_parents=np.array([-1, 0, 1]))
+    f = jax.jit(checkify.checkify(lambda par: fnattn.paged_attention(
+        spec, q, p.k_pages, p.v_pages, **kw, draft_parents=par, checked=True).out))
+    err, _ = f(jnp.array([[-1, 0, 2]], jnp.int32))
+    assert "draft_parents[2] = 2 is not a parent of token 2 (new token 2 of sequence 0)" \
+        in err.get()
+    assert f(jnp.array([[-1, 0, 1]], jnp.int32))[0].get() is None
 
 
 def test_pallas_refuses_trees_and_names_the_xla_lowering():
