@@ -112,7 +112,7 @@ def test_a_verification_step_end_to_end_under_jit():
 
 @pytest.mark.parametrize("fmt", [None, "int8"])
 def test_layered_cache_rolls_back_every_layer(fmt):
-    cache, (k, v, k1) = _setup(LayeredPagedKVCache, layers=3, quant_format=fmt)
+    cache, _ = _setup(LayeredPagedKVCache, layers=3, quant_format=fmt)
     got = jax.jit(LayeredPagedKVCache.accept_drafts)(cache, jnp.array([7, 0, 0]), ACCEPTED)
     assert got.lengths.tolist() == [9, 3, 0] and int(got.num_free) == int(cache.num_free) + 1
     order = jnp.array(list(range(6)) + [6, 8, 11])

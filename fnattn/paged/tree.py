@@ -63,7 +63,7 @@ def levels(total_tokens) -> int:
 def global_parents(cfg, meta):
     """(T,) int32: the packed index of each token's parent, -1 for roots, padding
     tokens and parents outside ``[-1, row)``."""
-    seq, row, valid = common.token_owner(cfg, meta)
+    _, row, valid = common.token_owner(cfg, meta)
     p = meta.parents.astype(I32)
     ok = valid & (p >= 0) & (p < row)
     t = jnp.arange(cfg.total_tokens, dtype=I32)
