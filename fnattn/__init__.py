@@ -20,7 +20,8 @@ from fnattn.merging import merge
 from fnattn.nn import dot_product_attention
 from fnattn.reference import reference
 from fnattn.cache import LayeredPagedKVCache, PagedKVCache
-from fnattn.paged import (PagedBlockSizes, paged_attention, ragged_paged_attention,
+from fnattn.paged import (PagedBlockSizes, draft_ancestor_mask, draft_positions,
+                          paged_attention, ragged_paged_attention,
                           ragged_paged_attention_with_update)
 from fnattn.spec import AttentionOutput, AttentionSpec
 from fnattn.selection import (selected_attention, selected_decode, selected_decode_with_update,
@@ -47,6 +48,8 @@ __all__ = [
     "decode",
     "decode_with_update",
     "dot_product_attention",
+    "draft_ancestor_mask",
+    "draft_positions",
     "dropout",
     "masks",
     "merge",

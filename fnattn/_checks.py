@@ -316,7 +316,7 @@ def _as_float_array(fn: str, name: str, x):
     return x
 
 
-def entry_point(public: str, *, ints=(), concrete=None):
+def entry_point(public: str, *, ints=(), concrete=None, precheck=None):
     """Decorates a public function whose first parameter is the spec (outside its
     jaxtyping/beartype check), so that the commonest mistakes get fnattn's
     messages instead of a type checker's: a first argument that is not an
@@ -329,7 +329,9 @@ def entry_point(public: str, *, ints=(), concrete=None):
     a call outside ``jit`` compiles once; ``concrete(arguments)``, given,
     first checks what only concrete values can tell (the bound arguments by
     name) when no argument is traced. With ``checked=True`` it runs as it is
-    (checkify's checks raise eagerly).
+    (checkify's checks raise eagerly). ``precheck(arguments)``, given, runs on
+    every call, traced or not, on the arguments as given (it checks those that
+    are concrete: NumPy arrays and lists, also when closed over inside ``jit``).
 
     >>> @entry_point("fnattn.example", ints=("lengths",))
     ... def example(spec, q, *, lengths):
@@ -366,6 +368,8 @@ def entry_point(public: str, *, ints=(), concrete=None):
                 bound = sig.bind(*args, **kwargs)
             except TypeError as e:  # a missing or an unknown argument
                 raise TypeError(f"{fn}: {e}; the call is {call}") from None
+            if precheck is not None:
+                precheck(bound.arguments)
             for name, default in arrays.items():
                 if name not in bound.arguments:
                     continue

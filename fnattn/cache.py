@@ -325,6 +325,106 @@ def _ragged_metadata(cache, seq_ids, checked, return_positions):
     return meta, jnp.where(seq < S, pos, -1).astype(I32)
 
 
+def _check_accepted(cache, num_drafts, accepted, checked):
+    """Shapes at trace time; concrete values at trace time; traced ones with
+    ``checked`` (checkify)."""
+    fn = f"{type(cache).__name__}.accept_drafts"
+    S = cache.max_seqs
+    for name, x, nd, what in (("num_drafts", num_drafts, 1, "(max_seqs,)"),
+                              ("accepted", accepted, 2, "(max_seqs, max_accepted)")):
+        if not hasattr(x, "dtype") or not jnp.issubdtype(x.dtype, jnp.integer):
+            raise TypeError(f"{fn}: {name} must be an integer array {what}; got "
+                            f"{getattr(x, 'dtype', type(x).__name__)}")
+        if x.ndim != nd or x.shape[0] != S:
+            raise ValueError(f"{fn}: {name} must have shape {what} with max_seqs={S}; got "
+                             f"{_shape(x)}")
+    msg = (f"{fn}: accepted[{{s}}] must be a root-to-node path of slot {{s}}'s draft tokens: "
+           "increasing indices into its num_drafts[{s}] = {n} new tokens, then -1 padding; "
+           "entry {i} is {x}")
+    if not isinstance(accepted, jax.core.Tracer) and not isinstance(num_drafts,
+                                                                    jax.core.Tracer):
+        a, n = np.asarray(accepted), np.asarray(num_drafts)
+        for s in range(S):
+            bad = _bad_path(a[s], int(n[s]))
+            if bad is not None:
+                raise ValueError(msg.format(s=s, n=int(n[s]), i=bad, x=int(a[s, bad])))
+    elif checked:
+        a, n = accepted.astype(I32), num_drafts.astype(I32)
+        pad = a < 0
+        after = jnp.cumsum(pad, axis=1) > 0
+        prev = jnp.concatenate([jnp.full((S, 1), -1, I32), a[:, :-1]], axis=1)
+        bad = (after & ~pad) | (~after & ((a >= n[:, None]) | (a <= prev)))
+        flat = jnp.argmax(bad.reshape(-1))
+        s, i = flat // a.shape[1], flat % a.shape[1]
+        checkify.check(~bad.any(), msg.replace("{{s}}", "{s}"), s=s, n=n[s], i=i, x=a[s, i])
+
+
+def _bad_path(row, n):
+    """The first entry of ``row`` that breaks "increasing in [0, n), then -1s", or None."""
+    prev, ended = -1, False
+    for i, x in enumerate(int(v) for v in row):
+        if x < 0:
+            ended = True
+        elif ended or x >= n or x <= prev:
+            return i
+        else:
+            prev = x
+    return None
+
+
+def _accept_book(cache, num_drafts, accepted):
+    """The bookkeeping of ``accept_drafts``: (cache with shortened lengths and the
+    emptied pages freed, flat source slots, flat destination slots), the slots
+    (max_seqs * max_accepted,) with ``num_pages * page_size`` for none."""
+    S, P, ps, N = cache.max_seqs, cache.max_pages_per_seq, cache.page_size, cache.num_pages
+    lengths = cache.lengths
+    n = jnp.clip(num_drafts.astype(I32), 0, lengths)
+    ctx = lengths - n
+    acc = accepted.astype(I32)
+    A = acc.shape[1]
+    ok = (acc >= 0) & (acc < n[:, None])
+    prefix = jnp.cumprod(ok.astype(I32), axis=1).astype(bool)
+    k = jnp.minimum(prefix.sum(axis=1), n).astype(I32)
+    take = prefix & (jnp.arange(A, dtype=I32)[None, :] < k[:, None])
+
+    def flat(pos, valid):
+        page = cache.page_table[jnp.arange(S)[:, None], jnp.clip(pos // ps, 0, P - 1)]
+        good = valid & (pos >= 0) & (pos < cache.capacity) & (page >= 0) & (page < N)
+        return jnp.where(good, page * ps + pos % ps, N * ps).reshape(-1)
+
+    src = flat(ctx[:, None] + acc, take)
+    dst = flat(ctx[:, None] + jnp.arange(A, dtype=I32)[None, :], take)
+    new_len = jnp.where(n > 0, ctx + k, lengths)
+    keep = -(-new_len // ps)
+    table = cache.page_table
+    j = jnp.arange(P, dtype=I32)[None, :]
+    drop = (n > 0)[:, None] & (j >= keep[:, None]) & (table >= 0) & (table < N)
+    r = jnp.cumsum(drop.reshape(-1)) - 1
+    dest = jnp.where(drop.reshape(-1), cache.num_free + r, N)      # N: dropped
+    free = cache.free_pages.at[dest].set(table.reshape(-1), mode="drop")
+    num_free = jnp.minimum(cache.num_free + drop.sum(), N).astype(I32)
+    book = cache.replace(page_table=jnp.where(drop, -1, table).astype(I32),
+                         lengths=new_len.astype(I32), free_pages=free, num_free=num_free)
+    return book, src, dst
+
+
+def _move(pool, src, dst):
+    """pool (Hkv, N, ps, D) (float or quantized) with the slots ``dst`` set to the
+    bits of the slots ``src`` (flat slot indices; ``dst`` outside the pool: none)."""
+    Hkv, N, ps = pool.shape[:3]
+    src = jnp.clip(src, 0, N * ps - 1)
+
+    def one(x, lead):   # x (Hkv, N, ps, ...) -> moved
+        f = x.reshape(Hkv, N * ps, *x.shape[3:])
+        f = f.at[:, dst].set(f[:, src], mode="drop", unique_indices=True)
+        return f.reshape(x.shape)
+
+    if quant.is_quantized(pool):
+        scale = one(pool.scale, 3) if pool.format.per_token else pool.scale
+        return quant.QuantizedArray(one(pool.data, 3), scale, pool.format)
+    return one(pool, 3)
+
+
 _BOOK_FIELDS = ["page_table", "lengths", "free_pages", "num_free"]
 
 
@@ -514,6 +614,39 @@ class PagedKVCache(_Paged):
         """Frees slot ``seq_id`` (a traced int is fine): its pages return to the stack,
         its length becomes 0. An out-of-range id changes nothing."""
         return _release(self, seq_id)
+
+    def accept_drafts(self, num_drafts, accepted, *, checked: bool = False) -> "PagedKVCache":
+        """Commits the accepted draft tokens of a speculative step and rolls the rest back.
+
+        After a verification step the last ``num_drafts[s]`` tokens of slot
+        ``s`` are its draft tokens (new tokens ``0 .. n - 1``, at positions
+        ``lengths[s] - n ..``). ``accepted[s]`` lists the ones accepted, a
+        root-to-node path of the draft tree (increasing indices into the new
+        tokens; -1 padding after it): the k accepted tokens' k/v are copied,
+        bit for bit, to positions ``lengths[s] - n .. lengths[s] - n + k - 1``
+        (right after the context, in path order), the length becomes
+        ``lengths[s] - n + k``, and the pages that then hold none of the slot's
+        tokens return to the free stack. Slots with ``num_drafts[s] = 0`` are
+        unchanged.
+
+        Args:
+          num_drafts: (max_seqs,) int, draft tokens of each slot in the step.
+          accepted: (max_seqs, max_accepted) int, each slot's accepted path.
+          checked: report a traced ``accepted`` that is not an increasing path
+            in ``[0, num_drafts)`` with ``checkify`` (concrete values are
+            checked at trace time, always).
+
+        >>> c = PagedKVCache.create(4, 2, 1, 1, max_seqs=1, max_pages_per_seq=4)
+        >>> k = jnp.arange(7.).reshape(7, 1, 1)            # 2 context tokens, then 5 drafts
+        >>> c = c.append(jnp.zeros(7, jnp.int32), k, k)
+        >>> c = c.accept_drafts(jnp.array([5]), jnp.array([[0, 2, 4, -1]]))   # path 0 -> 2 -> 4
+        >>> c.lengths.tolist(), int(c.num_free), c.k_pages[0, c.page_table[0, :3], :, 0].tolist()
+        ([5], 1, [[0.0, 1.0], [2.0, 4.0], [6.0, 5.0]])
+        """
+        _check_accepted(self, num_drafts, accepted, checked)
+        book, src, dst = _accept_book(self, num_drafts, accepted)
+        return book.replace(k_pages=_move(self.k_pages, src, dst),
+                            v_pages=_move(self.v_pages, src, dst))
 
     def ragged_metadata(self, seq_ids, *, checked: bool = False,
                         return_positions: bool = False):
@@ -752,6 +885,25 @@ class LayeredPagedKVCache(_Paged):
         ([0, 1], [[-1, -1], [1, -1]], 3)
         """
         return _release(self, seq_id)
+
+    def accept_drafts(self, num_drafts, accepted, *,
+                      checked: bool = False) -> "LayeredPagedKVCache":
+        """Commits the accepted draft tokens of a speculative step in every layer and
+        rolls the rest back: as :meth:`PagedKVCache.accept_drafts`, with the
+        accepted tokens' k/v copied bit for bit in each layer.
+
+        >>> c = LayeredPagedKVCache.create(2, 4, 2, 1, 1, max_seqs=1, max_pages_per_seq=4)
+        >>> k = jnp.arange(10.).reshape(2, 5, 1, 1)        # 1 context token, then 4 drafts
+        >>> c = c.append(jnp.zeros(5, jnp.int32), k, k)
+        >>> c = c.accept_drafts(jnp.array([4]), jnp.array([[1, 3]]))         # path 1 -> 3
+        >>> c.lengths.tolist(), c.k_pages[:, 0, :, :, 0][:, c.page_table[0, :2]].tolist()
+        ([3], [[[0.0, 2.0], [4.0, 3.0]], [[5.0, 7.0], [9.0, 8.0]]])
+        """
+        _check_accepted(self, num_drafts, accepted, checked)
+        book, src, dst = _accept_book(self, num_drafts, accepted)
+        move = jax.vmap(_move, in_axes=(0, None, None))
+        return book.replace(k_pages=move(self.k_pages, src, dst),
+                            v_pages=move(self.v_pages, src, dst))
 
     def ragged_metadata(self, seq_ids, *, checked: bool = False,
                         return_positions: bool = False):

@@ -39,7 +39,9 @@ the axes you name; "-" is not split)::
   its ``num_pages / n`` pages of the pools (for ragged batches also its own
   packed tokens, its ``query_start_loc`` run of ``max_seqs / n + 1`` offsets,
   and its own ``num_seqs``, so ``num_seqs`` is then an array with one count per
-  shard). The sequence cannot be split: a pool has no sequence axis.
+  shard; ``draft_parents``, indices within each sequence, splits like the
+  tokens, or like the sequences for ``paged_attention``). The sequence cannot
+  be split: a pool has no sequence axis.
 
 **The spec's arrays** are split by what they index. Segment ids (B, T) and
 positions (T,) / (B, T) split like the batch and the sequence of the tokens
@@ -141,6 +143,7 @@ class PagedRules(NamedTuple):
     v_pages: P
     page_table: P
     kv_lengths: P
+    draft_parents: P
     out: P
     lse: P
     spec: Any
@@ -161,6 +164,7 @@ class RaggedPagedRules(NamedTuple):
     context_lengths: P
     query_start_loc: P
     num_seqs: P
+    draft_parents: P
     out: P
     lse: P
     spec: Any
@@ -244,11 +248,13 @@ def _operand_roles(mode, layout):
     if mode == "paged":
         return {"q": _tensor(layout, None, "h"), "k_pages": pool, "v_pages": pool,
                 "page_table": ("seqs", None), "kv_lengths": ("seqs",),
+                "draft_parents": ("seqs", None),
                 "out": _tensor(layout, None, "h"), "lse": ("b", "h", None)}
     return {"q": ("tokens", "h", None), "k": ("tokens", "kvh", None),
             "v": ("tokens", "kvh", None), "k_pages": pool, "v_pages": pool,
             "page_table": ("seqs", None), "context_lengths": ("seqs",),
-            "query_start_loc": ("seqs",), "num_seqs": ("seqs",), "out": ("tokens", "h", None),
+            "query_start_loc": ("seqs",), "num_seqs": ("seqs",), "draft_parents": ("tokens",),
+            "out": ("tokens", "h", None),
             "lse": ("h", "tokens")}
 
 

@@ -57,6 +57,11 @@ writes quantized pools with XLA (:func:`fnattn.quant.write`) before the
 kernel runs; float latent pools are written by the kernels, keys only.
 Derivatives through quantized pools are reverse mode only.
 
+Speculative tree verification (``draft_parents``, a tree over each
+sequence's new tokens: :mod:`fnattn.paged.tree`) runs with the XLA lowering
+on every platform under ``impl="auto"``; ``impl="pallas"`` raises
+``NotImplementedError`` for it (no kernel takes a tree yet).
+
 ``impl="xla"`` is the XLA lowering everywhere, ``impl="reference"`` the plain
 gather-everything implementation (:mod:`fnattn.paged.reference`).
 
@@ -89,6 +94,7 @@ from fnattn.decoding.mosaic_gpu import MosaicGpuDecodeBlockSizes
 from fnattn._varying import varying_like
 from fnattn.flash import blocks
 from fnattn.paged import common, reference, xla
+from fnattn.paged import tree as treemod
 from fnattn.paged.common import I32, Cfg
 from fnattn.spec import AttentionOutput, AttentionSpec
 
@@ -145,6 +151,23 @@ def quantized_table(impl: str, feature: str = "quantized pools (fnattn.quant.Qua
         from fnattn.paged import mosaic, triton
         return (("default", triton.forward_interpret), ("cuda", triton.forward),
                 ("tpu", mosaic.forward))
+    return lowering_table(impl)
+
+
+def tree_table(impl: str):
+    """The lowering table for speculative tree verification (``draft_parents``):
+    the XLA lowering on every platform under impl="auto" (no Pallas kernel
+    takes a tree yet)."""
+    if impl in ("auto", "xla"):
+        return (("default", xla.forward),)
+    if impl == "reference":
+        return (("default", _reference_forward),)
+    if impl == "pallas":
+        raise NotImplementedError(
+            "paged attention: impl='pallas' has no kernel for speculative tree verification "
+            "(draft_parents) yet: the Triton, Mosaic TPU and Mosaic GPU kernels take "
+            "positional masks only. The XLA lowering runs trees: use impl='auto' (which runs "
+            "it on every platform for them) or impl='xla'.")
     return lowering_table(impl)
 
 
@@ -357,7 +380,8 @@ def _check_spec(fn, spec: AttentionSpec, num_q_heads):
 
 
 def _make_cfg(spec, *, num_q_heads, num_kv_heads, head_dim, v_head_dim, num_pages, page_size,
-              pages_per_seq, max_seqs, total_tokens, uniform_q, update, value_dim=None):
+              pages_per_seq, max_seqs, total_tokens, uniform_q, update, value_dim=None,
+              tree=False):
     treedef = None if spec.mask is None else jax.tree_util.tree_structure(spec.mask)
     term = spec.position_bias
     return Cfg(term_treedef=None if term is None else jax.tree_util.tree_structure(term),
@@ -368,7 +392,7 @@ def _make_cfg(spec, *, num_q_heads, num_kv_heads, head_dim, v_head_dim, num_page
                mask_treedef=treedef, has_sinks=spec.sinks is not None, uniform_q=uniform_q,
                update=update, block_sizes=common.pick_block_sizes(spec.block_sizes),
                mosaic_gpu=blocks.pick(spec.block_sizes, MosaicGpuDecodeBlockSizes, None),
-               value_dim=value_dim)
+               value_dim=value_dim, tree=tree)
 
 
 # ----------------------------------------------------------------------------------
@@ -377,7 +401,8 @@ def _make_cfg(spec, *, num_q_heads, num_kv_heads, head_dim, v_head_dim, num_page
 
 
 def check_inputs(k_pages, *, page_table, context_lengths, query_start_loc=None, num_seqs=None,
-                 total_tokens: Optional[int] = None, new_tokens: Optional[int] = None) -> None:
+                 total_tokens: Optional[int] = None, new_tokens: Optional[int] = None,
+                 draft_parents=None) -> None:
     """Reports bad run-time metadata as ``jax.experimental.checkify`` errors.
 
     The paged functions never read or write outside the pools whatever these
@@ -391,7 +416,9 @@ def check_inputs(k_pages, *, page_table, context_lengths, query_start_loc=None, 
     after it are padding); ``new tokens <= context_lengths[s] <= pages_per_seq *
     page_size``; every page-table entry that holds a position ``< context_lengths[s]``
     is in ``[0, num_pages)``. Without ``query_start_loc`` (``paged_attention``)
-    every sequence is live and has ``new_tokens`` queries.
+    every sequence is live and has ``new_tokens`` queries. With
+    ``draft_parents`` (packed, (total_tokens,)), every live token's parent is
+    in ``[-1, row)`` (``row``: its index among its sequence's new tokens).
 
     >>> import jax, jax.numpy as jnp
     >>> from jax.experimental import checkify
@@ -449,6 +476,12 @@ def check_inputs(k_pages, *, page_table, context_lengths, query_start_loc=None, 
     s, j = flat // P, flat % P
     checkify.check(~bad_page.any(), "page_table[{s}, {j}] = {x} is outside the pool [0, {N})",
                    s=s, j=j, x=page_table[s, j].astype(I32), N=jnp.int32(N))
+    if draft_parents is not None:
+        if query_start_loc is None:
+            loc = jnp.arange(S + 1, dtype=I32) * (new_tokens or 0)
+            n_live = jnp.int32(S)
+        treemod.check(draft_parents.reshape(-1), query_start_loc=loc, num_seqs=n_live,
+                      max_seqs=S)
 
 
 # ----------------------------------------------------------------------------------
@@ -456,19 +489,95 @@ def check_inputs(k_pages, *, page_table, context_lengths, query_start_loc=None, 
 # ----------------------------------------------------------------------------------
 
 # The integer metadata of the ragged forms: Python lists and NumPy arrays convert.
-_META = ("page_table", "context_lengths", "query_start_loc", "num_seqs")
+_META = ("page_table", "context_lengths", "query_start_loc", "num_seqs", "draft_parents")
+
+def _tree_rule(i):
+    if i == 0:
+        return ("a sequence's first new token has no earlier one: its parent is -1 (a root, "
+                "attached to the context)")
+    return (f"a parent is -1 (a root, attached to the context) or the index of an earlier new "
+            f"token of the same sequence, 0 <= parent < {i}: parents come before their "
+            "children and are indices among the sequence's own new tokens")
 
 
-def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, new_v=None):
+def _concrete(*xs):
+    return all(x is None or not isinstance(x, jax.core.Tracer) for x in xs)
+
+
+def _check_tree_values(fn, parents, query_start_loc=None, num_seqs=None):
+    """A ValueError, at trace time, for concrete ``draft_parents`` that do not
+    describe a tree of each sequence's new tokens (traced ones: ``checked=True``)."""
+    if parents is None or not _concrete(parents, query_start_loc, num_seqs):
+        return
+    p = np.asarray(parents)
+    if not np.issubdtype(p.dtype, np.integer):
+        return   # (reported by the function itself)
+    p = p.astype(np.int64)
+    if p.ndim == 2:                                  # paged_attention: (B, Tq)
+        i = np.arange(p.shape[1])[None, :]
+        bad = np.argwhere((p < -1) | (p >= i))
+        if bad.size:
+            b, i = (int(x) for x in bad[0])
+            raise ValueError(f"{fn}: draft_parents[{b}, {i}] = {p[b, i]} is not a parent of new "
+                             f"token {i} of sequence {b}: " + _tree_rule(i))
+        return
+    loc = np.asarray(query_start_loc).astype(np.int64).reshape(-1)
+    T, S = p.shape[0], loc.shape[0] - 1
+    loc = np.maximum.accumulate(np.clip(loc, 0, T))
+    n = int(np.clip(np.asarray(num_seqs).reshape(-1)[0], 0, S))
+    for seq in range(n):
+        lo, hi = int(loc[seq]), int(loc[seq + 1])
+        row = np.arange(hi - lo)
+        bad = np.flatnonzero((p[lo:hi] < -1) | (p[lo:hi] >= row))
+        if bad.size:
+            r = int(bad[0])
+            raise ValueError(
+                f"{fn}: draft_parents[{lo + r}] = {p[lo + r]} is not a parent of token {lo + r} "
+                f"(new token {r} of sequence {seq}, whose new tokens are packed rows {lo} to "
+                f"{hi - 1}): " + _tree_rule(r))
+
+
+def _check_parents_shape(fn, parents, shape, what):
+    if parents is not None:
+        _check_int(fn, "draft_parents", parents, shape, what)
+
+
+def _ragged_precheck(fn):
+    def check(a):
+        p, loc, q, n = (a.get(k) for k in ("draft_parents", "query_start_loc", "q", "num_seqs"))
+        if p is None or loc is None or n is None or not _concrete(p, loc, n):
+            return
+        # (wrong shapes are reported by the function itself)
+        if np.shape(p) != np.shape(q)[:1] or np.ndim(loc) != 1 or np.shape(n) not in ((), (1,)):
+            return
+        _check_tree_values(fn, p, loc, n)
+    return check
+
+
+def _paged_precheck(a):
+    p = a.get("draft_parents")
+    if p is not None and _concrete(p) and np.ndim(p) == 2:
+        _check_tree_values("paged_attention", p)
+
+
+def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, new_v=None,
+        parents=None):
     """Sanitises the metadata and dispatches (``table`` overrides ``spec.impl``'s)."""
+    if cfg.tree and table is not None and any(
+            f not in (xla.forward, _reference_forward) for _, f in table):
+        tree_table("pallas")   # a kernel's table: refused (NotImplementedError)
     if table is None:
-        if cfg.value_dim is not None:
+        if cfg.tree:
+            table = tree_table(spec.impl)
+        elif cfg.value_dim is not None:
             table = quantized_table(spec.impl, "latent pools (value_dim, no v_pages)")
         elif quant.is_quantized(k_pages) or quant.is_quantized(v_pages):
             table = quantized_table(spec.impl)
         else:
             table = lowering_table(spec.impl)
     meta = common.sanitize(cfg, *meta_args)
+    if parents is not None:
+        meta = meta._replace(parents=parents.astype(I32))
     if spec.position_bias is not None:
         # the term's arrays, one value per head; constants (a tangent raises)
         arrays = position_bias.per_head_arrays(spec.position_bias, 1, cfg.num_q_heads)
@@ -483,11 +592,15 @@ def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, ne
     return (_attend_stored if stored else _attend)(table, cfg, q, k_pages, v_pages, sinks, meta)
 
 
-@_checks.entry_point("fnattn.paged_attention", ints=("page_table", "kv_lengths"))
+@_checks.entry_point("fnattn.paged_attention",
+                     ints=("page_table", "kv_lengths", "draft_parents"),
+                     precheck=_paged_precheck)
 @jaxtyped(typechecker=beartype)
 def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: quant.Cache,
                     v_pages: Optional[quant.Cache], *, page_table: Shaped[Array, "..."],
-                    kv_lengths: Shaped[Array, "..."], value_dim: Optional[int] = None,
+                    kv_lengths: Shaped[Array, "..."],
+                    draft_parents: Optional[Shaped[Array, "..."]] = None,
+                    value_dim: Optional[int] = None,
                     checked: bool = False) -> AttentionOutput:
     """Decode: a few new query tokens per sequence against a paged KV cache.
 
@@ -505,6 +618,13 @@ def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: quant
       kv_lengths: (B,) int: keys of each sequence, the Tq new ones included
         (they must already be in the pool). This and ``page_table`` may be
         Python lists or NumPy arrays (converted with ``jnp.asarray``).
+      draft_parents: (B, Tq) int, speculative tree verification: the Tq new
+        tokens of sequence ``b`` form a tree, ``draft_parents[b, i]`` the index
+        of token i's parent among them (``0 <= parent < i``) or -1 for a root
+        (attached to the context). Each new token then sees the whole context
+        and, among the new tokens, its ancestors and itself only, at position
+        ``kv_lengths[b] - Tq + depth`` (:mod:`fnattn.paged.tree`,
+        :func:`fnattn.draft_positions`). Runs with the XLA lowering.
       value_dim: a latent pool (multi-head latent attention): ``v_pages`` is
         None and the values are the first ``value_dim`` channels of ``k_pages``.
       checked: also report bad run-time values with ``checkify`` (wrap the call
@@ -532,11 +652,12 @@ def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: quant
     (True, (2, 4, 1))
     """
     return paged_attention_with(None, spec, q, k_pages, v_pages, page_table=page_table,
-                                kv_lengths=kv_lengths, value_dim=value_dim, checked=checked)
+                                kv_lengths=kv_lengths, draft_parents=draft_parents,
+                                value_dim=value_dim, checked=checked)
 
 
 def paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table, kv_lengths,
-                         value_dim=None, checked=False):
+                         draft_parents=None, value_dim=None, checked=False):
     """:func:`paged_attention` with an explicit lowering table (None: ``spec.impl``'s)."""
     fn = "paged_attention"
     _checks.check_float(f"{fn}: q", q)
@@ -559,24 +680,28 @@ def paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table, kv_len
                          f"from q {_shape(q)}; got {_shape(page_table)}")
     _check_int(fn, "page_table", page_table, _shape(page_table), "(B, max_pages_per_seq)")
     _check_int(fn, "kv_lengths", kv_lengths, (B,), "(B,)")
+    _check_parents_shape(fn, draft_parents, (B, Tq), "(B, Tq) from q")
+    _check_tree_values(fn, draft_parents)
     _check_spec(fn, spec, Hq)
     cfg = _make_cfg(spec, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, v_head_dim=Dv,
                     num_pages=N, page_size=ps, pages_per_seq=page_table.shape[1], max_seqs=B,
-                    total_tokens=B * Tq, uniform_q=Tq, update=False, value_dim=value_dim)
+                    total_tokens=B * Tq, uniform_q=Tq, update=False, value_dim=value_dim,
+                    tree=draft_parents is not None)
     if checked:
         quant.check_pool_scales(k_pages=k_pages, v_pages=v_pages)
         check_inputs(k_pages, page_table=page_table, context_lengths=kv_lengths,
-                     new_tokens=Tq)
+                     new_tokens=Tq, draft_parents=draft_parents)
     loc = jnp.arange(B + 1, dtype=I32) * Tq
     out, lse = run(spec, qb.reshape(B * Tq, Hq, D), k_pages, v_pages,
-                   (page_table, kv_lengths, loc, jnp.int32(B)), cfg, table=table)
+                   (page_table, kv_lengths, loc, jnp.int32(B)), cfg, table=table,
+                   parents=None if draft_parents is None else draft_parents.reshape(-1))
     out = _checks.from_bthd(out.reshape(B, Tq, Hq, Dv), spec.layout)
     lse = lse.reshape(Hq, B, Tq).transpose(1, 0, 2)
     return AttentionOutput(out, lse if spec.return_lse else None)
 
 
 def _ragged_checks(fn, spec, q, k_pages, v_pages, page_table, context_lengths,
-                   query_start_loc, num_seqs, value_dim=None, **new_kv):
+                   query_start_loc, num_seqs, value_dim=None, draft_parents=None, **new_kv):
     _checks.check_float(f"{fn}: q", q)
     refuse_float64(fn, q=q, **new_kv, k_pages=k_pages, v_pages=v_pages)
     if spec.layout != "bthd":
@@ -603,11 +728,14 @@ def _ragged_checks(fn, spec, q, k_pages, v_pages, page_table, context_lengths,
         raise TypeError(f"{fn}: num_seqs must be an int32 scalar or (1,) array; got "
                         f"{getattr(num_seqs, 'dtype', type(num_seqs).__name__)} "
                         f"{_shape(num_seqs)}")
+    _check_parents_shape(fn, draft_parents, (T,), f"(total_tokens,) from q {_shape(q)}")
+    _check_tree_values(fn, draft_parents, query_start_loc, num_seqs)
     _check_spec(fn, spec, Hq)
     return T, Hq, D, Hkv, N, ps, Dv, S, P
 
 
-@_checks.entry_point("fnattn.ragged_paged_attention", ints=_META)
+@_checks.entry_point("fnattn.ragged_paged_attention", ints=_META,
+                     precheck=_ragged_precheck("ragged_paged_attention"))
 @jaxtyped(typechecker=beartype)
 def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
                            k_pages: quant.Cache, v_pages: Optional[quant.Cache], *,
@@ -615,6 +743,7 @@ def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
                            context_lengths: Shaped[Array, "..."],
                            query_start_loc: Shaped[Array, "..."],
                            num_seqs: Shaped[Array, "..."],
+                           draft_parents: Optional[Shaped[Array, "..."]] = None,
                            value_dim: Optional[int] = None,
                            checked: bool = False) -> AttentionOutput:
     """A mixed batch of prefill and decode sequences over a paged KV cache.
@@ -638,8 +767,18 @@ def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
       context_lengths: (max_seqs,) int32, all tokens of each sequence.
       query_start_loc: (max_seqs + 1,) int32 cumulative token offsets.
       num_seqs: int32 scalar or (1,) array: live sequences (the rest are padding).
-        The four metadata arguments may be Python lists (or ints) or NumPy arrays
+        The metadata arguments may be Python lists (or ints) or NumPy arrays
         (converted with ``jnp.asarray``).
+      draft_parents: (total_tokens,) int, speculative tree verification: the
+        new tokens of each sequence form a tree, entry ``t`` the index of
+        token t's parent among its sequence's new tokens (``0 <= parent <
+        row``, row = ``t - query_start_loc[s]``) or -1 for a root (attached to
+        the context). Each new token sees the sequence's whole context
+        (``context_lengths[s] - n`` tokens) and, among the new tokens, its
+        ancestors and itself only, at position ``context - n + depth``
+        (:mod:`fnattn.paged.tree`, :func:`fnattn.draft_positions`); a chain
+        ``-1, 0, 1, ...`` is causal prefill, ``-1`` alone a decode token.
+        Runs with the XLA lowering (see docs/serving.md).
       value_dim: a latent pool (multi-head latent attention): ``v_pages`` is
         None and the values are the first ``value_dim`` channels of ``k_pages``
         (no second pool, no copy; see docs/serving.md).
@@ -666,39 +805,43 @@ def ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
     """
     return ragged_paged_attention_with(
         None, spec, q, k_pages, v_pages, page_table=page_table, context_lengths=context_lengths,
-        query_start_loc=query_start_loc, num_seqs=num_seqs, value_dim=value_dim,
-        checked=checked)
+        query_start_loc=query_start_loc, num_seqs=num_seqs, draft_parents=draft_parents,
+        value_dim=value_dim, checked=checked)
 
 
 def ragged_paged_attention_with(table, spec, q, k_pages, v_pages, *, page_table,
-                                context_lengths, query_start_loc, num_seqs, value_dim=None,
-                                checked=False):
+                                context_lengths, query_start_loc, num_seqs, draft_parents=None,
+                                value_dim=None, checked=False):
     """:func:`ragged_paged_attention` with an explicit lowering table."""
     fn = "ragged_paged_attention"
     T, Hq, D, Hkv, N, ps, Dv, S, P = _ragged_checks(
         fn, spec, q, k_pages, v_pages, page_table, context_lengths, query_start_loc, num_seqs,
-        value_dim)
+        value_dim, draft_parents)
     cfg = _make_cfg(spec, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, v_head_dim=Dv,
                     num_pages=N, page_size=ps, pages_per_seq=P, max_seqs=S, total_tokens=T,
-                    uniform_q=None, update=False, value_dim=value_dim)
+                    uniform_q=None, update=False, value_dim=value_dim,
+                    tree=draft_parents is not None)
     if checked:
         quant.check_pool_scales(k_pages=k_pages, v_pages=v_pages)
         check_inputs(k_pages, page_table=page_table, context_lengths=context_lengths,
-                     query_start_loc=query_start_loc, num_seqs=num_seqs, total_tokens=T)
+                     query_start_loc=query_start_loc, num_seqs=num_seqs, total_tokens=T,
+                     draft_parents=draft_parents)
     out, lse = run(spec, q, k_pages, v_pages,
-                   (page_table, context_lengths, query_start_loc, num_seqs), cfg, table=table)
+                   (page_table, context_lengths, query_start_loc, num_seqs), cfg, table=table,
+                   parents=draft_parents)
     return AttentionOutput(out, lse if spec.return_lse else None)
 
 
-@_checks.entry_point("fnattn.ragged_paged_attention_with_update", ints=_META)
+@_checks.entry_point("fnattn.ragged_paged_attention_with_update", ints=_META,
+                     precheck=_ragged_precheck("ragged_paged_attention_with_update"))
 @jaxtyped(typechecker=beartype)
 def ragged_paged_attention_with_update(
         spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..."],
         v: Optional[Shaped[Array, "..."]], k_pages: quant.Cache,
         v_pages: Optional[quant.Cache], *, page_table: Shaped[Array, "..."],
         context_lengths: Shaped[Array, "..."], query_start_loc: Shaped[Array, "..."],
-        num_seqs: Shaped[Array, "..."], value_dim: Optional[int] = None,
-        checked: bool = False):
+        num_seqs: Shaped[Array, "..."], draft_parents: Optional[Shaped[Array, "..."]] = None,
+        value_dim: Optional[int] = None, checked: bool = False):
     """:func:`ragged_paged_attention` that first writes the new tokens' k/v into the cache.
 
     Token row ``t`` of sequence ``s`` (``n`` new tokens, context ``L``) is at
@@ -740,7 +883,7 @@ def ragged_paged_attention_with_update(
     return ragged_paged_attention_with_update_with(
         None, spec, q, k, v, k_pages, v_pages, page_table=page_table,
         context_lengths=context_lengths, query_start_loc=query_start_loc, num_seqs=num_seqs,
-        value_dim=value_dim, checked=checked)
+        draft_parents=draft_parents, value_dim=value_dim, checked=checked)
 
 
 def _new_tokens(x, pool):
@@ -753,7 +896,8 @@ def _new_tokens(x, pool):
 
 def ragged_paged_attention_with_update_with(table, spec, q, k, v, k_pages, v_pages, *,
                                             page_table, context_lengths, query_start_loc,
-                                            num_seqs, value_dim=None, checked=False):
+                                            num_seqs, draft_parents=None, value_dim=None,
+                                            checked=False):
     """:func:`ragged_paged_attention_with_update` with an explicit lowering table."""
     fn = "ragged_paged_attention_with_update"
     if value_dim is not None and v is not None:
@@ -761,7 +905,7 @@ def ragged_paged_attention_with_update_with(table, spec, q, k, v, k_pages, v_pag
                          "pass v=None (k holds the latent and rope channels)")
     T, Hq, D, Hkv, N, ps, Dv, S, P = _ragged_checks(
         fn, spec, q, k_pages, v_pages, page_table, context_lengths, query_start_loc, num_seqs,
-        value_dim, k=k, v=v)
+        value_dim, draft_parents, k=k, v=v)
     news = (("k", k, (T, Hkv, D)), ("v", v, (T, Hkv, Dv)))
     for name, x, want in news[:1 if v is None else 2]:
         _checks.check_float(f"{fn}: {name}", x)
@@ -771,12 +915,15 @@ def ragged_paged_attention_with_update_with(table, spec, q, k, v, k_pages, v_pag
                              f"the pools; got {_shape(x)}")
     cfg = _make_cfg(spec, num_q_heads=Hq, num_kv_heads=Hkv, head_dim=D, v_head_dim=Dv,
                     num_pages=N, page_size=ps, pages_per_seq=P, max_seqs=S, total_tokens=T,
-                    uniform_q=None, update=True, value_dim=value_dim)
+                    uniform_q=None, update=True, value_dim=value_dim,
+                    tree=draft_parents is not None)
     if checked:
         quant.check_pool_scales(k_pages=k_pages, v_pages=v_pages)
         check_inputs(k_pages, page_table=page_table, context_lengths=context_lengths,
-                     query_start_loc=query_start_loc, num_seqs=num_seqs, total_tokens=T)
+                     query_start_loc=query_start_loc, num_seqs=num_seqs, total_tokens=T,
+                     draft_parents=draft_parents)
     out, lse, k_pages, v_pages = run(
         spec, q, k_pages, v_pages, (page_table, context_lengths, query_start_loc, num_seqs),
-        cfg, table=table, new_k=_new_tokens(k, k_pages), new_v=_new_tokens(v, v_pages))
+        cfg, table=table, new_k=_new_tokens(k, k_pages), new_v=_new_tokens(v, v_pages),
+        parents=draft_parents)
     return AttentionOutput(out, lse if spec.return_lse else None), k_pages, v_pages

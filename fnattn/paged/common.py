@@ -110,6 +110,7 @@ class Cfg(KernelFacts):
     term_treedef: Any = None   # a position term (its arrays: Meta.terms), or None
     mosaic_gpu: Any = None     # the spec's MosaicGpuDecodeBlockSizes (fnattn.paged.mosaic_gpu)
     value_dim: Optional[int] = None  # a latent pool: v_pages None, values k[..., :value_dim]
+    tree: bool = False         # Meta.parents: a tree over each sequence's new tokens
 
     @property
     def group(self) -> int:
@@ -139,6 +140,10 @@ class Meta(NamedTuple):
       kv_len: (S,) keys of each sequence, in [0, capacity]; 0 for padding.
       q_start: (S,) first token row of each sequence in the packed q.
       q_len: (S,) new query tokens of each sequence; 0 for padding.
+      parents: (T,) int32, each packed token's parent among its sequence's
+        new tokens (-1: a root), for speculative tree verification
+        (:mod:`fnattn.paged.tree`); or None. Only the XLA and reference
+        lowerings read it.
       terms: (n, Hq) float32, the arrays of a position term
         (:mod:`fnattn.position_bias`), one value per query head; or None.
     """
@@ -147,6 +152,7 @@ class Meta(NamedTuple):
     kv_len: Any
     q_start: Any
     q_len: Any
+    parents: Any = None
     terms: Any = None
 
 

@@ -13,6 +13,7 @@ from fnattn.merging import shifted_exp
 from fnattn import _online as online
 from fnattn import quant
 from fnattn.paged import common
+from fnattn.paged import tree as treemod
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
 __all__ = ["attend"]
@@ -35,8 +36,16 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
     kpos = jnp.arange(cfg.capacity, dtype=I32)
     heads = jnp.arange(Hq, dtype=I32).reshape(1, Hkv, G, 1)
     col = lambda x: x[:, None, None, None]  # noqa: E731
-    pos = common.positions(col(seq), heads, col(row), col(L - meta.q_len[seq] + row),
-                           kpos[None, None, None, :])
+    q_pos, k_pos, tree_ok = L - meta.q_len[seq] + row, kpos[None, :], None
+    if cfg.tree:   # depth-based positions; new keys visible to their descendants only
+        tree = treemod.build(cfg, meta)
+        start = L - meta.q_len[seq]
+        q_pos = start + tree.depth
+        k_pos, new, kt = treemod.key_positions(tree, kpos[None, :], start[:, None],
+                                               meta.q_start[seq][:, None], L[:, None])
+        t = jnp.arange(T, dtype=I32)[:, None]
+        tree_ok = ~new | treemod.is_ancestor(tree, t, kt)
+    pos = common.positions(col(seq), heads, col(row), col(q_pos), k_pos[:, None, None, :])
     term = common.term_value(cfg, meta, pos, lambda x: x.reshape(1, Hkv, G, 1))
     if term is not None:   # a position term, added before the cap
         s = s + term
@@ -44,6 +53,8 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
         s = cfg.softcap * jnp.tanh(s / cfg.softcap)
     s = jnp.where(jnp.transpose(bad, (1, 0, 2))[:, :, None, :], jnp.nan, s)
     ok = (kpos[None, :] < L[:, None]) & jnp.repeat(pages >= 0, ps, axis=1) & valid[:, None]
+    if tree_ok is not None:
+        ok = ok & tree_ok
     ok = ok[:, None, None, :]
     mask = cfg.mask()
     if mask is not None:

@@ -16,6 +16,11 @@ chunk that no item can see (past every sequence's length, or outside every
 item's window, from the mask's ``tile_bounds``) is skipped at run time by a
 ``lax.cond``. Short contexts (one chunk) take a single pass with no loop.
 
+**Trees** (speculative verification, :mod:`fnattn.paged.tree`): each row's
+keys among its sequence's new tokens are its ancestors, tested only in chunks
+that hold new tokens; positions are depth-based, and the chunks a positional
+mask leaves empty at those positions are skipped as above.
+
 **Cache update.** With new tokens, they are first scattered into their slots
 (``mode="drop"``: invalid slots are dropped), then attention reads the pool.
 
@@ -38,6 +43,7 @@ from fnattn._varying import varying_like
 from fnattn.merging import shifted_exp
 from fnattn import _online as online
 from fnattn.paged import common
+from fnattn.paged import tree as treemod
 from fnattn.paged.common import F32, I32, Cfg, Meta
 
 __all__ = ["forward", "write_tokens", "attend"]
@@ -121,6 +127,12 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
     n_chunks = common.cdiv(cfg.pages_per_seq, ppc)
     work = common.work_list(cfg, meta, bq, C)
     W, M = work.seq.shape[0], bq * G
+    # a tree over the new tokens (fnattn.paged.tree): depth-based positions, and
+    # the chunks skipped from the mask's tile bounds at those positions
+    tree = treemod.build(cfg, meta) if cfg.tree else None
+    if tree is not None and cfg.mask() is not None:
+        work = work._replace(**dict(zip(("k_lo", "k_hi", "f_lo", "f_hi"),
+                                        treemod.block_ranges(cfg, work, tree, bq, C))))
 
     if cfg.uniform_q is not None:
         qw = q.reshape(W, bq, Hq, D)
@@ -133,6 +145,8 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
     g_of = jnp.arange(M, dtype=I32) % G
     raw_q = (work.row0[:, None] + t_of)[None, :, :, None]          # (1, W, M, 1)
     q_pos = (work.q_pos[:, None] + t_of)[None, :, :, None]
+    if tree is not None:
+        q_pos = treemod.query_positions(tree, work, bq, G)
     seq4 = work.seq[None, :, None, None]
     head4 = (jnp.arange(Hkv, dtype=I32)[:, None] * G + g_of)[:, None, :, None]  # (Hkv, 1, M, 1)
     mask = cfg.mask()
@@ -162,8 +176,11 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
         s = jnp.einsum("hwmd,hwkd->hwmk", qw, kc, preferred_element_type=F32) * cfg.scale
         finite = sanitize or jnp.all(jnp.isfinite(s))    # before the cap hides an inf
         kpos = j * C + jnp.arange(C, dtype=I32)
+        kpos4, tree_ok = kpos[None, None, None, :], None
+        if tree is not None:   # the new tokens' keys at depth-based positions
+            kpos4, tree_ok = treemod.chunk_visibility(tree, work, kpos, bq, G)
         if term_rows is not None:  # a position term, added before the cap
-            pos = common.positions(seq4, head4, raw_q, q_pos, kpos[None, None, None, :])
+            pos = common.positions(seq4, head4, raw_q, q_pos, kpos4)
             s = s + common.term_value(cfg, meta, pos, term_rows)
         if cfg.softcap is not None:
             s = cfg.softcap * jnp.tanh(s / cfg.softcap)
@@ -171,8 +188,10 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
             s = jnp.where(bad[:, :, None, :], jnp.nan, s)
         ok = (kpos[None, :] < work.kv_len[:, None]) & jnp.repeat(pages >= 0, ps, axis=1)
         ok = ok[None, :, None, :]
+        if tree_ok is not None:
+            ok = ok & tree_ok
         if mask is not None:
-            pos = common.positions(seq4, head4, raw_q, q_pos, kpos[None, None, None, :])
+            pos = common.positions(seq4, head4, raw_q, q_pos, kpos4)
             ok = ok & mask.predicate(pos, [])
         return jnp.where(ok, s, -jnp.inf), vc, finite
 
