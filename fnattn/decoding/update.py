@@ -257,6 +257,21 @@ def ragged_decode(spec, q, k_cache, v_cache, lengths, starts, n, fits, value_dim
     return AttentionOutput(out, lse)
 
 
+def attend_written(spec, q, k_cache, v_cache, lengths, starts, q_lengths, n, fits,
+                   value_dim):
+    """:func:`fnattn.decode` on caches that hold the new tokens (``plan``'s ``fits``
+    and ``n``): sequences that do not fit are NaN; with ``q_lengths``, padding rows
+    0 and -inf."""
+    if q_lengths is not None:
+        return ragged_decode(spec, q, k_cache, v_cache, lengths, starts, n, fits, value_dim)
+    res = api.decode(spec, q, k_cache, v_cache, kv_lengths=lengths, kv_starts=starts,
+                     value_dim=value_dim)
+    bad = ~fits
+    out = jnp.where(bad[:, None, None, None], jnp.nan, res.out).astype(res.out.dtype)
+    lse = None if res.lse is None else jnp.where(bad[:, None, None], jnp.nan, res.lse)
+    return AttentionOutput(out, lse)
+
+
 def _concrete_checks(a):
     """What only concrete lengths tell, checked before the call is compiled."""
     _, Tq, S, *_ = _check(a["spec"], a["q"], a["k_new"], a["v_new"], a["k_cache"],
@@ -360,12 +375,6 @@ def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
 
     k_cache = put(k_cache, k_new)
     v_cache = None if v_cache is None else put(v_cache, v_new)   # (None: a latent cache)
-    if q_lengths is not None:
-        res = ragged_decode(spec, q, k_cache, v_cache, lengths, starts, n, fits, value_dim)
-        return res, k_cache, v_cache
-    res = api.decode(spec, q, k_cache, v_cache, kv_lengths=kv_lengths, kv_starts=kv_starts,
-                     value_dim=value_dim)
-    bad = ~fits
-    out = jnp.where(bad[:, None, None, None], jnp.nan, res.out).astype(res.out.dtype)
-    lse = None if res.lse is None else jnp.where(bad[:, None, None], jnp.nan, res.lse)
-    return AttentionOutput(out, lse), k_cache, v_cache
+    res = attend_written(spec, q, k_cache, v_cache, lengths, starts, q_lengths, n, fits,
+                         value_dim)
+    return res, k_cache, v_cache
