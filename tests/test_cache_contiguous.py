@@ -191,17 +191,18 @@ def test_the_scan_carries_the_pools_and_writes_only_the_new_tokens():
     x, ql = jnp.ones((B, 2, DM)), jnp.array([2, 1, 0], jnp.int32)
     cache = empty()
     eqn = _scan_eqn(jax.make_jaxpr(scanned_step)(cache, x, ql).jaxpr)
-    p = eqn.params
-    pool = tuple(cache.k_cache.shape)
-    carries = [tuple(v.aval.shape) for v in eqn.invars[p["num_consts"]:][:p["num_carry"]]]
-    xs = [tuple(v.aval.shape) for v in eqn.invars[p["num_consts"] + p["num_carry"]:]]
-    ys = [tuple(v.aval.shape) for v in eqn.outvars[p["num_carry"]:]]
-    assert carries.count(pool) == 1 and carries.count(tuple(cache.v_cache.shape)) == 1
-    assert pool not in xs and pool not in ys and not ys
-    body = p["jaxpr"].jaxpr
+    pool, vpool = tuple(cache.k_cache.shape), tuple(cache.v_cache.shape)
+    body = eqn.params["jaxpr"].jaxpr
+    # A carry keeps its whole shape in the body; xs come in and ys go out a layer at
+    # a time, (B, CAP, Hkv, D).
+    ins = [tuple(v.aval.shape) for v in body.invars]
+    outs = [tuple(v.aval.shape) for v in body.outvars]
+    assert ins.count(pool) == outs.count(pool) == 1
+    assert ins.count(vpool) == outs.count(vpool) == 1
+    assert pool[1:] not in ins + outs and vpool[1:] not in ins + outs
     writes = [e for e in body.eqns
               if e.primitive.name in ("scatter", "dynamic_update_slice")
-              and tuple(e.invars[0].aval.shape) in (pool, tuple(cache.v_cache.shape))]
+              and tuple(e.invars[0].aval.shape) in (pool, vpool)]
     assert len(writes) == 2
     assert all(e.primitive.name == "scatter" for e in writes)
     assert {tuple(e.invars[2].aval.shape) for e in writes} == {(B, 2, HKV, D), (B, 2, HKV, DV)}
