@@ -410,3 +410,32 @@ def test_partition_specs_shard_the_rows():
     _, got, _ = scanned_step(placed, x, ql)
     _, want, _ = scanned_step(empty(), x, ql)
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_scanned_ragged_step_lowers_to_the_decode_kernels(platform):
+    """The scanned layered step with q_lengths lowers for cuda (Triton) and tpu (Mosaic):
+    per-sequence counts reach the Pallas decode kernels as per-row lengths."""
+    from lowering import target
+
+    from fnattn.decoding import mosaic, triton
+    nl, b, cap, hq, hkv, d = 2, 2, 512, 8, 2, 128
+    cache = LayeredKVCache.create(nl, b, cap, hkv, d, dtype=jnp.bfloat16)
+    spec = AttentionSpec(mask=masks.causal())
+
+    def step(cache, q, q_lengths):
+        cache = cache.allocate(q_lengths)
+
+        def layer(carry, i):
+            q, cache = carry
+            res, cache = cache.decode_with_update(i, spec, q, q[:, :, :hkv], q[:, :, :hkv],
+                                                  q_lengths=q_lengths)
+            return (res.out, cache), None
+        (q, cache), _ = jax.lax.scan(layer, (q, cache), jnp.arange(nl))
+        return cache, q
+
+    q = jnp.zeros((b, 4, hq, d), jnp.bfloat16)
+    with target(platform):
+        text = jax.jit(step).trace(cache, q, jnp.array([4, 1], jnp.int32)).lower(
+            lowering_platforms=(platform,)).as_text()
+    assert (triton.KERNEL_NAME if platform == "cuda" else mosaic.KERNEL_NAME) in text
