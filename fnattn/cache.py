@@ -945,7 +945,7 @@ class LayeredKVCache:
         >>> c.allocate(jnp.array([0, 1, 1]))
         Traceback (most recent call last):
         ...
-        ValueError: LayeredKVCache.allocate: row 2 would hold 4 + 1 = 5 tokens, past the capacity of 4 slots; release it (or stop it) first
+        ValueError: LayeredKVCache.allocate: row 2 would hold 4 + 1 = 5 tokens, past the capacity...
         """
         fn = "LayeredKVCache.allocate"
         self._check_q_lengths("allocate", q_lengths)
@@ -1033,8 +1033,9 @@ class LayeredKVCache:
             if pool is None:
                 return None
             if quant.is_quantized(pool):
-                take = lambda x: jax.lax.dynamic_index_in_dim(x, at, 0, keepdims=False)  # noqa: E731
-                return quant.QuantizedArray(take(pool.data), take(pool.scale), pool.format)
+                data, scale = (jax.lax.dynamic_index_in_dim(x, at, 0, keepdims=False)
+                               for x in (pool.data, pool.scale))
+                return quant.QuantizedArray(data, scale, pool.format)
             return jax.lax.dynamic_index_in_dim(pool, at, 0, keepdims=False)
         return one(self.k_cache), one(self.v_cache)
 

@@ -83,7 +83,7 @@ def unrolled_step(k_caches, v_caches, lengths, x, q_lengths):
     pos = jnp.where(i < q_lengths[:, None], lengths[:, None] - q_lengths[:, None] + i, -1)
     k_caches, v_caches = list(k_caches), list(v_caches)
     for layer in range(L):
-        w = jax.tree.map(lambda a: a[layer], W32)
+        w = jax.tree.map(lambda a, i=layer: a[i], W32)
         q, k, v = project(w, x, pos)
         res, k_caches[layer], v_caches[layer] = fnattn.decode_with_update(
             SPEC, q, k, v, k_caches[layer], v_caches[layer], kv_lengths=lengths,

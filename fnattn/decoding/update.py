@@ -35,12 +35,12 @@ Padding rows write nothing and give ``out`` 0 and ``lse`` -inf (and no
 gradient reaches their q, k_new or v_new); a sequence with ``q_lengths[b] =
 0`` takes no part in the step (its slots are untouched; it may have any
 length). Such a sequence fits when ``0 <= q_lengths[b] <= min(Tq,
-kv_lengths[b])`` and its slots lie in the cache; one that does not fits the
-rule above (NaN, nothing written, ``ValueError`` for concrete values,
-``checkify`` errors with ``checked=True``). The spec's mask and position term
-see positions, as without ``q_lengths``; a ``masks.from_fn`` mask, which reads
-the raw query row, is refused with ``q_lengths`` (the rows of a sequence are
-shifted to place its tokens). The kernels are the ones of
+kv_lengths[b])`` and its slots lie in the cache; one that does not is
+treated as above (NaN, nothing written, ``ValueError`` for concrete values,
+``checkify`` errors with ``checked=True``: :func:`check_q_lengths`). The
+spec's mask and position term see positions, as without ``q_lengths``; a
+``masks.from_fn`` mask, which reads the raw query row, is refused with
+``q_lengths`` (the rows of a sequence are shifted to place its tokens). The kernels are the ones of
 :func:`fnattn.decode`, given each sequence's tokens as its last rows.
 
 **Gradients** with respect to q, the new k/v and the caches come from JAX: the
