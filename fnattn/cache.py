@@ -825,7 +825,8 @@ class LayeredKVCache:
     tokens into the stacked pools and attends over the layer's row. Keep the cache
     in the ``lax.scan`` *carry* and pass the layer index in ``xs``: the writes then
     touch ``B * Tq`` slots per layer in place, with no copy of the cache per step
-    (``xs``/``ys`` pools would restack them). Ragged prompts (right-padded to one
+    (``xs``/``ys`` pools would restack them; each layer's read is a slice of the
+    stacked pools, which XLA may copy, one layer at a time). Ragged prompts (right-padded to one
     ``Tq``) prefill in one call; the next call decodes them together:
 
     >>> import jax, jax.numpy as jnp, fnattn
