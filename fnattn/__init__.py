@@ -19,7 +19,7 @@ from fnattn.flash.xla import XlaBlockSizes
 from fnattn.merging import merge
 from fnattn.nn import dot_product_attention
 from fnattn.reference import reference
-from fnattn.cache import LayeredPagedKVCache, PagedKVCache
+from fnattn.cache import LayeredKVCache, LayeredPagedKVCache, PagedKVCache
 from fnattn.paged import (PagedBlockSizes, draft_ancestor_mask, draft_positions,
                           paged_attention, ragged_paged_attention,
                           ragged_paged_attention_with_update)
@@ -32,6 +32,7 @@ __all__ = [
     "AttentionOutput",
     "AttentionSpec",
     "DecodeBlockSizes",
+    "LayeredKVCache",
     "LayeredPagedKVCache",
     "MosaicBlockSizes",
     "MosaicGpuBlockSizes",

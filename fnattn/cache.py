@@ -69,7 +69,7 @@ from jax.experimental import checkify
 
 from fnattn import quant
 
-__all__ = ["LayeredPagedKVCache", "PagedKVCache", "TokenSlots", "write_tokens"]
+__all__ = ["LayeredKVCache", "LayeredPagedKVCache", "PagedKVCache", "TokenSlots", "write_tokens"]
 
 I32 = jnp.int32
 
@@ -925,3 +925,415 @@ class LayeredPagedKVCache(_Paged):
 jax.tree_util.register_dataclass(LayeredPagedKVCache,
                                  data_fields=["k_pages", "v_pages", *_BOOK_FIELDS],
                                  meta_fields=[])
+
+
+# ----------------------------------------------------------------------------------
+# Every layer, contiguous rows
+# ----------------------------------------------------------------------------------
+
+
+def _contiguous_pool(shape, dtype, fmt, scale):
+    """A zero (num_layers, B, S, Hkv, D) pool: float, or quantized with one
+    per-tensor scale per layer (num_layers,)."""
+    if fmt is None or fmt.per_token:
+        return _pool(shape, dtype, fmt, scale)
+    L = shape[0]
+    if scale is None:
+        raise ValueError(f"LayeredKVCache.create: {fmt} needs its scales (k_scale, v_scale: a "
+                         f"number or one per layer, shape ({L},))")
+    scale = jnp.asarray(scale, jnp.float32)
+    if scale.shape not in ((), (L,)):
+        raise ValueError(f"LayeredKVCache.create: a per-tensor scale must be a number or one "
+                         f"per layer, shape ({L},); got shape {scale.shape}")
+    scales = jnp.broadcast_to(scale, (L,))
+    for i in range(L):
+        quant.check("LayeredKVCache.create", f"scale of layer {i}",
+                    quant.QuantizedArray(jnp.zeros((1,), fmt.storage_dtype), scales[i], fmt))
+    one = quant.empty(shape[1:], fmt, scale=1.0)
+    return quant.QuantizedArray(jnp.zeros(shape[:-1] + one.data.shape[-1:], one.data.dtype),
+                                scales, fmt)
+
+
+def _is_concrete(*xs):
+    return not any(isinstance(x, jax.core.Tracer) for x in xs)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayeredKVCache:
+    """A contiguous KV cache of a whole model: ``max_seqs`` rows of ``capacity``
+    slots per layer, one ``lengths`` vector for every layer, the layers' pools
+    stacked on axis 0 for ``jax.lax.scan``::
+
+        k_cache  (num_layers, max_seqs, capacity, Hkv, D)    (or a QuantizedArray)
+        v_cache  (num_layers, max_seqs, capacity, Hkv, Dv)   (None: a latent cache)
+        lengths  (max_seqs,) int32, the tokens of each row (the same in every layer)
+
+    Each layer's pools are those of :func:`fnattn.decode` in the "bthd" layout:
+    sequence ``b`` owns slots ``[0, lengths[b])`` of row ``b``. A step first
+    :meth:`allocate`\\ s its new tokens once (``q_lengths[b]`` of them in row ``b``:
+    the lengths then include them, as :func:`fnattn.decode_with_update` expects)
+    and reads their :meth:`positions` (for RoPE); then every layer calls
+    :meth:`decode_with_update` (or :meth:`write`), which writes only that layer's new
+    tokens into the stacked pools and attends over the layer's row. Keep the cache
+    in the ``lax.scan`` *carry* and pass the layer index in ``xs``: the writes then
+    touch ``B * Tq`` slots per layer in place, with no copy of the cache per step
+    (``xs``/``ys`` pools would restack them; each layer's read is a slice of the
+    stacked pools, which XLA may copy, one layer at a time). Ragged prompts (right-padded to one
+    ``Tq``) prefill in one call; the next call decodes them together:
+
+    >>> import jax, jax.numpy as jnp, fnattn
+    >>> from fnattn import AttentionSpec, LayeredKVCache, masks
+    >>> spec = AttentionSpec(mask=masks.causal())
+    >>> cache = LayeredKVCache.create(num_layers=3, max_seqs=2, capacity=8,
+    ...                               num_kv_heads=1, head_dim=4)
+    >>> @jax.jit
+    ... def step(cache, x, q_lengths):                 # x (B, Tq, 1, 4), right-padded
+    ...     cache = cache.allocate(q_lengths)            # once, for every layer
+    ...     positions = cache.positions(q_lengths, x.shape[1])
+    ...     def layer(carry, l):
+    ...         x, cache = carry
+    ...         res, cache = cache.decode_with_update(l, spec, x, x, x, q_lengths=q_lengths)
+    ...         return (res.out, cache), None
+    ...     (x, cache), _ = jax.lax.scan(layer, (x, cache), jnp.arange(cache.num_layers))
+    ...     return cache, x, positions
+    >>> x = jnp.ones((2, 3, 1, 4))
+    >>> cache, out, pos = step(cache, x, jnp.array([3, 1]))    # prompts of 3 and 1 tokens
+    >>> cache.lengths.tolist(), pos.tolist()
+    ([3, 1], [[0, 1, 2], [0, -1, -1]])
+    >>> cache, out, pos = step(cache, x[:, :1], jnp.array([1, 1]))   # one token each
+    >>> cache.lengths.tolist(), pos.tolist(), cache.k_cache.shape
+    ([4, 2], [[3], [1]], (3, 2, 8, 1, 4))
+
+    A row whose tokens do not fit (``lengths > capacity``) gets NaN and writes
+    nothing, in this step and every later one until :meth:`release`; with
+    concrete values :meth:`allocate` raises ``ValueError``, and ``checked=True``
+    reports traced ones through ``checkify``.
+    """
+
+    k_cache: Any
+    v_cache: Any
+    lengths: Any
+    value_dim: int | None = None
+
+    # -- sizes --------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        return self.k_cache.shape[0]
+
+    @property
+    def max_seqs(self) -> int:
+        return self.k_cache.shape[1]
+
+    @property
+    def capacity(self) -> int:
+        """Tokens one row can hold."""
+        return self.k_cache.shape[2]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k_cache.shape[3]
+
+    def replace(self, **changes) -> "LayeredKVCache":
+        """A copy with ``changes`` (field name = new value)."""
+        return dataclasses.replace(self, **changes)
+
+    # -- construction -------------------------------------------------------------
+    @classmethod
+    def create(cls, num_layers: int, max_seqs: int, capacity: int, num_kv_heads: int,
+               head_dim: int, dtype=jnp.float32, v_head_dim: int | None = None,
+               value_dim: int | None = None, quant_format=None, k_scale=None,
+               v_scale=None) -> "LayeredKVCache":
+        """An empty cache: every row of length 0.
+
+        ``v_head_dim``: the values' head dim (default ``head_dim``).
+        ``value_dim``: a latent cache (multi-head latent attention) with no
+        ``v_cache``: ``k_cache`` holds ``head_dim`` latent and rope channels, the
+        values are its first ``value_dim``. ``quant_format``, ``k_scale``,
+        ``v_scale``: quantized pools, as in :meth:`LayeredPagedKVCache.create` (a
+        per-tensor scale is one per layer, shape (num_layers,)).
+
+        >>> c = LayeredKVCache.create(2, 4, 16, 2, 8)
+        >>> c.k_cache.shape, c.v_cache.shape, c.lengths.tolist()
+        ((2, 4, 16, 2, 8), (2, 4, 16, 2, 8), [0, 0, 0, 0])
+        >>> c = LayeredKVCache.create(2, 4, 16, 1, 10, value_dim=8, quant_format="int8")
+        >>> c.k_cache.data.shape, c.k_cache.scale.shape, c.v_cache
+        ((2, 4, 16, 1, 10), (2, 4, 16, 1), None)
+        """
+        dv = head_dim if v_head_dim is None else v_head_dim
+        _check_sizes("LayeredKVCache", num_layers=num_layers, max_seqs=max_seqs,
+                     capacity=capacity, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                     v_head_dim=dv)
+        if value_dim is not None:
+            if v_head_dim is not None:
+                raise ValueError("LayeredKVCache.create: a latent cache (value_dim) has no "
+                                 "values of its own; leave v_head_dim out")
+            if not isinstance(value_dim, int) or isinstance(value_dim, bool) \
+                    or not 0 < value_dim <= head_dim:
+                raise ValueError(f"LayeredKVCache.create: value_dim must be an int in "
+                                 f"(0, head_dim={head_dim}]; got {value_dim!r}")
+        kf, vf = _formats("LayeredKVCache", quant_format)
+        shape = (num_layers, max_seqs, capacity, num_kv_heads)
+        v = None if value_dim is not None else _contiguous_pool((*shape, dv), dtype, vf,
+                                                                v_scale)
+        return cls(k_cache=_contiguous_pool((*shape, head_dim), dtype, kf, k_scale),
+                   v_cache=v, lengths=jnp.zeros((max_seqs,), I32), value_dim=value_dim)
+
+    # -- bookkeeping --------------------------------------------------------------
+    def _check_q_lengths(self, fn, q_lengths):
+        from fnattn.decoding import update
+        update.check_q_lengths_arg(f"LayeredKVCache.{fn}", q_lengths, self.max_seqs)
+
+    def allocate(self, q_lengths, *, checked: bool = False) -> "LayeredKVCache":
+        """Counts ``q_lengths[b]`` new tokens in row ``b`` (every layer): ``lengths``
+        grows by them. Call it once per step, before the layers write.
+
+        A row pushed past ``capacity`` keeps its true length (so that its results
+        are NaN rather than wrong); concrete values past it, or negative counts,
+        raise ``ValueError``; ``checked=True`` reports traced ones through
+        ``checkify`` (wrap the call in ``checkify.checkify``).
+
+        >>> c = LayeredKVCache.create(2, 3, 4, 1, 2).allocate(jnp.array([2, 0, 4]))
+        >>> c.lengths.tolist()
+        [2, 0, 4]
+        >>> c.allocate(jnp.array([0, 1, 1]))
+        Traceback (most recent call last):
+        ...
+        ValueError: LayeredKVCache.allocate: row 2 would hold 4 + 1 = 5 tokens, past the capacity...
+        """
+        fn = "LayeredKVCache.allocate"
+        self._check_q_lengths("allocate", q_lengths)
+        n = jnp.asarray(q_lengths).astype(I32)
+        if _is_concrete(self.lengths, n):
+            old, add = np.asarray(self.lengths, np.int64), np.asarray(n, np.int64)
+            if (add < 0).any():
+                b = int(np.argmax(add < 0))
+                raise ValueError(f"{fn}: q_lengths[{b}] = {add[b]} is negative")
+            over = old + add > self.capacity
+            if over.any():
+                b = int(np.argmax(over))
+                raise ValueError(f"{fn}: row {b} would hold {old[b]} + {add[b]} = "
+                                 f"{old[b] + add[b]} tokens, past the capacity of "
+                                 f"{self.capacity} slots; release it (or stop it) first")
+        if checked:
+            neg = n < 0
+            b = jnp.argmax(neg)
+            checkify.check(~neg.any(), f"{fn}: q_lengths[{{b}}] = {{x}} is negative", b=b,
+                           x=n[b])
+            new = self.lengths + n
+            over = new > self.capacity
+            b = jnp.argmax(over)
+            checkify.check(~over.any(), f"{fn}: row {{b}} would hold {{x}} tokens, past the "
+                           f"capacity of {self.capacity} slots", b=b, x=new[b])
+        return self.replace(lengths=(self.lengths + n).astype(I32))
+
+    def positions(self, q_lengths, num_tokens: int):
+        """(max_seqs, num_tokens) int32: the position in its sequence of each new
+        token of the step (after :meth:`allocate`): ``lengths[b] - q_lengths[b] + i``
+        for ``i < q_lengths[b]``, -1 for padding rows. The positions RoPE or a
+        position embedding needs.
+
+        >>> c = LayeredKVCache.create(1, 2, 8, 1, 2).allocate(jnp.array([2, 3]))
+        >>> c.allocate(jnp.array([1, 2])).positions(jnp.array([1, 2]), 2).tolist()
+        [[2, -1], [3, 4]]
+        """
+        self._check_q_lengths("positions", q_lengths)
+        n = jnp.asarray(q_lengths).astype(I32)[:, None]
+        i = jnp.arange(num_tokens, dtype=I32)[None, :]
+        return jnp.where(i < n, self.lengths[:, None] - n + i, -1).astype(I32)
+
+    def release(self, seq_id) -> "LayeredKVCache":
+        """Empties row ``seq_id`` (a traced int is fine; out of range: nothing changes)
+        in every layer: its length becomes 0. The pools are not touched (attention
+        never reads past a row's length).
+
+        >>> c = LayeredKVCache.create(1, 2, 8, 1, 2).allocate(jnp.array([2, 3]))
+        >>> c.release(0).lengths.tolist()
+        [0, 3]
+        """
+        s = jnp.asarray(seq_id, I32)
+        ok = (s >= 0) & (s < self.max_seqs)
+        mine = (jnp.arange(self.max_seqs, dtype=I32) == s) & ok
+        return self.replace(lengths=jnp.where(mine, 0, self.lengths).astype(I32))
+
+    # -- one layer ----------------------------------------------------------------
+    def _layer_index(self, fn, layer):
+        L = self.num_layers
+        if isinstance(layer, (int, np.integer)) and not isinstance(layer, bool):
+            if not 0 <= layer < L:
+                raise ValueError(f"{fn}: layer must be in [0, num_layers)=[0, {L}); got "
+                                 f"{int(layer)}")
+        elif not (hasattr(layer, "dtype") and jnp.issubdtype(layer.dtype, jnp.integer)
+                  and _shape(layer) == ()):
+            raise TypeError(f"{fn}: layer must be an int or an integer scalar array; got "
+                            f"{getattr(layer, 'dtype', type(layer).__name__)} "
+                            f"{_shape(layer)}")
+        layer = jnp.asarray(layer, I32)
+        return jnp.clip(layer, 0, L - 1), (layer >= 0) & (layer < L)
+
+    def layer(self, layer: int | jax.Array):
+        """``(k_cache, v_cache)`` of one layer, (max_seqs, capacity, Hkv, D|Dv), as
+        :func:`fnattn.decode` takes them (``v_cache`` None for a latent cache). A
+        traced ``layer`` is clipped to ``[0, num_layers)``.
+
+        >>> LayeredKVCache.create(3, 2, 8, 1, 4).layer(1)[0].shape
+        (2, 8, 1, 4)
+        """
+        at, _ = self._layer_index("LayeredKVCache.layer", layer)
+        return self._pools(at)
+
+    def _pools(self, at):
+        def one(pool):
+            if pool is None:
+                return None
+            if quant.is_quantized(pool):
+                data, scale = (jax.lax.dynamic_index_in_dim(x, at, 0, keepdims=False)
+                               for x in (pool.data, pool.scale))
+                return quant.QuantizedArray(data, scale, pool.format)
+            return jax.lax.dynamic_index_in_dim(pool, at, 0, keepdims=False)
+        return one(self.k_cache), one(self.v_cache)
+
+    def _put(self, at, slot, k_new, v_new):
+        """The new tokens (B, Tq, Hkv, D|Dv) of layer ``at`` at ``slot`` (B, Tq) of
+        each row (``capacity``: dropped), in the stacked pools."""
+        rows = jnp.arange(self.max_seqs, dtype=I32)[:, None]
+        index = (at, rows, slot)
+
+        def put(pool, new):
+            new = jnp.asarray(new)
+            if not quant.is_quantized(pool):
+                return pool.at[index].set(new.astype(pool.dtype), mode="drop")
+            fmt = pool.format
+            qa = quant.quantize(new, fmt, scale=None if fmt.per_token else pool.scale[at])
+            data = pool.data.at[index].set(qa.data, mode="drop")
+            scale = pool.scale
+            if fmt.per_token:
+                scale = scale.at[index].set(quant.pool_scale_like(qa.scale, pool), mode="drop")
+            return quant.QuantizedArray(data, scale, fmt)
+
+        v = None if self.v_cache is None else put(self.v_cache, v_new)
+        return self.replace(k_cache=put(self.k_cache, k_new), v_cache=v)
+
+    def _prepare(self, fn, layer, spec, q, k_new, v_new, q_lengths, checked):
+        from fnattn.decoding import api, update
+        if spec.layout != "bthd":
+            raise ValueError(f"{fn}: the cache's rows are in the 'bthd' layout (max_seqs, "
+                             f"capacity, Hkv, D); give q, k_new and v_new as (B, Tq, H, D) "
+                             f"with AttentionSpec(layout='bthd'); got layout {spec.layout!r}")
+        if self.value_dim is None and v_new is None:
+            raise ValueError(f"{fn}: v_new is None but the cache has values (v_cache); only a "
+                             "latent cache (value_dim) takes v_new=None")
+        at, layer_ok = self._layer_index(fn, layer)
+        kl, vl = self._pools(at)
+        try:
+            B, Tq, S, *_ = update._check(spec, q, k_new, v_new, kl, vl, self.lengths, None,
+                                         self.value_dim)
+        except (TypeError, ValueError, NotImplementedError) as e:
+            msg = str(e)
+            if msg.startswith("decode_with_update: "):
+                raise type(e)(f"{fn}: {msg[len('decode_with_update: '):]}") from None
+            raise
+        if q_lengths is not None:
+            update.check_q_lengths_arg(fn, q_lengths, B)
+            update.refuse_row_masks(fn, spec)
+            update._refuse_static_ragged(self.lengths, None, q_lengths, S, Tq, fn=fn)
+        elif _is_concrete(self.lengths):
+            bad = np.asarray(self.lengths) > S
+            if bad.any():
+                b = int(np.argmax(bad))
+                raise ValueError(f"{fn}: row {b} holds {int(self.lengths[b])} tokens, past the "
+                                 f"capacity of {S} slots")
+        if checked:
+            quant.check_pool_scales(k_cache=kl, v_cache=vl)
+            if q_lengths is None:
+                api.check_inputs(S, Tq, self.lengths)
+            else:
+                update.check_q_lengths(S, Tq, self.lengths, q_lengths, fn=fn)
+        zeros = jnp.zeros((B,), I32)
+        fits, n, slot = update.plan(self.lengths.astype(I32), zeros, q_lengths, S, Tq)
+        fits = fits & layer_ok
+        slot = jnp.where(layer_ok, slot, S)
+        return at, fits, n, slot, zeros
+
+    def write(self, layer: int | jax.Array, k_new, v_new, *, q_lengths=None,
+              checked: bool = False) -> "LayeredKVCache":
+        """Writes layer ``layer``'s new k/v, (max_seqs, Tq, Hkv, D|Dv), after
+        :meth:`allocate`: token ``i < q_lengths[b]`` of row ``b`` at slot
+        ``lengths[b] - q_lengths[b] + i`` (``q_lengths`` None: ``Tq`` tokens in every
+        row of nonzero length). Only those slots change; padding rows and rows
+        that do not fit write nothing. ``layer``: an int or a traced integer
+        scalar (out of range: nothing is written). ``v_new``: None for a latent
+        cache.
+
+        >>> c = LayeredKVCache.create(2, 2, 4, 1, 1).allocate(jnp.array([2, 1]))
+        >>> k = jnp.array([[1., 2.], [3., 4.]])[:, :, None, None]
+        >>> c = c.write(1, k, k, q_lengths=jnp.array([2, 1]))
+        >>> c.k_cache[:, :, :, 0, 0].tolist()          # layer 0 untouched; row 1: one token
+        [[[0.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]], [[1.0, 2.0, 0.0, 0.0], [3.0, 0.0, 0.0, 0.0]]]
+        """
+        from fnattn import AttentionSpec
+        q_like = jax.ShapeDtypeStruct((*_shape(k_new)[:2], self.num_kv_heads,
+                                       _shape(k_new)[-1]), jnp.float32)
+        at, _, _, slot, _ = self._prepare("LayeredKVCache.write", layer, AttentionSpec(),
+                                          q_like, k_new, v_new, q_lengths, checked)
+        return self._put(at, slot, k_new, v_new)
+
+    def decode_with_update(self, layer: int | jax.Array, spec, q, k_new, v_new, *,
+                           q_lengths=None, checked: bool = False):
+        """:func:`fnattn.decode_with_update` on one layer of the cache: writes the
+        layer's new tokens (as :meth:`write`, after :meth:`allocate`), then decodes
+        q (max_seqs, Tq, Hq, D) over the layer's rows with ``kv_lengths=lengths``.
+
+        Returns ``(AttentionOutput, cache)``; the result is the function's: rows
+        that do not fit are NaN, padding rows (with ``q_lengths``) 0 with lse
+        -inf. ``layer``: an int or a traced integer scalar (out of range: NaN,
+        nothing written). ``spec.layout`` must be "bthd"; ``v_new`` None for a
+        latent cache.
+
+        >>> from fnattn import AttentionSpec, masks
+        >>> c = LayeredKVCache.create(2, 2, 8, 1, 4).allocate(jnp.array([1, 1]))
+        >>> x = jnp.ones((2, 1, 2, 4))                   # 2 query heads over 1 kv head
+        >>> res, c = c.decode_with_update(0, AttentionSpec(mask=masks.causal()), x,
+        ...                               x[:, :, :1], x[:, :, :1])
+        >>> res.out.shape, c.k_cache[0, :, 0, 0, 0].tolist(), c.k_cache[1, :, 0, 0, 0].tolist()
+        ((2, 1, 2, 4), [1.0, 1.0], [0.0, 0.0])
+        """
+        from fnattn.decoding import update
+        at, fits, n, slot, zeros = self._prepare("LayeredKVCache.decode_with_update", layer,
+                                                 spec, q, k_new, v_new, q_lengths, checked)
+        cache = self._put(at, slot, k_new, v_new)
+        kl, vl = cache._pools(at)
+        res = update.attend_written(spec, q, kl, vl, cache.lengths.astype(I32), zeros,
+                                    q_lengths, n, fits, self.value_dim)
+        return res, cache
+
+    # -- sharding -----------------------------------------------------------------
+    def partition_specs(self, batch=None, kv_heads=None) -> "LayeredKVCache":
+        """A :class:`LayeredKVCache` of ``PartitionSpec``\\ s splitting the rows along
+        the mesh axis ``batch`` and the kv heads along ``kv_heads`` (None:
+        replicated); the layer and slot axes are never split. For ``shard_map``'s
+        specs or ``NamedSharding``\\ s (``jax.tree.map``); quantized pools get
+        :func:`fnattn.quant.partition_specs`.
+
+        >>> s = LayeredKVCache.create(2, 4, 8, 2, 4).partition_specs(batch="data")
+        >>> tuple(s.k_cache), tuple(s.lengths)
+        ((None, 'data', None, None, None), ('data',))
+        """
+        from jax.sharding import PartitionSpec as P
+        spec = P(None, batch, None, kv_heads, None)
+
+        def one(pool):
+            if pool is None:
+                return None
+            return quant.partition_specs(spec, pool.format) if quant.is_quantized(pool) \
+                else spec
+        k = one(self.k_cache)
+        if quant.is_quantized(self.k_cache) and not self.k_cache.format.per_token:
+            k = k.replace(scale=P(None))
+        v = one(self.v_cache)
+        if quant.is_quantized(self.v_cache) and not self.v_cache.format.per_token:
+            v = v.replace(scale=P(None))
+        return self.replace(k_cache=k, v_cache=v, lengths=P(batch))
+
+
+jax.tree_util.register_dataclass(LayeredKVCache, data_fields=["k_cache", "v_cache", "lengths"],
+                                 meta_fields=["value_dim"])

@@ -3,7 +3,9 @@ fnattn.decode; steps in a loop equal dense causal attention over the whole
 sequence; GQA, per-sequence lengths and starts, both layouts; NaN cache slots
 contribute nothing; sequences that do not fit get NaN and write nothing (or a
 ValueError / checkify error); gradients equal those of the dense reference.
-Everything under jax.jit."""
+q_lengths: ragged prompts prefilled in one call then decoded equal float64
+references and each prompt alone (float, quantized, latent caches), padding rows give
+zeros and no gradient, bad counts are refused. Everything under jax.jit."""
 
 import functools
 
@@ -12,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental import checkify
-from np_attention import np_causal_tail
+from np_attention import np_attention, np_causal_tail
 
 import fnattn
 from fnattn import AttentionSpec, masks
@@ -413,3 +415,260 @@ def test_latent_cache_update_writes_the_latent_then_decodes():
     want = jax.jit(lambda q, k, v: fnattn.decode(SPEC, q, k, v, kv_lengths=lengths,
                                                  kv_starts=starts))(q, kd, kd[..., :Dc])
     np.testing.assert_allclose(got.out, want.out, atol=ATOL, rtol=ATOL)
+
+
+# ----------------------------------------------------------------------------------
+# q_lengths: a number of new tokens per sequence (right-padded rows)
+# ----------------------------------------------------------------------------------
+
+PROMPTS = np.array([5, 1, 3, 0], np.int32)    # 4 sequences, one still empty
+STARTS = np.array([0, 2, 1, 0], np.int32)
+RB = len(PROMPTS)
+
+
+def np_masked(q, k, v, keep):
+    """float64 attention with SPEC's sinks, `keep` (Tq, Tk) the visible keys."""
+    out, lse, _ = np_attention(q, k, v, mask=keep, sinks=np.asarray(SPEC.sinks))
+    return out, lse
+
+
+def visible(mask_kind, q_pos, n_keys):
+    k = np.arange(n_keys)[None, :]
+    qp = np.asarray(q_pos)[:, None]
+    keep = k <= qp
+    if mask_kind == "window":        # sliding_window(left=2)
+        keep &= k >= qp - 2
+    return keep
+
+
+def ragged_rows(rng, tq, counts, layout, nan_padding=True):
+    """q, k_new, v_new of RB sequences with counts[b] tokens each, the padding rows NaN."""
+    q, kn, vn = (normal(rng, RB, tq, HQ, D), normal(rng, RB, tq, HKV, D),
+                 normal(rng, RB, tq, HKV, DV))
+    if nan_padding:
+        for x in (q, kn, vn):
+            for b in range(RB):
+                x[b, counts[b]:] = np.nan
+    return q, kn, vn
+
+
+@pytest.mark.parametrize("layout,mask_kind,impl", [
+    ("bthd", "causal", "auto"), ("bhtd", "window", "xla"), ("bthd", "causal", "pallas")])
+def test_ragged_prefill_then_decode_equals_float64_references(layout, mask_kind, impl):
+    """Prompts of 5, 1, 3 and 0 tokens right-padded to Tq=5 (padding rows NaN, cache
+    poisoned with NaN) prefilled in one call; then three one-token steps in which
+    sequences pause (q_lengths 0) or start. Every valid row equals float64 attention
+    over the sequence's tokens so far, padding rows are 0 with lse -inf, writes land
+    at the sequence's next slots only, and each prompt prefilled alone gives the same
+    result and the same cache row."""
+    rng = np.random.default_rng(10)
+    mask = masks.causal() if mask_kind == "causal" else masks.sliding_window(2)
+    spec = SPEC.replace(layout=layout, mask=mask, impl=impl)
+    schedule = [PROMPTS, np.array([1, 1, 0, 1]), np.array([1, 0, 1, 1]),
+                np.array([1, 1, 1, 0])]
+    kc = jnp.asarray(poisoned_cache(rng, D, layout)[:1].repeat(RB, 0))
+    vc = jnp.asarray(poisoned_cache(rng, DV, layout)[:1].repeat(RB, 0))
+    seq_q, seq_k, seq_v = ([[] for _ in range(RB)] for _ in range(3))  # tokens so far
+    lengths = np.zeros(RB, np.int32)
+    for step, counts in enumerate(schedule):
+        counts = np.asarray(counts, np.int32)
+        tq = int(counts.max())
+        q, kn, vn = ragged_rows(rng, tq, counts, layout)
+        lengths = lengths + counts
+        res, kc, vc = update(spec, *(jnp.asarray(to_layout(x, layout)) for x in (q, kn, vn)),
+                             kc, vc, kv_lengths=jnp.asarray(lengths),
+                             kv_starts=jnp.asarray(STARTS), q_lengths=jnp.asarray(counts))
+        out = np.asarray(res.out) if layout == "bthd" else np.swapaxes(res.out, 1, 2)
+        lse = np.asarray(res.lse)
+        kb = np.asarray(kc) if layout == "bthd" else np.swapaxes(np.asarray(kc), 1, 2)
+        for b in range(RB):
+            n = int(counts[b])
+            seq_q[b] += list(q[b, :n])
+            seq_k[b] += list(kn[b, :n])
+            seq_v[b] += list(vn[b, :n])
+            assert (out[b, n:] == 0).all() and (lse[b, :, n:] == -np.inf).all()
+            L = int(lengths[b])
+            if L:   # the cache row holds the sequence in order; NaN after it
+                np.testing.assert_array_equal(kb[b, STARTS[b]:STARTS[b] + L],
+                                              np.stack(seq_k[b]))
+            assert np.isnan(kb[b, STARTS[b] + L:]).all() and np.isnan(kb[b, :STARTS[b]]).all()
+            if not n:
+                continue
+            pos = np.arange(L - n, L)
+            want_out, want_lse = np_masked(q[b:b + 1, :n], np.stack(seq_k[b])[None],
+                                           np.stack(seq_v[b])[None], visible(mask_kind, pos, L))
+            np.testing.assert_allclose(out[b, :n], want_out[0], atol=ATOL, rtol=ATOL)
+            np.testing.assert_allclose(lse[b, :, :n], want_lse[0], atol=ATOL, rtol=ATOL)
+        if step == 0:    # each prompt alone (no q_lengths, its own Tq)
+            for b in np.flatnonzero(PROMPTS):
+                n = int(PROMPTS[b])
+                alone, ka, _ = update(
+                    spec, *(jnp.asarray(to_layout(x[b:b + 1, :n], layout)) for x in (q, kn, vn)),
+                    kc[b:b + 1] * np.nan, vc[b:b + 1] * np.nan, kv_lengths=jnp.array([n]),
+                    kv_starts=jnp.asarray(STARTS[b:b + 1]))
+                a = np.asarray(alone.out) if layout == "bthd" else np.swapaxes(alone.out, 1, 2)
+                np.testing.assert_allclose(out[b, :n], a[0], atol=1e-6, rtol=1e-6)
+                np.testing.assert_array_equal(ka, kc[b:b + 1])
+
+
+def test_ragged_gradients_equal_dense_and_skip_the_padding():
+    """d/d(q, k_new, v_new) through a ragged prefill over an earlier context (cache and
+    padding rows NaN) equal fnattn.reference's on each sequence's tokens; the padding
+    rows get exactly zero."""
+    rng = np.random.default_rng(11)
+    tq, counts = 3, np.array([3, 1, 0, 2], np.int32)
+    prefix = np.array([2, 0, 4, 5], np.int32)
+    kc, vc = (poisoned_cache(rng, d, "bthd")[:1].repeat(RB, 0) for d in (D, DV))
+    old_k = [normal(rng, p, HKV, D) for p in prefix]
+    old_v = [normal(rng, p, HKV, DV) for p in prefix]
+    for b in range(RB):
+        kc[b, STARTS[b]:STARTS[b] + prefix[b]] = old_k[b]
+        vc[b, STARTS[b]:STARTS[b] + prefix[b]] = old_v[b]
+    q, kn, vn = ragged_rows(rng, tq, counts, "bthd")
+    w = jnp.asarray(normal(rng, RB, tq, HQ, DV))
+    lengths = jnp.asarray(prefix + counts)
+
+    @jax.jit
+    def loss(q, kn, vn):
+        res, _, _ = decode_with_update(SPEC, q, kn, vn, jnp.asarray(kc), jnp.asarray(vc),
+                                       kv_lengths=lengths, kv_starts=jnp.asarray(STARTS),
+                                       q_lengths=jnp.asarray(counts))
+        return jnp.sum(res.out * w) + 0.1 * jnp.sum(jnp.where(jnp.isinf(res.lse), 0, res.lse))
+
+    @jax.jit
+    def dense_loss(q, kn, vn):
+        total = 0.0
+        for b in np.flatnonzero(counts):
+            n = int(counts[b])
+            k = jnp.concatenate([old_k[b], kn[b, :n]])[None]
+            v = jnp.concatenate([old_v[b], vn[b, :n]])[None]
+            res = fnattn.reference(SPEC, q[b:b + 1, :n], k, v)
+            total += jnp.sum(res.out[0] * w[b, :n]) + 0.1 * jnp.sum(res.lse)
+        return total
+
+    args = [jnp.asarray(x) for x in (q, kn, vn)]
+    clean = [jnp.nan_to_num(x) for x in args]           # the reference never reads padding
+    np.testing.assert_allclose(loss(*args), dense_loss(*clean), rtol=1e-5)
+    got = jax.grad(loss, argnums=(0, 1, 2))(*args)
+    want = jax.grad(dense_loss, argnums=(0, 1, 2))(*clean)
+    for g, r in zip(got, want):
+        g = np.asarray(g)
+        assert np.isfinite(g).all()
+        np.testing.assert_allclose(g, r, atol=1e-4, rtol=1e-4)
+        for b in range(RB):
+            assert (g[b, counts[b]:] == 0).all()
+
+
+@pytest.mark.parametrize("formats", [("int8", "int4"), ("float8_e4m3fn-tensor", "int8")])
+def test_ragged_prefill_into_quantized_cache_equals_each_prompt_alone(formats):
+    """Quantized caches through q_lengths: the codes (and per-token scales) written for
+    each prompt are those of the prompt prefilled alone, bit for bit; the padding
+    writes nothing; the results match."""
+    from fnattn import quant
+    from fnattn.quant import QuantFormat
+    fmts = [QuantFormat(*f.split("-")) for f in formats]
+    rng = np.random.default_rng(12)
+    q8 = lambda x, f: quant.quantize(jnp.asarray(x), f,  # noqa: E731
+                                     scale=None if f.per_token else 3.0 / f.max_code)
+    kq = q8(normal(rng, RB, S, HKV, D), fmts[0])
+    vq = q8(normal(rng, RB, S, HKV, DV), fmts[1])
+    tq = int(PROMPTS.max())
+    q, kn, vn = ragged_rows(rng, tq, PROMPTS, "bthd", nan_padding=False)
+    res, gk, gv = update(SPEC, *(jnp.asarray(x) for x in (q, kn, vn)), kq, vq,
+                         kv_lengths=jnp.asarray(PROMPTS), kv_starts=jnp.asarray(STARTS),
+                         q_lengths=jnp.asarray(PROMPTS))
+    for b in range(RB):
+        n, s0 = int(PROMPTS[b]), int(STARTS[b])
+        keep = np.ones(S, bool)
+        keep[s0:s0 + n] = False
+        for got, old in ((gk, kq), (gv, vq)):
+            np.testing.assert_array_equal(np.asarray(got.data[b, keep]).view(np.uint8),
+                                          np.asarray(old.data[b, keep]).view(np.uint8))
+        if not n:
+            assert (np.asarray(res.out[b]) == 0).all()
+            continue
+        alone, ka, va = update(SPEC, *(jnp.asarray(x[b:b + 1, :n]) for x in (q, kn, vn)),
+                               kq[b:b + 1], vq[b:b + 1], kv_lengths=jnp.array([n]),
+                               kv_starts=jnp.asarray(STARTS[b:b + 1]))
+        for got, a in ((gk, ka), (gv, va)):
+            np.testing.assert_array_equal(np.asarray(got.data[b]).view(np.uint8),
+                                          np.asarray(a.data[0]).view(np.uint8))
+            if got.format.per_token:
+                np.testing.assert_array_equal(got.scale[b], a.scale[0])
+        np.testing.assert_allclose(res.out[b, :n], alone.out[0], atol=1e-6, rtol=1e-6)
+
+
+def test_ragged_prefill_into_latent_cache():
+    """A latent cache (value_dim) through q_lengths equals the float cache with the
+    values sliced from the keys, and writes the same latent rows."""
+    rng = np.random.default_rng(13)
+    Dc, Dr, tq = 6, 2, int(PROMPTS.max())
+    kc = jnp.asarray(normal(rng, RB, S, 1, Dc + Dr))
+    q = jnp.asarray(normal(rng, RB, tq, HQ, Dc + Dr))
+    kn = jnp.asarray(normal(rng, RB, tq, 1, Dc + Dr))
+    kw = dict(kv_lengths=jnp.asarray(PROMPTS + 2), kv_starts=jnp.asarray(STARTS),
+              q_lengths=jnp.asarray(PROMPTS))
+    got, gk, gv = update(SPEC, q, kn, None, kc, None, value_dim=Dc, **kw)
+    want, wk, _ = update(SPEC, q, kn, kn[..., :Dc], kc, kc[..., :Dc], **kw)
+    assert gv is None
+    np.testing.assert_allclose(got.out, want.out, atol=ATOL, rtol=ATOL)
+    np.testing.assert_array_equal(gk, wk)
+    assert (np.asarray(got.out[3]) == 0).all() and (np.asarray(got.out[1, 1:]) == 0).all()
+
+
+def test_ragged_counts_that_do_not_fit():
+    """Concrete values: a ValueError naming the argument; traced ones (under jit): the
+    sequence gets NaN and writes nothing, the others are unaffected; checked=True
+    reports them through checkify."""
+    tq = 3
+    q, kn, vn = (jnp.ones((RB, tq, HQ, D)), jnp.ones((RB, tq, HKV, D)),
+                 jnp.ones((RB, tq, HKV, DV)))
+    kc, vc = jnp.zeros((RB, S, HKV, D)), jnp.zeros((RB, S, HKV, DV))
+    ok = dict(kv_lengths=jnp.array([3, 1, 2, 0]), q_lengths=jnp.array([3, 1, 2, 0]))
+    bad = {"q_lengths[1] = 4 must be in [0, Tq=3]": dict(q_lengths=jnp.array([3, 4, 2, 0]),
+                                                        kv_lengths=jnp.array([3, 4, 2, 0])),
+           "q_lengths[2] = -1 must be in [0, Tq=3]": dict(q_lengths=jnp.array([3, 1, -1, 0])),
+           "q_lengths[0] = 3 new tokens exceed kv_lengths[0] = 2":
+               dict(kv_lengths=jnp.array([2, 1, 2, 0])),
+           "sequence 3 does not fit: its slots would be kv_starts[3] = 15 to kv_starts[3] + "
+           "kv_lengths[3] = 17": dict(kv_lengths=jnp.array([3, 1, 2, 2]),
+                                      kv_starts=jnp.array([0, 0, 0, 15]))}
+    for msg, change in bad.items():
+        with pytest.raises(ValueError) as info:
+            decode_with_update(SPEC, q, kn, vn, kc, vc, **{**ok, **change})
+        assert str(info.value).startswith("decode_with_update: " + msg), str(info.value)
+    # traced: each bad sequence is NaN and leaves its row as it was
+    traced = dict(kv_lengths=jnp.array([3, 1, 1, 2]), q_lengths=jnp.array([4, 1, 2, 1]),
+                  kv_starts=jnp.array([0, 0, 0, 15]))
+    res, gk, _ = update(SPEC, q, kn, vn, kc, vc, **traced)
+    out = np.asarray(res.out)
+    assert np.isnan(out[[0, 2, 3]]).all() and np.isnan(np.asarray(res.lse)[[0, 2, 3]]).all()
+    assert (np.asarray(gk)[[0, 2, 3]] == 0).all()
+    assert (np.asarray(gk)[1, 0] == 1).all() and (np.asarray(gk)[1, 1:] == 0).all()
+    assert np.isfinite(out[1, :1]).all() and (out[1, 1:] == 0).all()
+    f = jax.jit(checkify.checkify(functools.partial(decode_with_update, checked=True)))
+    inside = {**traced, "kv_starts": jnp.array([0, 0, 0, 0])}
+    for msg, change in (("q_lengths[0] = 4 is outside [0, Tq=3]", inside),
+                        ("q_lengths[2] = 2 exceeds kv_lengths[2] = 1",
+                         {**inside, "q_lengths": jnp.array([3, 1, 2, 1])}),
+                        ("kv_starts[3] + kv_lengths[3] = 15 + 2 is past the cache's S=16",
+                         {**traced, "q_lengths": jnp.array([3, 1, 1, 1]),
+                          "kv_lengths": jnp.array([3, 1, 1, 2])})):
+        err, _ = f(SPEC, q, kn, vn, kc, vc, **change)
+        assert msg in err.get(), err.get()
+    err, _ = f(SPEC, q, kn, vn, kc, vc, **ok)
+    assert err.get() is None
+
+
+def test_ragged_argument_messages():
+    q, kn, vn, kc, vc = _args(tq=2)
+    L = jnp.array([2, 2, 2])
+    with pytest.raises(ValueError) as info:
+        update(SPEC, q, kn, vn, kc, vc, kv_lengths=L, q_lengths=jnp.array([1, 2]))
+    assert str(info.value) == ("decode_with_update: q_lengths must have shape (B,)=(3,), the "
+                               "number of new tokens of each sequence; got (2,)")
+    with pytest.raises(TypeError, match="^decode_with_update: q_lengths must be an integer"):
+        update(SPEC, q, kn, vn, kc, vc, kv_lengths=L, q_lengths=jnp.ones(3))
+    spec = SPEC.replace(mask=masks.causal() & masks.from_fn(lambda b, h, q, k: q >= 0))
+    with pytest.raises(NotImplementedError, match="^decode_with_update: a masks.from_fn mask"):
+        update(spec, q, kn, vn, kc, vc, kv_lengths=L, q_lengths=jnp.array([1, 2, 0]))

@@ -23,6 +23,26 @@ raises ``ValueError``; ``checked=True`` reports traced ones through
 Stop a sequence before its slots run out: ``kv_starts + kv_lengths + Tq <= S``
 for the next step.
 
+**Per-sequence counts of new tokens** (``q_lengths``, (B,) int, traced): row
+``b`` of q, k_new and v_new holds ``q_lengths[b]`` new tokens followed by
+padding (right-padded inputs, ``0 <= q_lengths[b] <= Tq``), so prompts of
+different lengths are prefilled into their rows in one call and decoded
+together in the next. ``kv_lengths`` still counts the keys after the update,
+the sequence's new tokens included: token ``i < q_lengths[b]`` goes to slot
+``kv_starts[b] + kv_lengths[b] - q_lengths[b] + i`` and sits at position
+``kv_lengths[b] - q_lengths[b] + i`` for the mask and the position term.
+Padding rows write nothing and give ``out`` 0 and ``lse`` -inf (and no
+gradient reaches their q, k_new or v_new); a sequence with ``q_lengths[b] =
+0`` takes no part in the step (its slots are untouched; it may have any
+length). Such a sequence fits when ``0 <= q_lengths[b] <= min(Tq,
+kv_lengths[b])`` and its slots lie in the cache; one that does not is
+treated as above (NaN, nothing written, ``ValueError`` for concrete values,
+``checkify`` errors with ``checked=True``: :func:`check_q_lengths`). The
+spec's mask and position term see positions, as without ``q_lengths``; a
+``masks.from_fn`` mask, which reads the raw query row, is refused with
+``q_lengths`` (the rows of a sequence are shifted to place its tokens). The kernels are the ones of
+:func:`fnattn.decode`, given each sequence's tokens as its last rows.
+
 **Gradients** with respect to q, the new k/v and the caches come from JAX: the
 write is a scatter (whose derivative is a gather) and :func:`fnattn.decode` is
 differentiable. Slots a step overwrites get no gradient through the old cache.
@@ -34,13 +54,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from beartype import beartype
+from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _serving, quant
+from fnattn import _checks, _serving, masks, quant
 from fnattn.decoding import api
 from fnattn.spec import AttentionOutput, AttentionSpec
 
-__all__ = ["decode_with_update"]
+__all__ = ["check_q_lengths", "decode_with_update"]
 
 I32 = jnp.int32
 _FN = "decode_with_update"
@@ -84,7 +105,16 @@ def _fits(lengths, starts, S, Tq):
             & ((lengths == 0) | (lengths >= Tq)))
 
 
-def _refuse_static_overflow(kv_lengths, kv_starts, S, Tq):
+def _fits_ragged(lengths, starts, q_lengths, S, Tq):
+    """Per sequence with ``q_lengths`` new tokens: they are 0..Tq, no more than its
+    length, and its slots lie in the cache; works on numpy and jax."""
+    return ((starts >= 0) & (starts <= S) & (lengths >= 0) & (lengths <= S - starts)
+            & (q_lengths >= 0) & (q_lengths <= Tq) & (q_lengths <= lengths))
+
+
+def _refuse_static_overflow(kv_lengths, kv_starts, S, Tq, q_lengths=None):
+    if q_lengths is not None:
+        return _refuse_static_ragged(kv_lengths, kv_starts, q_lengths, S, Tq)
     if any(isinstance(x, jax.core.Tracer) for x in (kv_lengths, kv_starts)):
         return
     lengths = np.asarray(kv_lengths).astype(np.int64)
@@ -100,15 +130,156 @@ def _refuse_static_overflow(kv_lengths, kv_starts, S, Tq):
             f"new tokens; stop the sequence or give it a longer cache.")
 
 
+def _refuse_static_ragged(kv_lengths, kv_starts, q_lengths, S, Tq, fn=_FN):
+    if any(isinstance(x, jax.core.Tracer) for x in (kv_lengths, kv_starts, q_lengths)):
+        return
+    lengths = np.asarray(kv_lengths).astype(np.int64)
+    starts = np.zeros_like(lengths) if kv_starts is None else np.asarray(kv_starts, np.int64)
+    n = np.asarray(q_lengths).astype(np.int64)
+    bad = ~_fits_ragged(lengths, starts, n, S, Tq)
+    if not bad.any():
+        return
+    b = int(np.argmax(bad))
+    if not 0 <= n[b] <= Tq:
+        raise ValueError(f"{fn}: q_lengths[{b}] = {n[b]} must be in [0, Tq={Tq}], the number "
+                         f"of new tokens of sequence {b} among its Tq rows of q")
+    if n[b] > lengths[b]:
+        raise ValueError(f"{fn}: q_lengths[{b}] = {n[b]} new tokens exceed kv_lengths[{b}] = "
+                         f"{lengths[b]}: kv_lengths counts the keys after the update, the new "
+                         "tokens included")
+    raise ValueError(
+        f"{fn}: sequence {b} does not fit: its slots would be kv_starts[{b}] = {starts[b]} "
+        f"to kv_starts[{b}] + kv_lengths[{b}] = {starts[b] + lengths[b]}, in a cache of "
+        f"S={S} slots (0 <= kv_starts, 0 <= kv_lengths, kv_starts + kv_lengths <= S); stop "
+        "the sequence or give it a longer cache.")
+
+
+def check_q_lengths(cache_len: int, new_tokens: int, kv_lengths, q_lengths,
+                    kv_starts=None, fn: str = _FN) -> None:
+    """The ``checkify`` checks of ``checked=True`` with ``q_lengths``: the slots
+    as :func:`fnattn.decoding.api.check_inputs` checks them, and
+    ``0 <= q_lengths[b] <= min(Tq, kv_lengths[b])``.
+
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.experimental import checkify
+    >>> f = lambda L, n: check_q_lengths(16, 4, L, n)
+    >>> err, _ = jax.jit(checkify.checkify(f))(jnp.array([4, 9]), jnp.array([4, 5]))
+    >>> print(err.get())  # doctest: +ELLIPSIS
+    decode_with_update: q_lengths[1] = 5 is outside [0, Tq=4]...
+    """
+    api.check_inputs(cache_len, 0, kv_lengths, kv_starts)
+    lengths, n = kv_lengths.astype(I32), q_lengths.astype(I32)
+    out = (n < 0) | (n > new_tokens)
+    b = jnp.argmax(out)
+    checkify.check(~out.any(), f"{fn}: q_lengths[{{b}}] = {{x}} is outside [0, Tq={{t}}] (the "
+                   "new tokens among a sequence's rows)", b=b, x=n[b], t=jnp.int32(new_tokens))
+    more = (n > lengths) & ~out
+    b = jnp.argmax(more)
+    checkify.check(~more.any(), f"{fn}: q_lengths[{{b}}] = {{x}} exceeds kv_lengths[{{b}}] = "
+                   "{L} (kv_lengths counts the keys after the update, the new tokens included)",
+                   b=b, x=n[b], L=lengths[b])
+
+
+def check_q_lengths_arg(fn, q_lengths, B):
+    """Trace-time checks of ``q_lengths``: an integer array of shape (B,)."""
+    if not hasattr(q_lengths, "dtype") or not jnp.issubdtype(q_lengths.dtype, jnp.integer):
+        raise TypeError(f"{fn}: q_lengths must be an integer array; got "
+                        f"{getattr(q_lengths, 'dtype', type(q_lengths).__name__)}")
+    if tuple(jnp.shape(q_lengths)) != (B,):
+        raise ValueError(f"{fn}: q_lengths must have shape (B,)=({B},), the number of new "
+                         f"tokens of each sequence; got {tuple(jnp.shape(q_lengths))}")
+
+
+def _reads_query_rows(mask) -> bool:
+    """Whether the mask holds a ``masks.from_fn`` predicate (which reads raw query rows)."""
+    if isinstance(mask, masks.FromFn):
+        return True
+    return any(isinstance(getattr(mask, a, None), masks.Mask)
+               and _reads_query_rows(getattr(mask, a)) for a in ("a", "b", "mask"))
+
+
+def refuse_row_masks(fn, spec):
+    if spec.mask is not None and _reads_query_rows(spec.mask):
+        raise NotImplementedError(
+            f"{fn}: a masks.from_fn mask ({spec.mask!r}) reads the raw query row, which "
+            "q_lengths shifts (each sequence's tokens become its last rows); with q_lengths use "
+            "positional masks (causal, sliding_window, chunked, their combinations), or call "
+            "without q_lengths.")
+
+
+def plan(lengths, starts, q_lengths, S, Tq):
+    """``(fits, n, slot)``: per sequence whether it fits, its number of new tokens
+    (0 where it does not fit) and the cache slot of each of its Tq rows, (B, Tq),
+    ``S`` (dropped) for rows that write nothing."""
+    i = jnp.arange(Tq, dtype=I32)[None, :]
+    if q_lengths is None:
+        fits = _fits(lengths, starts, S, Tq)
+        n = jnp.where(fits & (lengths > 0), Tq, 0).astype(I32)
+    else:
+        fits = _fits_ragged(lengths, starts, q_lengths.astype(I32), S, Tq)
+        n = jnp.where(fits, q_lengths.astype(I32), 0)
+    slot = (starts + lengths - n)[:, None] + i
+    return fits, n, jnp.where(i < n[:, None], slot, S)   # S: dropped (never wraps, clips)
+
+
+def ragged_decode(spec, q, k_cache, v_cache, lengths, starts, n, fits, value_dim):
+    """:func:`fnattn.decode` with ``n[b]`` new tokens in the first rows of sequence b
+    (the rest padding): its tokens are moved to its last rows, where decode
+    places the newest tokens, and moved back; padding rows give 0 and -inf."""
+    bthd = spec.layout == "bthd"
+    t_axis = 1 if bthd else 2
+    Tq = q.shape[t_axis]
+    i = jnp.arange(Tq, dtype=I32)[None, :]
+    shift = (Tq - n)[:, None]                                  # (B, 1)
+
+    def rows(x, index, valid, fill):    # x[b, index[b, j]] along the token axis
+        shape = [x.shape[0]] + [1] * (x.ndim - 1)
+        shape[t_axis] = Tq
+        idx = jnp.clip(index, 0, Tq - 1).reshape(shape)
+        got = jnp.take_along_axis(x, idx, axis=t_axis)
+        return jnp.where(valid.reshape(shape), got, jnp.asarray(fill, x.dtype))
+
+    q_moved = rows(q, i - shift, i >= shift, 0)
+    live = fits & (n > 0)
+    res = api.decode(spec, q_moved, k_cache, v_cache, kv_lengths=jnp.where(live, lengths, 0),
+                     kv_starts=starts, value_dim=value_dim)
+    valid = i < n[:, None]
+    out = rows(res.out, i + shift, valid, 0)
+    bad = ~fits
+    out = jnp.where(bad[:, None, None, None], jnp.nan, out).astype(res.out.dtype)
+    lse = None
+    if res.lse is not None:   # (B, Hq, Tq): the token axis is 2
+        idx = jnp.clip(i + shift, 0, Tq - 1)[:, None, :]
+        lse = jnp.take_along_axis(res.lse, idx, axis=2)
+        lse = jnp.where(valid[:, None, :], lse, -jnp.inf)
+        lse = jnp.where(bad[:, None, None], jnp.nan, lse)
+    return AttentionOutput(out, lse)
+
+
+def attend_written(spec, q, k_cache, v_cache, lengths, starts, q_lengths, n, fits,
+                   value_dim):
+    """:func:`fnattn.decode` on caches that hold the new tokens (``plan``'s ``fits``
+    and ``n``): sequences that do not fit are NaN; with ``q_lengths``, padding rows
+    0 and -inf."""
+    if q_lengths is not None:
+        return ragged_decode(spec, q, k_cache, v_cache, lengths, starts, n, fits, value_dim)
+    res = api.decode(spec, q, k_cache, v_cache, kv_lengths=lengths, kv_starts=starts,
+                     value_dim=value_dim)
+    bad = ~fits
+    out = jnp.where(bad[:, None, None, None], jnp.nan, res.out).astype(res.out.dtype)
+    lse = None if res.lse is None else jnp.where(bad[:, None, None], jnp.nan, res.lse)
+    return AttentionOutput(out, lse)
+
+
 def _concrete_checks(a):
     """What only concrete lengths tell, checked before the call is compiled."""
     _, Tq, S, *_ = _check(a["spec"], a["q"], a["k_new"], a["v_new"], a["k_cache"],
                           a["v_cache"], a["kv_lengths"], a.get("kv_starts"),
                           a.get("value_dim"))
-    _refuse_static_overflow(a["kv_lengths"], a.get("kv_starts"), S, Tq)
+    _refuse_static_overflow(a["kv_lengths"], a.get("kv_starts"), S, Tq, a.get("q_lengths"))
 
 
-@_checks.entry_point("fnattn.decode_with_update", ints=("kv_lengths", "kv_starts"),
+@_checks.entry_point("fnattn.decode_with_update", ints=("kv_lengths", "kv_starts", "q_lengths"),
                      concrete=_concrete_checks)
 @jaxtyped(typechecker=beartype)
 def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
@@ -116,6 +287,7 @@ def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
                        k_cache: quant.Cache, v_cache: Optional[quant.Cache], *,
                        kv_lengths: Shaped[Array, "..."],
                        kv_starts: Optional[Shaped[Array, "..."]] = None,
+                       q_lengths: Optional[Shaped[Array, "..."]] = None,
                        value_dim: Optional[int] = None, checked: bool = False):
     """Writes the new tokens' k/v into the cache, then :func:`fnattn.decode` on it.
 
@@ -124,7 +296,9 @@ def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
     writing there by hand and calling ``decode`` with the same arguments. A
     sequence whose tokens do not fit in ``[kv_starts[b], S)`` gets NaN and
     writes nothing (a ``ValueError`` where the lengths are not traced; see the
-    module docstring).
+    module docstring). With ``q_lengths``, sequence ``b`` has only its first
+    ``q_lengths[b]`` rows as new tokens (``Tq`` replaced by ``q_lengths[b]``
+    above; padding rows give zeros): ragged prompts prefilled in one call.
 
     Args:
       spec: as for :func:`fnattn.decode`.
@@ -134,9 +308,12 @@ def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
       v_new: (B, Tq, Hkv, Dv) or (B, Hkv, Tq, Dv).
       k_cache: (B, S, Hkv, D) or (B, Hkv, S, D).
       v_cache: (B, S, Hkv, Dv) or (B, Hkv, S, Dv).
-      kv_lengths: (B,) int, keys of each sequence after the update (the Tq new
+      kv_lengths: (B,) int, keys of each sequence after the update (its new
         tokens included; 0: an empty sequence, nothing written).
       kv_starts: (B,) int, first slot of each sequence (default 0).
+      q_lengths: (B,) int, the new tokens of each sequence, ``0 .. Tq`` (rows
+        past them are padding); None: ``Tq`` for every sequence of nonzero
+        length (the program is then the one without this argument).
       value_dim: a latent cache, as for :func:`fnattn.decode`: ``v_new`` and
         ``v_cache`` are None and ``k_new`` holds the latent and rope channels.
       checked: report sequences that do not fit through ``checkify`` (wrap the
@@ -159,19 +336,33 @@ def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
     [[0.0, 0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
     >>> res.out.shape
     (2, 1, 1, 4)
+
+    Two prompts of 3 and 1 tokens, right-padded to Tq=3, prefilled in one call:
+
+    >>> kc, vc = jnp.zeros((2, 2, 8, 1, 4))
+    >>> x = jnp.arange(1., 4.)[None, :, None, None] * jnp.ones((2, 3, 1, 4))
+    >>> res, kc, vc = step(AttentionSpec(mask=masks.causal()), x, x, x, kc, vc,
+    ...                    kv_lengths=jnp.array([3, 1]), q_lengths=jnp.array([3, 1]))
+    >>> kc[:, :, 0, 0].tolist()                                 # row 1: its first token only
+    [[1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]]
+    >>> res.out[1, :, 0, 0].tolist()                            # padding rows: zeros
+    [1.0, 0.0, 0.0]
     """
     B, Tq, S, _, _, _, _ = _check(spec, q, k_new, v_new, k_cache, v_cache, kv_lengths,
                                   kv_starts, value_dim)
-    _refuse_static_overflow(kv_lengths, kv_starts, S, Tq)
+    if q_lengths is not None:
+        check_q_lengths_arg(_FN, q_lengths, B)
+        refuse_row_masks(_FN, spec)
+    _refuse_static_overflow(kv_lengths, kv_starts, S, Tq, q_lengths)
     if checked:
         quant.check_pool_scales(k_cache=k_cache, v_cache=v_cache)
-        api.check_inputs(S, Tq, kv_lengths, kv_starts)
+        if q_lengths is None:
+            api.check_inputs(S, Tq, kv_lengths, kv_starts)
+        else:
+            check_q_lengths(S, Tq, kv_lengths, q_lengths, kv_starts)
     lengths = kv_lengths.astype(I32)
     starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts.astype(I32)
-    fits = _fits(lengths, starts, S, Tq)
-    write = fits & (lengths > 0)
-    slot = (starts + lengths - Tq)[:, None] + jnp.arange(Tq, dtype=I32)
-    slot = jnp.where(write[:, None], slot, S)  # S: dropped (never wraps, never clips)
+    fits, n, slot = plan(lengths, starts, q_lengths, S, Tq)
     rows = jnp.arange(B, dtype=I32)[:, None]
 
     def put(cache, new):
@@ -183,9 +374,6 @@ def decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
 
     k_cache = put(k_cache, k_new)
     v_cache = None if v_cache is None else put(v_cache, v_new)   # (None: a latent cache)
-    res = api.decode(spec, q, k_cache, v_cache, kv_lengths=kv_lengths, kv_starts=kv_starts,
-                     value_dim=value_dim)
-    bad = ~fits
-    out = jnp.where(bad[:, None, None, None], jnp.nan, res.out).astype(res.out.dtype)
-    lse = None if res.lse is None else jnp.where(bad[:, None, None], jnp.nan, res.lse)
-    return AttentionOutput(out, lse), k_cache, v_cache
+    res = attend_written(spec, q, k_cache, v_cache, lengths, starts, q_lengths, n, fits,
+                         value_dim)
+    return res, k_cache, v_cache
