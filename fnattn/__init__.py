@@ -24,7 +24,8 @@ from fnattn.paged import (PagedBlockSizes, paged_attention, ragged_paged_attenti
                           ragged_paged_attention_with_update)
 from fnattn.spec import AttentionOutput, AttentionSpec
 from fnattn.selection import (selected_attention, selected_decode, selected_decode_with_update,
-                              selected_paged_attention, selected_ragged_paged_attention)
+                              selected_paged_attention, selected_ragged_paged_attention,
+                              selected_ragged_paged_attention_with_update)
 from fnattn import tune  # noqa: E402  (after the variants it tunes)
 
 __all__ = [
@@ -61,6 +62,7 @@ __all__ = [
     "selected_decode_with_update",
     "selected_paged_attention",
     "selected_ragged_paged_attention",
+    "selected_ragged_paged_attention_with_update",
     "sharding",
     "tune",
 ]
