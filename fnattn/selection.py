@@ -216,10 +216,15 @@ class _Block:
         # logit before the mask (_online.finite_keys's rule), so only the rows
         # that may see it are NaN.
         # (a latent store: the values are the keys' first value_dim channels)
-        kg = _gather(cfg, kstore, slot, tok, q.dtype)
-        vg = None if vstore is None else _gather(cfg, vstore, slot, tok, q.dtype)
+        kg, vg = _gathered(cfg, q, kstore, vstore, slot, tok)
         Dv = cfg.value_dim
-        if cfg.mask_treedef is None:
+        if _clean_codes(cfg, kstore, vstore):
+            # Nothing to clean: quantized stores, whose gathers zero the
+            # unselected entries' codes and scales.
+            vg = kg[..., :Dv] if vg is None else vg
+            self.fk = self.fv = selected
+            bad_k = bad_v = jnp.zeros(slot.shape, bool)
+        elif cfg.mask_treedef is None:
             # Every row of a (token, kv head) sees every key it selected: a
             # non-finite one makes those rows NaN by itself; only the unselected
             # entries' reads need zeroing (one select, no pass for non-finite values).
@@ -258,10 +263,30 @@ class _Block:
         return x * (1.0 - jnp.square(jnp.tanh(self.raw / cfg.softcap)))
 
 
+def _clean_codes(cfg, kstore, vstore):
+    """Whether the gathered quantized stores need no cleaning: their gathers zero
+    the unselected entries, and integer codes hold no NaN (float8 codes may, which
+    a mask must keep from the rows that do not see them)."""
+    stores = [x for x in (kstore, vstore) if x is not None]
+    if not all(quant.is_quantized(x) for x in stores):
+        return False
+    return cfg.mask_treedef is None or not any(x.format.is_float for x in stores)
+
+
+def _gathered(cfg, q, kstore, vstore, slot, tok):
+    """The gathered keys and values (None for a latent store)."""
+    kg = _gather(cfg, kstore, slot, tok, q.dtype)
+    return kg, None if vstore is None else _gather(cfg, vstore, slot, tok, q.dtype)
+
+
 def _forward_block(cfg, q, kstore, vstore, sinks, slot, kpos, tok, mask_leaves):
     """(out (t, Hq, Dv) acc dtype, lse (t, Hq) f32) of one block; plain ``jnp``
     (differentiable: the smooth form)."""
-    blk = _Block(cfg, q, kstore, vstore, slot, kpos, tok, mask_leaves)
+    return _softmax_block(cfg, _Block(cfg, q, kstore, vstore, slot, kpos, tok, mask_leaves),
+                          sinks)
+
+
+def _softmax_block(cfg, blk, sinks):
     t, Hkv, G = blk.shape
     acc = blk.acc
     s = blk.s
