@@ -50,6 +50,14 @@ backward pass (reverse mode), both blockwise with the same gathers, the key
 and value gradients scatter-added into the cache's shape; second order
 differentiates the plain gather formulation.
 
+**Caches.** The serving forms take MLA latent caches (``value_dim`` with no
+values: the values are the first ``value_dim`` channels of the gathered keys,
+their gradient added to the keys') and :mod:`fnattn.quant` quantized caches:
+a block gathers the selected keys' codes and scales only and dequantizes
+them to q's dtype, never the whole cache; reverse mode then runs, block by
+block, ``jax.vjp`` of the block's forward (q, sinks and scales get gradients,
+integer codes float0 zeros); forward mode is not defined for them.
+
 Memory: besides the inputs and the result, the indices (4 bytes per entry,
 twice) and one block's gathered keys, values and logits (``BLOCK_BYTES``; a
 call of few tokens, decode, is one block). With several blocks XLA copies the
