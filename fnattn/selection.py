@@ -1251,15 +1251,22 @@ def selected_ragged_paged_attention_with_update(
     the pools (``jax.jit(..., donate_argnums=(4, 5))``) for an update in place.
 
     Args:
-      spec, q, indices, page_table, context_lengths, query_start_loc, num_seqs,
-        value_dim, unique: as for :func:`selected_ragged_paged_attention`
-        (``context_lengths`` count the new tokens).
+      spec: as for :func:`selected_ragged_paged_attention`.
+      q: (total_tokens, Hq, D).
       k: (total_tokens, Hkv, D), the new tokens' keys (latent and rope channels
         for a latent pool).
       v: (total_tokens, Hkv, Dv), the new tokens' values; None for a latent pool.
       k_pages: (Hkv, num_pages, page_size, D), float or quantized.
       v_pages: (Hkv, num_pages, page_size, Dv), float or quantized; None for a
         latent pool.
+      indices: (total_tokens, K) or (total_tokens, Hkv, K) int, positions (the
+        new tokens' included).
+      page_table: (max_seqs, max_pages_per_seq) int.
+      context_lengths: (max_seqs,) int, tokens of each sequence after the update.
+      query_start_loc: (max_seqs + 1,) int.
+      num_seqs: int scalar or (1,): live sequences.
+      value_dim: a latent pool, as for :func:`selected_ragged_paged_attention`.
+      unique: the caller promises no repeated index in a row.
 
     Returns:
       ``(AttentionOutput, k_pages, v_pages)`` with the updated pools.
