@@ -272,13 +272,12 @@ class _Block:
 
 
 def _clean_codes(cfg, kstore, vstore):
-    """Whether the gathered quantized stores need no cleaning: their gathers zero
-    the unselected entries, and integer codes hold no NaN (float8 codes may, which
-    a mask must keep from the rows that do not see them)."""
+    """Whether the gathered quantized stores need no cleaning: with no mask, as
+    their gathers zero the unselected entries' codes and scales (every row sees
+    every selected key). Under a mask a selected key's non-finite code (float8)
+    or scale must still be kept from the rows that do not see it."""
     stores = [x for x in (kstore, vstore) if x is not None]
-    if not all(quant.is_quantized(x) for x in stores):
-        return False
-    return cfg.mask_treedef is None or not any(x.format.is_float for x in stores)
+    return cfg.mask_treedef is None and all(quant.is_quantized(x) for x in stores)
 
 
 def _gathered(cfg, q, kstore, vstore, slot, tok):

@@ -400,3 +400,25 @@ def test_ragged_update_matches_numpy_after_the_write():
                                    mask=allowed, softcap=4.0)
         np.testing.assert_allclose(res.out[rows], out[0], atol=2e-5)
         np.testing.assert_allclose(res.lse[:, rows], lse[0], atol=2e-5)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "int8"])
+def test_a_masked_selected_key_with_nan_codes_reaches_no_row_that_cannot_see_it(fmt):
+    """Causal decode of 2 tokens: the newest position holds NaN codes (float8) or a
+    NaN scale (int8); the older query selects it but may not see it."""
+    S, Tq = 8, 2
+    ks = jax.random.split(jax.random.key(13), 3)
+    q = jax.random.normal(ks[0], (1, Tq, HQ, D))
+    kq = quant.quantize(jax.random.normal(ks[1], (1, S, HKV, D)), fmt)
+    vq = quant.quantize(jax.random.normal(ks[2], (1, S, HKV, D)), fmt)
+    newest = jnp.zeros((1, S, HKV), bool).at[:, 5].set(True)       # position 5 of length 6
+    if fmt == "int8":
+        kq = kq.replace(scale=jnp.where(newest, jnp.nan, kq.scale))
+        vq = vq.replace(scale=jnp.where(newest, jnp.nan, vq.scale))
+    else:
+        kq, vq = poison(kq, newest), poison(vq, newest)
+    idx = jnp.array([[[0, 3, 5], [1, 4, 5]]])
+    out = np.asarray(jax.jit(selected_decode)(AttentionSpec(mask=masks.causal()), q, kq, vq, idx,
+                                              kv_lengths=np.array([6])).out)
+    assert np.isfinite(out[0, 0]).all()          # position 4: key 5 is in its future
+    assert np.isnan(out[0, 1]).all()             # position 5 sees it
