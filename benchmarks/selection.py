@@ -11,8 +11,10 @@ over the whole cache, as an indexer's picks are) against
 ``jax.nn.dot_product_attention`` over K contiguous keys (the target: the same
 work, no gather), with XLA's temporary bytes of each compiled call. "sort"
 is the default (repeated indices removed by a sort of each row),
-"unique" passes ``unique=True`` (lax.top_k's indices). Results go to
-``results/selection_<device>.md``.
+"unique" passes ``unique=True`` (lax.top_k's indices). Decode also times an
+int8 cache (fnattn.quant, per-token scales: the selected codes and scales
+gathered, then dequantized) and an MLA latent cache (``value_dim = D / 2``, no
+values: one gather). Results go to ``results/selection_<device>.md``.
 """
 
 import argparse
@@ -24,7 +26,7 @@ import jax
 import jax.numpy as jnp
 
 import fnattn
-from fnattn import AttentionSpec
+from fnattn import AttentionSpec, quant
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -64,6 +66,12 @@ def row(name, B, Tq, T, K, Hq, Hkv, D, rounds, grad=False):
     calls = {"jax.nn (K contiguous)": (dense, (q, kc, vc)),
              "selected, unique": (sel(True), (q, k, v, idx)),
              "selected, sort": (sel(False), (q, k, v, idx))}
+    if Tq == 1 and not grad:
+        kq, vq = quant.quantize(k, "int8"), quant.quantize(v, "int8")
+        calls["selected int8 cache, unique"] = (sel(True), (q, kq, vq, idx))
+        latent = lambda q, k, i: fnattn.selected_decode(  # noqa: E731
+            spec, q, k, None, i, kv_lengths=lengths, value_dim=D // 2, unique=True).out
+        calls["selected latent (value_dim=D/2), unique"] = (latent, (q, k, idx))
     if grad:
         calls = {f"{n} fwd+bwd": (jax.grad(lambda q, k, v, *r, f=f: jnp.sum(f(q, k, v, *r)),
                                            argnums=(0, 1, 2)), a)
@@ -90,6 +98,8 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--decode-rounds", type=int, default=41,
+                   help="rounds of the decode rows (milliseconds each: more rounds, steadier)")
     p.add_argument("--grad", action="store_true", help="also forward+backward of the prefill")
     p.add_argument("--out", default=None)
     a = p.parse_args()
@@ -101,15 +111,16 @@ def main():
                   ("prefill chunk 4096", 1, 4096, 32768, 2048, 16, 1, 128)]
     rows = []
     for name, *s in shapes:
-        rows += row(name, *s, a.rounds)
-        print(rows[-3:], flush=True)
+        rows += row(name, *s, a.decode_rounds if s[1] == 1 else a.rounds)
+        print(rows[-5:], flush=True)
         if a.grad and s[1] > 1:
             rows += row(name, *s, a.rounds, grad=True)
             print(rows[-3:], flush=True)
     dev = jax.devices()[0]
     lines = [f"# Top-k token selection vs dense attention over K contiguous keys ({dev.platform})",
              "", f"jax {jax.__version__}, {dev.device_kind}, {os.cpu_count()} CPUs (shared, noisy: "
-             f"medians of {a.rounds} alternating rounds). Command: python benchmarks/selection.py"
+             f"medians of {a.rounds} alternating rounds, {a.decode_rounds} for decode). Command: "
+             f"python benchmarks/selection.py --rounds {a.rounds}"
              + (" --quick" if a.quick else "") + (" --grad" if a.grad else ""), "",
              "Shapes (B, Tq, T context, K selected, Hq, Hkv, D): "
              + "; ".join(f"{n}: {s}" for n, *s in shapes), "",

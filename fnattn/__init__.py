@@ -25,7 +25,8 @@ from fnattn.paged import (PagedBlockSizes, draft_ancestor_mask, draft_positions,
                           ragged_paged_attention_with_update)
 from fnattn.spec import AttentionOutput, AttentionSpec
 from fnattn.selection import (selected_attention, selected_decode, selected_decode_with_update,
-                              selected_paged_attention, selected_ragged_paged_attention)
+                              selected_paged_attention, selected_ragged_paged_attention,
+                              selected_ragged_paged_attention_with_update)
 from fnattn import tune  # noqa: E402  (after the variants it tunes)
 
 __all__ = [
@@ -65,6 +66,7 @@ __all__ = [
     "selected_decode_with_update",
     "selected_paged_attention",
     "selected_ragged_paged_attention",
+    "selected_ragged_paged_attention_with_update",
     "sharding",
     "tune",
 ]

@@ -50,6 +50,14 @@ backward pass (reverse mode), both blockwise with the same gathers, the key
 and value gradients scatter-added into the cache's shape; second order
 differentiates the plain gather formulation.
 
+**Caches.** The serving forms take MLA latent caches (``value_dim`` with no
+values: the values are the first ``value_dim`` channels of the gathered keys,
+their gradient added to the keys') and :mod:`fnattn.quant` quantized caches:
+a block gathers the selected keys' codes and scales only and dequantizes
+them to q's dtype, never the whole cache; reverse mode then runs, block by
+block, ``jax.vjp`` of the block's forward (q, sinks and scales get gradients,
+integer codes float0 zeros); forward mode is not defined for them.
+
 Memory: besides the inputs and the result, the indices (4 bytes per entry,
 twice) and one block's gathered keys, values and logits (``BLOCK_BYTES``; a
 call of few tokens, decode, is one block). With several blocks XLA copies the
@@ -62,18 +70,20 @@ from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from beartype import beartype
 from jax import lax
 from jaxtyping import Array, Shaped, jaxtyped
 
-from fnattn import _checks, _linear
+from fnattn import _checks, _latent, _linear, quant
 from fnattn import _online as online
 from fnattn import masks
 from fnattn.merging import shifted_exp
 from fnattn.spec import AttentionOutput, AttentionSpec
 
 __all__ = ["selected_attention", "selected_decode", "selected_decode_with_update",
-           "selected_paged_attention", "selected_ragged_paged_attention", "blockwise_top_k"]
+           "selected_paged_attention", "selected_ragged_paged_attention",
+           "selected_ragged_paged_attention_with_update", "blockwise_top_k"]
 
 F32 = jnp.float32
 I32 = jnp.int32
@@ -102,6 +112,8 @@ class _Cfg:
     # Whether the mask's operands are indexed by (batch, row, key position):
     # only selected_attention takes masks that hold arrays.
     mask_arrays: bool = False
+    # A latent store (no value store): the values are the keys' first value_dim channels.
+    value_dim: Optional[int] = None
 
     def mask(self, leaves):
         return None if self.mask_treedef is None else jax.tree_util.tree_unflatten(
@@ -125,12 +137,27 @@ def _flat(cfg, store, slot, tok):
     return s * Hkv + h
 
 
-def _gather(cfg, store, slot, tok):
+def _gather(cfg, store, slot, tok, dtype=None):
     """The rows at ``slot`` (t, Hkv, K) of ``store``: (t, Hkv, K, D). One gather of
     whole rows (on a CPU 5-60x faster than a gather indexed by slot and head, or
-    one in "fill" mode)."""
-    flat = store.reshape(-1, store.shape[-1])
-    return flat.at[_flat(cfg, store, slot, tok)].get(mode="promise_in_bounds")
+    one in "fill" mode).
+
+    A quantized store (:class:`fnattn.quant.QuantizedArray`) gathers the selected
+    rows' codes and scales only, zeroes those of unselected entries (whose slot,
+    and so whose scale, may hold anything) and dequantizes them to ``dtype``:
+    the largest dequantized array is one block's selected keys."""
+    ix = _flat(cfg, store, slot, tok)
+    if not quant.is_quantized(store):
+        flat = store.reshape(-1, store.shape[-1])
+        return flat.at[ix].get(mode="promise_in_bounds")
+    sel = slot >= 0
+    data = store.data.reshape(-1, store.data.shape[-1]).at[ix].get(mode="promise_in_bounds")
+    data = jnp.where(sel[..., None], data, jnp.zeros((), data.dtype))
+    scale = jnp.asarray(store.scale, F32)
+    if store.format.per_token:
+        scale = scale.reshape(-1).at[ix].get(mode="promise_in_bounds")
+        scale = jnp.where(sel, scale, jnp.zeros((), F32))
+    return quant.dequantize(quant.QuantizedArray(data, scale, store.format), dtype)
 
 
 def _scatter_add(cfg, store, slot, tok, x):
@@ -196,18 +223,29 @@ class _Block:
         # entries are zeroed; a selected key with a non-finite K or V gets a NaN
         # logit before the mask (_online.finite_keys's rule), so only the rows
         # that may see it are NaN.
-        kg, vg = _gather(cfg, kstore, slot, tok), _gather(cfg, vstore, slot, tok)
-        if cfg.mask_treedef is None:
+        # (a latent store: the values are the keys' first value_dim channels)
+        kg, vg = _gathered(cfg, q, kstore, vstore, slot, tok)
+        Dv = cfg.value_dim
+        if _clean_codes(cfg, kstore, vstore):
+            # Nothing to clean: quantized stores, whose gathers zero the
+            # unselected entries' codes and scales.
+            vg = kg[..., :Dv] if vg is None else vg
+            self.fk = self.fv = selected
+            bad_k = bad_v = jnp.zeros(slot.shape, bool)
+        elif cfg.mask_treedef is None:
             # Every row of a (token, kv head) sees every key it selected: a
             # non-finite one makes those rows NaN by itself; only the unselected
             # entries' reads need zeroing (one select, no pass for non-finite values).
             kg = jnp.where(selected, kg, jnp.zeros((), kg.dtype))
-            vg = jnp.where(selected, vg, jnp.zeros((), vg.dtype))
+            vg = kg[..., :Dv] if vg is None else jnp.where(selected, vg, jnp.zeros((), vg.dtype))
             self.fk = self.fv = selected
             bad_k = bad_v = jnp.zeros(slot.shape, bool)
         else:
             kg, self.fk, bad_k = _clean(kg, selected)
-            vg, self.fv, bad_v = _clean(vg, selected)
+            if vg is None:
+                vg, self.fv, bad_v = kg[..., :Dv], self.fk[..., :Dv], jnp.zeros(slot.shape, bool)
+            else:
+                vg, self.fv, bad_v = _clean(vg, selected)
         self.kg, self.vg = kg, vg
         self.qg = q.reshape(t, Hkv, G, D)
         s = jnp.einsum("thkd,thgd->thkg", kg, self.qg.astype(kg.dtype),
@@ -233,10 +271,29 @@ class _Block:
         return x * (1.0 - jnp.square(jnp.tanh(self.raw / cfg.softcap)))
 
 
+def _clean_codes(cfg, kstore, vstore):
+    """Whether the gathered quantized stores need no cleaning: with no mask, as
+    their gathers zero the unselected entries' codes and scales (every row sees
+    every selected key). Under a mask a selected key's non-finite code (float8)
+    or scale must still be kept from the rows that do not see it."""
+    stores = [x for x in (kstore, vstore) if x is not None]
+    return cfg.mask_treedef is None and all(quant.is_quantized(x) for x in stores)
+
+
+def _gathered(cfg, q, kstore, vstore, slot, tok):
+    """The gathered keys and values (None for a latent store)."""
+    kg = _gather(cfg, kstore, slot, tok, q.dtype)
+    return kg, None if vstore is None else _gather(cfg, vstore, slot, tok, q.dtype)
+
+
 def _forward_block(cfg, q, kstore, vstore, sinks, slot, kpos, tok, mask_leaves):
     """(out (t, Hq, Dv) acc dtype, lse (t, Hq) f32) of one block; plain ``jnp``
     (differentiable: the smooth form)."""
-    blk = _Block(cfg, q, kstore, vstore, slot, kpos, tok, mask_leaves)
+    return _softmax_block(cfg, _Block(cfg, q, kstore, vstore, slot, kpos, tok, mask_leaves),
+                          sinks)
+
+
+def _softmax_block(cfg, blk, sinks):
     t, Hkv, G = blk.shape
     acc = blk.acc
     s = blk.s
@@ -293,6 +350,8 @@ def _tangent_block(cfg, q, kstore, vstore, sinks, slot, kpos, tok, mask_leaves, 
     if tv is not None:
         tvg = jnp.where(blk.fv, _gather(cfg, tv, slot, tok), 0).astype(acc)
         t_out = t_out + jnp.einsum("thkg,thkd->thgd", p, tvg)
+    elif vstore is None and tk is not None:      # latent: the values move with the keys
+        t_out = t_out + jnp.einsum("thkg,thkd->thgd", p, tkg[..., :cfg.value_dim])
     o = out.astype(acc).reshape(t_out.shape)
     t_out = t_out - t_lse[..., None] * jnp.where(jnp.isfinite(lse).reshape(t, Hkv, G, 1), o, 0.0)
     return t_out.reshape(t, Hkv * G, -1), t_lse.reshape(t, Hkv * G)
@@ -388,7 +447,7 @@ def _cotangent(cfg, res, cts):
     bt, nb = _blocks(cfg, R)
     acc = jnp.promote_types(F32, q.dtype)
     dk0 = jnp.zeros(kstore.shape, acc)
-    dv0 = jnp.zeros(vstore.shape, acc)
+    dv0 = None if vstore is None else jnp.zeros(vstore.shape, acc)
     ds0 = None if sinks is None else jnp.zeros(sinks.shape, acc)
 
     def step(carry, xs):
@@ -396,8 +455,12 @@ def _cotangent(cfg, res, cts):
         qb, sb, kb, tb, ob, lb, dob, dlb = xs
         dq, dkg, dvg, dsb = _cotangent_block(cfg, qb, kstore, vstore, sinks, sb, kb, tb,
                                              tuple(mask_leaves), ob, lb, dob, dlb)
+        if dv is None:             # latent: the values' gradient joins the keys' first channels
+            pad = [(0, 0)] * (dkg.ndim - 1) + [(0, dkg.shape[-1] - dvg.shape[-1])]
+            dkg = dkg + jnp.pad(dvg, pad)
+        else:
+            dv = _scatter_add(cfg, dv, sb, tb, dvg)
         dk = _scatter_add(cfg, dk, sb, tb, dkg)
-        dv = _scatter_add(cfg, dv, sb, tb, dvg)
         dsk = None if dsk is None else dsk + dsb
         return (dk, dv, dsk), dq
 
@@ -408,7 +471,8 @@ def _cotangent(cfg, res, cts):
         xs = tuple(_split(x, bt, nb, f) for x, f in zip(rows, (0, -1, -1, 0, 0, 0, 0, 0)))
         (dk, dv, dsk), dq = lax.scan(step, (dk0, dv0, ds0), xs)
         dq = _join(dq, R)
-    return (dq.astype(q.dtype), dk.astype(kstore.dtype), dv.astype(vstore.dtype),
+    return (dq.astype(q.dtype), dk.astype(kstore.dtype),
+            None if vstore is None else dv.astype(vstore.dtype),
             None if sinks is None else dsk.astype(sinks.dtype))
 
 
@@ -452,6 +516,89 @@ def _attend_jvp(cfg, primals, tangents):
 
 
 _attend.defjvp(_attend_jvp, symbolic_zeros=True)
+
+
+# Quantized stores: reverse mode only, one block at a time.
+
+def _part(store):
+    """The differentiable part of a store: a float store itself; a quantized one's
+    (codes where they are floats, else None; scales)."""
+    if store is None or not quant.is_quantized(store):
+        return store
+    data = store.data if jnp.issubdtype(store.data.dtype, jnp.floating) else None
+    return data, jnp.asarray(store.scale, F32)
+
+
+def _with_part(store, part):
+    if store is None or not quant.is_quantized(store):
+        return part
+    data, scale = part
+    return quant.QuantizedArray(store.data if data is None else data, scale, store.format)
+
+
+def _store_cotangent(store, d_part):
+    """The cotangent of a store from that of its part (integer codes: float0 zeros)."""
+    if store is None:
+        return None
+    if not quant.is_quantized(store):
+        return d_part.astype(store.dtype)
+    d_data, d_scale = d_part
+    d_data = (np.zeros(store.data.shape, jax.dtypes.float0) if d_data is None
+              else d_data.astype(store.data.dtype))
+    return quant.QuantizedArray(d_data, d_scale.astype(jnp.result_type(store.scale)),
+                                store.format)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attend_stored(cfg, q, kstore, vstore, sinks, slot, kpos, tok, mask_leaves):
+    """:func:`_attend` for quantized stores, in reverse mode only: the backward is,
+    block by block, ``jax.vjp`` of the block's forward with respect to q, the
+    sinks and the stores' scales (scatter-added: the codes get float0 zeros)."""
+    return _forward(cfg, q, kstore, vstore, sinks, slot, kpos, tok, mask_leaves)
+
+
+def _stored_fwd(cfg, q, kstore, vstore, sinks, slot, kpos, tok, mask_leaves):
+    return (_forward(cfg, q, kstore, vstore, sinks, slot, kpos, tok, mask_leaves),
+            (q, kstore, vstore, sinks, slot, kpos, tok, mask_leaves))
+
+
+def _stored_bwd(cfg, res, cts):
+    q, kstore, vstore, sinks, slot, kpos, tok, mask_leaves = res
+    d_out, d_lse = cts
+    R = q.shape[0]
+    bt, nb = _blocks(cfg, R)
+    parts = (_part(kstore), _part(vstore), sinks)
+
+    def step(carry, xs):
+        qb, sb, kb, tb, dob, dlb = xs
+
+        def f(qb, kp, vp, snk):
+            out, lse = _forward_block(cfg, qb, _with_part(kstore, kp), _with_part(vstore, vp),
+                                      snk, sb, kb, tb, mask_leaves)
+            return out.astype(qb.dtype), lse
+
+        _, pullback = jax.vjp(f, qb, *parts)
+        dq, *d_parts = pullback((dob.astype(q.dtype), dlb.astype(F32)))
+        carry = jax.tree_util.tree_map(lambda a, b: a + b.astype(a.dtype), carry,
+                                       tuple(d_parts))
+        return carry, dq
+
+    zeros = jax.tree_util.tree_map(
+        lambda x: jnp.zeros(jnp.shape(x), F32 if x.dtype.itemsize < 4 else x.dtype), parts)
+    rows = (q, slot, kpos, tok, d_out, d_lse)
+    if nb == 1:
+        (dk, dv, dsk), dq = step(zeros, rows)
+    else:
+        xs = tuple(_split(x, bt, nb, f) for x, f in zip(rows, (0, -1, -1, 0, 0, 0)))
+        (dk, dv, dsk), dq = lax.scan(step, zeros, xs)
+        dq = _join(dq, R)
+    ints = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+    return (dq, _store_cotangent(kstore, dk), _store_cotangent(vstore, dv),
+            None if sinks is None else dsk.astype(sinks.dtype), ints(slot),
+            ints(kpos), ints(tok), jax.tree_util.tree_map(jnp.zeros_like, mask_leaves))
+
+
+_attend_stored.defvjp(_stored_fwd, _stored_bwd)
 
 
 # ----------------------------------------------------------------------------------
@@ -531,18 +678,25 @@ def _block_tokens(R, Hq, Hkv, K, D, Dv, itemsize):
     return 1 << (bt.bit_length() - 1)
 
 
-def _run(spec, fn, q, kstore, vstore, slot, kpos, tok, *, heads_first, scale, mask_arrays):
-    """q (R, Hq, D) -> (out (R, Hq, Dv), lse (Hq, R))."""
+def _run(spec, fn, q, kstore, vstore, slot, kpos, tok, *, heads_first, scale, mask_arrays,
+         value_dim=None):
+    """q (R, Hq, D) -> (out (R, Hq, Dv), lse (Hq, R)). ``vstore`` None: a latent
+    store, the values the first ``value_dim`` channels of the keys."""
     R, Hq, D = q.shape
     Hkv, K = slot.shape[1], slot.shape[2]
-    Dv = vstore.shape[-1]
+    Dv = value_dim if vstore is None else vstore.shape[-1]
+    stored = quant.is_quantized(kstore) or quant.is_quantized(vstore)
+    # (a quantized store is gathered and dequantized to q's dtype)
+    itemsize = jnp.dtype(q.dtype if stored else kstore.dtype).itemsize
     mask = spec.mask
     leaves, treedef = jax.tree_util.tree_flatten(mask)
     cfg = _Cfg(scale=scale, softcap=spec.softcap,
                mask_treedef=None if mask is None else treedef, heads_first=heads_first,
-               block_tokens=_block_tokens(R, Hq, Hkv, K, D, Dv, jnp.dtype(kstore.dtype).itemsize),
-               mask_arrays=mask_arrays)
-    out, lse = _attend(cfg, q, kstore, vstore, spec.sinks, slot, kpos, tok, tuple(leaves))
+               block_tokens=_block_tokens(R, Hq, Hkv, K, D, 0 if vstore is None else Dv,
+                                          itemsize),
+               mask_arrays=mask_arrays, value_dim=None if vstore is not None else value_dim)
+    attend = _attend_stored if stored else _attend
+    out, lse = attend(cfg, q, kstore, vstore, spec.sinks, slot, kpos, tok, tuple(leaves))
     return out, lse.T
 
 
@@ -633,21 +787,56 @@ def selected_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[A
     return AttentionOutput(out, lse if spec.return_lse else None)
 
 
+def _store_like(fn, name, x, q):
+    """A quantized cache, checked, as the float array it stands for (its logical
+    shape, q's dtype) for the shape checks of float caches."""
+    if not quant.is_quantized(x):
+        return x
+    quant.check(fn, name, x)
+    return jax.ShapeDtypeStruct(x.shape, q.dtype)
+
+
+def _check_cache(fn, spec, q, k_cache, v_cache, value_dim):
+    """Dims of q and a contiguous cache (float, quantized or latent)."""
+    v_like = _latent.values(fn, k_cache, v_cache, value_dim, q, k_name="k_cache",
+                            v_name="v_cache")
+    return _checks.check_qkv(q, _store_like(fn, "k_cache", k_cache, q),
+                             _store_like(fn, "v_cache", v_like, q), spec.layout, fn=fn)
+
+
+def _store_bthd(x, layout):
+    if x is None or layout == "bthd":
+        return x
+    return x.swapaxes(1, 2) if quant.is_quantized(x) else jnp.swapaxes(x, 1, 2)
+
+
+def _lead(x, *lead):
+    """``x`` with its leading axes reshaped to ``lead`` (the head dim stays last)."""
+    if x is None:
+        return None
+    if quant.is_quantized(x):
+        return x.reshape_leading(*lead)
+    return x.reshape(*lead, x.shape[-1])
+
+
 @_checks.entry_point("fnattn.selected_decode", ints=("indices", "kv_lengths", "kv_starts"))
 @jaxtyped(typechecker=beartype)
-def selected_decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shaped[Array, "..."],
-                    v_cache: Shaped[Array, "..."], indices: Shaped[Array, "..."], *,
+def selected_decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
+                    v_cache: Optional[quant.Cache], indices: Shaped[Array, "..."], *,
                     kv_lengths: Shaped[Array, "..."],
                     kv_starts: Optional[Shaped[Array, "..."]] = None,
-                    unique: bool = False) -> AttentionOutput:
+                    value_dim: Optional[int] = None, unique: bool = False) -> AttentionOutput:
     """:func:`fnattn.decode` over the selected positions of each sequence's cache.
 
     Args:
       spec: as for :func:`fnattn.decode` (positional masks only), "bthd" or "bhtd".
       q: (B, Tq, Hq, D) or (B, Hq, Tq, D): the newest Tq tokens of each
         sequence, query ``t`` at position ``kv_lengths[b] - Tq + t``.
-      k_cache: (B, S, Hkv, D) or (B, Hkv, S, D) ("bhtd" is transposed once).
-      v_cache: (B, S, Hkv, Dv) or (B, Hkv, S, Dv).
+      k_cache: (B, S, Hkv, D) or (B, Hkv, S, D) ("bhtd" is transposed once);
+        a float array or a :class:`fnattn.quant.QuantizedArray` (only the
+        selected keys' codes and scales are gathered and dequantized, to q's dtype).
+      v_cache: (B, S, Hkv, Dv) or (B, Hkv, S, Dv), float or quantized; None for
+        a latent cache (``value_dim``).
       indices: (B, Tq, K) or (B, Tq, Hkv, K) int: *positions* in the sequence
         (position ``j`` is cache slot ``kv_starts[b] + j``). Positions outside
         ``[0, kv_lengths[b])`` select nothing and are never read; repeats
@@ -655,6 +844,9 @@ def selected_decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shape
       kv_lengths: (B,) int, tokens of each sequence (the new ones included),
         clipped to the cache as in :func:`fnattn.decode`.
       kv_starts: (B,) int, first slot of each sequence (default 0).
+      value_dim: a latent cache (multi-head latent attention, DeepSeek-V3.2):
+        ``v_cache`` is None and the values are the first ``value_dim``
+        channels of the selected keys.
       unique: the caller promises no repeated index in a row.
 
     Returns:
@@ -670,17 +862,22 @@ def selected_decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shape
     >>> ref = fnattn.reference(AttentionSpec(), q[1:], k[1:, 2:4], v[1:, 2:4])
     >>> bool(jnp.allclose(res.out[1:], ref.out, atol=1e-5))
     True
+    >>> lat = jax.jit(fnattn.selected_decode, static_argnames="value_dim")(
+    ...     AttentionSpec(), q, k, None, idx, kv_lengths=jnp.array([16, 10]), value_dim=6)
+    >>> lat.out.shape                                            # values: k[..., :6]
+    (2, 1, 4, 6)
     """
     fn = "selected_decode"
     _refuse(fn, spec, arrays_ok=False)
-    dims = _checks.check_qkv(q, k_cache, v_cache, spec.layout, fn=fn)
+    dims = _check_cache(fn, spec, q, k_cache, v_cache, value_dim)
     B, Tq, S = dims.batch, dims.q_len, dims.kv_len
     Hq, Hkv = dims.num_q_heads, dims.num_kv_heads
     _check_sinks(fn, spec.sinks, Hq)
     _check_int(fn, "kv_lengths", kv_lengths, (B,), "(B,)")
     starts = jnp.zeros((B,), I32) if kv_starts is None else kv_starts
     _check_int(fn, "kv_starts", starts, (B,), "(B,)")
-    qb, kb, vb = (_checks.to_bthd(x, spec.layout) for x in (q, k_cache, v_cache))
+    qb = _checks.to_bthd(q, spec.layout)
+    kb, vb = _store_bthd(k_cache, spec.layout), _store_bthd(v_cache, spec.layout)
     starts = jnp.clip(starts.astype(I32), 0, S)
     lengths = jnp.clip(kv_lengths.astype(I32), 0, S - starts)
     idx = _check_indices(fn, indices, (B, Tq), Hkv, "B, Tq")
@@ -693,43 +890,53 @@ def selected_decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: Shape
     tok = jnp.stack([jnp.repeat(jnp.arange(B, dtype=I32), Tq), jnp.tile(rows, B),
                      (lengths[:, None] - Tq + rows[None]).reshape(-1),
                      jnp.repeat(first, Tq)], axis=1)
-    out, lse = _run(spec, fn, qb.reshape(B * Tq, Hq, dims.head_dim),
-                    kb.reshape(B * S, Hkv, dims.head_dim), vb.reshape(B * S, Hkv, dims.v_head_dim),
-                    slot, idx.reshape(B * Tq, Hkv, K), tok, heads_first=False,
-                    scale=_checks.resolve_scale(spec, dims.head_dim), mask_arrays=False)
+    out, lse = _run(spec, fn, qb.reshape(B * Tq, Hq, dims.head_dim), _lead(kb, B * S, Hkv),
+                    _lead(vb, B * S, Hkv), slot, idx.reshape(B * Tq, Hkv, K), tok,
+                    heads_first=False, scale=_checks.resolve_scale(spec, dims.head_dim),
+                    mask_arrays=False, value_dim=value_dim)
     out = _checks.from_bthd(out.reshape(B, Tq, Hq, dims.v_head_dim), spec.layout)
     lse = lse.reshape(Hq, B, Tq).transpose(1, 0, 2)
     return AttentionOutput(out, lse if spec.return_lse else None)
+
+
+def _refuse_latent_values(fn, value_dim, v, v_name):
+    if value_dim is not None and v is not None:
+        raise ValueError(f"{fn}: a latent cache (value_dim={value_dim}) has no separate values: "
+                         f"pass {v_name}=None (the new keys hold the latent and rope channels)")
 
 
 @_checks.entry_point("fnattn.selected_decode_with_update",
                      ints=("indices", "kv_lengths", "kv_starts"))
 @jaxtyped(typechecker=beartype)
 def selected_decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
-                                k_new: Shaped[Array, "..."], v_new: Shaped[Array, "..."],
-                                k_cache: Shaped[Array, "..."], v_cache: Shaped[Array, "..."],
+                                k_new: Shaped[Array, "..."],
+                                v_new: Optional[Shaped[Array, "..."]],
+                                k_cache: quant.Cache, v_cache: Optional[quant.Cache],
                                 indices: Shaped[Array, "..."], *,
                                 kv_lengths: Shaped[Array, "..."],
                                 kv_starts: Optional[Shaped[Array, "..."]] = None,
-                                unique: bool = False):
+                                value_dim: Optional[int] = None, unique: bool = False):
     """Writes the new tokens' k/v into the cache, then :func:`selected_decode` on it.
 
     Token ``i`` of sequence ``b`` goes to slot ``kv_starts[b] + kv_lengths[b] - Tq +
     i``, as in :func:`fnattn.decode_with_update`; a sequence whose tokens do not fit
     in ``[kv_starts[b], S)`` writes nothing and gets NaN. The new tokens are
     attended to only where ``indices`` select their positions (DSA's indexer
-    scores the new tokens too).
+    scores the new tokens too). A quantized cache gets the codes and per-token
+    scales :func:`fnattn.quant.quantize` gives (:func:`fnattn.quant.write`).
 
     Args:
       spec: as for :func:`selected_decode`.
       q: (B, Tq, Hq, D) or (B, Hq, Tq, D).
-      k_new: (B, Tq, Hkv, D) or (B, Hkv, Tq, D), cast to the cache's dtype.
-      v_new: (B, Tq, Hkv, Dv) or (B, Hkv, Tq, Dv).
-      k_cache: (B, S, Hkv, D) or (B, Hkv, S, D).
-      v_cache: (B, S, Hkv, Dv) or (B, Hkv, S, Dv).
+      k_new: (B, Tq, Hkv, D) or (B, Hkv, Tq, D), cast to the cache's dtype
+        (quantized for a quantized cache).
+      v_new: (B, Tq, Hkv, Dv) or (B, Hkv, Tq, Dv); None for a latent cache.
+      k_cache: (B, S, Hkv, D) or (B, Hkv, S, D), float or quantized.
+      v_cache: (B, S, Hkv, Dv) or (B, Hkv, S, Dv); None for a latent cache.
       indices: as for :func:`selected_decode` (positions, the new ones included).
       kv_lengths: (B,) int, tokens of each sequence after the update.
       kv_starts: (B,) int, first slot of each sequence (default 0).
+      value_dim: a latent cache, as for :func:`selected_decode`.
       unique: the caller promises no repeated index in a row.
 
     Returns:
@@ -746,9 +953,12 @@ def selected_decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
     """
     from fnattn.decoding.update import _fits
     fn = "selected_decode_with_update"
-    dims = _checks.check_qkv(q, k_cache, v_cache, spec.layout, fn=fn)
+    _refuse_latent_values(fn, value_dim, v_new, "v_new")
+    dims = _check_cache(fn, spec, q, k_cache, v_cache, value_dim)
     B, Tq, S = dims.batch, dims.q_len, dims.kv_len
     for name, new, cache in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
+        if cache is None:
+            continue
         want = list(cache.shape)
         want[1 if spec.layout == "bthd" else 2] = Tq
         _check_store(fn, name, new, want, "the cache's shape with Tq new tokens")
@@ -761,14 +971,16 @@ def selected_decode_with_update(spec: AttentionSpec, q: Shaped[Array, "..."],
     rows = jnp.arange(B, dtype=I32)[:, None]
 
     def put(cache, new):
-        new = new.astype(cache.dtype)
+        if cache is None:
+            return None
         if spec.layout == "bthd":
-            return cache.at[rows, slot].set(new, mode="drop")
-        return cache.at[rows, :, slot].set(jnp.swapaxes(new, 1, 2), mode="drop")
+            return quant.write(cache, (rows, slot), new)
+        # (the advanced indices (rows, slot) are apart: their (B, Tq) axes come first)
+        return quant.write(cache, (rows, slice(None), slot), jnp.swapaxes(new, 1, 2))
 
     k_cache, v_cache = put(k_cache, k_new), put(v_cache, v_new)
     res = selected_decode(spec, q, k_cache, v_cache, indices, kv_lengths=kv_lengths,
-                          kv_starts=kv_starts, unique=unique)
+                          kv_starts=kv_starts, value_dim=value_dim, unique=unique)
     bad = ~fits
     out = jnp.where(bad[:, None, None, None], jnp.nan, res.out).astype(res.out.dtype)
     lse = None if res.lse is None else jnp.where(bad[:, None, None], jnp.nan, res.lse)
@@ -793,27 +1005,34 @@ def _first_slot(page_table, seq, num_pages, page_size):
     return jnp.where((page >= 0) & (page < num_pages), page * page_size, 0)
 
 
-def _check_paged(fn, spec, q_heads, head_dim, k_pages, v_pages):
-    _checks.check_float(f"{fn}: k_pages", k_pages)
-    _checks.check_float(f"{fn}: v_pages", v_pages)
-    if k_pages.ndim != 4 or v_pages.ndim != 4 or k_pages.shape[:3] != v_pages.shape[:3]:
+def _check_paged(fn, q, head_dim, k_pages, v_pages, value_dim):
+    """(Hkv, num_pages, page_size, Dv) of the pools (float, quantized or latent)."""
+    v_like = _latent.values(fn, k_pages, v_pages, value_dim, q, k_name="k_pages",
+                            v_name="v_pages")
+    for name, x in (("k_pages", k_pages), ("v_pages", v_like)):
+        if quant.is_quantized(x):
+            quant.check(fn, name, x)
+        else:
+            _checks.check_float(f"{fn}: {name}", x)
+    ks, vs = tuple(k_pages.shape), tuple(v_like.shape)
+    if len(ks) != 4 or len(vs) != 4 or ks[:3] != vs[:3]:
         raise ValueError(f"{fn}: k_pages and v_pages must have shapes (Hkv, num_pages, "
-                         f"page_size, D) and (Hkv, num_pages, page_size, Dv); got "
-                         f"{tuple(k_pages.shape)} and {tuple(v_pages.shape)}")
-    Hkv, N, ps, D = k_pages.shape
+                         f"page_size, D) and (Hkv, num_pages, page_size, Dv); got {ks} and {vs}")
+    Hkv, N, ps, D = ks
+    q_heads = q.shape[-2]
     if D != head_dim or q_heads % Hkv:
-        raise ValueError(f"{fn}: k_pages {tuple(k_pages.shape)} must have head dim D={head_dim} "
-                         f"of q and a number of kv heads dividing Hq={q_heads}")
-    return Hkv, N, ps, v_pages.shape[-1]
+        raise ValueError(f"{fn}: k_pages {ks} must have head dim D={head_dim} of q and a number "
+                         f"of kv heads dividing Hq={q_heads}")
+    return Hkv, N, ps, vs[-1]
 
 
 @_checks.entry_point("fnattn.selected_paged_attention",
                      ints=("indices", "page_table", "kv_lengths"))
 @jaxtyped(typechecker=beartype)
 def selected_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
-                             k_pages: Shaped[Array, "..."], v_pages: Shaped[Array, "..."],
+                             k_pages: quant.Cache, v_pages: Optional[quant.Cache],
                              indices: Shaped[Array, "..."], *, page_table: Shaped[Array, "..."],
-                             kv_lengths: Shaped[Array, "..."],
+                             kv_lengths: Shaped[Array, "..."], value_dim: Optional[int] = None,
                              unique: bool = False) -> AttentionOutput:
     """:func:`fnattn.paged_attention` over the selected positions of each sequence.
 
@@ -821,8 +1040,11 @@ def selected_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
       spec: as for :func:`fnattn.paged_attention` (positional masks only).
       q: (B, Tq, Hq, D) or (B, Hq, Tq, D), query ``t`` of sequence ``b`` at
         position ``kv_lengths[b] - Tq + t``.
-      k_pages: the pool of keys, (Hkv, num_pages, page_size, D).
-      v_pages: the pool of values, (Hkv, num_pages, page_size, Dv).
+      k_pages: the pool of keys, (Hkv, num_pages, page_size, D), float or a
+        :class:`fnattn.quant.QuantizedArray` (the selected keys' codes and scales
+        are gathered, then dequantized to q's dtype; never the whole pool).
+      v_pages: the pool of values, (Hkv, num_pages, page_size, Dv), float or
+        quantized; None for a latent pool (``value_dim``).
       indices: (B, Tq, K) or (B, Tq, Hkv, K) int, *positions* in the sequence,
         resolved through its page table. A position at or past
         ``kv_lengths[b]``, negative, or on a page the sequence does not own
@@ -830,6 +1052,8 @@ def selected_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
         is never read; repeats count once unless ``unique``.
       page_table: (B, max_pages_per_seq) int.
       kv_lengths: (B,) int.
+      value_dim: a latent pool: ``v_pages`` is None and the values are the
+        first ``value_dim`` channels of the selected keys.
       unique: the caller promises no repeated index in a row.
 
     Returns:
@@ -856,7 +1080,7 @@ def selected_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
                          f"{tuple(q.shape)}")
     qb = _checks.to_bthd(q, spec.layout)
     B, Tq, Hq, D = qb.shape
-    Hkv, N, ps, Dv = _check_paged(fn, spec, Hq, D, k_pages, v_pages)
+    Hkv, N, ps, Dv = _check_paged(fn, qb, D, k_pages, v_pages, value_dim)
     _check_sinks(fn, spec.sinks, Hq)
     if page_table.ndim != 2 or page_table.shape[0] != B:
         raise ValueError(f"{fn}: page_table must have shape (B, max_pages_per_seq) with B={B}; "
@@ -870,12 +1094,74 @@ def selected_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
     rows = jnp.arange(Tq, dtype=I32)
     tok = jnp.stack([seq, jnp.tile(rows, B), (lengths[:, None] - Tq + rows[None]).reshape(-1),
                      _first_slot(page_table, seq, N, ps)], axis=1)
-    out, lse = _run(spec, fn, qb.reshape(B * Tq, Hq, D), k_pages.reshape(Hkv, N * ps, D),
-                    v_pages.reshape(Hkv, N * ps, Dv), slot, kpos, tok, heads_first=True,
-                    scale=_checks.resolve_scale(spec, D), mask_arrays=False)
+    out, lse = _run(spec, fn, qb.reshape(B * Tq, Hq, D), _lead(k_pages, Hkv, N * ps),
+                    _lead(v_pages, Hkv, N * ps), slot, kpos, tok, heads_first=True,
+                    scale=_checks.resolve_scale(spec, D), mask_arrays=False, value_dim=value_dim)
     out = _checks.from_bthd(out.reshape(B, Tq, Hq, Dv), spec.layout)
     lse = lse.reshape(Hq, B, Tq).transpose(1, 0, 2)
     return AttentionOutput(out, lse if spec.return_lse else None)
+
+
+class _Ragged:
+    """The checked arguments of the ragged forms and each packed row's sequence."""
+
+    def __init__(self, fn, spec, q, k_pages, v_pages, indices, page_table, context_lengths,
+                 query_start_loc, num_seqs, value_dim):
+        _refuse(fn, spec, arrays_ok=False)
+        _checks.check_float(f"{fn}: q", q)
+        if spec.layout != "bthd":
+            raise ValueError(f"{fn}: q is packed (total_tokens, Hq, D); spec.layout must be "
+                             f"'bthd'; got {spec.layout!r}")
+        if q.ndim != 3:
+            raise ValueError(f"{fn}: q must have shape (total_tokens, Hq, D); got "
+                             f"{tuple(q.shape)}")
+        T, Hq, D = q.shape
+        Hkv, N, ps, Dv = _check_paged(fn, q, D, k_pages, v_pages, value_dim)
+        _check_sinks(fn, spec.sinks, Hq)
+        if page_table.ndim != 2:
+            raise ValueError(f"{fn}: page_table must have shape (max_seqs, max_pages_per_seq); "
+                             f"got {tuple(page_table.shape)}")
+        S, P = page_table.shape
+        _check_int(fn, "page_table", page_table, page_table.shape,
+                   "(max_seqs, max_pages_per_seq)")
+        _check_int(fn, "context_lengths", context_lengths, (S,), "(max_seqs,)")
+        _check_int(fn, "query_start_loc", query_start_loc, (S + 1,), "(max_seqs + 1,)")
+        num_seqs = jnp.reshape(num_seqs, ())
+        if not jnp.issubdtype(num_seqs.dtype, jnp.integer):
+            raise TypeError(f"{fn}: num_seqs must be an integer; got {num_seqs.dtype}")
+        self.idx = _check_indices(fn, indices, (T,), Hkv, "total_tokens")
+        self.dims = (T, Hq, D, Hkv, N, ps, Dv, P)
+        loc = query_start_loc.astype(I32)
+        r = jnp.arange(T, dtype=I32)
+        seq = jnp.clip(jnp.searchsorted(loc, r, side="right").astype(I32) - 1, 0, S - 1)
+        self.live = (r >= loc[0]) & (r < loc[jnp.clip(num_seqs, 0, S)]) & (seq < num_seqs)
+        self.lengths = jnp.where(jnp.arange(S) < num_seqs, context_lengths.astype(I32), 0)
+        self.seq = seq
+        self.row = r - loc[seq]
+        self.n = loc[seq + 1] - loc[seq]
+        self.pos = self.lengths[seq] - self.n + self.row          # each row's position
+        self.page_table = page_table.astype(I32)
+
+    def slots(self):
+        """The pool slot of each row's own token (N * page_size where it is not
+        written: a row of no live sequence, a position outside the table or a
+        page outside the pool)."""
+        T, Hq, D, Hkv, N, ps, Dv, P = self.dims
+        pos = self.pos
+        page = self.page_table[self.seq, jnp.clip(pos // ps, 0, P - 1)]
+        ok = self.live & (pos >= 0) & (pos < P * ps) & (page >= 0) & (page < N)
+        return jnp.where(ok, page * ps + pos % ps, N * ps)
+
+    def attend(self, fn, spec, q, k_pages, v_pages, unique, value_dim):
+        T, Hq, D, Hkv, N, ps, Dv, P = self.dims
+        idx = jnp.where(self.live[:, None, None], self.idx, -1)
+        kpos, slot = _paged_slots(self.page_table, self.seq, idx, self.lengths, N, ps, unique)
+        tok = jnp.stack([self.seq, self.row, self.pos,
+                         _first_slot(self.page_table, self.seq, N, ps)], axis=1)
+        out, lse = _run(spec, fn, q, _lead(k_pages, Hkv, N * ps), _lead(v_pages, Hkv, N * ps),
+                        slot, kpos, tok, heads_first=True, scale=_checks.resolve_scale(spec, D),
+                        mask_arrays=False, value_dim=value_dim)
+        return AttentionOutput(out, lse if spec.return_lse else None)
 
 
 @_checks.entry_point("fnattn.selected_ragged_paged_attention",
@@ -883,12 +1169,13 @@ def selected_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
                            "num_seqs"))
 @jaxtyped(typechecker=beartype)
 def selected_ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."],
-                                    k_pages: Shaped[Array, "..."], v_pages: Shaped[Array, "..."],
+                                    k_pages: quant.Cache, v_pages: Optional[quant.Cache],
                                     indices: Shaped[Array, "..."], *,
                                     page_table: Shaped[Array, "..."],
                                     context_lengths: Shaped[Array, "..."],
                                     query_start_loc: Shaped[Array, "..."],
                                     num_seqs: Shaped[Array, "..."],
+                                    value_dim: Optional[int] = None,
                                     unique: bool = False) -> AttentionOutput:
     """:func:`fnattn.ragged_paged_attention` over each token's selected positions.
 
@@ -902,13 +1189,17 @@ def selected_ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."]
     Args:
       spec: as for :func:`fnattn.ragged_paged_attention` (layout "bthd").
       q: (total_tokens, Hq, D).
-      k_pages: (Hkv, num_pages, page_size, D).
-      v_pages: (Hkv, num_pages, page_size, Dv).
+      k_pages: (Hkv, num_pages, page_size, D), float or quantized (only the
+        selected keys are dequantized).
+      v_pages: (Hkv, num_pages, page_size, Dv), float or quantized; None for a
+        latent pool (``value_dim``).
       indices: (total_tokens, K) or (total_tokens, Hkv, K) int.
       page_table: (max_seqs, max_pages_per_seq) int.
       context_lengths: (max_seqs,) int.
       query_start_loc: (max_seqs + 1,) int.
       num_seqs: int scalar or (1,): live sequences.
+      value_dim: a latent pool: ``v_pages`` is None and the values are the
+        first ``value_dim`` channels of the selected keys.
       unique: the caller promises no repeated index in a row.
 
     Returns:
@@ -928,42 +1219,91 @@ def selected_ragged_paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."]
     ((3, 2, 8), (2, 3))
     """
     fn = "selected_ragged_paged_attention"
-    _refuse(fn, spec, arrays_ok=False)
-    _checks.check_float(f"{fn}: q", q)
-    if spec.layout != "bthd":
-        raise ValueError(f"{fn}: q is packed (total_tokens, Hq, D); spec.layout must be "
-                         f"'bthd'; got {spec.layout!r}")
-    if q.ndim != 3:
-        raise ValueError(f"{fn}: q must have shape (total_tokens, Hq, D); got {tuple(q.shape)}")
-    T, Hq, D = q.shape
-    Hkv, N, ps, Dv = _check_paged(fn, spec, Hq, D, k_pages, v_pages)
-    _check_sinks(fn, spec.sinks, Hq)
-    if page_table.ndim != 2:
-        raise ValueError(f"{fn}: page_table must have shape (max_seqs, max_pages_per_seq); "
-                         f"got {tuple(page_table.shape)}")
-    S = page_table.shape[0]
-    _check_int(fn, "page_table", page_table, page_table.shape, "(max_seqs, max_pages_per_seq)")
-    _check_int(fn, "context_lengths", context_lengths, (S,), "(max_seqs,)")
-    _check_int(fn, "query_start_loc", query_start_loc, (S + 1,), "(max_seqs + 1,)")
-    num_seqs = jnp.reshape(num_seqs, ())
-    if not jnp.issubdtype(num_seqs.dtype, jnp.integer):
-        raise TypeError(f"{fn}: num_seqs must be an integer; got {num_seqs.dtype}")
-    idx = _check_indices(fn, indices, (T,), Hkv, "total_tokens")
-    loc = query_start_loc.astype(I32)
-    r = jnp.arange(T, dtype=I32)
-    seq = jnp.clip(jnp.searchsorted(loc, r, side="right").astype(I32) - 1, 0, S - 1)
-    live = (r >= loc[0]) & (r < loc[jnp.clip(num_seqs, 0, S)]) & (seq < num_seqs)
-    lengths = jnp.where(jnp.arange(S) < num_seqs, context_lengths.astype(I32), 0)
-    idx = jnp.where(live[:, None, None], idx, -1)
-    kpos, slot = _paged_slots(page_table.astype(I32), seq, idx, lengths, N, ps, unique)
-    row = r - loc[seq]
-    n = loc[seq + 1] - loc[seq]
-    tok = jnp.stack([seq, row, lengths[seq] - n + row, _first_slot(page_table, seq, N, ps)],
-                    axis=1)
-    out, lse = _run(spec, fn, q, k_pages.reshape(Hkv, N * ps, D),
-                    v_pages.reshape(Hkv, N * ps, Dv), slot, kpos, tok, heads_first=True,
-                    scale=_checks.resolve_scale(spec, D), mask_arrays=False)
-    return AttentionOutput(out, lse if spec.return_lse else None)
+    rg = _Ragged(fn, spec, q, k_pages, v_pages, indices, page_table, context_lengths,
+                 query_start_loc, num_seqs, value_dim)
+    return rg.attend(fn, spec, q, k_pages, v_pages, unique, value_dim)
+
+
+@_checks.entry_point("fnattn.selected_ragged_paged_attention_with_update",
+                     ints=("indices", "page_table", "context_lengths", "query_start_loc",
+                           "num_seqs"))
+@jaxtyped(typechecker=beartype)
+def selected_ragged_paged_attention_with_update(
+        spec: AttentionSpec, q: Shaped[Array, "..."], k: Shaped[Array, "..."],
+        v: Optional[Shaped[Array, "..."]], k_pages: quant.Cache,
+        v_pages: Optional[quant.Cache], indices: Shaped[Array, "..."], *,
+        page_table: Shaped[Array, "..."], context_lengths: Shaped[Array, "..."],
+        query_start_loc: Shaped[Array, "..."], num_seqs: Shaped[Array, "..."],
+        value_dim: Optional[int] = None, unique: bool = False):
+    """Writes the new tokens' k/v into the pools, then
+    :func:`selected_ragged_paged_attention` over the updated pools.
+
+    The write is :func:`fnattn.ragged_paged_attention_with_update`'s: token row
+    ``t`` of sequence ``s`` (``n`` new tokens, context ``L``) is at position
+    ``L - n + (t - query_start_loc[s])`` and goes to page ``page_table[s, pos //
+    page_size]``, offset ``pos % page_size``; writes of rows of no live
+    sequence, of positions outside the page table, or to a page entry outside
+    the pool are dropped. A quantized pool gets the codes and per-token scales
+    of :func:`fnattn.quant.write` (bit for bit those of
+    :func:`fnattn.quant.quantize`). The new tokens are attended to where
+    ``indices`` select their positions (DSA's indexer scores them too). Donate
+    the pools (``jax.jit(..., donate_argnums=(4, 5))``) for an update in place.
+
+    Args:
+      spec: as for :func:`selected_ragged_paged_attention`.
+      q: (total_tokens, Hq, D).
+      k: (total_tokens, Hkv, D), the new tokens' keys (latent and rope channels
+        for a latent pool).
+      v: (total_tokens, Hkv, Dv), the new tokens' values; None for a latent pool.
+      k_pages: (Hkv, num_pages, page_size, D), float or quantized.
+      v_pages: (Hkv, num_pages, page_size, Dv), float or quantized; None for a
+        latent pool.
+      indices: (total_tokens, K) or (total_tokens, Hkv, K) int, positions (the
+        new tokens' included).
+      page_table: (max_seqs, max_pages_per_seq) int.
+      context_lengths: (max_seqs,) int, tokens of each sequence after the update.
+      query_start_loc: (max_seqs + 1,) int.
+      num_seqs: int scalar or (1,): live sequences.
+      value_dim: a latent pool, as for :func:`selected_ragged_paged_attention`.
+      unique: the caller promises no repeated index in a row.
+
+    Returns:
+      ``(AttentionOutput, k_pages, v_pages)`` with the updated pools.
+
+    >>> import jax, jax.numpy as jnp, fnattn
+    >>> from fnattn import AttentionSpec, masks
+    >>> kp, vp = jnp.zeros((2, 1, 4, 2, 8))                # 4 pages of 2 slots each
+    >>> q = k = v = jnp.ones((3, 1, 8))                    # 3 new tokens of one sequence
+    >>> f = jax.jit(fnattn.selected_ragged_paged_attention_with_update,
+    ...             donate_argnums=(4, 5))
+    >>> res, kp, vp = f(AttentionSpec(mask=masks.causal()), q, k, v, kp, vp,
+    ...                 jnp.array([[0, 2], [1, 2], [2, -1]]), page_table=jnp.array([[2, 0]]),
+    ...                 context_lengths=jnp.array([3]), query_start_loc=jnp.array([0, 3]),
+    ...                 num_seqs=jnp.int32(1))
+    >>> kp[0, :, :, 0].tolist()                            # positions 0, 1 -> page 2; 2 -> page 0
+    [[1.0, 0.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]
+    >>> res.out[:, 0, 0].tolist()                          # each row sees a written key
+    [1.0, 1.0, 1.0]
+    """
+    fn = "selected_ragged_paged_attention_with_update"
+    _refuse_latent_values(fn, value_dim, v, "v")
+    rg = _Ragged(fn, spec, q, k_pages, v_pages, indices, page_table, context_lengths,
+                 query_start_loc, num_seqs, value_dim)
+    T, Hq, D, Hkv, N, ps, Dv, P = rg.dims
+    news = (("k", k, (T, Hkv, D)), ("v", v, (T, Hkv, Dv)))
+    for name, x, want in news[:1 if v_pages is None else 2]:
+        _check_store(fn, name, x, want, "(total_tokens, Hkv, D|Dv) from q and the pools")
+    slot = rg.slots()
+
+    def put(pool, new):
+        if pool is None:
+            return None
+        flat = quant.write(_lead(pool, Hkv, N * ps), (slice(None), slot), jnp.swapaxes(new, 0, 1))
+        return _lead(flat, Hkv, N, ps)
+
+    k_pages, v_pages = put(k_pages, k), put(v_pages, v)
+    res = rg.attend(fn, spec, q, k_pages, v_pages, unique, value_dim)
+    return res, k_pages, v_pages
 
 
 # ----------------------------------------------------------------------------------

@@ -11,7 +11,8 @@ per token, RoPE half-split on the first ``qk_rope_head_dim`` features, scores
 projection of the hidden state), the causal mask on the scores, the top
 ``min(index_topk, T)`` keys, and attention with the causal mask intersected with
 that selection. Tiny random weights; the test compares the layer's output
-(after ``o_proj``), the logits a model would feed on.
+(after ``o_proj``), the logits a model would feed on. The second test serves the
+same step from an MLA latent cache (``value_dim``, no values), contiguous and paged.
 """
 
 import jax
@@ -223,3 +224,58 @@ def test_dsa_layer_matches_the_float64_transcription():
                 got = {int(j) for j in np.asarray(top[b, s]) if 0 <= j <= s}
                 assert got == {int(j) for j in want_top[b, s] if j <= s}, (blockwise, b, s)
         np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4)
+
+
+def dsa_latent(w, x, top, form):
+    """The same attention step served from an MLA latent cache (the up-projections
+    absorbed into the query and the output): one kv head of kv_lora + rope
+    channels per token, the values its first kv_lora channels (``value_dim``), the
+    indexer's ``top`` selecting positions; ``form`` "decode" (a contiguous cache)
+    or "paged" (the ragged paged form over a pool of pages)."""
+    c = CFG
+    B, S, _ = x.shape
+    H, nope, rope, dv, r = c["heads"], c["nope"], c["rope"], c["v"], c["kv_lora"]
+    inv = 1.0 / c["theta"] ** (jnp.arange(0, rope, 2) / rope)
+    ang = jnp.arange(S)[:, None] * inv[None]
+    ang = jnp.concatenate([ang, ang], -1)
+    cos, sin = jnp.cos(ang), jnp.sin(ang)
+    q_lat = rms(x @ w["q_a"], w["q_a_norm"], c["eps"])
+    q = (q_lat @ w["q_b"]).reshape(B, S, H, nope + rope)
+    ckv = x @ w["kv_a"]
+    latent = rms(ckv[..., :r], w["kv_a_norm"], c["eps"])                   # (B, S, r)
+    k_rot = rope_interleaved(ckv[..., r:][:, :, None], cos, sin)[:, :, 0]   # (B, S, rope)
+    cache = jnp.concatenate([latent, k_rot], -1)[:, :, None]               # (B, S, 1, r + rope)
+    w_kv = w["kv_b"].reshape(r, H, nope + dv)
+    q_abs = jnp.einsum("bshn,rhn->bshr", q[..., :nope], w_kv[..., :nope])
+    q_full = jnp.concatenate([q_abs, rope_interleaved(q[..., nope:], cos, sin)], -1)
+    spec = AttentionSpec(mask=masks.causal(), scale=(nope + rope) ** -0.5)
+    if form == "decode":
+        o = fnattn.selected_decode(spec, q_full, cache, None, top, value_dim=r,
+                                   kv_lengths=jnp.full((B,), S, jnp.int32), unique=True).out
+    else:
+        ps = 4
+        n_pages = S // ps
+        # sequence b's pages are b, b + B, b + 2B, ...: interleaved in the pool
+        table = jnp.arange(n_pages)[None, :] * B + jnp.arange(B)[:, None]
+        pool = jnp.zeros((1, B * n_pages, ps, r + rope))
+        pool = pool.at[0, table].set(cache[:, :, 0].reshape(B, n_pages, ps, r + rope))
+        o = fnattn.selected_ragged_paged_attention(
+            spec, q_full.reshape(B * S, H, r + rope), pool, None, top.reshape(B * S, -1),
+            page_table=table, context_lengths=jnp.full((B,), S),
+            query_start_loc=jnp.arange(B + 1) * S, num_seqs=jnp.int32(B), value_dim=r).out
+        o = o.reshape(B, S, H, r)
+    out = jnp.einsum("bshr,rhd->bshd", o, w_kv[..., nope:]).reshape(B, S, H * dv)
+    return out @ w["o"]
+
+
+def test_dsa_layer_over_a_latent_cache_matches_the_float64_transcription():
+    w64 = weights(2)
+    x64 = np.random.default_rng(3).normal(size=(2, 16, CFG["hidden"]))
+    want, _, _ = np_dsa(w64, x64)
+    assert np.abs(np_dsa(w64, x64, select=False)[0] - want).max() > 1e-2   # selection matters
+    w = {n: jnp.asarray(a, jnp.float32) for n, a in w64.items()}
+    x = jnp.asarray(x64, jnp.float32)
+    _, top = jax.jit(dsa_layer)(w, x)
+    for form in ("decode", "paged"):
+        out = jax.jit(dsa_latent, static_argnames="form")(w, x, top, form=form)
+        np.testing.assert_allclose(out, want, atol=2e-5, rtol=1e-4, err_msg=form)
