@@ -130,8 +130,9 @@ def ranked_order(xp, rank, ranks: int):
 # computed in XLA by counting (:func:`_counted`) instead of by
 # :func:`ranked_order`: both give the same lists; counting is a few fused
 # reductions, where the cumulative sums, scatter and gathers of the other take
-# a dozen kernels, each compiled on its own (about 0.3 s of a traced window's
-# first call on a 2-core CPU; ``benchmarks/results/traced_window_cpu.md``).
+# a dozen kernels, each compiled on its own (XLA:CPU: about 0.25 s of CPU time
+# of a traced-window layer's first call; ``benchmarks/results/traced_window_cpu.md``).
+# The comparisons grow as columns squared: long tables keep ranked_order.
 COUNTED_COMPARISONS = 1 << 20
 
 
