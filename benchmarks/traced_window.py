@@ -14,8 +14,11 @@ a warm-up; the machine is shared and noisy):
   5:1 local:global pattern (layers 6 and 12 global): each layer
   ``x + flash(x Wq, x Wk, x Wv)``, scanned (one layer traced, the windows
   as ``lax.scan`` xs, ``masks.NO_WINDOW`` for the global layers) against
-  unrolled (a Python loop, each layer its static mask). First call (trace +
-  compile + one run) and step time, forward and forward + backward, and the
+  unrolled (a Python loop, each layer its static mask). First call (trace,
+  lower and compile, each timed, from empty caches; the process's CPU time
+  too) and step time, forward and forward + backward, programs of one layer
+  (traced window, static window, static global: the floor of a scanned
+  program's first call), and the
   tiles each layer visits (non-empty tiles of the block classes at the XLA
   lowering's tile size: from the traced windows, and from the static masks).
 
@@ -56,9 +59,22 @@ def timed(f, *args, reps):
 
 
 def first_call(f, *args):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    return time.perf_counter() - t0
+    """Trace, lower and compile ``jax.jit(f)`` from empty caches: the wall time
+    of each stage, the process's CPU time over all three (all threads: less
+    sensitive than wall time to other jobs on a shared machine), the HLO
+    fusions of the compiled program, and the compiled function."""
+    jax.clear_caches()
+    jf = jax.jit(f)
+    c0, t0 = time.process_time(), time.perf_counter()
+    traced = jf.trace(*args)
+    t1 = time.perf_counter()
+    lowered = traced.lower()
+    t2 = time.perf_counter()
+    compiled = lowered.compile()
+    t3, c3 = time.perf_counter(), time.process_time()
+    fusions = compiled.as_text().count(" fusion(")
+    return dict(trace=t1 - t0, lower=t2 - t1, compile=t3 - t2, first=t3 - t0, cpu=c3 - c0,
+                fusions=fusions), compiled
 
 
 def peak(f, *args):
@@ -120,12 +136,28 @@ def model(T, W, L, reps, H=4, D=64):
             x = layer(x, wts[i], window(W) if local[i] else masks.causal())
         return x
 
-    out = {}
-    for form, f in (("scanned", scanned), ("unrolled", unrolled)):
+    # the floor: a program of one layer (its first call is the least a scanned
+    # program, which holds one layer, can cost)
+    def one_traced(x, wts):
+        return layer(x, wts[0], window(xs[0]))
+
+    def one_local(x, wts):
+        return layer(x, wts[0], window(W))
+
+    def one_global(x, wts):
+        return layer(x, wts[0], masks.causal())
+
+    out, floor = {}, {}
+    forms = (("scanned", scanned), ("unrolled", unrolled), ("1 layer, traced window", one_traced),
+             ("1 layer, static window", one_local), ("1 layer, static global", one_global))
+    for form, f in forms:
         loss = lambda x, w, f=f: jnp.sum(f(x, w) ** 2)  # noqa: E731
         for mode, g in (("fwd", f), ("fwd+bwd", jax.grad(loss, argnums=(0, 1)))):
-            jg = jax.jit(g)
-            out[form, mode] = (first_call(jg, x, wts), timed(jg, x, wts, reps=reps))
+            stages, compiled = first_call(g, x, wts)
+            if form in ("scanned", "unrolled"):
+                out[form, mode] = (stages, timed(compiled, x, wts, reps=reps))
+            else:
+                floor[form, mode] = stages
     # tiles visited: the XLA lowering's tile size for this shape
     b = XlaBlockSizes.default(Dims(batch=1, q_len=T, kv_len=T, num_q_heads=H,
                                    num_kv_heads=H, head_dim=D, v_head_dim=D))
@@ -135,7 +167,7 @@ def model(T, W, L, reps, H=4, D=64):
     static = [int(np.sum(masks.block_classes_static(window(W) if lo else masks.causal(),
                                                     1, 1, T, T, bq, bk) != masks.EMPTY))
               for lo in local]
-    return out, np.asarray(traced).tolist(), static, (bq, bk)
+    return out, floor, np.asarray(traced).tolist(), static, (bq, bk)
 
 
 def main(argv=None):
@@ -150,7 +182,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     dev = jax.devices()[0]
     rows, base, base_mem = one_layer(a.t, a.window, a.reps)
-    mod, tiles_traced, tiles_static, (bq, bk) = model(a.model_t, a.window, a.layers,
+    mod, floor, tiles_traced, tiles_static, (bq, bk) = model(a.model_t, a.window, a.layers,
                                                       max(1, a.reps // 2))
     lines = [
         f"# Traced window sizes against static ints ({dev.platform}, "
@@ -175,15 +207,28 @@ def main(argv=None):
         "",
         f"## {a.layers} layers, 5 local : 1 global, T={a.model_t}, window {a.window}",
         "",
-        "| pass | form | first call (s) | vs unrolled | step (s) | vs unrolled |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "First call = trace + lower + compile from empty caches (wall time; CPU time: "
+        "every thread of the process over the same span, less sensitive to other jobs); "
+        "fusions: the HLO fusion instructions of the compiled program (XLA:CPU compiles "
+        "each distinct one once, so identical unrolled layers share their kernels). "
+        "Targets: scanned first call <= 0.3x unrolled; step within 1.1x. "
+        "The 1-layer rows are the floor of a scanned program (it holds one layer).",
+        "",
+        "| pass | form | trace (s) | lower (s) | compile (s) | first call (s) | vs unrolled "
+        "| CPU (s) | vs unrolled | fusions | step (s) | vs unrolled |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for mode in ("fwd", "fwd+bwd"):
-        u = mod["unrolled", mode]
-        for form in ("scanned", "unrolled"):
-            f, s = mod[form, mode]
-            lines.append(f"| {mode} | {form} | {f:.2f} | {f / u[0]:.3f}x | {s:.4f} | "
-                         f"{s / u[1]:.3f}x |")
+        u, us = mod["unrolled", mode]
+        rows_ = [(form, *mod[form, mode]) for form in ("scanned", "unrolled")]
+        rows_ += [(form, st, None) for (form, m), st in floor.items() if m == mode]
+        for form, st, s in rows_:
+            step = "" if s is None else f"{s:.4f} | {s / us:.3f}x"
+            lines.append(
+                f"| {mode} | {form} | {st['trace']:.2f} | {st['lower']:.2f} | "
+                f"{st['compile']:.2f} | {st['first']:.2f} | {st['first'] / u['first']:.3f}x | "
+                f"{st['cpu']:.2f} | {st['cpu'] / u['cpu']:.3f}x | {st['fusions']} | "
+                + (step or " | ") + " |")
     lines += ["", f"Tiles visited per layer (non-empty {bq}x{bk} tiles): traced "
               f"{tiles_traced}; static {tiles_static}; "
               f"{'equal' if tiles_traced == tiles_static else 'DIFFERENT'}.", ""]

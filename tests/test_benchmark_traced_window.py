@@ -11,5 +11,10 @@ def test_small_run_writes_every_row_and_equal_tiles(tmp_path):
                 "--reps", "1", "--out", str(out)])
     text = out.read_text()
     rows = [line for line in text.splitlines() if line.startswith("| fwd")]
-    assert len(rows) == 5 + 4, rows
+    # one layer: 5 rows; the model: scanned and unrolled, and the three
+    # one-layer floors, for each pass
+    assert len(rows) == 5 + 2 * 5, rows
+    for form in ("scanned", "unrolled", "1 layer, traced window", "1 layer, static window",
+                 "1 layer, static global"):
+        assert sum(f"| {form} |" in r for r in rows) == 2, form
     assert "; equal." in text

@@ -51,3 +51,12 @@ def test_serve_quantized_equals_the_float_model_within_the_quantization(capsys):
     worst = load("serve_quantized").main(["--requests", "3", "--max-new", "4"])
     assert worst["int8"] < 0.05 and worst["fp8"] < 0.25
     assert "greedy tokens equal" in capsys.readouterr().out
+
+
+def test_local_global_scan_equals_its_unrolled_twin(capsys):
+    r = load("local_global_scan").main(["--layers", "6", "--seq", "24", "--window", "5",
+                                        "--batch", "4", "--d-model", "32", "--steps", "30"])
+    for name in ("logits", "grads", "trained_logits", "trained_grads"):
+        assert r[name] < 1e-5, (name, r[name])
+    assert r["losses"][-1] < 0.7 * r["losses"][0]
+    assert "equals its unrolled twin" in capsys.readouterr().out

@@ -126,9 +126,46 @@ def ranked_order(xp, rank, ranks: int):
     return order.reshape(rank.shape)
 
 
+# The most comparisons (tables x rows x columns x columns) of a schedule
+# computed in XLA by counting (:func:`_counted`) instead of by
+# :func:`ranked_order`: both give the same lists; counting is a few fused
+# reductions, where the cumulative sums, scatter and gathers of the other take
+# a dozen kernels, each compiled on its own (XLA:CPU: about 0.25 s of CPU time
+# of a traced-window layer's first call; ``benchmarks/results/traced_window_cpu.md``).
+# The comparisons grow as columns squared: long tables keep ranked_order.
+COUNTED_COMPARISONS = 1 << 20
+
+
+def _counts_small(shape) -> bool:
+    if not all(isinstance(c, (int, np.integer)) for c in shape):
+        return False  # (a symbolic size under jax.export)
+    return int(np.prod(shape, dtype=np.int64)) * int(shape[-1]) <= COUNTED_COMPARISONS
+
+
+def _counted(c):
+    """``(index, count)`` of :func:`schedule` of the tables ``c`` (…, n) by
+    counting: with ``cs[j]`` the number of non-empty columns up to ``j``, the
+    ``t``-th listed column is the number of columns with ``cs <= t`` (past the
+    count, the last listed one: ``t`` clipped to ``count - 1``; 0 when none)."""
+    n = c.shape[-1]
+    nonempty = c != EMPTY
+    count = nonempty.sum(-1, dtype=jnp.int32)
+    cols = jnp.arange(n, dtype=jnp.int32)
+    upto = cols[None, :] <= cols[:, None]                      # (j, j')
+    cs = jnp.sum(nonempty[..., None, :] & upto, -1, dtype=jnp.int32)
+    t = jnp.minimum(cols, count[..., None] - 1)
+    index = jnp.sum(cs[..., None, :] <= t[..., :, None], -1, dtype=jnp.int32)
+    return index, count
+
+
 def _schedule(xp, classes, transpose):
     c = xp.swapaxes(classes, -1, -2) if transpose else classes
     n = c.shape[-1]
+    if xp is jnp and _counts_small(c.shape):
+        index, count = _counted(c)
+        listed = jnp.arange(n, dtype=jnp.int32) < count[..., None]
+        kind = jnp.where(listed, jnp.take_along_axis(c, index, axis=-1), EMPTY)
+        return Schedule(index, kind.astype(jnp.int8), count)
     cols = xp.arange(n, dtype=xp.int32)
     nonempty = c != EMPTY
     order = ranked_order(xp, xp.where(nonempty, 0, 1), 1)

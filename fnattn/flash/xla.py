@@ -186,18 +186,42 @@ def _classes(mask, P: _Plan):
 
 
 def _split_schedule(classes, transpose=False):
-    """(index, count) of the FULL tiles and of the PARTIAL tiles, per row-block."""
+    """The lists of the FULL tiles and of the PARTIAL tiles, per row-block, as
+    the ``xs`` of the loop over row-blocks (:func:`_row_lists` reads one
+    row-block's): static classes give NumPy ``(full index, full count, partial
+    index, partial count)``; traced ones ``(index, count)``, of shapes
+    (rows, 2, n) and (rows, 2), FULL first."""
     if isinstance(classes, np.ndarray):
         full = blocks.schedule_static(np.where(classes == masks.FULL, classes, masks.EMPTY)
                                       .astype(np.int8), transpose=transpose)
         part = blocks.schedule_static(np.where(classes == masks.PARTIAL, classes, masks.EMPTY)
                                       .astype(np.int8), transpose=transpose)
         return full.index, full.count, part.index, part.count
-    full = blocks.schedule(jnp.where(classes == masks.FULL, classes, masks.EMPTY)
-                           .astype(jnp.int8), transpose=transpose)
-    part = blocks.schedule(jnp.where(classes == masks.PARTIAL, classes, masks.EMPTY)
-                           .astype(jnp.int8), transpose=transpose)
-    return full.index, full.count, part.index, part.count
+    # Both lists from one schedule, of each row-block's two tables (FULL tiles,
+    # PARTIAL tiles) stacked as a table of two rows: one set of kernels to
+    # compile instead of two, and lists that the loop over row-blocks slices
+    # without a copy.
+    c = classes.T if transpose else classes
+    both = jnp.stack([jnp.where(c == kind, c, masks.EMPTY).astype(jnp.int8)
+                      for kind in (masks.FULL, masks.PARTIAL)], axis=1)
+    s = blocks.schedule(both)
+    return s.index, s.count
+
+
+def _row_lists(xs):
+    """One row-block's ``(full index, full count, partial index, partial count)``
+    from its slice of :func:`_split_schedule`'s lists."""
+    if len(xs) == 4:
+        return xs
+    index, count = xs
+    return index[0], count[0], index[1], count[1]
+
+
+def _skips(lists):
+    """Whether the FULL and the PARTIAL loops never run (static lists only)."""
+    if len(lists) == 4:
+        return _never(lists[1]), _never(lists[3])
+    return False, False
 
 
 def _never(n):
@@ -387,8 +411,8 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
     vb = _k_blocks(a["v"], P)                              # (nk, B*Hkv, bk, Dv)
     bias4 = None if a["bias"] is None else _pad4(a["bias"], P)
     ops = tuple(_pad4(op, P) for op in a["ops"])
-    full_idx, full_n, part_idx, part_n = _split_schedule(a["classes"][0])
-    skip_full, skip_part = _never(full_n), _never(part_n)
+    lists = _split_schedule(a["classes"][0])
+    skip_full, skip_part = _skips(lists)
     rows = (B * P.Hkv, P.G * P.bq)
     lowp = qb.dtype != P.acc
     A = P.acc
@@ -431,7 +455,8 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
         return step
 
     def q_block(xs):
-        qi, i, fidx, fn, pidx, pn = xs
+        qi, i, *sched = xs
+        fidx, fn, pidx, pn = _row_lists(sched)
         carry = varying_like((jnp.full(rows, -jnp.inf, A), jnp.zeros(rows, A),
                               jnp.zeros(rows + (P.Dv,), A)), a, shared, bidx)
         full_step = tile_step(i, qi, False)
@@ -451,8 +476,7 @@ def _forward_rows(P: _Plan, bidx, a, shared, carry):
         lse, lse_lo = online.lse_parts(m, l)
         return out.astype(qb.dtype), lse, lse_lo
 
-    outs, lses, los = lax.map(q_block, (qb, jnp.arange(P.nq, dtype=jnp.int32), full_idx,
-                                        full_n, part_idx, part_n))
+    outs, lses, los = lax.map(q_block, (qb, jnp.arange(P.nq, dtype=jnp.int32), *lists))
     # (nq, B*Hkv, G*bq, Dv) -> (B, Tq, Hq, Dv)
     out = outs.reshape(P.nq, B, P.Hkv, P.G, P.bq, P.Dv).transpose(1, 0, 4, 2, 3, 5)
     out = out.reshape(B, P.nq * P.bq, P.Hq, P.Dv)[:, :P.Tq]
@@ -532,8 +556,8 @@ def _backward_rows(P: _Plan, bidx, a, shared, carry):
     bias = bias_shared if bias_shared is not None else a["bias"]
     bias4 = None if bias is None else _pad4(bias, P)
     ops = tuple(_pad4(op, P) for op in a["ops"])
-    full_idx, full_n, part_idx, part_n = _split_schedule(a["classes"][0], transpose=True)
-    skip_full, skip_part = _never(full_n), _never(part_n)
+    lists = _split_schedule(a["classes"][0], transpose=True)
+    skip_full, skip_part = _skips(lists)
     lowp = qb.dtype != P.acc
     dtype = qb.dtype
     A = P.acc
@@ -586,7 +610,8 @@ def _backward_rows(P: _Plan, bidx, a, shared, carry):
 
     def kv_block(carry, xs):
         dqt, dbias, dterm = carry
-        kj, ktj, vj, j, fidx, fn, pidx, pn = xs
+        kj, ktj, vj, j, *sched = xs
+        fidx, fn, pidx, pn = _row_lists(sched)
         full_step = tile_step(j, kj, ktj, vj, False, None)
         # PARTIAL tiles: keys with a non-finite K or V are zeroed (so that dp = dO.v
         # and dq = dS.k stay finite where dS is 0) and NaN for the rows that see them.
@@ -612,7 +637,7 @@ def _backward_rows(P: _Plan, bidx, a, shared, carry):
     dqt0, dbias0, dterm0 = varying_like((dqt0, dbias0, dterm0), a, shared, bidx)
     (dqt, dbias, dterm), (dk, dv) = lax.scan(
         kv_block, (dqt0, dbias0, dterm0),
-        (kb, ktb, vb, jnp.arange(P.nk, dtype=jnp.int32), full_idx, full_n, part_idx, part_n))
+        (kb, ktb, vb, jnp.arange(P.nk, dtype=jnp.int32), *lists))
     # dq: (nq, B*Hkv, D, G*bq) -> (B, Tq, Hq, D)
     dq = dqt.reshape(P.nq, B, P.Hkv, P.D, P.G, P.bq).transpose(1, 0, 5, 2, 4, 3)
     dq = dq.reshape(B, P.nq * P.bq, P.Hq, P.D)[:, :P.Tq] * P.scale

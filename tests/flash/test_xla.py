@@ -111,11 +111,15 @@ def test_full_tiles_skip_the_mask():
     np.testing.assert_array_equal(np.asarray(s.count[0, 0]), [1, 2, 3, 4])
 
 
+@pytest.mark.parametrize("counted", [True, False])
 @pytest.mark.parametrize("transpose", [False, True])
-def test_schedule_in_xla_equals_a_plain_walk(transpose):
-    """blocks.schedule (XLA: a scatter, no sort) and schedule_static (NumPy)
-    against walking each row: the non-empty tiles in order, their classes, the
-    last repeated past the count (0 for a row that visits nothing)."""
+def test_schedule_in_xla_equals_a_plain_walk(transpose, counted, monkeypatch):
+    """blocks.schedule (XLA: counting for small tables, a scatter past
+    blocks.COUNTED_COMPARISONS; no sort) and schedule_static (NumPy) against
+    walking each row: the non-empty tiles in order, their classes, the last
+    repeated past the count (0 for a row that visits nothing)."""
+    if not counted:
+        monkeypatch.setattr(blocks, "COUNTED_COMPARISONS", 0)
     cls = np.random.default_rng(1).choice(
         np.array([masks.EMPTY, masks.PARTIAL, masks.FULL], np.int8), (2, 3, 6, 9),
         p=[0.5, 0.25, 0.25])
