@@ -76,6 +76,31 @@ def write_tokens(cfg: Cfg, meta: Meta, k_pages, v_pages, new_k, new_v):
     return put(k_pages, new_k), put(v_pages, new_v)
 
 
+def _load(pool, pages, dtype, dequantize: bool, lead):
+    """``(values, scale)`` of the slots of ``pages`` (W, ppc) of a pool, the
+    values as ``lead + (head dim,)``: a float pool's and None; a quantized
+    pool's codes as ``dtype`` and its scales (per token: ``lead``; per tensor:
+    the scalar), or with ``dequantize`` codes times scales and None."""
+    index = (slice(None), pages)
+    if not quant.is_quantized(pool):
+        return pool[index].astype(dtype).reshape(*lead, pool.shape[-1]), None
+    part = pool[index]
+    if dequantize:
+        return quant.dequantize(part, dtype).reshape(*lead, pool.shape[-1]), None
+    codes = quant.decode_codes(pool.format, part.data, dtype).reshape(*lead, pool.shape[-1])
+    scale = jnp.asarray(part.scale, F32)
+    return codes, (scale.reshape(lead) if pool.format.per_token else scale)
+
+
+def _scaled(x, scale, factor=1.0):
+    """``x`` (Hkv, W, M, C) times a per-token (Hkv, W, C) or per-tensor scale
+    (None: none) and a static ``factor``."""
+    if scale is None:
+        return x * factor if factor != 1.0 else x
+    scale = scale * factor if factor != 1.0 else scale
+    return x * (scale[:, :, None, :] if scale.ndim else scale)
+
+
 def _token_gather_index(cfg: Cfg, meta: Meta, block_q: int):
     """For every packed token: its (item * block_q + row) in the items' rows, and validity."""
     seq, row, valid = common.token_owner(cfg, meta)
@@ -148,18 +173,21 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
     def scores(j):
         pages = lax.dynamic_slice_in_dim(pt, j * ppc, ppc, axis=1)  # (W, ppc)
         safe = jnp.maximum(pages, 0)
-        # (a quantized pool: this chunk's codes dequantized as they are loaded)
-        kc = quant.load(k_pages, (slice(None), safe), qw.dtype).reshape(Hkv, W, C, D)
+        # A quantized pool: this chunk's codes, as q's dtype, and its scales,
+        # applied to the logits and the probabilities (q . (c * s) = (q . c) * s):
+        # no element of the pool is multiplied (dequantized when sanitising).
+        kc, ks = _load(k_pages, safe, qw.dtype, sanitize, (Hkv, W, C))
         # A latent pool: the values are the keys' first Dv channels. The product
         # takes the keys whole and the output keeps its first Dv channels: a
         # slice of the keys here would be a copy of them.
-        vc = (kc if v_pages is None else
-              quant.load(v_pages, (slice(None), safe), qw.dtype).reshape(Hkv, W, C, Dv))
+        vc, vs = ((kc, ks) if v_pages is None else
+                  _load(v_pages, safe, qw.dtype, sanitize, (Hkv, W, C)))
         # Slots past a sequence's length and pages it does not own may hold anything
         # (NaN from a released request, never-written memory): see _online.finite_keys.
         if sanitize:
             kc, vc, bad = online.finite_keys(kc, vc)
-        s = jnp.einsum("hwmd,hwkd->hwmk", qw, kc, preferred_element_type=F32) * cfg.scale
+        s = _scaled(jnp.einsum("hwmd,hwkd->hwmk", qw, kc, preferred_element_type=F32), ks,
+                    cfg.scale)
         finite = sanitize or jnp.all(jnp.isfinite(s))    # before the cap hides an inf
         kpos = j * C + jnp.arange(C, dtype=I32)
         if term_rows is not None:  # a position term, added before the cap
@@ -174,11 +202,11 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
         if mask is not None:
             pos = common.positions(seq4, head4, raw_q, q_pos, kpos[None, None, None, :])
             ok = ok & mask.predicate(pos, [])
-        return jnp.where(ok, s, -jnp.inf), vc, finite
+        return jnp.where(ok, s, -jnp.inf), (vc, vs), finite
 
     def fold(j, carry):
         m, l, acc, finite = carry
-        s, vc, finite_j = scores(j)
+        s, (vc, vs), finite_j = scores(j)
         # The running max is only a shift: no gradient flows through it (the result
         # does not depend on it), which keeps the backward exact and NaN-free.
         m_new = lax.stop_gradient(jnp.maximum(m, s.max(-1)))
@@ -188,7 +216,7 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
         alpha = jnp.exp(m - m_use)
         l = l * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + jnp.einsum(
-            "hwmk,hwkd->hwmd", p.astype(vc.dtype), vc, preferred_element_type=F32)
+            "hwmk,hwkd->hwmd", _scaled(p, vs).astype(vc.dtype), vc, preferred_element_type=F32)
         return m_new, l, acc, finite & finite_j
 
     m = jnp.full((Hkv, W, M), -jnp.inf, F32)
