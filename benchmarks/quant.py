@@ -26,7 +26,6 @@ import datetime
 import os
 import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +33,12 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import fnattn  # noqa: E402
 from fnattn import AttentionSpec, masks, quant  # noqa: E402
 from fnattn.quant import QuantFormat  # noqa: E402
+import timing  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 
@@ -65,19 +66,9 @@ def as_cache(x, fmt):
 
 
 def measure(fn, args, reps):
-    compiled = jax.jit(fn).lower(*args).compile()
-    try:
-        ma = compiled.memory_analysis()
-        mem = ma.temp_size_in_bytes / 2 ** 20
-    except Exception:  # not every backend reports it
-        mem = float("nan")
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), min(times), max(times), mem
+    """(median, min, max seconds, XLA's temporary MiB) of ``fn(*args)``."""
+    m = timing.measure(fn, args, reps)
+    return m.median, m.min, m.max, m.temp_mib
 
 
 SPEC = AttentionSpec(mask=masks.causal(), return_lse=False, impl="xla")

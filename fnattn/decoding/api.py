@@ -43,7 +43,8 @@ GPU yet, so it is not the default.
 **Quantized and latent caches** (:mod:`fnattn.quant` ``QuantizedArray``
 caches; ``value_dim`` with no ``v_cache``) run with the XLA lowering on every
 platform under ``impl="auto"``, which reads a quantized cache a chunk of slots
-at a time, dequantizing each chunk as it loads it; no Pallas kernel reads them
+at a time, its codes converted to q's dtype for the products and its scales
+applied to the logits and the probabilities (no dequantized copy); no Pallas kernel reads them
 yet, so ``impl="pallas"`` raises ``NotImplementedError``. Their derivatives
 are reverse mode only.
 
@@ -97,8 +98,10 @@ class DecodeBlockSizes:
       block_k, num_warps, num_stages: the Triton kernel's keys per step (a power
         of two >= 16 after rounding up), warps per program and software-pipeline
         depth. None: chosen from the problem
-        (:func:`fnattn.decoding.triton.launch_plan`). The XLA and Mosaic
-        lowerings tile by their own rules.
+        (:func:`fnattn.decoding.triton.launch_plan`). ``block_k`` also sets
+        the slots per step of the XLA lowering's looped form (which it then
+        takes: :func:`fnattn.decoding.xla.forward`); the Mosaic lowering
+        tiles by its own rules.
 
     >>> DecodeBlockSizes(num_splits=4).num_splits
     4

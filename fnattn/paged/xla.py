@@ -19,9 +19,11 @@ item's window, from the mask's ``tile_bounds``) is skipped at run time by a
 **Cache update.** With new tokens, they are first scattered into their slots
 (``mode="drop"``: invalid slots are dropped), then attention reads the pool.
 
-**Quantized pools** (:mod:`fnattn.quant`): each chunk's codes and scales are
-gathered and dequantized to q's dtype as they are loaded, so the largest
-dequantized array is one chunk; the update quantizes the new tokens with
+**Quantized pools** (:mod:`fnattn.quant`): each chunk's codes are gathered
+and converted to q's dtype (exactly) for the products, and its scales
+multiply the logits (K) and the probabilities (V) instead of the codes, so no
+dequantized array, not even of one chunk, is formed (the sanitising pass,
+which inspects values, dequantizes one chunk); the update quantizes the new tokens with
 :func:`fnattn.quant.quantize` and scatters codes and scales alike.
 
 The function is differentiable (``jax.vjp`` of it is the backward of every
@@ -137,7 +139,9 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
     elif not _checks.is_static(n_items):
         chunk = MIN_CHUNK  # symbolic sizes (jax.export): the chunk for many items
     else:
-        per_key = n_items * Hkv * D * jnp.dtype(k_pages.dtype).itemsize
+        # (a quantized pool's chunk is converted to q's dtype for the products)
+        itemsize = max(jnp.dtype(k_pages.dtype).itemsize, jnp.dtype(q.dtype).itemsize)
+        per_key = n_items * Hkv * D * itemsize
         chunk = min(max(common.pow2(max(CHUNK_BYTES // per_key, 1)), MIN_CHUNK), MAX_CHUNK)
     ppc = max(1, chunk // ps)                                   # pages per chunk
     if _checks.is_static(cfg.pages_per_seq):
