@@ -51,3 +51,9 @@ def test_serve_quantized_equals_the_float_model_within_the_quantization(capsys):
     worst = load("serve_quantized").main(["--requests", "3", "--max-new", "4"])
     assert worst["int8"] < 0.05 and worst["fp8"] < 0.25
     assert "greedy tokens equal" in capsys.readouterr().out
+
+
+def test_serve_latent_equals_the_unabsorbed_model_without_a_cache(capsys):
+    worst = load("serve_latent").main(["--requests", "3", "--max-new", "4"])
+    assert worst["float32"] < 1e-3 and worst["int8"] < 0.1
+    assert "no value pool" in capsys.readouterr().out
