@@ -129,7 +129,7 @@ def _load(x, index, dtype, dequantize: bool):
     part = x[index]
     if dequantize:
         return quant.dequantize(part, dtype), None
-    return quant.decode_codes(x.format, part.data, dtype), jnp.asarray(part.scale, F32)
+    return quant.code_halves(x.format, part.data, dtype), jnp.asarray(part.scale, F32)
 
 
 def _looped(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, chunk):
@@ -177,7 +177,7 @@ def _looped(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, chunk):
         # request, never-written memory): see _online.finite_keys.
         if sanitize:
             kc, vc, bad = online.finite_keys(kc, vc)
-        s = scaled(jnp.einsum("bhrd,bhcd->bhrc", qr, kc, preferred_element_type=F32), ks)
+        s = scaled(quant.einsum_codes("bhrd,bhcd->bhrc", qr, kc), ks)
         finite_j = sanitize or jnp.all(jnp.isfinite(s))    # before the cap hides an inf
         kpos = slot[None, None, None, :] - starts[:, None, None, None]
         pos = masks.Positions(b=b, h=h, q=t, q_pos=q_pos, k=kpos)
@@ -200,8 +200,8 @@ def _looped(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, chunk):
         p = jnp.exp(shift)
         alpha = jnp.exp(m - m_use[..., 0])
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + jnp.einsum(
-            "bhrc,bhcd->bhrd", scaled(p, vs).astype(vdt), vc, preferred_element_type=F32)
+        acc = acc * alpha[..., None] + quant.einsum_codes("bhrc,bhcd->bhrd", scaled(p, vs).astype(vdt),
+                                                 vc)
         return m_new, l, acc, finite & finite_j
 
     carry = (jnp.full((B, Hkv, R), -jnp.inf, F32), jnp.zeros((B, Hkv, R), F32),

@@ -89,7 +89,9 @@ def _load(pool, pages, dtype, dequantize: bool, lead):
     part = pool[index]
     if dequantize:
         return quant.dequantize(part, dtype).reshape(*lead, pool.shape[-1]), None
-    codes = quant.decode_codes(pool.format, part.data, dtype).reshape(*lead, pool.shape[-1])
+    codes = quant.code_halves(pool.format, part.data, dtype)   # (4-bit: two halves)
+    codes = (tuple(c.reshape(*lead, c.shape[-1]) for c in codes) if isinstance(codes, tuple)
+             else codes.reshape(*lead, pool.shape[-1]))
     scale = jnp.asarray(part.scale, F32)
     return codes, (scale.reshape(lead) if pool.format.per_token else scale)
 
@@ -190,8 +192,7 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
         # (NaN from a released request, never-written memory): see _online.finite_keys.
         if sanitize:
             kc, vc, bad = online.finite_keys(kc, vc)
-        s = _scaled(jnp.einsum("hwmd,hwkd->hwmk", qw, kc, preferred_element_type=F32), ks,
-                    cfg.scale)
+        s = _scaled(quant.einsum_codes("hwmd,hwkd->hwmk", qw, kc), ks, cfg.scale)
         finite = sanitize or jnp.all(jnp.isfinite(s))    # before the cap hides an inf
         kpos = j * C + jnp.arange(C, dtype=I32)
         if term_rows is not None:  # a position term, added before the cap
@@ -219,8 +220,8 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
         p = jnp.exp(s - m_use[..., None])
         alpha = jnp.exp(m - m_use)
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + jnp.einsum(
-            "hwmk,hwkd->hwmd", _scaled(p, vs).astype(vc.dtype), vc, preferred_element_type=F32)
+        pv = _scaled(p, vs).astype((vc[0] if isinstance(vc, tuple) else vc).dtype)
+        acc = acc * alpha[..., None] + quant.einsum_codes("hwmk,hwkd->hwmd", pv, vc)
         return m_new, l, acc, finite & finite_j
 
     m = jnp.full((Hkv, W, M), -jnp.inf, F32)
