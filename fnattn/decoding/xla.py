@@ -200,8 +200,8 @@ def _looped(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, chunk):
         p = jnp.exp(shift)
         alpha = jnp.exp(m - m_use[..., 0])
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + quant.einsum_codes("bhrc,bhcd->bhrd", scaled(p, vs).astype(vdt),
-                                                 vc)
+        pv = scaled(p, vs).astype(vdt)
+        acc = acc * alpha[..., None] + quant.einsum_codes("bhrc,bhcd->bhrd", pv, vc)
         return m_new, l, acc, finite & finite_j
 
     carry = (jnp.full((B, Hkv, R), -jnp.inf, F32), jnp.zeros((B, Hkv, R), F32),
