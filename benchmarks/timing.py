@@ -18,7 +18,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-__all__ = ["Measurement", "measure"]
+__all__ = ["Measurement", "interleaved", "measure"]
 
 
 class Measurement(NamedTuple):
@@ -30,18 +30,43 @@ class Measurement(NamedTuple):
     out: Any           # the call's result
 
 
-def measure(fn, args, reps: int) -> Measurement:
-    """Times ``jax.jit(fn)(*args)`` after compilation and one warm-up call."""
+def _compile(fn, args):
     compiled = jax.jit(fn).lower(*args).compile()
     try:
         ma = compiled.memory_analysis()
-        temp, output = ma.temp_size_in_bytes / 2 ** 20, ma.output_size_in_bytes / 2 ** 20
+        mem = ma.temp_size_in_bytes / 2 ** 20, ma.output_size_in_bytes / 2 ** 20
     except Exception:  # noqa: BLE001  (not every backend reports it)
-        temp = output = float("nan")
+        mem = float("nan"), float("nan")
+    return compiled, mem
+
+
+def _timed(compiled, args):
+    t0 = time.perf_counter()
     out = jax.block_until_ready(compiled(*args))
-    times = []
+    return time.perf_counter() - t0, out
+
+
+def measure(fn, args, reps: int) -> Measurement:
+    """Times ``jax.jit(fn)(*args)`` after compilation and one warm-up call."""
+    return interleaved([(fn, args)], reps)[0]
+
+
+def interleaved(calls, reps: int):
+    """:func:`measure` of every ``(fn, args)`` in ``calls``, timed in ``reps``
+    rounds that call each once in turn (a load that comes and goes on a shared
+    machine then falls on every call alike): one :class:`Measurement` each.
+
+    >>> import jax.numpy as jnp
+    >>> a, b = interleaved([(jnp.sin, (jnp.ones(4),)), (jnp.cos, (jnp.ones(4),))], reps=2)
+    >>> a.out.shape, b.min <= b.max
+    ((4,), True)
+    """
+    compiled = [_compile(fn, args) for fn, args in calls]
+    outs = [jax.block_until_ready(c(*args)) for (c, _), (_, args) in zip(compiled, calls)]
+    times = [[] for _ in calls]
     for _ in range(reps):
-        t0 = time.perf_counter()
-        out = jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return Measurement(float(np.median(times)), min(times), max(times), temp, output, out)
+        for i, ((c, _), (_, args)) in enumerate(zip(compiled, calls)):
+            t, outs[i] = _timed(c, args)
+            times[i].append(t)
+    return [Measurement(float(np.median(ts)), min(ts), max(ts), mem[0], mem[1], out)
+            for ts, (_, mem), out in zip(times, compiled, outs)]
