@@ -8,7 +8,11 @@ of the products (see :func:`choose`) suit different numbers of query rows per
 kv head, batch sizes and platforms: XLA on a CPU lays K out anew for the
 batched logits product of the "mixed" form when there are several kv heads,
 which the "reduce" form avoids, chosen on a CPU where it was measured faster;
-with one kv head the keys-last "dot" form reads K in place there.
+with one kv head the keys-last "dot" form reads K in place there. Large
+caches and every quantized cache take a fourth, looped form instead
+(:func:`_looped`): a chunk of slots at a time folded into an online softmax,
+with O(chunk) temporaries, quantized codes passed to the products as q's
+dtype and their scales applied to the logits and the probabilities.
 Plain ``jnp``: differentiable.
 """
 
