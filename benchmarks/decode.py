@@ -7,7 +7,7 @@ One new query token per sequence against a cache of ``context`` keys, causal:
   and ``jax.nn.dot_product_attention(key_value_seq_lengths=...)``;
 * paged cache (pages a random permutation of the pool): ``fnattn.paged_attention``
   against the plain ``jnp`` gather-every-page-then-softmax implementation
-  (``fnattn.paged.bench.gather_decode``).
+  (``benchmarks/paged_problems.py``'s ``gather_decode``).
 
     python benchmarks/decode.py             # CPU: f32, Hq=8, Hkv=2, D=64, page 16
     python benchmarks/decode.py --quick     # a few sizes
@@ -15,7 +15,7 @@ One new query token per sequence against a cache of ``context`` keys, causal:
 
 Time is the median of several calls after compilation (min and max beside it);
 bandwidth counts every cached key and value of the visible context once, plus q
-and the output (``fnattn.paged.bench.decode_bytes``); on a GPU it is also given
+and the output (``paged_problems.decode_bytes``); on a GPU it is also given
 as a fraction of the device's peak HBM bandwidth. Memory is XLA's estimate for
 the compiled call (temporary plus output buffers): what the call needs beyond
 its inputs. Writes ``benchmarks/results/decode_<device>.{md,csv}``.
@@ -31,14 +31,15 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import fnattn  # noqa: E402
 from fnattn import AttentionSpec, masks, position_bias  # noqa: E402
-from fnattn.paged import bench  # noqa: E402
+import paged_problems as bench  # noqa: E402
+import timing  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 
@@ -98,19 +99,9 @@ def jaxnn_decode(q, k, v, lengths):
 
 
 def measure(fn, args, reps):
-    compiled = jax.jit(fn).lower(*args).compile()
-    try:
-        ma = compiled.memory_analysis()
-        mem = (ma.temp_size_in_bytes + ma.output_size_in_bytes) / 2**20
-    except Exception:  # not every backend reports it
-        mem = float("nan")
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), min(times), max(times), mem, compiled(*args)
+    """(median, min, max seconds, XLA's temporary + output MiB, the result)."""
+    m = timing.measure(fn, args, reps)
+    return m.median, m.min, m.max, m.temp_mib + m.output_mib, m.out
 
 
 def main():

@@ -90,6 +90,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)   # paged_problems
 
 import fnattn  # noqa: E402
 from fnattn import AttentionSpec, core, cost, masks, position_bias, tune  # noqa: E402
@@ -537,7 +538,7 @@ def copy_bandwidth(reps):
 
 
 def decode_section(args, rows, deadline):
-    from fnattn.paged import bench
+    import paged_problems as bench
     from fnattn.paged.common import PagedBlockSizes
     from fnattn.decoding import mosaic_gpu as mgpu_decode
     from fnattn.decoding.api import DecodeBlockSizes

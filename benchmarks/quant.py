@@ -7,8 +7,10 @@
   XLA lowering (``impl="xla"``), bfloat16 queries, for ``fnattn.decode`` on a
   contiguous cache and ``fnattn.paged_attention`` on a paged pool (pages a
   random permutation), each format beside the bf16 cache in the same run:
-  the median of ``--reps`` calls after compilation (min and max beside it),
-  and XLA's estimate of the compiled call's temporary buffers.
+  every format's call compiled, then ``--reps`` rounds that time each once in
+  turn (``timing.interleaved``); the median (min and max beside it), the
+  ratios to bf16 of the medians and of the minima, and XLA's estimate of the
+  compiled call's temporary buffers.
 * **Accuracy**: the error of the output against the unquantized float32 cache,
   per format, on Gaussian K/V and on K with outlier channels (4 channels of
   every head 20x larger, as in trained models' keys), as the largest absolute
@@ -18,7 +20,7 @@
     python benchmarks/quant.py --quick          # small sizes (a smoke test)
 
 Writes ``benchmarks/results/quant_<device>.md``. The CPU is shared and noisy:
-ratios are within one run, medians of several calls.
+ratios are within one run, of interleaved calls.
 """
 
 import argparse
@@ -26,7 +28,6 @@ import datetime
 import os
 import platform
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +35,12 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 import fnattn  # noqa: E402
 from fnattn import AttentionSpec, masks, quant  # noqa: E402
 from fnattn.quant import QuantFormat  # noqa: E402
+import timing  # noqa: E402
 
 RESULTS = os.path.join(HERE, "results")
 
@@ -62,22 +65,6 @@ def as_cache(x, fmt):
     if fmt is None:
         return x
     return quant.quantize(x, fmt, scale=None if fmt.per_token else tensor_scale(fmt, x))
-
-
-def measure(fn, args, reps):
-    compiled = jax.jit(fn).lower(*args).compile()
-    try:
-        ma = compiled.memory_analysis()
-        mem = ma.temp_size_in_bytes / 2 ** 20
-    except Exception:  # not every backend reports it
-        mem = float("nan")
-    jax.block_until_ready(compiled(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(compiled(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)), min(times), max(times), mem
 
 
 SPEC = AttentionSpec(mask=masks.causal(), return_lse=False, impl="xla")
@@ -112,21 +99,26 @@ def timing_rows(B, S, Hq, Hkv, D, ps, reps, variants=("decode", "paged")):
         return pages.transpose(2, 0, 1, 3)
 
     rows = []
-    for label, fmt in FORMATS if "decode" in variants else ():   # (one cache at a time)
-        kc, vc = as_cache(k, fmt), as_cache(v, fmt)
-        t, lo, hi, mem = measure(decode_step, (q, kc, vc, lengths), reps)
-        rows.append(("decode", label, nbytes(kc) + nbytes(vc), t, lo, hi, mem))
-        del kc, vc
-        print(rows[-1], flush=True)
+    if "decode" in variants:   # every format's cache at once: timed in interleaved rounds
+        caches = [(label, as_cache(k, fmt), as_cache(v, fmt)) for label, fmt in FORMATS]
+        ms = timing.interleaved([(decode_step, (q, kc, vc, lengths)) for _, kc, vc in caches],
+                                reps)
+        for (label, kc, vc), m in zip(caches, ms):
+            rows.append(("decode", label, nbytes(kc) + nbytes(vc), m.median, m.min, m.max,
+                         m.temp_mib))
+            print(rows[-1], flush=True)
+        del caches
     if "paged" not in variants:
         return rows
     kp, vp = to_pool(k), to_pool(v)
     del k, v
-    for label, fmt in FORMATS:
-        kc, vc = as_cache(kp, fmt), as_cache(vp, fmt)
-        t, lo, hi, mem = measure(paged_step, (q, kc, vc, table, lengths), reps)
-        rows.append(("paged", label, nbytes(kc) + nbytes(vc), t, lo, hi, mem))
-        del kc, vc
+    caches = [(label, as_cache(kp, fmt), as_cache(vp, fmt)) for label, fmt in FORMATS]
+    del kp, vp
+    ms = timing.interleaved([(paged_step, (q, kc, vc, table, lengths)) for _, kc, vc in caches],
+                            reps)
+    for (label, kc, vc), m in zip(caches, ms):
+        rows.append(("paged", label, nbytes(kc) + nbytes(vc), m.median, m.min, m.max,
+                     m.temp_mib))
         print(rows[-1], flush=True)
     return rows
 
@@ -145,13 +137,14 @@ def mla_rows(B, S, Hq, Dc, Dr, reps):
                                            value_dim=Dc).out
     same = lambda q, k, n: fnattn.decode(spec, q, k, k, kv_lengths=n).out  # noqa: E731
     twice = lambda q, k, v, n: fnattn.decode(spec, q, k, v, kv_lengths=n).out  # noqa: E731
+    calls = (("MQA, v = the keys (one array)", same, (q, k, lengths)),
+             ("latent, value_dim=Dc (no value cache)", latent, (q, k, lengths)),
+             ("MQA, a separate Dc-wide value cache", twice, (q, k, k[..., :Dc] + 0, lengths)))
+    ms = timing.interleaved([(fn, args) for _, fn, args in calls], reps)
     rows = []
-    for label, fn, args in (("MQA, v = the keys (one array)", same, (q, k, lengths)),
-                            ("latent, value_dim=Dc (no value cache)", latent, (q, k, lengths)),
-                            ("MQA, a separate Dc-wide value cache", twice,
-                             (q, k, k[..., :Dc] + 0, lengths))):
-        t, lo, hi, mem = measure(fn, args, reps)
-        rows.append((label, sum(nbytes(a) for a in args[1:-1]), t, lo, hi, mem))
+    for (label, _, args), m in zip(calls, ms):
+        rows.append((label, sum(nbytes(a) for a in args[1:-1]), m.median, m.min, m.max,
+                     m.temp_mib))
         print(rows[-1], flush=True)
     return rows
 
@@ -205,11 +198,12 @@ def main():
         lines = lines[:-1] + [f"## Latent (MLA) decode: B={mla[0]}, S={mla[1]}, Hq={mla[2]}, "
                               f"Dc={mla[3]}, Dr={mla[4]}, bf16", "",
                               "| variant | cache bytes | time (s) median [min, max] | "
-                              "time / MQA with v = the keys | temp MiB |", "|---|---|---|---|---|"]
+                              "median / MQA with v = the keys | min / that | temp MiB |",
+                              "|---|---|---|---|---|---|"]
         rows = mla_rows(*mla, args.reps)
         for label, nb, t, lo, hi, mem in rows:
             lines.append(f"| {label} | {nb} | {t:.3f} [{lo:.3f}, {hi:.3f}] | "
-                         f"{t / rows[0][2]:.2f}x | {mem:.0f} |")
+                         f"{t / rows[0][2]:.2f}x | {lo / rows[0][3]:.2f}x | {mem:.0f} |")
         text = "\n".join(lines) + "\n"
         print(text)
         out = args.out or os.path.join(RESULTS, f"quant_mla_{dev.platform}"
@@ -223,8 +217,8 @@ def main():
         lines += [f"## Bytes and time per step: B={B}, S={S}, Hq={Hq}, Hkv={Hkv}, D={D}, "
                   f"page {ps}", "",
                   "| variant | cache | K+V bytes | bytes / bf16 | codes / bf16 | time (s) "
-                  "median [min, max] | time / bf16 | temp MiB |",
-                  "|---|---|---|---|---|---|---|---|"]
+                  "median [min, max] | median / bf16 | min / bf16 | temp MiB |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         elems = 2 * B * S * Hkv * D
         for kind, label, nb, t, lo, hi, mem in rows:
             b = base[kind]
@@ -232,7 +226,7 @@ def main():
             codes = elems * 2 if fmt is None else elems // fmt.per_byte
             lines.append(f"| {kind} | {label} | {nb} | {nb / b[2]:.4f} | "
                          f"{codes / (elems * 2):.4f} | {t:.3f} [{lo:.3f}, {hi:.3f}] | "
-                         f"{t / b[3]:.2f}x | {mem:.0f} |")
+                         f"{t / b[3]:.2f}x | {lo / b[4]:.2f}x | {mem:.0f} |")
         lines.append("")
     lines += [f"## Accuracy against the float32 cache: B={acc[0]}, S={acc[1]}, Hq={acc[2]}, "
               f"Hkv={acc[3]}, D={acc[4]}", "",

@@ -103,9 +103,11 @@ def full_forward(params, tokens):
     return norm(x) @ params["head"]
 
 
-def serve(params, requests, *, max_new, batch_tokens, cache):
+def serve(params, requests, *, max_new, batch_tokens, cache, step_fn=None):
     """Runs the requests (arrival step, prompt) to completion; returns the generated
-    tokens and the logits of each, and the number of steps."""
+    tokens and the logits of each, and the number of steps. ``step_fn``: another
+    model's ``serve_step`` (the same arguments and results)."""
+    step_fn = serve_step if step_fn is None else step_fn
     waiting = sorted(enumerate(requests), key=lambda r: r[1][0])
     free_slots = list(range(cache.max_seqs))
     running = {}    # slot -> request index
@@ -129,9 +131,9 @@ def serve(params, requests, *, max_new, batch_tokens, cache):
             last[s] = len(toks) - 1
         assert len(toks) <= batch_tokens, "raise --batch-tokens"
         pad = batch_tokens - len(toks)
-        logits, cache = serve_step(params, cache, jnp.array(toks + [0] * pad, jnp.int32),
-                                   jnp.array(pos + [0] * pad, jnp.int32),
-                                   jnp.array(ids + [-1] * pad, jnp.int32))
+        logits, cache = step_fn(params, cache, jnp.array(toks + [0] * pad, jnp.int32),
+                                jnp.array(pos + [0] * pad, jnp.int32),
+                                jnp.array(ids + [-1] * pad, jnp.int32))
         logits = np.asarray(logits)
         pending = {}
         for s in slots:

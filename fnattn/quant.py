@@ -333,6 +333,36 @@ def decode_codes(fmt: QuantFormat, data, dtype=F32):
     return jnp.concatenate([lo, hi], axis=-1).astype(dtype)
 
 
+def code_halves(fmt: QuantFormat, data, dtype=F32):
+    """The codes as ``dtype`` values like :func:`decode_codes`, except that the
+    4-bit format's come as a pair ``(channels [0, D/2), channels [D/2, D))``,
+    the two nibble planes unpacked apart (no concatenation): a product over
+    the head dim takes them as two halves."""
+    if fmt.per_byte == 1:
+        return data.astype(dtype)
+    b = lax.bitcast_convert_type(data, jnp.int8)
+    lo = lax.shift_right_arithmetic(lax.shift_left(b, jnp.int8(4)), jnp.int8(4))
+    return lo.astype(dtype), lax.shift_right_arithmetic(b, jnp.int8(4)).astype(dtype)
+
+
+def einsum_codes(spec: str, a, b):
+    """(internal) ``einsum(spec, a, b)`` in float32, where ``b`` may be the two
+    halves of 4-bit codes (:func:`code_halves`), whose last axis is the first
+    and the second half of the head dim: contracted with the two halves of
+    ``a``'s last axis (logits), or the output's last axis concatenated (values).
+    """
+    if not isinstance(b, tuple):
+        return jnp.einsum(spec, a, b, preferred_element_type=F32)
+    lo, hi = b
+    inputs, out = spec.split("->")
+    if inputs.split(",")[1][-1] not in out:       # b's last axis is contracted
+        half = lo.shape[-1]
+        return (jnp.einsum(spec, a[..., :half], lo, preferred_element_type=F32)
+                + jnp.einsum(spec, a[..., half:], hi, preferred_element_type=F32))
+    return jnp.concatenate([jnp.einsum(spec, a, lo, preferred_element_type=F32),
+                            jnp.einsum(spec, a, hi, preferred_element_type=F32)], -1)
+
+
 def dequantize(x, dtype=F32):
     """The logical values of ``x`` as ``dtype`` (computed in float32); a plain
     array is returned cast to ``dtype``.

@@ -580,21 +580,24 @@ def test_latent_cache_bad_input():
         fnattn.decode(AttentionSpec(), q, k, None, kv_lengths=L)
 
 
-@pytest.mark.parametrize("formats", QUANT[:3], ids=QIDS[:3])
-def test_quantized_caches_read_in_chunks_of_slots(formats, monkeypatch):
-    """Long quantized caches are read a chunk of slots at a time (lax.map over chunks,
-    merged with the sinks): the same answers as one pass, with starts, windows,
-    ALiBi, empty sequences and NaN in unowned slots and scales."""
+@pytest.mark.parametrize("formats", [(None, None)] + QUANT[:3], ids=["float"] + QIDS[:3])
+def test_looped_form_reads_chunks_of_slots(formats, monkeypatch):
+    """Large caches (quantized: all) are read a chunk of slots at a time (a loop
+    over chunks folded into an online softmax; DecodeBlockSizes.block_k sets the
+    chunk): the same answers as the reference, with starts, windows, ALiBi, sinks,
+    empty sequences and NaN in unowned slots and scales."""
     from fnattn import position_bias
-    monkeypatch.setattr(xla, "QUANT_MIN_CHUNK", 4)
-    monkeypatch.setattr(xla, "QUANT_CHUNK_BYTES", 3 * 2 * 8 * 4 * 8)   # 8 slots a chunk
-    assert xla._quant_chunk(NAN_SLOTS, 3 * 2 * 8 * 4) == 8
     q, k, v, L, a = nan_problem(D=8, Dv=8, lengths=(30, 9, 0), starts=(0, 17, 3))
-    kq, vq = quantized(k, formats[0]), quantized(v, formats[1])
+    kq, vq = (k, v) if formats[0] is None else (quantized(k, formats[0]),
+                                                 quantized(v, formats[1]))
+    assert xla._loop_chunk(api.Cfg(1.0, None, None, None), q, kq, vq) == (
+        None if formats[0] is None else NAN_SLOTS)
     slopes = position_bias.alibi_slopes(6)
+    chunked = DecodeBlockSizes(block_k=8)
     for spec in (AttentionSpec(mask=masks.causal() & masks.sliding_window(5),
-                               sinks=jnp.linspace(-1, 1, 6), softcap=4.0),
-                 AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(slopes))):
+                               sinks=jnp.linspace(-1, 1, 6), softcap=4.0, block_sizes=chunked),
+                 AttentionSpec(mask=masks.causal(), position_bias=position_bias.alibi(slopes),
+                               block_sizes=chunked)):
         res = jax.jit(lambda q, k, v: fnattn.decode(spec, q, k, v, kv_lengths=L,
                                                     kv_starts=a))(q, kq, vq)
         out, lse = expected(spec, q, kq, vq, np.asarray(L), np.asarray(a),
@@ -603,9 +606,12 @@ def test_quantized_caches_read_in_chunks_of_slots(formats, monkeypatch):
         np.testing.assert_allclose(res.out, out, atol=2e-5, rtol=2e-5)
         np.testing.assert_allclose(np.where(np.isfinite(lse), res.lse, 0),
                                    np.where(np.isfinite(lse), lse, 0), atol=2e-5, rtol=2e-5)
-    # and the gradient with respect to q (through lax.map) is the one-pass gradient's
-    f = lambda q: jnp.sum(fnattn.decode(AttentionSpec(mask=masks.causal()), q, kq, vq,  # noqa
-                                        kv_lengths=L, kv_starts=a).out ** 2)
-    g = jax.jit(jax.grad(f))(q)
-    monkeypatch.setattr(xla, "QUANT_CHUNK_BYTES", 2 ** 30)
-    np.testing.assert_allclose(g, jax.jit(jax.grad(f))(q), atol=1e-5, rtol=1e-5)
+    # and the gradient with respect to q (through the loop) is the one-chunk gradient's
+    grads = []
+    for block_k in (8, NAN_SLOTS):
+        spec = AttentionSpec(mask=masks.causal(), block_sizes=DecodeBlockSizes(block_k=block_k))
+        f = lambda q: jnp.sum(fnattn.decode(spec, q, kq, vq,  # noqa: E731
+                                            kv_lengths=L, kv_starts=a).out ** 2)
+        grads.append(jax.jit(jax.grad(f))(q))
+    assert np.isfinite(np.asarray(grads[0])).all()
+    np.testing.assert_allclose(grads[0], grads[1], atol=1e-5, rtol=1e-5)

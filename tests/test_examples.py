@@ -60,3 +60,9 @@ def test_local_global_scan_equals_its_unrolled_twin(capsys):
         assert r[name] < 1e-5, (name, r[name])
     assert r["losses"][-1] < 0.7 * r["losses"][0]
     assert "equals its unrolled twin" in capsys.readouterr().out
+
+
+def test_serve_latent_equals_the_unabsorbed_model_without_a_cache(capsys):
+    worst = load("serve_latent").main(["--requests", "3", "--max-new", "4"])
+    assert worst["float32"] < 1e-3 and worst["int8"] < 0.1
+    assert "no value pool" in capsys.readouterr().out

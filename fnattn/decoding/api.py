@@ -47,7 +47,9 @@ tile of codes right after loading it (per-token scales loaded beside it; the
 values from the key tile they loaded (:func:`quantized_table`): Triton reads
 every format on cuda, Mosaic every format its jax version loads on tpu (else
 ``impl="auto"`` runs the XLA lowering there). Elsewhere ``impl="auto"`` runs
-the XLA lowering, which reads a quantized cache a chunk of slots at a time.
+the XLA lowering, which reads a quantized cache a chunk of slots at a time,
+its codes converted to q's dtype for the products and its scales applied to
+the logits and the probabilities.
 No dequantized copy of a cache is made. Derivatives of quantized caches are
 reverse mode only.
 

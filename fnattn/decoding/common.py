@@ -33,8 +33,10 @@ class DecodeBlockSizes:
       block_k, num_warps, num_stages: the Triton kernel's keys per step (a power
         of two >= 16 after rounding up), warps per program and software-pipeline
         depth. None: chosen from the problem
-        (:func:`fnattn.decoding.triton.launch_plan`). The XLA and Mosaic
-        lowerings tile by their own rules.
+        (:func:`fnattn.decoding.triton.launch_plan`). ``block_k`` also sets
+        the slots per step of the XLA lowering's looped form (which it then
+        takes: :func:`fnattn.decoding.xla.forward`); the Mosaic lowering
+        tiles by its own rules.
 
     >>> DecodeBlockSizes(num_splits=4).num_splits
     4

@@ -8,7 +8,11 @@ of the products (see :func:`choose`) suit different numbers of query rows per
 kv head, batch sizes and platforms: XLA on a CPU lays K out anew for the
 batched logits product of the "mixed" form when there are several kv heads,
 which the "reduce" form avoids, chosen on a CPU where it was measured faster;
-with one kv head the keys-last "dot" form reads K in place there.
+with one kv head the keys-last "dot" form reads K in place there. Large
+caches and every quantized cache take a fourth, looped form instead
+(:func:`_looped`): a chunk of slots at a time folded into an online softmax,
+with O(chunk) temporaries, quantized codes passed to the products as q's
+dtype and their scales applied to the logits and the probabilities.
 Plain ``jnp``: differentiable.
 """
 
@@ -21,7 +25,8 @@ from jax import lax
 from fnattn import _checks, quant
 from fnattn import _online as online
 from fnattn import masks
-from fnattn.merging import merge_stacked
+from fnattn._varying import varying_like
+from fnattn.merging import merge_stacked, shifted_exp
 
 __all__ = ["choose", "cpu_forward", "forward", "reference_forward"]
 
@@ -77,68 +82,168 @@ def choose(cfg, rows: int, cache_len: int, *, batch: int = 1, kv_heads: int = 1,
     return form, 1
 
 
-# Quantized caches are read in chunks of slots of about this many bytes of
-# dequantized keys (all sequences and kv heads), one chunk at a time: no
-# dequantized copy of the cache, and the chunk is still in cache when the
-# products read it. On a 2-core x86 CPU (B=8, S=32k, Hkv=8, D=128, bf16 q) one
-# pass over the whole cache held 2.5 GB of temporaries and ran an int8 cache at
-# 1.45x the bf16 cache's time (benchmarks/results/quant_cpu.md).
-QUANT_CHUNK_BYTES = 2 ** 22
-QUANT_MIN_CHUNK = 64
+# Large caches and every quantized cache take the looped form (:func:`_looped`):
+# a ``lax.fori_loop`` over chunks of slots, each gathered as (B, Hkv, chunk, D)
+# (the layout the batched products take, no transpose) inside a ``lax.cond``
+# that skips chunks no sequence owns, folded into an online softmax: the
+# temporaries are one chunk's. Without the ``cond``, XLA on a CPU widened the
+# whole bfloat16 or float8 cache to float32 before the loop, and the one-pass
+# forms lay the whole cache out anew for their products: on a 2-core x86 CPU
+# (B=8, S=32k, Hq=32, Hkv=8, D=128, bf16) one pass held 2 GB of temporaries and
+# ran 9x the paged lowering's time (benchmarks/results/quant_cpu.md).
+LOOP_MIN_BYTES = 2 ** 23      # float caches of at least this many bytes of K
+LOOP_CHUNK_BYTES = 2 ** 21    # bytes of one chunk's keys, in the products' dtype
+LOOP_MIN_CHUNK, LOOP_MAX_CHUNK = 16, 4096
 
 
-def _quant_chunk(S: int, per_slot: int):
-    """The chunk length for a quantized cache of S slots, or None (one pass)."""
-    if not _checks.is_static(S):
+def _loop_chunk(cfg, q, k, v):
+    """The chunk length of the looped form, or None (the one-pass forms)."""
+    B, S, Hkv, D = k.shape
+    if not (_checks.is_static(S) and _checks.is_static(B)):
+        return None   # symbolic sizes (jax.export): one pass
+    given = getattr(cfg.block_sizes, "block_k", None)
+    if given:
+        return min(given, S)
+    quantized = quant.is_quantized(k) or quant.is_quantized(v)
+    dtype = _dot_dtype(q, k)
+    per_slot = B * Hkv * D * jnp.dtype(dtype).itemsize
+    if not quantized and per_slot * S < LOOP_MIN_BYTES:
         return None
-    want = max(QUANT_CHUNK_BYTES // max(per_slot, 1), QUANT_MIN_CHUNK)
-    if S <= want:
-        return None
-    c = max(d for d in range(1, want + 1) if S % d == 0)
-    return c if c >= QUANT_MIN_CHUNK else None
+    want = max(LOOP_CHUNK_BYTES // per_slot, 1)
+    chunk = 1 << (want.bit_length() - 1)
+    return min(max(chunk, LOOP_MIN_CHUNK), LOOP_MAX_CHUNK, S)
 
 
-def _slots(x, first, n):
-    """Slots [first, first + n) of a cache (B, S, Hkv, D), quantized or not."""
-    if x is None:
-        return None
-    if quant.is_quantized(x):
-        scale = (lax.dynamic_slice_in_dim(x.scale, first, n, axis=1) if x.format.per_token
-                 else x.scale)
-        data = x.data
-        if x.format.is_float:
-            # Sliced as bytes: XLA on a CPU widens a float8 array before slicing
-            # it (1 GB of temporaries at B=8, S=32k, and 2.5x the time); the
-            # barrier keeps it from folding the two bitcasts away.
-            raw = lax.dynamic_slice_in_dim(lax.bitcast_convert_type(data, jnp.uint8), first,
-                                           n, axis=1)
-            data = lax.bitcast_convert_type(lax.optimization_barrier(raw), x.data.dtype)
-        else:
-            data = lax.dynamic_slice_in_dim(data, first, n, axis=1)
-        return x.replace(data=data, scale=scale)
-    return lax.dynamic_slice_in_dim(x, first, n, axis=1)
+def _dot_dtype(q, x):
+    """The products' input dtype for the cache ``x``: a float cache's own; the
+    codes of a quantized one as q's dtype (exact: every format's codes are
+    values of any float dtype of 16 bits or more)."""
+    return q.dtype if quant.is_quantized(x) else x.dtype
 
 
-def _chunked(cfg, q, k, v, starts, lengths, sinks, terms, C, *, sanitize, cpu):
-    """:func:`forward` over chunks of C slots, one at a time (``lax.map``), merged
-    with the sinks: each chunk is dequantized as it is loaded."""
-    S = k.shape[1]
-
-    def part(j):
-        first = j * C
-        # a chunk's slot c is global slot first + c: its keys keep their positions
-        o, l = forward(cfg, q, _slots(k, first, C), _slots(v, first, C), starts - first,
-                       lengths, None, terms, sanitize=sanitize, cpu=cpu, whole=True)
-        return o.astype(F32), jnp.swapaxes(l, 1, 2)          # lse as (B, Tq, Hq)
-
-    outs, lses = lax.map(part, jnp.arange(S // C, dtype=I32))
-    sink = None if sinks is None else sinks.astype(F32)
-    out, lse = merge_stacked(outs, lses, sink)
-    return out.astype(q.dtype), jnp.swapaxes(lse, 1, 2)
+def _load(x, index, dtype, dequantize: bool):
+    """``(values, scale)`` of the slots ``index`` of a cache: a float cache's
+    values and None; a quantized cache's codes as ``dtype`` and its scales
+    (per token: one per gathered slot; per tensor: the scalar), which the
+    products apply to the logits and the probabilities (``q . (c * s) = (q . c) * s``)
+    so that no element of the cache is multiplied. ``dequantize``: the values
+    codes times scales, and None (what the sanitising pass inspects)."""
+    if not quant.is_quantized(x):
+        return x[index].astype(dtype), None
+    part = x[index]
+    if dequantize:
+        return quant.dequantize(part, dtype), None
+    return quant.code_halves(x.format, part.data, dtype), jnp.asarray(part.scale, F32)
 
 
-def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, cpu=False,
-            whole=False):
+def _looped(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, chunk):
+    """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) f32, lse (B, Hq, Tq),
+    finite: the cache read ``chunk`` slots at a time (see :data:`LOOP_MIN_BYTES`).
+    A latent cache (v None): the products take the keys whole as the values and
+    the output keeps its first ``value_dim`` channels."""
+    B, Tq, Hq, D = q.shape
+    _, S, Hkv, _ = k.shape
+    latent = v is None
+    Dv = cfg.value_dim if latent else v.shape[3]
+    Dacc = D if latent else Dv
+    G = Hq // Hkv
+    R, C = Tq * G, chunk
+    n_chunks = -(-S // C)
+    kdt = _dot_dtype(q, k)
+    vdt = kdt if latent else _dot_dtype(q, v)
+    # q as (B, Hkv, R, D) rows, row r = t * G + g; scaled before the products.
+    qr = (q.astype(F32) * cfg.scale).reshape(B, Tq, Hkv, G, D).transpose(0, 2, 1, 3, 4)
+    qr = qr.reshape(B, Hkv, R, D).astype(kdt)
+    r = jnp.arange(R, dtype=I32)
+    t = (r // G)[None, None, :, None]                               # (1, 1, R, 1)
+    h = (jnp.arange(Hkv, dtype=I32)[:, None] * G + r[None] % G)[None, :, :, None]
+    b = jnp.arange(B, dtype=I32)[:, None, None, None]
+    q_pos = lengths[:, None, None, None] - Tq + t
+    mask, term = cfg.mask, cfg.term
+    rows = [] if terms is None or term is None else [
+        jnp.tile(x.reshape(B, Hkv, 1, G), (1, 1, Tq, 1)).reshape(B, Hkv, R)[..., None]
+        for x in terms]
+    bi = jnp.arange(B, dtype=I32)[:, None, None]
+    hi = jnp.arange(Hkv, dtype=I32)[None, :, None]
+
+    def scaled(x, scale):     # a per-token (B, Hkv, C) or per-tensor scale on (B, Hkv, R, C)
+        if scale is None:
+            return x
+        return x * (scale[:, :, None, :] if scale.ndim else scale)
+
+    def fold(j, carry):
+        m, l, acc, finite = carry
+        slot = j * C + jnp.arange(C, dtype=I32)
+        index = (bi, jnp.minimum(slot, S - 1)[None, None, :], hi)   # (B, Hkv, C) slots
+        kc, ks = _load(k, index, kdt, sanitize)
+        vc, vs = (kc, ks) if latent else _load(v, index, vdt, sanitize)
+        # Slots outside a sequence's range may hold anything (NaN from an earlier
+        # request, never-written memory): see _online.finite_keys.
+        if sanitize:
+            kc, vc, bad = online.finite_keys(kc, vc)
+        s = scaled(quant.einsum_codes("bhrd,bhcd->bhrc", qr, kc), ks)
+        finite_j = sanitize or jnp.all(jnp.isfinite(s))    # before the cap hides an inf
+        kpos = slot[None, None, None, :] - starts[:, None, None, None]
+        pos = masks.Positions(b=b, h=h, q=t, q_pos=q_pos, k=kpos)
+        if term is not None:   # added before the cap, as a bias is
+            s = s + term.value(pos, rows)
+        if cfg.softcap is not None:
+            s = cfg.softcap * jnp.tanh(s / cfg.softcap)
+        ok = (kpos >= 0) & (kpos < lengths[:, None, None, None]) & (slot < S)
+        if mask is not None:
+            ok = ok & mask.predicate(pos, [])
+        if sanitize:
+            s = jnp.where(bad[:, :, None, :], jnp.nan, s)
+        s = jnp.where(ok, s, -jnp.inf)
+        # The running max is only a shift: no gradient flows through it.
+        m_new = lax.stop_gradient(jnp.maximum(m, s.max(-1)))
+        m_use = jnp.where(jnp.isfinite(m_new), m_new, 0.0)[..., None]
+        shift = s - m_use
+        if term is not None and cfg.softcap is None:
+            shift = online.snap_ties(shift, m_use)
+        p = jnp.exp(shift)
+        alpha = jnp.exp(m - m_use[..., 0])
+        l = l * alpha + p.sum(-1)
+        pv = scaled(p, vs).astype(vdt)
+        acc = acc * alpha[..., None] + quant.einsum_codes("bhrc,bhcd->bhrd", pv, vc)
+        return m_new, l, acc, finite & finite_j
+
+    carry = (jnp.full((B, Hkv, R), -jnp.inf, F32), jnp.zeros((B, Hkv, R), F32),
+             jnp.zeros((B, Hkv, R, Dacc), F32), jnp.bool_(True))
+    carry = varying_like(carry, q, k, v, starts, lengths, sinks, terms)
+    if n_chunks == 1:
+        m, l, acc, finite = fold(0, carry)
+    else:
+        first = jnp.min(jnp.where(lengths > 0, starts, S))
+        last = jnp.max(jnp.where(lengths > 0, starts + lengths, 0))
+
+        def step(j, carry):
+            # The cond also keeps XLA from widening the whole cache before the loop.
+            needed = (j * C < last) & ((j + 1) * C > first)
+            return lax.cond(needed, functools.partial(fold, j), lambda c: c, carry)
+
+        m, l, acc, finite = lax.fori_loop(0, n_chunks, step, carry)
+    if sinks is not None:
+        # Infinite sinks as in fnattn._online.join_sink: -inf is no sink, +inf takes all
+        # the mass (out 0, lse +inf, d(sink) = d(lse): shifted_exp's derivative is 1).
+        sink = jnp.broadcast_to(jnp.tile(sinks.astype(F32).reshape(Hkv, G), (1, Tq))[None],
+                                (B, Hkv, R))
+        m_fin = lax.stop_gradient(jnp.maximum(m, sink))
+        m_use = jnp.where(m_fin == -jnp.inf, 0.0, m_fin)
+        a = shifted_exp(m, m_use)
+        l = l * a + shifted_exp(sink, m_use)
+        acc = acc * a[..., None]
+        m = m_fin
+    empty = l == 0                        # (a row that saw a NaN key stays NaN)
+    safe = jnp.where(empty, 1.0, l)
+    out = acc[..., :Dv] / safe[..., None]
+    lse = jnp.where(empty, -jnp.inf, jnp.where(m == -jnp.inf, 0.0, m) + jnp.log(safe))
+    out = out.reshape(B, Hkv, Tq, G, Dv).transpose(0, 2, 1, 3, 4).reshape(B, Tq, Hq, Dv)
+    lse = lse.reshape(B, Hkv, Tq, G).transpose(0, 1, 3, 2).reshape(B, Hq, Tq)
+    return out, lse, finite & jnp.all(jnp.isfinite(acc))
+
+
+def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, cpu=False):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) q.dtype, lse (B, Hq, Tq).
 
     ``sanitize=None`` passes over the cache for non-finite keys only when it holds
@@ -146,15 +251,18 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, 
     the backward differentiates (through a ``cond``, the untaken branch would
     get zero cotangents, and 0 times the NaN of a poisoned slot is NaN).
     ``cpu``: the program is lowered for a CPU (:func:`cpu_forward`), whose
-    forms were measured (:func:`choose`). A quantized cache (:mod:`fnattn.quant`)
-    is read in chunks of slots (:data:`QUANT_CHUNK_BYTES`) unless ``whole``.
+    forms were measured (:func:`choose`). Quantized caches (:mod:`fnattn.quant`),
+    float caches of :data:`LOOP_MIN_BYTES` or more and specs whose
+    ``DecodeBlockSizes`` give ``block_k`` take the looped form (:func:`_looped`),
+    ``block_k`` (or about :data:`LOOP_CHUNK_BYTES`) slots at a time.
     """
     B, _, Hkv, _ = k.shape
-    if not whole and (quant.is_quantized(k) or quant.is_quantized(v)):
-        C = _quant_chunk(k.shape[1], B * Hkv * k.shape[3] * jnp.dtype(q.dtype).itemsize)
-        if C is not None:
-            return _chunked(cfg, q, k, v, starts, lengths, sinks, terms, C,
-                            sanitize=sanitize, cpu=cpu)
+    chunk = _loop_chunk(cfg, q, k, v)
+    if chunk is not None:
+        f = functools.partial(_looped, cfg, q, k, v, starts, lengths, sinks, terms, chunk=chunk)
+        out, lse = (online.clean_unless_garbage(f) if sanitize is None
+                    else f(sanitize)[:2])
+        return out.astype(q.dtype), lse
     dtype = q.dtype if quant.is_quantized(k) else k.dtype
     form, ns = choose(cfg, q.shape[1] * q.shape[2] // Hkv, k.shape[1], batch=B, kv_heads=Hkv,
                       dtype=dtype, cpu=cpu)

@@ -24,9 +24,11 @@ mask leaves empty at those positions are skipped as above.
 **Cache update.** With new tokens, they are first scattered into their slots
 (``mode="drop"``: invalid slots are dropped), then attention reads the pool.
 
-**Quantized pools** (:mod:`fnattn.quant`): each chunk's codes and scales are
-gathered and dequantized to q's dtype as they are loaded, so the largest
-dequantized array is one chunk; the update quantizes the new tokens with
+**Quantized pools** (:mod:`fnattn.quant`): each chunk's codes are gathered
+and converted to q's dtype (exactly) for the products, and its scales
+multiply the logits (K) and the probabilities (V) instead of the codes, so no
+dequantized array, not even of one chunk, is formed (the sanitising pass,
+which inspects values, dequantizes one chunk); the update quantizes the new tokens with
 :func:`fnattn.quant.quantize` and scatters codes and scales alike.
 
 The function is differentiable (``jax.vjp`` of it is the backward of every
@@ -82,6 +84,33 @@ def write_tokens(cfg: Cfg, meta: Meta, k_pages, v_pages, new_k, new_v):
     return put(k_pages, new_k), put(v_pages, new_v)
 
 
+def _load(pool, pages, dtype, dequantize: bool, lead):
+    """``(values, scale)`` of the slots of ``pages`` (W, ppc) of a pool, the
+    values as ``lead + (head dim,)``: a float pool's and None; a quantized
+    pool's codes as ``dtype`` and its scales (per token: ``lead``; per tensor:
+    the scalar), or with ``dequantize`` codes times scales and None."""
+    index = (slice(None), pages)
+    if not quant.is_quantized(pool):
+        return pool[index].astype(dtype).reshape(*lead, pool.shape[-1]), None
+    part = pool[index]
+    if dequantize:
+        return quant.dequantize(part, dtype).reshape(*lead, pool.shape[-1]), None
+    codes = quant.code_halves(pool.format, part.data, dtype)   # (4-bit: two halves)
+    codes = (tuple(c.reshape(*lead, c.shape[-1]) for c in codes) if isinstance(codes, tuple)
+             else codes.reshape(*lead, pool.shape[-1]))
+    scale = jnp.asarray(part.scale, F32)
+    return codes, (scale.reshape(lead) if pool.format.per_token else scale)
+
+
+def _scaled(x, scale, factor=1.0):
+    """``x`` (Hkv, W, M, C) times a per-token (Hkv, W, C) or per-tensor scale
+    (None: none) and a static ``factor``."""
+    if scale is None:
+        return x * factor if factor != 1.0 else x
+    scale = scale * factor if factor != 1.0 else scale
+    return x * (scale[:, :, None, :] if scale.ndim else scale)
+
+
 def _token_gather_index(cfg: Cfg, meta: Meta, block_q: int):
     """For every packed token: its (item * block_q + row) in the items' rows, and validity."""
     seq, row, valid = common.token_owner(cfg, meta)
@@ -118,7 +147,9 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
     elif not _checks.is_static(n_items):
         chunk = MIN_CHUNK  # symbolic sizes (jax.export): the chunk for many items
     else:
-        per_key = n_items * Hkv * D * jnp.dtype(k_pages.dtype).itemsize
+        # (a quantized pool's chunk is converted to q's dtype for the products)
+        itemsize = max(jnp.dtype(k_pages.dtype).itemsize, jnp.dtype(q.dtype).itemsize)
+        per_key = n_items * Hkv * D * itemsize
         chunk = min(max(common.pow2(max(CHUNK_BYTES // per_key, 1)), MIN_CHUNK), MAX_CHUNK)
     ppc = max(1, chunk // ps)                                   # pages per chunk
     if _checks.is_static(cfg.pages_per_seq):
@@ -162,18 +193,20 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
     def scores(j):
         pages = lax.dynamic_slice_in_dim(pt, j * ppc, ppc, axis=1)  # (W, ppc)
         safe = jnp.maximum(pages, 0)
-        # (a quantized pool: this chunk's codes dequantized as they are loaded)
-        kc = quant.load(k_pages, (slice(None), safe), qw.dtype).reshape(Hkv, W, C, D)
+        # A quantized pool: this chunk's codes, as q's dtype, and its scales,
+        # applied to the logits and the probabilities (q . (c * s) = (q . c) * s):
+        # no element of the pool is multiplied (dequantized when sanitising).
+        kc, ks = _load(k_pages, safe, qw.dtype, sanitize, (Hkv, W, C))
         # A latent pool: the values are the keys' first Dv channels. The product
         # takes the keys whole and the output keeps its first Dv channels: a
         # slice of the keys here would be a copy of them.
-        vc = (kc if v_pages is None else
-              quant.load(v_pages, (slice(None), safe), qw.dtype).reshape(Hkv, W, C, Dv))
+        vc, vs = ((kc, ks) if v_pages is None else
+                  _load(v_pages, safe, qw.dtype, sanitize, (Hkv, W, C)))
         # Slots past a sequence's length and pages it does not own may hold anything
         # (NaN from a released request, never-written memory): see _online.finite_keys.
         if sanitize:
             kc, vc, bad = online.finite_keys(kc, vc)
-        s = jnp.einsum("hwmd,hwkd->hwmk", qw, kc, preferred_element_type=F32) * cfg.scale
+        s = _scaled(quant.einsum_codes("hwmd,hwkd->hwmk", qw, kc), ks, cfg.scale)
         finite = sanitize or jnp.all(jnp.isfinite(s))    # before the cap hides an inf
         kpos = j * C + jnp.arange(C, dtype=I32)
         kpos4, tree_ok = kpos[None, None, None, :], None
@@ -193,11 +226,11 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
         if mask is not None:
             pos = common.positions(seq4, head4, raw_q, q_pos, kpos4)
             ok = ok & mask.predicate(pos, [])
-        return jnp.where(ok, s, -jnp.inf), vc, finite
+        return jnp.where(ok, s, -jnp.inf), (vc, vs), finite
 
     def fold(j, carry):
         m, l, acc, finite = carry
-        s, vc, finite_j = scores(j)
+        s, (vc, vs), finite_j = scores(j)
         # The running max is only a shift: no gradient flows through it (the result
         # does not depend on it), which keeps the backward exact and NaN-free.
         m_new = lax.stop_gradient(jnp.maximum(m, s.max(-1)))
@@ -206,8 +239,8 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
         p = jnp.exp(s - m_use[..., None])
         alpha = jnp.exp(m - m_use)
         l = l * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + jnp.einsum(
-            "hwmk,hwkd->hwmd", p.astype(vc.dtype), vc, preferred_element_type=F32)
+        pv = _scaled(p, vs).astype((vc[0] if isinstance(vc, tuple) else vc).dtype)
+        acc = acc * alpha[..., None] + quant.einsum_codes("hwmk,hwkd->hwmd", pv, vc)
         return m_new, l, acc, finite & finite_j
 
     m = jnp.full((Hkv, W, M), -jnp.inf, F32)

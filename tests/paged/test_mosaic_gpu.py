@@ -326,7 +326,8 @@ ON_GPU = jax.devices()[0].platform == "gpu"
 def test_gpu_mosaic_gpu_paged_matches_xla(page_size):
     """The compiled kernel against the XLA lowering: long ragged contexts over
     shuffled pages, a window, soft-cap, sinks, GQA."""
-    from fnattn.paged import bench
+    from benchmark_scripts import benchmark_module
+    bench = benchmark_module("paged_problems")
     prob = bench.decode_problem(batch=5, context=4096, num_q_heads=32, num_kv_heads=8,
                                 head_dim=128, page_size=page_size, dtype=jnp.bfloat16)
     q, kp, vp, pt, L = prob.args

@@ -1,4 +1,4 @@
-"""Paged decode problems and functions to time (for benchmarks/decode.py).
+"""Paged decode problems and functions to time (benchmarks/decode.py, benchmarks/gpu.py).
 
 ``decode_problem`` builds a batch of sequences whose pages are a random
 permutation of the pool; ``decode_fn`` returns a jitted function of the
@@ -6,12 +6,10 @@ problem's arrays; ``decode_bytes`` is the HBM traffic of one call (every
 visible key and value once, plus q and the output), from which bandwidth
 follows. ``gather_decode`` is the plain ``jnp`` gather-then-softmax baseline.
 
->>> import jax
->>> from fnattn.paged import bench
->>> prob = bench.decode_problem(batch=2, context=40, num_q_heads=4, num_kv_heads=2,
-...                             head_dim=16, page_size=8)
->>> out = bench.decode_fn(impl="xla")(*prob.args)
->>> out.shape, bench.decode_bytes(prob) > 0
+>>> prob = decode_problem(batch=2, context=40, num_q_heads=4, num_kv_heads=2,
+...                       head_dim=16, page_size=8)
+>>> out = decode_fn(impl="xla")(*prob.args)
+>>> out.shape, decode_bytes(prob) > 0
 ((2, 1, 4, 16), True)
 """
 
@@ -22,10 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from fnattn import masks
-from fnattn.paged.api import paged_attention
-from fnattn.paged.common import PagedBlockSizes
-from fnattn.spec import AttentionSpec
+from fnattn import AttentionSpec, PagedBlockSizes, masks, paged_attention
 
 __all__ = ["DecodeProblem", "decode_problem", "decode_fn", "decode_bytes", "gather_decode"]
 
