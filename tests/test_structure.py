@@ -81,3 +81,8 @@ def test_the_checker_sees_lazy_and_relative_imports(tmp_path):
     graph = _imports(_modules(pkg))
     assert graph["fnattn.a.x"] == {"fnattn.a.y"} and graph["fnattn.a.y"] == {"fnattn.a.x"}
     assert _reaches(graph, "fnattn.a.x", "fnattn.a.x")
+
+
+def test_no_benchmark_code_inside_the_package():
+    """Benchmark problems and timing live under benchmarks/, not in fnattn."""
+    assert not [m for m in _modules() if m.rsplit(".", 1)[-1] in ("bench", "benchmarks")]
