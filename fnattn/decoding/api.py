@@ -219,7 +219,8 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
       spec: the :class:`AttentionSpec` (mask, scale, softcap, sinks, layout,
         ``block_sizes=DecodeBlockSizes(...)``, a position term whose arrays
         are per batch row and head such as ALiBi; no bias, no dropout, no
-        masks that hold arrays).
+        masks that hold arrays but window and chunk sizes, () or (B,), which
+        run with the XLA lowering: :func:`traced_sizes_table`).
       q: (B, Tq, Hq, D) in "bthd" or (B, Hq, Tq, D) in "bhtd" (Tq small: 1 for
         plain decoding, a few for speculative decoding).
       k_cache: (B, S, Hkv, D) or (B, Hkv, S, D); Hq a multiple of Hkv.

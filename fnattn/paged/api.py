@@ -644,7 +644,9 @@ def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: quant
     Args:
       spec: the :class:`AttentionSpec` (mask, scale, softcap, sinks, impl,
         block_sizes as :class:`fnattn.PagedBlockSizes`, a position term whose
-        arrays are per head such as ALiBi; no bias, no dropout).
+        arrays are per head such as ALiBi; no bias, no dropout; window and
+        chunk sizes may be int32 scalars, run with the XLA lowering:
+        :func:`traced_sizes_table`).
       q: (B, Tq, Hq, D) ("bthd") or (B, Hq, Tq, D) ("bhtd"): the Tq newest
         tokens of each sequence (Tq is small: 1 for decode, a few for
         speculative decoding).
