@@ -331,3 +331,21 @@ def test_paged_lowers_traced_sizes_to_xla_for_cuda_and_tpu(platform):
     static = lowered(lambda *a: call(window(4), *a), q, kp, vp)
     assert not re.search(KERNELS[platform], traced)
     assert re.search(KERNELS[platform], static)
+
+
+def test_quantized_caches_take_traced_sizes():
+    """int8 caches and pools (the reverse-mode-only path): forward and dq as static."""
+    q, k, v = cache(6)
+    kq, vq = fnattn.quant.quantize(k, "int8"), fnattn.quant.quantize(v, "int8")
+    traced = jax.jit(lambda s, q, k, v: out_and_dq(AttentionSpec(mask=window(s)), q, k, v))
+    static = jax.jit(out_and_dq, static_argnums=0)
+    for a, b in zip(traced(jnp.int32(5), q, kq, vq),
+                    static(AttentionSpec(mask=window(5)), q, kq, vq)):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=2e-6)
+    q, kp, vp = pools(6)
+    kq, vq = fnattn.quant.quantize(kp, "int8"), fnattn.quant.quantize(vp, "int8")
+    traced = jax.jit(lambda s, *a: paged_out_and_dq(
+        AttentionSpec(mask=chunk(s), block_sizes=PBLOCKS), *a))
+    for a, b in zip(traced(jnp.int32(8), q, kq, vq), jax.jit(paged_out_and_dq, static_argnums=0)(
+            AttentionSpec(mask=chunk(8), block_sizes=PBLOCKS), q, kq, vq)):
+        np.testing.assert_allclose(a, b, atol=2e-6, rtol=2e-6)
