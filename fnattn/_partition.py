@@ -650,12 +650,13 @@ def flash(fn: Callable, cfg, q, k, v, bias, sinks, mask_leaves, seed, *residuals
 
 
 def decode(fn: Callable, q, k, v, starts, lengths, sinks, terms, *cotangents,
-           allow: str = "bh"):
-    """``fn(q, k, v, starts, lengths, sinks, terms, *cotangents)`` of decode on
-    "bthd" arrays (forward: returns (out, lse); with cotangents (d_out, d_lse):
-    returns (dq, dk, dv, dsinks)), split along the batch and the heads.
+           allow: str = "bh", mask_sizes=()):
+    """``fn(q, k, v, starts, lengths, sinks, terms, *cotangents, *mask_sizes)`` of
+    decode on "bthd" arrays (forward: returns (out, lse); with cotangents (d_out,
+    d_lse): returns (dq, dk, dv, dsinks)), split along the batch and the heads.
     ``terms``: a position term's arrays (n, B, Hq), or None. ``allow``: the axes
-    that may be split (not those a ``from_fn`` mask or term reads)."""
+    that may be split (not those a ``from_fn`` mask or term reads).
+    ``mask_sizes``: a mask's traced window or chunk sizes, () or (B,) each."""
     sizes = Sizes(q.shape[0], q.shape[2], k.shape[2])
     in_roles = [Q4, KV4, KV4, ("b",), ("b",), ("h",), (None, "b", "h")]
     if cotangents:
@@ -664,9 +665,10 @@ def decode(fn: Callable, q, k, v, starts, lengths, sinks, terms, *cotangents,
                 None if sinks is None else Out(("h",), "b")]
     else:
         outs = [Out(Q4), Out(ROWS)]
+    in_roles += [("b",) if jnp.ndim(x) == 1 else () for x in mask_sizes]
     return partitioned(lambda shard, *args: fn(*args), (q, k, v, starts, lengths, sinks,
-                                                        terms, *cotangents), in_roles, outs,
-                       sizes, allow)
+                                                        terms, *cotangents, *mask_sizes),
+                       in_roles, outs, sizes, allow)
 
 
 def paged(fn: Callable, cfg, q, k_pages, v_pages, sinks, meta, new_k=None, new_v=None,

@@ -18,12 +18,14 @@ lowering imports.
 (3, 32, 33)
 """
 
+import jax
 import jax.numpy as jnp
 
 from fnattn import masks
 
 __all__ = ["KernelFacts", "MIN_BLOCKS_PER_SPLIT", "NUM_SMS", "TARGET_PROGRAMS", "auto_splits",
-           "cdiv", "first_run", "pow2", "refuse_float64", "span"]
+           "cdiv", "first_run", "pow2", "refuse_float64",
+           "refuse_traced_sizes", "size_operands", "span", "traced_sizes"]
 
 I32 = jnp.int32
 
@@ -123,3 +125,55 @@ def refuse_float64(fn, **arrays):
         raise TypeError(f"{fn}: float64 inputs are not supported ({', '.join(wide)} "
                         f"{'is' if len(wide) == 1 else 'are'} float64): the serving variants "
                         f"compute in float32; cast {names} to float32 (x.astype(jnp.float32)).")
+
+
+def _size_masks(mask):
+    """The sub-masks of ``mask`` (through ``&``, ``|``, ``~``) that hold arrays, or
+    None where one of them is not a window or chunk size."""
+    if isinstance(mask, (masks.And, masks.Or)):
+        a, b = _size_masks(mask.a), _size_masks(mask.b)
+        return None if a is None or b is None else a + b
+    if isinstance(mask, masks.Not):
+        return _size_masks(mask.a)
+    if isinstance(mask, (masks.SlidingWindowArray, masks.ChunkedArray)):
+        return [mask]
+    return None if jax.tree_util.tree_leaves(mask) else []
+
+
+def traced_sizes(mask) -> bool:
+    """Whether ``mask`` holds arrays that are all window or chunk sizes
+    (:func:`fnattn.masks.sliding_window` / :func:`fnattn.masks.chunked` given an
+    int array, e.g. one per layer inside ``lax.scan``): what the serving
+    variants' XLA lowerings take as data.
+
+    >>> import jax.numpy as jnp
+    >>> traced_sizes(masks.causal() & masks.sliding_window(left=jnp.int32(4)))
+    True
+    >>> traced_sizes(masks.causal() & masks.sliding_window(left=4))
+    False
+    >>> traced_sizes(masks.segments(jnp.zeros((1, 3), jnp.int32)))
+    False
+    """
+    found = None if mask is None else _size_masks(mask)
+    return bool(found)
+
+
+def size_operands(mask, rank: int, *, per_row: bool = True):
+    """The operands of a mask with traced sizes (:func:`traced_sizes`), each
+    (B|1, 1, ..., 1) of ``rank`` axes: its batch (``per_row``) or nothing
+    varying, for positions whose batch index is the leading axis."""
+    ops = []
+    for o in mask.operands():
+        n = o.shape[0] if per_row else 1
+        ops.append(o.reshape((n,) + (1,) * (rank - 1)))
+    return ops
+
+
+def refuse_traced_sizes(fn: str, lowering: str, xla_name: str):
+    """The ``NotImplementedError`` a Pallas lowering gives a mask with traced
+    window or chunk sizes (its schedules are built from static sizes)."""
+    raise NotImplementedError(
+        f"{fn}: window or chunk sizes given as arrays (masks.sliding_window / masks.chunked "
+        f"with a traced size) are not supported by the {lowering}; the XLA lowering "
+        f"({xla_name}) takes them: use impl='auto' (which runs it for such masks on every "
+        "platform) or impl='xla'.")

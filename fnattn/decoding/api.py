@@ -89,7 +89,7 @@ from fnattn.flash import blocks
 from fnattn.spec import AttentionOutput, AttentionSpec
 
 __all__ = ["Cfg", "DecodeBlockSizes", "check_inputs", "decode", "lowering_table",
-           "quantized_table"]
+           "quantized_table", "traced_sizes_table"]
 
 I32 = jnp.int32
 
@@ -146,11 +146,14 @@ def _check(spec, q, k_cache, v_cache, kv_lengths, kv_starts, value_dim=None, fn=
     if spec.dropout_rate > 0:
         raise NotImplementedError(f"{fn}: dropout is not supported by decode (an inference "
                                   "variant); fnattn.attention and fnattn.flash support it.")
-    if spec.mask is not None and jax.tree_util.tree_leaves(spec.mask):
+    if _serving.traced_sizes(spec.mask):   # window / chunk sizes as data: XLA lowering
+        spec.mask.validate(B, dims.num_q_heads, dims.q_len, dims.kv_len)
+    elif spec.mask is not None and jax.tree_util.tree_leaves(spec.mask):
         raise NotImplementedError(
             f"{fn}: masks that hold arrays ({spec.mask!r}) are not supported by decode; use "
             "positional masks (causal, sliding_window, chunked, their combinations, "
-            "from_fn). kv_lengths and kv_starts already say which keys exist.")
+            "from_fn), whose window and chunk sizes may be arrays (one per layer inside "
+            "lax.scan). kv_lengths and kv_starts already say which keys exist.")
     if spec.sinks is not None:
         _checks.check_float(f"{fn}: sinks", spec.sinks)
         if tuple(spec.sinks.shape) != (dims.num_q_heads,):
@@ -216,7 +219,8 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
       spec: the :class:`AttentionSpec` (mask, scale, softcap, sinks, layout,
         ``block_sizes=DecodeBlockSizes(...)``, a position term whose arrays
         are per batch row and head such as ALiBi; no bias, no dropout, no
-        masks that hold arrays).
+        masks that hold arrays but window and chunk sizes, () or (B,), which
+        run with the XLA lowering: :func:`traced_sizes_table`).
       q: (B, Tq, Hq, D) in "bthd" or (B, Hq, Tq, D) in "bhtd" (Tq small: 1 for
         plain decoding, a few for speculative decoding).
       k_cache: (B, S, Hkv, D) or (B, Hkv, S, D); Hq a multiple of Hkv.
@@ -279,12 +283,16 @@ def decode(spec: AttentionSpec, q: Shaped[Array, "..."], k_cache: quant.Cache,
     # inside shard_map: gradients typed like their inputs (see fnattn._dispatch.attend)
     qb, kb, vb, sinks = varying_like((qb, kb, vb, spec.sinks), qb, kb, vb, spec.sinks, starts,
                                      lengths)
-    if value_dim is not None or quant.is_quantized(kb) or quant.is_quantized(vb):
+    # window / chunk sizes as data (one per layer inside lax.scan): the XLA lowering
+    sizes = tuple(jax.tree_util.tree_leaves(spec.mask)) if cfg.mask_treedef else ()
+    if sizes:
+        table = traced_sizes_table(spec.impl)
+    elif value_dim is not None or quant.is_quantized(kb) or quant.is_quantized(vb):
         table = quantized_table(spec.impl)
     else:
         table = lowering_table(spec.impl)
     attend = _attend_stored if quant.is_quantized(kb) or quant.is_quantized(vb) else _attend
-    out, lse = attend(table, cfg, qb, kb, vb, starts, lengths, sinks, terms)
+    out, lse = attend(table, cfg, qb, kb, vb, starts, lengths, sinks, terms, sizes)
     out = _checks.from_bthd(out, spec.layout)
     return AttentionOutput(out, lse if spec.return_lse else None)
 
@@ -334,15 +342,34 @@ def quantized_table(impl: str):
     return lowering_table(impl)
 
 
+def traced_sizes_table(impl: str):
+    """The lowering table for masks whose window or chunk sizes are arrays
+    (:func:`fnattn._serving.traced_sizes`): the XLA lowering on every platform
+    under impl="auto" and "xla" (its positions compare with the sizes' values;
+    the Pallas kernels' schedules are built from static sizes, so
+    impl="pallas" refuses them)."""
+    if impl == "auto":
+        return (("default", xla.forward), ("cpu", xla.cpu_forward))
+    if impl == "pallas":
+        _serving.refuse_traced_sizes(
+            "decode", "Pallas decode kernels (Triton, Mosaic TPU, Mosaic GPU)",
+            "fnattn/decoding/xla.py")
+    return lowering_table(impl)
+
+
 @functools.partial(jax.custom_jvp, nondiff_argnums=(0, 1))
-def _attend(table, cfg, q, k, v, starts, lengths, sinks, terms):
-    return _forward(table, cfg, q, k, v, starts, lengths, sinks, terms)
+def _attend(table, cfg, q, k, v, starts, lengths, sinks, terms, sizes):
+    return _forward(table, cfg, q, k, v, starts, lengths, sinks, terms, sizes)
 
 
-def _forward(table, cfg, *args):
-    # split along the batch and heads of sharded inputs under jit (fnattn._partition)
-    return _partition.decode(functools.partial(_dispatch.select, table, cfg), *args,
-                             allow=_splittable(cfg))
+def _forward(table, cfg, q, k, v, starts, lengths, sinks, terms, sizes):
+    # split along the batch and heads of sharded inputs under jit (fnattn._partition);
+    # traced mask sizes (only in the XLA tables) come after the terms
+    def call(q, k, v, starts, lengths, sinks, terms, *sizes):
+        return _dispatch.select(table, cfg, q, k, v, starts, lengths, sinks, terms,
+                                *((sizes,) if sizes else ()))
+    return _partition.decode(call, q, k, v, starts, lengths, sinks, terms,
+                             allow=_splittable(cfg), mask_sizes=tuple(sizes))
 
 
 def _splittable(cfg) -> str:
@@ -358,10 +385,11 @@ def _splittable(cfg) -> str:
 @_attend.defjvp
 def _attend_jvp(table, cfg, primals, tangents):
     # (the terms' tangents are zero: their arrays refuse one before they get here)
-    q, k, v, starts, lengths, sinks, terms = primals
-    tq, tk, tv, _, _, tsinks, _ = tangents
+    q, k, v, starts, lengths, sinks, terms, sizes = primals
+    tq, tk, tv, _, _, tsinks, _, _ = tangents
     out, lse = _attend(table, cfg, *primals)  # second order comes back here
-    t_out, t_lse = _linear.tangent(_Derivatives(cfg), (q, k, v, sinks, starts, lengths, terms),
+    t_out, t_lse = _linear.tangent(_Derivatives(cfg),
+                                   (q, k, v, sinks, starts, lengths, terms, *sizes),
                                    (tq, tk, tv, tsinks), (out, lse))
     return (out, lse), (t_out, t_lse)
 
@@ -371,56 +399,58 @@ class _Derivatives(_linear.Rule):
     """Derivatives of decode on every platform: those of the XLA lowering (its
     ``jax.jvp`` forward, its ``jax.vjp`` backward), which reads the cache
     once per pass, like the forward. Residuals (q, k, v, sinks, starts,
-    lengths, terms); tangents of (q, k, v, sinks)."""
+    lengths, terms, *sizes); tangents of (q, k, v, sinks)."""
 
     cfg: Any
 
     def smooth(self, res):
-        q, k, v, sinks, starts, lengths, terms = res
-        return _xla_fn(self.cfg, starts, lengths, terms), (q, k, v, sinks)
+        q, k, v, sinks, starts, lengths, terms, *sizes = res
+        return _xla_fn(self.cfg, starts, lengths, terms, sizes), (q, k, v, sinks)
 
     def tangent(self, res, lin):
         return self.smooth_tangent(res, lin)
 
     def cotangent(self, res, cts):
-        q, k, v, sinks, starts, lengths, terms = res
+        q, k, v, sinks, starts, lengths, terms, *sizes = res
         d_out, d_lse = cts
         return _partition.decode(functools.partial(_grads, self.cfg), q, k, v, starts, lengths,
-                                 sinks, terms, d_out, d_lse, allow=_splittable(self.cfg))
+                                 sinks, terms, d_out, d_lse, allow=_splittable(self.cfg),
+                                 mask_sizes=tuple(sizes))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _attend_stored(table, cfg, q, k, v, starts, lengths, sinks, terms):
+def _attend_stored(table, cfg, q, k, v, starts, lengths, sinks, terms, sizes):
     """:func:`_attend` for quantized caches (pytrees of codes and scales), in
     reverse mode only: the backward is ``jax.vjp`` of the XLA lowering, which
     differentiates through the dequantization (the scales get cotangents, the
     integer codes float0 zeros)."""
-    return _forward(table, cfg, q, k, v, starts, lengths, sinks, terms)
+    return _forward(table, cfg, q, k, v, starts, lengths, sinks, terms, sizes)
 
 
-def _stored_fwd(table, cfg, q, k, v, starts, lengths, sinks, terms):
-    return (_forward(table, cfg, q, k, v, starts, lengths, sinks, terms),
-            (q, k, v, starts, lengths, sinks, terms))
+def _stored_fwd(table, cfg, q, k, v, starts, lengths, sinks, terms, sizes):
+    return (_forward(table, cfg, q, k, v, starts, lengths, sinks, terms, sizes),
+            (q, k, v, starts, lengths, sinks, terms, sizes))
 
 
 def _stored_bwd(table, cfg, res, cts):
-    q, k, v, starts, lengths, sinks, terms = res
-    dq, dk, dv, dsinks = _grads(cfg, q, k, v, starts, lengths, sinks, terms, *cts)
-    ints = lambda x: np.zeros(x.shape, jax.dtypes.float0)  # noqa: E731
+    q, k, v, starts, lengths, sinks, terms, sizes = res
+    dq, dk, dv, dsinks = _grads(cfg, q, k, v, starts, lengths, sinks, terms, *cts, *sizes)
+    ints = lambda x: np.zeros(jnp.shape(x), jax.dtypes.float0)  # noqa: E731
     return (dq, dk, dv, ints(starts), ints(lengths), dsinks,
-            None if terms is None else jnp.zeros_like(terms))
+            None if terms is None else jnp.zeros_like(terms), tuple(ints(x) for x in sizes))
 
 
 _attend_stored.defvjp(_stored_fwd, _stored_bwd)
 
 
-def _xla_fn(cfg, starts, lengths, terms):
+def _xla_fn(cfg, starts, lengths, terms, sizes=()):
     """The XLA lowering as a function of the differentiable inputs (q, k, v, sinks)."""
     def f(q, k, v, sinks):
-        return xla.forward(cfg, q, k, v, starts, lengths, sinks, terms, sanitize=True)
+        return xla.forward(cfg, q, k, v, starts, lengths, sinks, terms, tuple(sizes),
+                           sanitize=True)
     return f
 
 
-def _grads(cfg, q, k, v, starts, lengths, sinks, terms, d_out, d_lse):
-    _, vjp = jax.vjp(_xla_fn(cfg, starts, lengths, terms), q, k, v, sinks)
+def _grads(cfg, q, k, v, starts, lengths, sinks, terms, d_out, d_lse, *sizes):
+    _, vjp = jax.vjp(_xla_fn(cfg, starts, lengths, terms, sizes), q, k, v, sinks)
     return vjp((d_out.astype(q.dtype), d_lse.astype(jnp.float32)))

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from fnattn import _checks, quant
+from fnattn import _checks, _serving, quant
 from fnattn import _online as online
 from fnattn import masks
 from fnattn._varying import varying_like
@@ -136,7 +136,17 @@ def _load(x, index, dtype, dequantize: bool):
     return quant.code_halves(x.format, part.data, dtype), jnp.asarray(part.scale, F32)
 
 
-def _looped(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, chunk):
+def _mask(cfg, sizes, rank: int):
+    """The spec's mask and its predicate's operands at positions of ``rank`` axes
+    (batch leading): none for a positional mask; a mask's traced window or chunk
+    sizes (``sizes``, its leaves) rebuilt into it, () or (B,) each."""
+    if not sizes:
+        return cfg.mask, []
+    mask = jax.tree_util.tree_unflatten(cfg.mask_treedef, list(sizes))
+    return mask, _serving.size_operands(mask, rank)
+
+
+def _looped(cfg, q, k, v, starts, lengths, sinks, terms, sizes, sanitize, *, chunk):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) f32, lse (B, Hq, Tq),
     finite: the cache read ``chunk`` slots at a time (see :data:`LOOP_MIN_BYTES`).
     A latent cache (v None): the products take the keys whole as the values and
@@ -159,7 +169,7 @@ def _looped(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, chunk):
     h = (jnp.arange(Hkv, dtype=I32)[:, None] * G + r[None] % G)[None, :, :, None]
     b = jnp.arange(B, dtype=I32)[:, None, None, None]
     q_pos = lengths[:, None, None, None] - Tq + t
-    mask, term = cfg.mask, cfg.term
+    (mask, ops), term = _mask(cfg, sizes, 4), cfg.term
     rows = [] if terms is None or term is None else [
         jnp.tile(x.reshape(B, Hkv, 1, G), (1, 1, Tq, 1)).reshape(B, Hkv, R)[..., None]
         for x in terms]
@@ -191,7 +201,7 @@ def _looped(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, chunk):
             s = cfg.softcap * jnp.tanh(s / cfg.softcap)
         ok = (kpos >= 0) & (kpos < lengths[:, None, None, None]) & (slot < S)
         if mask is not None:
-            ok = ok & mask.predicate(pos, [])
+            ok = ok & mask.predicate(pos, ops)
         if sanitize:
             s = jnp.where(bad[:, :, None, :], jnp.nan, s)
         s = jnp.where(ok, s, -jnp.inf)
@@ -243,7 +253,8 @@ def _looped(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, chunk):
     return out, lse, finite & jnp.all(jnp.isfinite(acc))
 
 
-def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, cpu=False):
+def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, sizes=(), *, sanitize=None,
+            cpu=False):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) q.dtype, lse (B, Hq, Tq).
 
     ``sanitize=None`` passes over the cache for non-finite keys only when it holds
@@ -251,7 +262,9 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, 
     the backward differentiates (through a ``cond``, the untaken branch would
     get zero cotangents, and 0 times the NaN of a poisoned slot is NaN).
     ``cpu``: the program is lowered for a CPU (:func:`cpu_forward`), whose
-    forms were measured (:func:`choose`). Quantized caches (:mod:`fnattn.quant`),
+    forms were measured (:func:`choose`). ``sizes``: the leaves of a mask whose
+    window or chunk sizes are arrays (:func:`fnattn._serving.traced_sizes`),
+    which this lowering alone takes. Quantized caches (:mod:`fnattn.quant`),
     float caches of :data:`LOOP_MIN_BYTES` or more and specs whose
     ``DecodeBlockSizes`` give ``block_k`` take the looped form (:func:`_looped`),
     ``block_k`` (or about :data:`LOOP_CHUNK_BYTES`) slots at a time.
@@ -259,14 +272,16 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, 
     B, _, Hkv, _ = k.shape
     chunk = _loop_chunk(cfg, q, k, v)
     if chunk is not None:
-        f = functools.partial(_looped, cfg, q, k, v, starts, lengths, sinks, terms, chunk=chunk)
+        f = functools.partial(_looped, cfg, q, k, v, starts, lengths, sinks, terms, sizes,
+                              chunk=chunk)
         out, lse = (online.clean_unless_garbage(f) if sanitize is None
                     else f(sanitize)[:2])
         return out.astype(q.dtype), lse
     dtype = q.dtype if quant.is_quantized(k) else k.dtype
     form, ns = choose(cfg, q.shape[1] * q.shape[2] // Hkv, k.shape[1], batch=B, kv_heads=Hkv,
                       dtype=dtype, cpu=cpu)
-    f = functools.partial(_attend, cfg, q, k, v, starts, lengths, sinks, terms, num_splits=ns)
+    f = functools.partial(_attend, cfg, q, k, v, starts, lengths, sinks, terms, sizes,
+                          num_splits=ns)
     if sanitize is None:
         # The rare garbage branch uses the "mixed" form, whose products with the
         # zeroed values fuse into one reduction (no copy of the cache), and keeps
@@ -279,19 +294,20 @@ def forward(cfg, q, k, v, starts, lengths, sinks, terms=None, *, sanitize=None, 
     return out.astype(q.dtype), lse
 
 
-def cpu_forward(cfg, q, k, v, starts, lengths, sinks, terms=None):
+def cpu_forward(cfg, q, k, v, starts, lengths, sinks, terms=None, sizes=()):
     """:func:`forward` on a CPU (the "cpu" entry of impl="auto"'s table)."""
-    return forward(cfg, q, k, v, starts, lengths, sinks, terms, cpu=True)
+    return forward(cfg, q, k, v, starts, lengths, sinks, terms, sizes, cpu=True)
 
 
-def reference_forward(cfg, q, k, v, starts, lengths, sinks, terms=None):
+def reference_forward(cfg, q, k, v, starts, lengths, sinks, terms=None, sizes=()):
     """One split, plain batched products (impl="reference")."""
     out, lse = online.clean_unless_garbage(functools.partial(
-        _attend, cfg, q, k, v, starts, lengths, sinks, terms, num_splits=1, form="dot"))
+        _attend, cfg, q, k, v, starts, lengths, sinks, terms, sizes, num_splits=1,
+        form="dot"))
     return out.astype(q.dtype), lse
 
 
-def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits, form,
+def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sizes, sanitize, *, num_splits, form,
             clean_keys=True):
     """q (B, Tq, Hq, D), k/v (B, S, Hkv, D|Dv) -> out (B, Tq, Hq, Dv) f32, lse (B, Hq, Tq),
     and whether everything was finite (see ``_online.clean_unless_garbage``).
@@ -337,7 +353,7 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits
     slot = (jnp.arange(ns, dtype=I32)[:, None] * C + jnp.arange(C, dtype=I32)[None])
     kpos = slot[None, :, :, None, None] - starts[:, None, None, None, None]
     ok = (kpos >= 0) & (kpos < lengths[:, None, None, None, None])
-    mask, term = cfg.mask, cfg.term
+    (mask, ops), term = _mask(cfg, sizes, 5), cfg.term
     if mask is not None or term is not None:
         r = jnp.arange(R, dtype=I32)
         t = (r // G)[None, None, None, None, :]
@@ -355,7 +371,7 @@ def _attend(cfg, q, k, v, starts, lengths, sinks, terms, sanitize, *, num_splits
     if cfg.softcap is not None:
         s = cfg.softcap * jnp.tanh(s / cfg.softcap)
     if mask is not None:
-        ok = ok & mask.predicate(pos, [])
+        ok = ok & mask.predicate(pos, ops)
     kax = 2
     if form == "dot":     # ok and bad were built as (b, n, c, h, r)
         ok, kax = jnp.moveaxis(ok, 2, -1), 4

@@ -89,7 +89,7 @@ from jax.experimental import checkify
 from jaxtyping import Array, Shaped, jaxtyped
 
 from fnattn import _checks, _dispatch, _latent, _linear, _partition, position_bias, quant
-from fnattn._serving import refuse_float64
+from fnattn._serving import refuse_float64, refuse_traced_sizes, traced_sizes
 from fnattn.decoding.mosaic_gpu import MosaicGpuDecodeBlockSizes
 from fnattn._varying import varying_like
 from fnattn.flash import blocks
@@ -168,6 +168,20 @@ def tree_table(impl: str):
             "(draft_parents) yet: the Triton, Mosaic TPU and Mosaic GPU kernels take "
             "positional masks only. The XLA lowering runs trees: use impl='auto' (which runs "
             "it on every platform for them) or impl='xla'.")
+    return lowering_table(impl)
+
+
+def traced_sizes_table(impl: str):
+    """The lowering table for masks whose window or chunk sizes are arrays
+    (:func:`fnattn._serving.traced_sizes`): the XLA lowering, whose schedule
+    (the key chunks it skips) is computed from the sizes' values, on every
+    platform under impl="auto" (the Pallas kernels' schedules are built from
+    static sizes: impl="pallas" refuses them)."""
+    if impl in ("auto", "xla"):
+        return (("default", xla.forward),)
+    if impl == "pallas":
+        refuse_traced_sizes("paged attention", "Pallas paged kernels (Triton, Mosaic TPU, "
+                            "Mosaic GPU)", "fnattn/paged/xla.py")
     return lowering_table(impl)
 
 
@@ -367,11 +381,20 @@ def _check_spec(fn, spec: AttentionSpec, num_q_heads):
         raise NotImplementedError(f"{fn}: dropout is not supported by paged attention (an "
                                   "inference kernel); fnattn.attention and fnattn.flash "
                                   "support it.")
-    if spec.mask is not None and jax.tree_util.tree_leaves(spec.mask):
+    if traced_sizes(spec.mask):   # window / chunk sizes as data: the XLA lowering
+        bad = [x for x in jax.tree_util.tree_leaves(spec.mask) if jnp.ndim(x) != 0]
+        if bad:
+            raise ValueError(
+                f"{fn}: a window or chunk size given as an array must be a scalar here (one "
+                f"per call, e.g. per layer inside lax.scan; paged attention has no batch "
+                f"rows); got shape {tuple(jnp.shape(bad[0]))}")
+    elif spec.mask is not None and jax.tree_util.tree_leaves(spec.mask):
         raise NotImplementedError(
             f"{fn}: masks that hold arrays ({spec.mask!r}) are not supported by paged "
             "attention; use positional masks (causal, sliding_window, chunked, their "
-            "combinations, from_fn). The page table and lengths already say which keys exist.")
+            "combinations, from_fn), whose window and chunk sizes may be int scalars "
+            "(one per layer inside lax.scan). The page table and lengths already say which "
+            "keys exist.")
     if spec.sinks is not None:
         _checks.check_float(f"{fn}: sinks", spec.sinks)
         if _shape(spec.sinks) != (num_q_heads,):
@@ -566,8 +589,19 @@ def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, ne
     if cfg.tree and table is not None and any(
             f not in (xla.forward, _reference_forward) for _, f in table):
         tree_table("pallas")   # a kernel's table: refused (NotImplementedError)
+    sizes = traced_sizes(spec.mask)
+    if sizes and cfg.tree:
+        raise NotImplementedError(
+            "paged attention: speculative tree verification (draft_parents) with window or "
+            "chunk sizes given as arrays is not supported yet; give the sizes as Python ints "
+            "for a tree.")
+    if sizes and table is not None and any(
+            f not in (xla.forward, _reference_forward) for _, f in table):
+        traced_sizes_table("pallas")   # a kernel's table: refused (NotImplementedError)
     if table is None:
-        if cfg.tree:
+        if sizes:
+            table = traced_sizes_table(spec.impl)
+        elif cfg.tree:
             table = tree_table(spec.impl)
         elif cfg.value_dim is not None:
             table = quantized_table(spec.impl, "latent pools (value_dim, no v_pages)")
@@ -578,6 +612,9 @@ def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, ne
     meta = common.sanitize(cfg, *meta_args)
     if parents is not None:
         meta = meta._replace(parents=parents.astype(I32))
+    if sizes:
+        meta = meta._replace(sizes=tuple(jnp.asarray(x, I32)
+                                         for x in jax.tree_util.tree_leaves(spec.mask)))
     if spec.position_bias is not None:
         # the term's arrays, one value per head; constants (a tangent raises)
         arrays = position_bias.per_head_arrays(spec.position_bias, 1, cfg.num_q_heads)
@@ -607,7 +644,9 @@ def paged_attention(spec: AttentionSpec, q: Shaped[Array, "..."], k_pages: quant
     Args:
       spec: the :class:`AttentionSpec` (mask, scale, softcap, sinks, impl,
         block_sizes as :class:`fnattn.PagedBlockSizes`, a position term whose
-        arrays are per head such as ALiBi; no bias, no dropout).
+        arrays are per head such as ALiBi; no bias, no dropout; window and
+        chunk sizes may be int32 scalars, run with the XLA lowering:
+        :func:`traced_sizes_table`).
       q: (B, Tq, Hq, D) ("bthd") or (B, Hq, Tq, D) ("bhtd"): the Tq newest
         tokens of each sequence (Tq is small: 1 for decode, a few for
         speculative decoding).

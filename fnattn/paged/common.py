@@ -28,6 +28,7 @@ sanitised metadata; its static length bounds the number of items any batch of
 import dataclasses
 from typing import Any, NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -144,6 +145,10 @@ class Meta(NamedTuple):
         new tokens (-1: a root), for speculative tree verification
         (:mod:`fnattn.paged.tree`); or None. Only the XLA and reference
         lowerings read it.
+      sizes: a tuple of int32 scalars, the leaves of a mask whose window or
+        chunk sizes are arrays (:func:`fnattn._serving.traced_sizes`: one per
+        call, e.g. per layer inside ``lax.scan``); or None. Only the XLA
+        lowering reads it (:func:`mask_and_operands`).
       terms: (n, Hq) float32, the arrays of a position term
         (:mod:`fnattn.position_bias`), one value per query head; or None.
     """
@@ -153,7 +158,21 @@ class Meta(NamedTuple):
     q_start: Any
     q_len: Any
     parents: Any = None
+    sizes: Any = None
     terms: Any = None
+
+
+def mask_and_operands(cfg: Cfg, meta: Meta, *, stats: bool = False):
+    """The mask (None without one) and its operands: none for a positional mask;
+    for traced window or chunk sizes (``meta.sizes``) the mask rebuilt from them
+    and each size as a scalar, as ``OperandStats`` (lo = hi) with ``stats``
+    (what ``tile_bounds`` takes) or as the predicate's operand."""
+    sizes = getattr(meta, "sizes", None)
+    if not sizes:
+        return cfg.mask(), []
+    mask = jax.tree_util.tree_unflatten(cfg.mask_treedef, list(sizes))
+    ops = [jnp.reshape(o, ()) for o in mask.operands()]
+    return mask, [masks.OperandStats(o, o) for o in ops] if stats else ops
 
 
 def sanitize(cfg: Cfg, page_table, context_lengths, query_start_loc, num_seqs) -> Meta:
@@ -250,12 +269,13 @@ def work_list(cfg: Cfg, meta: Meta, block_q: int, block_k: int) -> Work:
     q_pos = new_start + row0
     seq_tok = meta.q_start[seq]
     tok = seq_tok + row0
-    k_lo, k_hi, f_lo, f_hi = key_block_ranges(cfg, seq, row0, rows, q_pos, kv_len, block_k)
+    k_lo, k_hi, f_lo, f_hi = key_block_ranges(cfg, seq, row0, rows, q_pos, kv_len, block_k,
+                                              meta=meta)
     return Work(seq, tok, rows, row0, q_pos, kv_len, new_start, seq_tok, k_lo, k_hi, f_lo,
                 f_hi)
 
 
-def key_block_ranges(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
+def key_block_ranges(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k, meta=None):
     """``(k_lo, k_hi, f_lo, f_hi)``, each (items,) int32, from one evaluation of the
     mask's ``tile_bounds`` (the block-sparsity protocol of :mod:`fnattn.masks`)
     on every (item, key block) pair:
@@ -266,6 +286,9 @@ def key_block_ranges(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
       whose keys every row of the item sees (``all_true``): kernels skip the mask
       and the sanitising of hidden keys there. ``f_lo = f_hi`` when there is
       none (and for unused items); always inside ``[k_lo, k_hi)``.
+
+    ``meta``: its traced window or chunk sizes (``Meta.sizes``), if any, are
+    the mask's (the blocks a window leaves empty are skipped as for static ones).
     """
     n_blocks = cdiv(cfg.capacity, block_k)
     in_len = cdiv(kv_len, block_k)  # blocks holding a key < kv_len
@@ -273,13 +296,13 @@ def key_block_ranges(cfg: Cfg, seq, row0, rows, q_pos, kv_len, block_k):
     col = lambda x: x[:, None]  # noqa: E731
     may = j < col(in_len)
     whole = ((j + 1) * block_k <= col(kv_len)) & col(rows > 0)
-    mask = cfg.mask()
+    mask, stats = mask_and_operands(cfg, meta, stats=True)
     if mask is not None:
         last = jnp.maximum(rows - 1, 0)
         t = masks.TileBounds(b=col(seq), h=jnp.zeros((1, 1), I32), q_lo=col(row0),
                              q_hi=col(row0 + last), pos_lo=col(q_pos), pos_hi=col(q_pos + last),
                              k_lo=j * block_k, k_hi=j * block_k + block_k - 1)
-        visible, every = mask.tile_bounds(t, [])
+        visible, every = mask.tile_bounds(t, stats)
         may = may & jnp.broadcast_to(visible, may.shape)
         whole = whole & jnp.broadcast_to(every, whole.shape)
     return span(may) + first_run(whole)

@@ -56,9 +56,9 @@ def attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta):
     if tree_ok is not None:
         ok = ok & tree_ok
     ok = ok[:, None, None, :]
-    mask = cfg.mask()
+    mask, ops = common.mask_and_operands(cfg, meta)
     if mask is not None:
-        ok = ok & mask.predicate(pos, [])
+        ok = ok & mask.predicate(pos, ops)
     s = jnp.where(ok, s, -jnp.inf)
     m = s.max(-1)
     if sinks is not None:   # infinite sinks: as fnattn._online.join_sink

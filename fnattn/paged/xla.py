@@ -180,7 +180,7 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
         q_pos = treemod.query_positions(tree, work, bq, G)
     seq4 = work.seq[None, :, None, None]
     head4 = (jnp.arange(Hkv, dtype=I32)[:, None] * G + g_of)[:, None, :, None]  # (Hkv, 1, M, 1)
-    mask = cfg.mask()
+    mask, mask_ops = common.mask_and_operands(cfg, meta)   # (traced sizes: their values)
     # a position term's per-head arrays at each row: (Hkv, 1, M, 1)
     term_rows = None if cfg.term() is None else (
         lambda x: x.reshape(Hkv, G)[:, g_of][:, None, :, None])
@@ -225,7 +225,7 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
             ok = ok & tree_ok
         if mask is not None:
             pos = common.positions(seq4, head4, raw_q, q_pos, kpos4)
-            ok = ok & mask.predicate(pos, [])
+            ok = ok & mask.predicate(pos, mask_ops)
         return jnp.where(ok, s, -jnp.inf), (vc, vs), finite
 
     def fold(j, carry):

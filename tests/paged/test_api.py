@@ -65,7 +65,8 @@ CUDNN = ("paged attention: impl='cudnn' has no paged lowering; use impl='auto' (
          "kernels on NVIDIA GPUs) or impl='xla'.")
 ARRAY_MASK = ("masks that hold arrays ({}) are not supported by paged attention; use "
               "positional masks (causal, sliding_window, chunked, their combinations, "
-              "from_fn). The page table and lengths already say which keys exist.")
+              "from_fn), whose window and chunk sizes may be int scalars (one per layer "
+              "inside lax.scan). The page table and lengths already say which keys exist.")
 BIAS = ("spec.bias is not supported by paged attention (no paged lowering takes a bias); "
         "fnattn.attention and fnattn.flash do.")
 DROPOUT = ("dropout is not supported by paged attention (an inference kernel); "
