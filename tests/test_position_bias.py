@@ -934,7 +934,8 @@ def test_decode_kernel_lowers(platform):
 
 
 def _decode_args(spec, q, k, v):
-    """decode's (cfg, q, k, v, starts, lengths, sinks, terms), as it builds them."""
+    """decode's (cfg, q, k, v, starts, lengths, sinks, terms, sizes), as it builds
+    them (a static mask: no traced sizes)."""
     from fnattn.decoding import api as decode_api
     B, _, Hq, _ = q.shape
     term = spec.position_bias
@@ -943,7 +944,7 @@ def _decode_args(spec, q, k, v):
                          term_treedef=jax.tree_util.tree_structure(term))
     lengths = jnp.full((B,), k.shape[1], jnp.int32)
     return (cfg, q, k, v, jnp.zeros((B,), jnp.int32), lengths, None,
-            position_bias.per_head_arrays(term, B, Hq))
+            position_bias.per_head_arrays(term, B, Hq), ())
 
 
 # ----------------------------------------------------------------------------------
