@@ -451,22 +451,23 @@ def _pool(shape, dtype, fmt, scale):
     return quant.empty(shape, fmt, scale=scale)
 
 
-def _layered_pool(shape, dtype, fmt, scale):
-    """:func:`_pool` of a layered cache: a per-tensor format has one scale per
-    layer, (num_layers,), each checked like a per-tensor scale."""
+def _layered_pool(shape, dtype, fmt, scale, owner="LayeredPagedKVCache"):
+    """:func:`_pool` of a layered cache (``owner`` names it in errors): a
+    per-tensor format has one scale per layer, (num_layers,), each checked like
+    a per-tensor scale."""
     if fmt is None or fmt.per_token:
         return _pool(shape, dtype, fmt, scale)
     L = shape[0]
     if scale is None:
-        raise ValueError(f"LayeredPagedKVCache.create: {fmt} needs its scales (k_scale, "
+        raise ValueError(f"{owner}.create: {fmt} needs its scales (k_scale, "
                          f"v_scale: a number or one per layer, shape ({L},))")
     scale = jnp.asarray(scale, jnp.float32)
     if scale.shape not in ((), (L,)):
-        raise ValueError(f"LayeredPagedKVCache.create: a per-tensor scale must be a number "
+        raise ValueError(f"{owner}.create: a per-tensor scale must be a number "
                          f"or one per layer, shape ({L},); got shape {scale.shape}")
     scales = jnp.broadcast_to(scale, (L,))
     for i in range(L):
-        quant.check("LayeredPagedKVCache.create", f"scale of layer {i}",
+        quant.check(f"{owner}.create", f"scale of layer {i}",
                     quant.QuantizedArray(jnp.zeros((1,), fmt.storage_dtype), scales[i], fmt))
     one = quant.empty(shape[1:], fmt, scale=1.0)
     return quant.QuantizedArray(jnp.zeros(shape[:-1] + one.data.shape[-1:], one.data.dtype),
@@ -934,24 +935,8 @@ jax.tree_util.register_dataclass(LayeredPagedKVCache,
 
 def _contiguous_pool(shape, dtype, fmt, scale):
     """A zero (num_layers, B, S, Hkv, D) pool: float, or quantized with one
-    per-tensor scale per layer (num_layers,)."""
-    if fmt is None or fmt.per_token:
-        return _pool(shape, dtype, fmt, scale)
-    L = shape[0]
-    if scale is None:
-        raise ValueError(f"LayeredKVCache.create: {fmt} needs its scales (k_scale, v_scale: a "
-                         f"number or one per layer, shape ({L},))")
-    scale = jnp.asarray(scale, jnp.float32)
-    if scale.shape not in ((), (L,)):
-        raise ValueError(f"LayeredKVCache.create: a per-tensor scale must be a number or one "
-                         f"per layer, shape ({L},); got shape {scale.shape}")
-    scales = jnp.broadcast_to(scale, (L,))
-    for i in range(L):
-        quant.check("LayeredKVCache.create", f"scale of layer {i}",
-                    quant.QuantizedArray(jnp.zeros((1,), fmt.storage_dtype), scales[i], fmt))
-    one = quant.empty(shape[1:], fmt, scale=1.0)
-    return quant.QuantizedArray(jnp.zeros(shape[:-1] + one.data.shape[-1:], one.data.dtype),
-                                scales, fmt)
+    per-tensor scale per layer (num_layers,), as :func:`_layered_pool`."""
+    return _layered_pool(shape, dtype, fmt, scale, owner="LayeredKVCache")
 
 
 def _is_concrete(*xs):
