@@ -325,9 +325,11 @@ def _ragged_metadata(cache, seq_ids, checked, return_positions):
     return meta, jnp.where(seq < S, pos, -1).astype(I32)
 
 
-def _check_accepted(cache, num_drafts, accepted, checked):
+def _check_accepted(cache, num_drafts, accepted, checked, parents=None):
     """Shapes at trace time; concrete values at trace time; traced ones with
-    ``checked`` (checkify)."""
+    ``checked`` (checkify). With ``parents`` (max_seqs, max_drafts) the path must
+    follow them: each accepted node's parent is the node before it, the first
+    one's parent the root (-1)."""
     fn = f"{type(cache).__name__}.accept_drafts"
     S = cache.max_seqs
     for name, x, nd, what in (("num_drafts", num_drafts, 1, "(max_seqs,)"),
@@ -357,6 +359,42 @@ def _check_accepted(cache, num_drafts, accepted, checked):
         flat = jnp.argmax(bad.reshape(-1))
         s, i = flat // a.shape[1], flat % a.shape[1]
         checkify.check(~bad.any(), msg.replace("{{s}}", "{s}"), s=s, n=n[s], i=i, x=a[s, i])
+    if parents is not None:
+        _check_follows_parents(fn, S, accepted, parents, checked)
+
+
+def _check_follows_parents(fn, S, accepted, parents, checked):
+    if not hasattr(parents, "dtype") or not jnp.issubdtype(parents.dtype, jnp.integer):
+        raise TypeError(f"{fn}: parents must be an integer array (max_seqs, max_drafts); got "
+                        f"{getattr(parents, 'dtype', type(parents).__name__)}")
+    if parents.ndim != 2 or parents.shape[0] != S:
+        raise ValueError(f"{fn}: parents must have shape (max_seqs, max_drafts) with "
+                         f"max_seqs={S}; got {_shape(parents)}")
+    msg = (f"{fn}: accepted[{{s}}] must follow parents[{{s}}]: entry {{i}} is node {{x}}, "
+           "whose parent is {p}, but the node before it is {q} (-1: the root)")
+    if not isinstance(accepted, jax.core.Tracer) and not isinstance(parents, jax.core.Tracer):
+        a, par = np.asarray(accepted), np.asarray(parents)
+        for s in range(S):
+            prev = -1
+            for i, x in enumerate(int(v) for v in a[s]):
+                if x < 0:
+                    break
+                p = int(par[s, x]) if x < par.shape[1] else None
+                if p != prev:
+                    raise ValueError(msg.format(s=s, i=i, x=x, p=p, q=prev))
+                prev = x
+    elif checked:
+        a, par = accepted.astype(I32), parents.astype(I32)
+        prev = jnp.concatenate([jnp.full((S, 1), -1, I32), a[:, :-1]], axis=1)
+        live = a >= 0
+        p = jnp.take_along_axis(par, jnp.clip(a, 0, par.shape[1] - 1), axis=1)
+        p = jnp.where(a < par.shape[1], p, -2)
+        bad = live & (p != prev)
+        flat = jnp.argmax(bad.reshape(-1))
+        s, i = flat // a.shape[1], flat % a.shape[1]
+        checkify.check(~bad.any(), msg.replace("{{s}}", "{s}").replace("{{i}}", "{i}")
+                       .replace("{{x}}", "{x}"),
+                       s=s, i=i, x=a[s, i], p=p[s, i], q=prev[s, i])
 
 
 def _bad_path(row, n):
@@ -616,7 +654,8 @@ class PagedKVCache(_Paged):
         its length becomes 0. An out-of-range id changes nothing."""
         return _release(self, seq_id)
 
-    def accept_drafts(self, num_drafts, accepted, *, checked: bool = False) -> "PagedKVCache":
+    def accept_drafts(self, num_drafts, accepted, *, parents=None,
+                      checked: bool = False) -> "PagedKVCache":
         """Commits the accepted draft tokens of a speculative step and rolls the rest back.
 
         After a verification step the last ``num_drafts[s]`` tokens of slot
@@ -633,9 +672,13 @@ class PagedKVCache(_Paged):
         Args:
           num_drafts: (max_seqs,) int, draft tokens of each slot in the step.
           accepted: (max_seqs, max_accepted) int, each slot's accepted path.
+          parents: optional (max_seqs, max_drafts) int, the draft tree's parent
+            indices (-1: the root), as given to the verification step; with it
+            the path must follow the tree (each accepted node's parent is the
+            node before it, the first one's the root).
           checked: report a traced ``accepted`` that is not an increasing path
-            in ``[0, num_drafts)`` with ``checkify`` (concrete values are
-            checked at trace time, always).
+            in ``[0, num_drafts)`` (or does not follow ``parents``) with
+            ``checkify`` (concrete values are checked at trace time, always).
 
         >>> c = PagedKVCache.create(4, 2, 1, 1, max_seqs=1, max_pages_per_seq=4)
         >>> k = jnp.arange(7.).reshape(7, 1, 1)            # 2 context tokens, then 5 drafts
@@ -644,7 +687,7 @@ class PagedKVCache(_Paged):
         >>> c.lengths.tolist(), int(c.num_free), c.k_pages[0, c.page_table[0, :3], :, 0].tolist()
         ([5], 1, [[0.0, 1.0], [2.0, 4.0], [6.0, 5.0]])
         """
-        _check_accepted(self, num_drafts, accepted, checked)
+        _check_accepted(self, num_drafts, accepted, checked, parents)
         book, src, dst = _accept_book(self, num_drafts, accepted)
         return book.replace(k_pages=_move(self.k_pages, src, dst),
                             v_pages=_move(self.v_pages, src, dst))
@@ -887,7 +930,7 @@ class LayeredPagedKVCache(_Paged):
         """
         return _release(self, seq_id)
 
-    def accept_drafts(self, num_drafts, accepted, *,
+    def accept_drafts(self, num_drafts, accepted, *, parents=None,
                       checked: bool = False) -> "LayeredPagedKVCache":
         """Commits the accepted draft tokens of a speculative step in every layer and
         rolls the rest back: as :meth:`PagedKVCache.accept_drafts`, with the
@@ -900,7 +943,7 @@ class LayeredPagedKVCache(_Paged):
         >>> c.lengths.tolist(), c.k_pages[:, 0, :, :, 0][:, c.page_table[0, :2]].tolist()
         ([3], [[[0.0, 2.0], [4.0, 3.0]], [[5.0, 7.0], [9.0, 8.0]]])
         """
-        _check_accepted(self, num_drafts, accepted, checked)
+        _check_accepted(self, num_drafts, accepted, checked, parents)
         book, src, dst = _accept_book(self, num_drafts, accepted)
         move = jax.vmap(_move, in_axes=(0, None, None))
         return book.replace(k_pages=move(self.k_pages, src, dst),

@@ -148,3 +148,26 @@ def test_bad_paths_are_refused():
     assert err.get() is None
     with pytest.raises(ValueError, match=r"accepted must have shape \(max_seqs, max_accepted\)"):
         cache.accept_drafts(n, jnp.array([0, 1]))
+
+
+@pytest.mark.parametrize("cache_cls", [PagedKVCache, LayeredPagedKVCache])
+def test_paths_that_leave_the_tree_are_refused(cache_cls):
+    cache, _ = _setup(cache_cls, layers=2 if cache_cls is LayeredPagedKVCache else None)
+    n = jnp.array([7, 0, 0])
+    # slot 0's tree: 0 <- 1 <- 3, 0 <- 2 <- 4, root <- 5 <- 6
+    par = np.array([[-1, 0, 0, 1, 2, -1, 5]] + [[-1] * 7] * 2)
+    good = np.array([[0, 2, 4, -1]] + [[-1] * 4] * 2)
+    f = jax.jit(checkify.checkify(
+        lambda c, a, p: c.accept_drafts(n, a, parents=p, checked=True)))
+    assert f(cache, jnp.asarray(good), jnp.asarray(par))[0].get() is None
+    cache.accept_drafts(n, good, parents=par)
+    for bad, entry in (([[0, 3, -1, -1]], "entry 1 is node 3, whose parent is 1"),
+                       ([[2, 4, -1, -1]], "entry 0 is node 2, whose parent is 0"),
+                       ([[0, 1, 6, -1]], "entry 2 is node 6, whose parent is 5")):
+        acc = np.array(bad + [[-1] * 4] * 2)
+        with pytest.raises(ValueError, match="must follow parents\\[0\\]: " + entry):
+            cache.accept_drafts(n, acc, parents=par)
+        err = f(cache, jnp.asarray(acc), jnp.asarray(par))[0]
+        assert err.get() is not None and entry in err.get()
+    with pytest.raises(ValueError, match=r"parents must have shape \(max_seqs, max_drafts\)"):
+        cache.accept_drafts(n, good, parents=par[0])
