@@ -62,6 +62,13 @@ def test_local_global_scan_equals_its_unrolled_twin(capsys):
     assert "equals its unrolled twin" in capsys.readouterr().out
 
 
+def test_local_global_serve_equals_the_model_without_a_cache(capsys):
+    worst = load("local_global_serve").main([])
+    assert set(worst) == {"prefill", "tree", "after_accept"}
+    assert max(worst.values()) < 1e-4, worst
+    assert "every step equals the model without a cache" in capsys.readouterr().out
+
+
 def test_serve_latent_equals_the_unabsorbed_model_without_a_cache(capsys):
     worst = load("serve_latent").main(["--requests", "3", "--max-new", "4"])
     assert worst["float32"] < 1e-3 and worst["int8"] < 0.1

@@ -309,10 +309,18 @@ def test_paged_refusals():
         paged_out_and_dq(AttentionSpec(mask=window(jnp.int32(4)), impl="pallas"), q, kp, vp)
     with pytest.raises(ValueError, match="must be a scalar here"):
         ragged(AttentionSpec(mask=window(jnp.array([1, 2]))), q, kp, vp)
-    with pytest.raises(NotImplementedError, match="tree verification"):
-        fnattn.paged_attention(AttentionSpec(mask=window(jnp.int32(4))), q, kp, vp,
-                               page_table=TABLE, kv_lengths=PLEN,
-                               draft_parents=jnp.array([[-1, 0, 1]] * B, jnp.int32))
+
+
+def test_paged_trees_take_traced_sizes():
+    """A draft tree with a traced window equals the static window (the XLA lowering)."""
+    q, kp, vp = pools()
+    parents = jnp.array([[-1, 0, 0], [-1, 0, 1]], jnp.int32)
+    tree = jax.jit(lambda spec: fnattn.paged_attention(
+        spec, q, kp, vp, page_table=TABLE, kv_lengths=PLEN, draft_parents=parents).out)
+    got = tree(AttentionSpec(mask=window(jnp.int32(4)), block_sizes=PBLOCKS))
+    want = tree(AttentionSpec(mask=window(4), block_sizes=PBLOCKS))
+    np.testing.assert_allclose(got, want, atol=2e-6, rtol=2e-6)
+    assert not np.allclose(got, tree(AttentionSpec(mask=window(9), block_sizes=PBLOCKS)))
 
 
 @pytest.mark.parametrize("platform", sorted(KERNELS))

@@ -590,11 +590,6 @@ def run(spec, q, k_pages, v_pages, meta_args, cfg, *, table=None, new_k=None, ne
             f not in (xla.forward, _reference_forward) for _, f in table):
         tree_table("pallas")   # a kernel's table: refused (NotImplementedError)
     sizes = traced_sizes(spec.mask)
-    if sizes and cfg.tree:
-        raise NotImplementedError(
-            "paged attention: speculative tree verification (draft_parents) with window or "
-            "chunk sizes given as arrays is not supported yet; give the sizes as Python ints "
-            "for a tree.")
     if sizes and table is not None and any(
             f not in (xla.forward, _reference_forward) for _, f in table):
         traced_sizes_table("pallas")   # a kernel's table: refused (NotImplementedError)

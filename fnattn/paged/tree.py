@@ -104,11 +104,13 @@ def key_positions(tree: Tree, kpos, new_start, seq_tok, kv_len):
     return jnp.where(new, new_start + tree.depth[t], kpos), new, t
 
 
-def block_ranges(cfg, work, tree: Tree, bq: int, block_k: int):
+def block_ranges(cfg, work, tree: Tree, bq: int, block_k: int, meta=None):
     """``common.key_block_ranges`` for a tree: the mask's ``tile_bounds`` at the
     items' depth-based query positions and at key blocks whose positions reach
     down to ``new_start`` where they hold new tokens; blocks holding new tokens
-    are never wholly visible (the tree hides some of their keys)."""
+    are never wholly visible (the tree hides some of their keys). ``meta``: its
+    traced window or chunk sizes, if any, are the mask's (as for
+    ``common.key_block_ranges``)."""
     n_blocks = common.cdiv(cfg.capacity, block_k)
     col = lambda x: x[:, None]  # noqa: E731
     rows = work.rows
@@ -127,14 +129,14 @@ def block_ranges(cfg, work, tree: Tree, bq: int, block_k: int):
     k_first = j * block_k
     holds_new = (k_first + block_k > col(work.new_start))
     k_lo = jnp.where(holds_new, jnp.minimum(k_first, col(work.new_start)), k_first)
-    mask = cfg.mask()
+    mask, stats = common.mask_and_operands(cfg, meta, stats=True)
     if mask is not None:
         tb = masks.TileBounds(b=col(work.seq), h=jnp.zeros((1, 1), I32), q_lo=col(work.row0),
                               q_hi=col(work.row0 + jnp.maximum(rows - 1, 0)),
                               pos_lo=col(work.new_start + d_lo),
                               pos_hi=col(work.new_start + d_hi),
                               k_lo=k_lo, k_hi=k_first + block_k - 1)
-        visible, every = mask.tile_bounds(tb, [])
+        visible, every = mask.tile_bounds(tb, stats)
         may = may & jnp.broadcast_to(visible, may.shape)
         whole = whole & jnp.broadcast_to(every, whole.shape)
     return common.span(may) + common.first_run(whole)

@@ -163,7 +163,7 @@ def _attend(cfg: Cfg, q, k_pages, v_pages, sinks, meta: Meta, sanitize: bool):
     tree = treemod.build(cfg, meta) if cfg.tree else None
     if tree is not None and cfg.mask() is not None:
         work = work._replace(**dict(zip(("k_lo", "k_hi", "f_lo", "f_hi"),
-                                        treemod.block_ranges(cfg, work, tree, bq, C))))
+                                        treemod.block_ranges(cfg, work, tree, bq, C, meta))))
 
     if cfg.uniform_q is not None:
         qw = q.reshape(W, bq, Hq, D)

@@ -272,6 +272,83 @@ def test_windowed_chunks_outside_every_drafts_window_are_skipped():
     assert skipped > 0
 
 
+@pytest.mark.parametrize("update", [False, True])
+def test_traced_window_sizes_with_a_tree_equal_the_static_sizes(update):
+    """A tree with window and chunk sizes given as arrays (one per layer inside a
+    ``lax.scan``, masks.NO_WINDOW for a global layer) equals the static-int form
+    and the float64 ancestor mask, in the update form too."""
+    rng = np.random.default_rng(11)
+    seqs = [(17, 6), (9, 1), (12, 4)]
+    p = make(seqs, Hq=4, Hkv=2, D=8, page_size=4, pad_tokens=1, max_seqs=4, seed=12)
+    trees = [random_parents(rng, n) for _, n in seqs]
+    par = packed(p, trees)
+    lefts = [3, masks.NO_WINDOW, 6]
+    statics = [masks.causal() & masks.sliding_window(left=3), masks.causal(),
+               masks.causal() & masks.sliding_window(left=6)]
+    base = AttentionSpec(return_lse=True, block_sizes=SMALL)
+    pools = (p.k_old, p.v_old) if update else (p.k_pages, p.v_pages)
+
+    def one(left, kp, vp):
+        spec = base.replace(mask=masks.causal() & masks.sliding_window(left=left))
+        if update:
+            res, _, _ = fnattn.ragged_paged_attention_with_update(
+                spec, p.q, p.k_new, p.v_new, kp, vp, **meta(p), draft_parents=par)
+            return res
+        return fnattn.ragged_paged_attention(spec, p.q, kp, vp, **meta(p), draft_parents=par)
+
+    @jax.jit
+    def scanned(lefts):
+        return jax.lax.scan(lambda c, left: (c, one(left, *pools)), 0, lefts)[1]
+
+    got = scanned(jnp.asarray(lefts, jnp.int32))
+    for i, mask in enumerate(statics):
+        spec = base.replace(mask=mask)
+        if update:
+            want = jax.jit(lambda kp, vp: fnattn.ragged_paged_attention_with_update(
+                spec, p.q, p.k_new, p.v_new, kp, vp, **meta(p), draft_parents=par)[0])(*pools)
+        else:
+            want = run_ragged(spec, p, par)
+        np.testing.assert_allclose(got.out[i], want.out, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(got.lse[i], want.lse, rtol=1e-5, atol=1e-6)
+        assert_close(got.out[i], got.lse[i], *np_expected(spec, p, trees), 2e-5)
+
+
+def test_traced_window_sizes_skip_the_same_blocks_under_a_tree():
+    """The block ranges of a tree with a traced window equal those of the static
+    window (the tiles the window leaves empty are still skipped)."""
+    rng = np.random.default_rng(5)
+    seqs = [(40, 8), (30, 6)]
+    trees = [random_parents(rng, n) for _, n in seqs]
+    p = make(seqs, Hq=2, Hkv=1, D=8, page_size=4, seed=4)
+
+    def ranges_for(spec, sizes):
+        cfg = api._make_cfg(spec, num_q_heads=2, num_kv_heads=1, head_dim=8, v_head_dim=8,
+                            num_pages=p.k_pages.shape[1], page_size=4,
+                            pages_per_seq=p.page_table.shape[1], max_seqs=2,
+                            total_tokens=14, uniform_q=None, update=False, tree=True)
+        m = common.sanitize(cfg, p.page_table, p.context_lengths, p.query_start_loc,
+                            p.num_seqs)
+        m = m._replace(parents=packed(p, trees))
+        if sizes is not None:
+            m = m._replace(sizes=sizes)
+        work = common.work_list(cfg, m, 2, 4)
+        return treemod.block_ranges(cfg, work, treemod.build(cfg, m), 2, 4, m)
+
+    static = jax.jit(lambda: ranges_for(
+        AttentionSpec(mask=masks.causal() & masks.sliding_window(left=5)), None))()
+
+    @jax.jit
+    def traced(left):
+        spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(left=left))
+        return ranges_for(spec, tuple(jnp.asarray(x, jnp.int32)
+                                      for x in jax.tree_util.tree_leaves(spec.mask)))
+
+    got = traced(jnp.int32(5))
+    for a, b in zip(got, static):
+        np.testing.assert_array_equal(a, b)
+    assert int(jnp.sum(got[0])) > 0          # context blocks left of every window skipped
+
+
 BAD = [([-1, 1, 0, -1, 0], "draft_parents\\[1\\] = 1 is not a parent of token 1 \\(new token 1 of "
         "sequence 0"),
        ([-1, 0, -2, -1, 0], "draft_parents\\[2\\] = -2"),
