@@ -105,12 +105,15 @@ def rms(x):
     return x * jax.lax.rsqrt((x * x).mean(-1, keepdims=True) + 1e-6)
 
 
-def rope(x, base):
+def rope(x, base, pos=None):
     """Rotary position embedding of ``x`` (B, T, H, D) with the base ``base``
-    (a Python float or a traced scalar)."""
-    T, D = x.shape[1], x.shape[-1]
+    (a Python float or a traced scalar), at positions ``0..T-1``; or of packed
+    tokens ``x`` (N, H, D) at positions ``pos`` (N,)."""
+    D = x.shape[-1]
+    if pos is None:
+        pos = jnp.arange(x.shape[1])
     freq = base ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)
-    angle = jnp.arange(T, dtype=jnp.float32)[:, None] * freq             # (T, D/2)
+    angle = pos.astype(jnp.float32)[:, None] * freq                      # (T, D/2)
     cos, sin = jnp.cos(angle)[:, None], jnp.sin(angle)[:, None]
     a, b = x[..., 0::2], x[..., 1::2]
     return jnp.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(x.shape)

@@ -50,16 +50,6 @@ import fnattn  # noqa: E402
 from fnattn import AttentionSpec, masks  # noqa: E402
 
 
-def rope_at(x, pos, base):
-    """``lg.rope`` at explicit positions: ``x`` (N, H, D) packed tokens, ``pos`` (N,)."""
-    D = x.shape[-1]
-    freq = base ** (-jnp.arange(0, D, 2, dtype=jnp.float32) / D)
-    angle = pos.astype(jnp.float32)[:, None] * freq                      # (N, D/2)
-    cos, sin = jnp.cos(angle)[:, None], jnp.sin(angle)[:, None]
-    a, b = x[..., 0::2], x[..., 1::2]
-    return jnp.stack([a * cos - b * sin, a * sin + b * cos], -1).reshape(x.shape)
-
-
 def serve_step(params, data, cache, tokens, seq_ids, parents, *, q_heads, kv_heads):
     """One serving step over packed tokens (``seq_ids`` names each token's slot):
     allocate once, then every layer in one ``lax.scan`` writes its k/v and attends.
@@ -76,8 +66,8 @@ def serve_step(params, data, cache, tokens, seq_ids, parents, *, q_heads, kv_hea
         spec = AttentionSpec(mask=masks.causal() & masks.sliding_window(left=left),
                              sinks=jnp.where(has_sinks, p["sinks"], -jnp.inf))
         h = lg.rms(x)
-        q = rope_at((h @ p["wq"]).reshape(N, q_heads, -1), pos, base)
-        k = rope_at((h @ p["wk"]).reshape(N, kv_heads, -1), pos, base)
+        q = lg.rope((h @ p["wq"]).reshape(N, q_heads, -1), base, pos)
+        k = lg.rope((h @ p["wk"]).reshape(N, kv_heads, -1), base, pos)
         v = (h @ p["wv"]).reshape(N, kv_heads, -1)
         res, kp, vp = fnattn.ragged_paged_attention_with_update(
             spec, q, k, v, kp, vp, **meta, draft_parents=parents)
@@ -114,9 +104,7 @@ def main(argv=None):
     step = jax.jit(lambda c, t, i, par: serve_step(params, data, c, t, i, par, **heads))
     reference = jax.jit(lambda t: lg.forward_scanned(params, t[None], data, **heads)[0])
 
-    def rel(a, b):
-        return float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-
+    rel = lg.max_rel
     worst = {}
 
     # 1. Ragged prefill: two prompts of different lengths in one call.
@@ -147,8 +135,7 @@ def main(argv=None):
     accepted = np.array([[0, 2, 4], [0, -1, -1]], np.int32)
     slot_parents = np.array([tree, [-1] * len(tree)], np.int32)
     cache = jax.jit(lambda c: c.accept_drafts(jnp.array([len(tree), 1]), jnp.asarray(accepted),
-                                              parents=jnp.asarray(slot_parents),
-                                              checked=False))(cache)
+                                              parents=jnp.asarray(slot_parents)))(cache)
     seqs = [np.concatenate([prompts[0], drafts[[0, 2, 4]]]), np.append(prompts[1], drafts[-1])]
     assert cache.lengths.tolist() == [len(s) for s in seqs], cache.lengths
     nxt = rng.integers(0, lg.VOCAB, 2).astype(np.int32)
